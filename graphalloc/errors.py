@@ -1,0 +1,144 @@
+"""One exception hierarchy for graphalloc, and the device fault codes.
+
+Two kinds of failure exist:
+
+* A host contract violated by the caller (an unaligned segment, an unknown
+  request, too little capacity, ...). It raises a subclass of
+  :class:`ContractError` *before* any host or device structure changes.
+* A fact only the device can see (an unmapped SWA peer, a sink page popped
+  from a free list, ...). The kernels record it in the device error word; the
+  next :meth:`HybridAllocator.check` raises :class:`DeviceFaultError` naming
+  the row, request, page and rule.
+
+Every message states the rule, the values and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "GraphallocError",
+    "ContractError",
+    "ConfigError",
+    "UnknownRequestError",
+    "CapacityError",
+    "AlignmentError",
+    "OverlapError",
+    "PositionError",
+    "FrontierError",
+    "NestedGroupError",
+    "TensorSpecError",
+    "BatchTooLargeError",
+    "PendingStepError",
+    "RingOverflowError",
+    "StateError",
+    "IntegrityError",
+    "DeviceFaultError",
+    "FaultCode",
+    "FAULT_NAMES",
+]
+
+
+class GraphallocError(Exception):
+    """Base class of every error graphalloc raises."""
+
+
+class ContractError(GraphallocError, ValueError):
+    """A host-side contract was violated. Nothing was changed."""
+
+
+class ConfigError(ContractError):
+    """The allocator configuration is inconsistent."""
+
+
+class UnknownRequestError(ContractError):
+    """A request row is out of range, free, already released, or pending release."""
+
+
+class CapacityError(ContractError):
+    """An allocation cannot be met whole; nothing was allocated."""
+
+
+class AlignmentError(ContractError):
+    """A segment or frontier is not on a page boundary."""
+
+
+class OverlapError(ContractError):
+    """Two segments of one step share a full page, or one request appears twice."""
+
+
+class PositionError(ContractError):
+    """A position lies outside ``[0, max_context_len)`` or beyond what was allocated."""
+
+
+class FrontierError(ContractError):
+    """A sliding-window frontier would move backwards (use ``trim`` for that)."""
+
+
+class NestedGroupError(ContractError):
+    """``free_group()`` blocks cannot be nested."""
+
+
+class TensorSpecError(ContractError, TypeError):
+    """A caller tensor has the wrong dtype, device or shape."""
+
+
+class BatchTooLargeError(ContractError):
+    """A step needs more descriptor rows, pages or tokens than the frozen capacity."""
+
+
+class PendingStepError(ContractError):
+    """A planned step was not executed before the next one was planned."""
+
+
+class RingOverflowError(ContractError):
+    """SWA ring mode: an allocation would reuse a ring page whose owner is still mapped."""
+
+
+class StateError(ContractError):
+    """A state dict or load-back was refused; the allocator keeps its previous state."""
+
+
+class IntegrityError(GraphallocError, AssertionError):
+    """An integrity check found a broken invariant (leak, double owner, bad mapping)."""
+
+
+class FaultCode:
+    """Bits of the device error word. Each is set by a kernel, never by a device assert."""
+
+    UNMAPPED_PEER = 1  # a freed full page had no live SWA peer (mapping 0)
+    SINK_POP = 2  # an allocation popped the sink marker (page 0) from a free list
+    NOT_PAGE_DENSE = 4  # validate mode: a page's slots do not map into one SWA page
+    OUT_OF_RANGE = 8  # validate mode: a representative or popped page is out of range
+    DUPLICATE_FREE = 16  # validate mode: one SWA page freed twice in one step
+
+
+FAULT_NAMES = {
+    FaultCode.UNMAPPED_PEER: "unmapped SWA peer (full_to_swa == 0 for a freed page)",
+    FaultCode.SINK_POP: "sink marker popped from a free list (a page was lost earlier)",
+    FaultCode.NOT_PAGE_DENSE: "mapping not page-dense",
+    FaultCode.OUT_OF_RANGE: "page or representative out of range",
+    FaultCode.DUPLICATE_FREE: "SWA page freed twice in one step",
+}
+
+
+class DeviceFaultError(GraphallocError, RuntimeError):
+    """The device recorded a fault; raised by ``check()``.
+
+    Attributes mirror the first-error record: ``codes`` (all bits seen),
+    ``count`` (faulting lanes), and the first fault's ``code``, ``stage``
+    (``"release"`` or ``"alloc"``), descriptor ``row``, request ``req`` and
+    ``page``. After a fault the allocator refuses further steps until
+    ``reset_faults()`` is called (or the allocator is rebuilt).
+    """
+
+    def __init__(self, codes: int, count: int, code: int, stage: str, row: int, req: int,
+                 page: int):
+        names = [name for bit, name in FAULT_NAMES.items() if codes & bit]
+        super().__init__(
+            f"device fault: {FAULT_NAMES.get(code, f'code {code}')} at {stage} row {row}, "
+            f"request {req}, page {page}; {count} faulting lane(s) in all, kinds: "
+            f"{'; '.join(names)}. The allocator refuses further steps until reset_faults(); "
+            "run audit() to see the damage."
+        )
+        self.codes, self.count, self.code = codes, count, code
+        self.stage, self.row, self.req, self.page = stage, row, req, page

@@ -1,0 +1,18 @@
+"""Device code of graphalloc (installed as ``graphalloc.kernels``).
+
+Each kernel sits beside its launcher and its Torch reference twin, which
+shares the launcher's signature:
+
+* ``release`` -- the step's lookup-and-clear core node (release/evict rows)
+* ``allocate`` -- the step's decode/extend allocation
+* ``get_and_clear`` -- the single-call ``get_and_clear_swa_pages`` op
+* ``error_word`` -- the device error word both write faults to
+
+Most users want :class:`graphalloc.HybridAllocator`, not these.
+"""
+
+from .allocate import allocate_tokens_torch
+from .error_word import new_error_word
+from .release import release_pages_torch
+
+__all__ = ["allocate_tokens_torch", "release_pages_torch", "new_error_word"]
