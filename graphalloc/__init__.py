@@ -13,5 +13,9 @@ from .allocator import AllocResult, HybridAllocator, PlannedStep
 from .config import AllocatorConfig
 from .errors import *  # noqa: F403
 from .errors import __all__ as _errors_all
+from .graph import StepGraph, capture_graph, describe_graph
 
-__all__ = ["HybridAllocator", "AllocatorConfig", "AllocResult", "PlannedStep", *_errors_all]
+__all__ = [
+    "HybridAllocator", "AllocatorConfig", "AllocResult", "PlannedStep", "StepGraph",
+    "capture_graph", "describe_graph", *_errors_all,
+]

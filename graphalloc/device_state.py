@@ -15,7 +15,7 @@ swa_free_buf      [num_swa_pages + 1]                          SWA free ring (+ 
 ring_pages_buf    [max_reqs + 1, max(1, swa_ring_pages)]       ring mode: a request's SWA pages
 out_full_buf      [max_step_tokens + 1]                        this step's new full slots
 out_swa_buf       [max_step_tokens + 1]                        this step's new SWA slots
-err_buf           [8] int64                                    device error word (kernels.error_word)
+err_buf           [8] int64                                    device error word
 ================  ===========================================  ======================
 """
 
