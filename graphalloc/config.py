@@ -73,13 +73,15 @@ class AllocatorConfig:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if self.index_dtype not in (torch.int32, torch.int64):
-            raise ConfigError(f"index_dtype must be torch.int32 or torch.int64, got {self.index_dtype}")
+            raise ConfigError(
+                f"index_dtype must be torch.int32 or torch.int64, got {self.index_dtype}")
         if self.backend not in ("torch", "triton"):
             raise ConfigError(f"backend must be 'torch' or 'triton', got {self.backend!r}")
         fix("device", torch.device(self.device))
         max_slot = (max(self.num_full_pages, self.num_swa_pages) + 1) * self.page_size
         if self.index_dtype == torch.int32 and max_slot >= 2**31:
-            raise ConfigError(f"{max_slot} slots do not fit int32 indices; use index_dtype=torch.int64")
+            raise ConfigError(
+                f"{max_slot} slots do not fit int32 indices; use index_dtype=torch.int64")
         if self.swa_ring_pages < 0:
             raise ConfigError(f"swa_ring_pages must be >= 0, got {self.swa_ring_pages}")
         if self.swa_ring_pages:
