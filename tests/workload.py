@@ -1,0 +1,71 @@
+"""A random continuous-batching workload applied identically to several allocators.
+
+Used by the graph-vs-eager, soak and backend-equality tests: every allocator
+gets the same operation; a contract error must be raised by all of them or by
+none (the host ledgers are identical, so they decide identically).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphalloc import ContractError, HybridAllocator
+
+
+def apply_all(allocs: list[HybridAllocator], fn) -> object:
+    """Run ``fn(alloc)`` on each allocator; contract errors must agree."""
+    results, errors = [], []
+    for alloc in allocs:
+        try:
+            results.append(fn(alloc))
+            errors.append(None)
+        except ContractError as exc:
+            results.append(None)
+            errors.append(type(exc))
+    if len(set(errors)) != 1:
+        raise AssertionError(f"allocators disagree on a contract error: {errors}")
+    return results[0]
+
+
+def random_step(allocs: list[HybridAllocator], rng: np.random.Generator) -> str:
+    """One random operation (or combined step) on every allocator; returns its name."""
+    a0 = allocs[0]
+    cfg, led = a0.config, a0.ledger
+    live = np.flatnonzero(led.live)
+    ps = cfg.page_size
+    roll = rng.random()
+    if roll < 0.15 or len(live) == 0:
+        row = apply_all(allocs, lambda a: a.admit())
+        if row is not None:
+            room = cfg.max_context_len - 1
+            n = int(min(room, rng.zipf(1.6) * rng.integers(1, 3 * ps + 2)))
+            apply_all(allocs, lambda a: a.alloc_extend([row], [n]))
+        return "admit+extend"
+    if roll < 0.25:
+        rows = rng.choice(live, size=int(rng.integers(1, len(live) + 1)), replace=False)
+        lens = rng.integers(0, 2 * ps + 2, size=len(rows))
+        apply_all(allocs, lambda a: a.alloc_extend(rows, lens))
+        return "extend"
+    if roll < 0.35:
+        n_rel = int(rng.integers(1, len(live) + 1))
+        rel = rng.choice(live, size=n_rel, replace=False)
+        with_evict = bool(rng.random() < 0.5)
+
+        def group(a):
+            with a.free_group():
+                if with_evict:
+                    a.evict_window()
+                a.release(rel)
+        apply_all(allocs, group)
+        return "free_group"
+    if roll < 0.42:
+        r = int(rng.choice(live))
+        target = (led.frontier[r] + ps * int(rng.integers(0, 3)))
+        apply_all(allocs, lambda a: a.advance_frontier([r], [target]))
+        return "advance_frontier"
+    # a scheduler step: release some finished, evict all, decode the rest
+    finished = live[rng.random(len(live)) < 0.1]
+    decode = np.setdiff1d(live, finished)
+    decode = decode[led.seq_len[decode] < cfg.max_context_len]
+    apply_all(allocs, lambda a: a.step(release=finished, evict=True, decode=decode))
+    return "step"
