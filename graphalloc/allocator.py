@@ -382,6 +382,31 @@ class HybridAllocator:
         from .integrity import snapshot
         return snapshot(self)
 
+    def audit(self) -> list:
+        """Every discrepancy between device tables and host ledger (leaked pages, pages
+        owned twice, stale mappings, ...) as :class:`~graphalloc.integrity.Finding`s; an
+        empty list when healthy. Reads the device: for tests and periodic health checks."""
+        from .integrity import audit
+        return audit(self)
+
+    def state_dict(self) -> dict:
+        """Host ledger + device tables on the CPU (PyTorch convention; reads the device)."""
+        from .checkpoint import state_dict
+        return state_dict(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Validate ``sd`` (audit of the incoming state) and copy it in place; refuses with
+        :class:`~graphalloc.errors.StateError`, keeping the current state, when it fails."""
+        from .checkpoint import load_state_dict
+        load_state_dict(self, sd)
+
+    def load_back(self, row: int, new_frontier_pos: int) -> torch.Tensor:
+        """Re-pair the full pages of ``[new_frontier_pos, frontier)`` with fresh SWA pages
+        after their KV came back from host memory; returns the SWA slots to fill. See
+        :func:`graphalloc.checkpoint.load_back`."""
+        from .checkpoint import load_back
+        return load_back(self, row, new_frontier_pos)
+
     def check_integrity(self) -> None:
         """Raise :class:`~graphalloc.errors.IntegrityError` on any broken invariant (reads the
         device; see ``graphalloc.integrity``)."""
