@@ -274,19 +274,25 @@ class HybridAllocator:
                 self._run_step(lambda b: [self._apply_intent(b, *it) for it in intents])
 
     # ---- one scheduler step ------------------------------------------------------------
-    def step(self, *, release=(), evict=None, decode=(), extend=None) -> AllocResult:
+    def step(self, *, release=(), evict=None, advance=None, decode=(),
+             extend=None) -> AllocResult:
         """One scheduler step as one launch (or one graph replay).
 
         In this order: ``release`` (rows of finished requests), ``evict``
         (``True`` for every live request, or rows: window-rule frontier
-        advance), then allocation: ``decode`` (rows, one token each) and
+        advance), ``advance`` (``(rows, new_frontier_pos)``: explicit page-aligned
+        frontier moves, the engine's own SWA segment frees), then allocation: ``decode`` (rows, one token each) and
         ``extend`` (``(rows, n_tokens)``). Pages freed by the step may be
         allocated by it.
         """
         self._check_not_in_group_alloc(release, evict)
-        return self.run(self.plan(release=release, evict=evict, decode=decode, extend=extend))
+        if self._group is not None and advance is not None:
+            raise NestedGroupError("inside free_group() call advance_frontier() (deferred)")
+        return self.run(self.plan(release=release, evict=evict, advance=advance, decode=decode,
+                                  extend=extend))
 
-    def plan(self, *, release=(), evict=None, decode=(), extend=None) -> PlannedStep:
+    def plan(self, *, release=(), evict=None, advance=None, decode=(),
+             extend=None) -> PlannedStep:
         """Host half of :meth:`step`: validate, update the ledger, write the next descriptor
         buffer. Pure host work, never captured, never synchronises (except to wait for a
         descriptor buffer the GPU has not consumed, counted in ``ring.stalls``).
@@ -299,6 +305,8 @@ class HybridAllocator:
                 rows = (np.flatnonzero(b.ledger.live) if evict is True
                         else b.live_rows(evict, "evict"))
                 b.advance_frontier(rows, b.window_frontier(rows))
+            if advance is not None:
+                b.advance_frontier(b.live_rows(advance[0], "advance"), advance[1])
             if decode is not None and len(np.atleast_1d(decode)):
                 d_rows = b.live_rows(decode, "alloc_decode")
                 first = b.extend(d_rows, np.ones(len(d_rows), dtype=np.int64))

@@ -89,6 +89,9 @@ class DescriptorRing:
                      for _ in range(n_bufs)]
         # numpy views share memory with the (pinned) tensors: the planner writes here.
         self.np_bufs = [b.numpy() for b in self.bufs]
+        # Fixed views the kernels read (made once: slicing a tensor costs microseconds).
+        self._release_views = [b[:n_release_rows] for b in self.bufs]
+        self._alloc_views = [b[n_release_rows:] for b in self.bufs]
         self.events: list[torch.cuda.Event | None] = [None] * n_bufs
         self.used = [(0, 0)] * n_bufs  # rows written last time, per buffer
         self.next_index = 0
@@ -98,10 +101,10 @@ class DescriptorRing:
         return len(self.bufs)
 
     def release_rows(self, index: int) -> torch.Tensor:
-        return self.bufs[index][: self.n_release_rows]
+        return self._release_views[index]
 
     def alloc_rows(self, index: int) -> torch.Tensor:
-        return self.bufs[index][self.n_release_rows:]
+        return self._alloc_views[index]
 
     def acquire(self) -> int:
         """Index of the next buffer, after making sure the GPU is done reading it."""

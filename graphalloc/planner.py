@@ -66,6 +66,13 @@ _EMPTY = np.zeros((0, ROW_WIDTH), dtype=np.int64)
 
 def as_rows(rows, n_reqs: int) -> np.ndarray:
     """Request rows as an int64 array; refuses non-integers and out-of-range values."""
+    if isinstance(rows, np.ndarray) and rows.dtype == np.int64 and rows.ndim == 1:
+        arr = rows  # fast path: already the planner's dtype
+        if len(arr) and (arr.min() < 0 or arr.max() >= n_reqs):
+            bad = arr[(arr < 0) | (arr >= n_reqs)]
+            raise UnknownRequestError(
+                f"request row {int(bad[0])} is outside [0, {n_reqs}) (max_reqs={n_reqs})")
+        return arr
     arr = np.asarray(rows)
     if arr.ndim == 0:
         arr = arr.reshape(1)
@@ -108,10 +115,10 @@ class StepBuilder:
             r = int(arr[dead][0])
             state = "released earlier in this step" if self.released[r] else "not admitted"
             raise UnknownRequestError(f"{what}: request row {r} is {state}; admit() it first")
-        if len(np.unique(arr)) != len(arr):
-            vals, counts = np.unique(arr, return_counts=True)
+        counts = np.bincount(arr, minlength=1)
+        if len(arr) > 1 and counts.max() > 1:
             raise OverlapError(
-                f"{what}: request row {int(vals[counts > 1][0])} appears twice in one call; "
+                f"{what}: request row {int(np.argmax(counts))} appears twice in one call; "
                 "its segments would share pages. Pass each request once")
         return arr
 
@@ -123,17 +130,19 @@ class StepBuilder:
         if len(new_pos) != len(rows):
             raise PositionError(f"{len(rows)} rows but {len(new_pos)} frontier positions")
         old = led.frontier[rows]
-        if (new_pos % ps != 0).any():
+        limit = self.len_at_start[rows] // ps * ps
+        if not ((new_pos % ps != 0) | (new_pos < old) | (new_pos > limit)).any():
+            pass  # all valid (one check on the hot path; the diagnosis below on failure)
+        elif (new_pos % ps != 0).any():
             i = int(np.flatnonzero(new_pos % ps)[0])
             raise AlignmentError(
                 f"request {rows[i]}: frontier {new_pos[i]} is not a multiple of page_size {ps}; "
                 "only whole pages are freed")
-        if (new_pos < old).any():
+        elif (new_pos < old).any():
             i = int(np.flatnonzero(new_pos < old)[0])
             raise FrontierError(
                 f"request {rows[i]}: frontier would move back from {old[i]} to {new_pos[i]}")
-        limit = self.len_at_start[rows] // ps * ps
-        if (new_pos > limit).any():
+        else:
             i = int(np.flatnonzero(new_pos > limit)[0])
             raise PositionError(
                 f"request {rows[i]}: frontier {new_pos[i]} is past the last whole page "
@@ -182,13 +191,16 @@ class StepBuilder:
             return
         rows, start_pos, n_pages = rows[keep], start_pos[keep], n_pages[keep]
         cap = self.config.max_pages_per_row
-        n_chunks = _ceil_div(n_pages, cap)
-        seg = np.repeat(np.arange(len(rows)), n_chunks)
-        chunk = np.arange(len(seg)) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
-        chunk_pages = np.minimum(cap, n_pages[seg] - chunk * cap)
-        out = np.zeros((len(seg), ROW_WIDTH), dtype=np.int64)
-        out[:, REL_REQ] = rows[seg]
-        out[:, REL_START_POS] = start_pos[seg] + chunk * cap * self.config.page_size
+        if n_pages.max() > cap:  # split long segments into rows of at most cap pages
+            n_chunks = _ceil_div(n_pages, cap)
+            seg = np.repeat(np.arange(len(rows)), n_chunks)
+            chunk = np.arange(len(seg)) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
+            rows, n_pages = rows[seg], n_pages[seg] - chunk * cap
+            start_pos = start_pos[seg] + chunk * cap * self.config.page_size
+        chunk_pages = np.minimum(cap, n_pages)
+        out = np.zeros((len(rows), ROW_WIDTH), dtype=np.int64)
+        out[:, REL_REQ] = rows
+        out[:, REL_START_POS] = start_pos
         out[:, REL_N_PAGES] = chunk_pages
         out[:, REL_FLAGS] = flags
         before = np.cumsum(chunk_pages) - chunk_pages
