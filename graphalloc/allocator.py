@@ -54,6 +54,7 @@ from .kernels.error_word import (
 )
 from .ledger import Ledger
 from .planner import StepBuilder, as_rows
+from .sync_points import sync_allowed
 
 __all__ = ["HybridAllocator", "AllocResult", "PlannedStep"]
 
@@ -281,8 +282,8 @@ class HybridAllocator:
         In this order: ``release`` (rows of finished requests), ``evict``
         (``True`` for every live request, or rows: window-rule frontier
         advance), ``advance`` (``(rows, new_frontier_pos)``: explicit page-aligned
-        frontier moves, the engine's own SWA segment frees), then allocation: ``decode`` (rows, one token each) and
-        ``extend`` (``(rows, n_tokens)``). Pages freed by the step may be
+        frontier moves, the engine's own SWA segment frees), then allocation:
+        ``decode`` (rows, one token each) and ``extend`` (``(rows, n_tokens)``). Pages freed by the step may be
         allocated by it.
         """
         self._check_not_in_group_alloc(release, evict)
@@ -354,9 +355,10 @@ class HybridAllocator:
         (after reading sampled tokens) and it costs no extra wait. ``sync=True``
         synchronises the whole device first (for faults from other streams).
         """
-        if sync and self.config.device.type == "cuda":
-            torch.cuda.synchronize(self.config.device)  # sync ok: requested by the caller
-        err = self.state.err_buf.cpu().tolist()  # sync ok: the documented check point
+        with sync_allowed():
+            if sync and self.config.device.type == "cuda":
+                torch.cuda.synchronize(self.config.device)  # sync ok: requested by the caller
+            err = self.state.err_buf.cpu().tolist()  # sync ok: the documented check point
         if err[ERR_CODES]:
             self._faulted = True
             stage = {0: "release", 1: "alloc", 2: "single-call"}.get(err[ERR_STAGE], "?")
@@ -400,20 +402,23 @@ class HybridAllocator:
     def state_dict(self) -> dict:
         """Host ledger + device tables on the CPU (PyTorch convention; reads the device)."""
         from .checkpoint import state_dict
-        return state_dict(self)
+        with sync_allowed():
+            return state_dict(self)
 
     def load_state_dict(self, sd: dict) -> None:
         """Validate ``sd`` (audit of the incoming state) and copy it in place; refuses with
         :class:`~graphalloc.errors.StateError`, keeping the current state, when it fails."""
         from .checkpoint import load_state_dict
-        load_state_dict(self, sd)
+        with sync_allowed():
+            load_state_dict(self, sd)
 
     def load_back(self, row: int, new_frontier_pos: int) -> torch.Tensor:
         """Re-pair the full pages of ``[new_frontier_pos, frontier)`` with fresh SWA pages
         after their KV came back from host memory; returns the SWA slots to fill. See
         :func:`graphalloc.checkpoint.load_back`."""
         from .checkpoint import load_back
-        return load_back(self, row, new_frontier_pos)
+        with sync_allowed():
+            return load_back(self, row, new_frontier_pos)
 
     def check_integrity(self) -> None:
         """Raise :class:`~graphalloc.errors.IntegrityError` on any broken invariant (reads the

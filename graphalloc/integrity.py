@@ -23,6 +23,7 @@ import dataclasses
 import numpy as np
 
 from .errors import IntegrityError
+from .sync_points import sync_allowed
 
 __all__ = ["Finding", "snapshot", "audit", "audit_state", "check_integrity", "ownership"]
 
@@ -45,8 +46,9 @@ class Finding:
 def snapshot(alloc) -> dict:
     """Copies of every host array and device table (numpy)."""
     led = alloc.ledger
-    snap = {name: t.detach().cpu().numpy().copy()  # off the fast path
-            for name, t in alloc.state.tables().items()}
+    with sync_allowed():
+        snap = {name: t.detach().cpu().numpy().copy()  # off the fast path
+                for name, t in alloc.state.tables().items()}
     for name in ("live", "seq_len", "frontier", "protected"):
         snap[f"host_{name}"] = getattr(led, name).copy()
     snap["host_full_ring"] = (led.full.head, led.full.n_free)
