@@ -283,8 +283,8 @@ class HybridAllocator:
         (``True`` for every live request, or rows: window-rule frontier
         advance), ``advance`` (``(rows, new_frontier_pos)``: explicit page-aligned
         frontier moves, the engine's own SWA segment frees), then allocation:
-        ``decode`` (rows, one token each) and ``extend`` (``(rows, n_tokens)``). Pages freed by the step may be
-        allocated by it.
+        ``decode`` (rows, one token each) and ``extend`` (``(rows, n_tokens)``).
+        Pages freed by the step may be allocated by it.
         """
         self._check_not_in_group_alloc(release, evict)
         if self._group is not None and advance is not None:
