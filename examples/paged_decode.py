@@ -1,0 +1,310 @@
+"""A continuous-batching decode loop whose every step is ONE captured CUDA graph.
+
+The graph of a step, captured once per descriptor buffer ``i`` of the allocator
+(``len(alloc.ring)`` graphs, sharing one memory pool)::
+
+    alloc.launch(i)                        releases, window evictions, decode allocation
+    lane_buf <- lane_host[i]               this step's per-lane inputs (pinned, 6 x B int64)
+    full/swa slot of lane b = alloc out_*_buf[lane OUT[b]]   (sink 0 for padded lanes)
+    logits = model(tokens_buf, ...)        writes the new K/V, reads K/V through the tables
+    tokens_buf <- argmax(logits)           the next step's input, never read by the host
+    history_buf[SERIAL, GEN] <- tokens     (and logits_buf): read once, after the loop
+
+Per step the host, from host-side lengths only: ``p = alloc.plan(release=...,
+evict=True, decode=rows)``, fills ``lane_host[p.buffer_index]``, replays graph
+``p.buffer_index`` and calls ``alloc.mark_submitted(p)``. The event the allocator
+records there also guards ``lane_host[i]``: ``plan()`` hands out buffer ``i``
+again only after the replay that read it has finished.
+
+Batch lanes and allocator output lanes. The model runs a fixed batch of
+``max_batch`` lanes. A request keeps its lane from admission to finish; a free
+lane is padded (VALID 0, writes go to the sink slot 0, the history to a scratch
+row). ``plan(decode=rows)`` numbers its output lanes in the order of ``rows``,
+which the host passes in increasing batch-lane order, so the k-th occupied
+lane's new slots are ``out_full_buf[k]`` / ``out_swa_buf[k]``: the host writes k
+into ``OUT[b]``. When requests finish and others are admitted the ranks shift,
+and ``OUT`` follows; nothing on the device moves.
+
+Admission (a new request's prefill) runs eagerly between replays: one allocator
+step for the prompts (``alloc.step(extend=...)``), then one forward per prompt,
+whose argmax is written into ``tokens_buf[lane]`` on the device. Requests stop
+at a fixed output length (known on the host); stopping on EOS would need a read
+of the sampled tokens each step.
+
+On a CPU (or with ``graph=False``) the same step body runs eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+from hybrid_model import PagedKV, TinyHybridLM
+
+import graphalloc as ga
+
+__all__ = ["Request", "DecodeLoop", "LoopResult"]
+
+# rows of the per-step lane input table [N_LANE_FIELDS, max_batch]
+ROW, POS, VALID, OUT, SERIAL, GEN = range(6)
+N_LANE_FIELDS = 6
+
+
+@dataclasses.dataclass
+class Request:
+    serial: int
+    prompt: np.ndarray  # int64 token ids
+    n_out: int  # tokens to generate (the first one comes from the prefill)
+
+
+@dataclasses.dataclass
+class LoopResult:
+    tokens: dict[int, list[int]]  # serial -> generated tokens
+    logits: dict[int, np.ndarray] | None  # serial -> [n_out, vocab]
+    steps: list[dict]  # per decode step, host-side numbers
+    wall_s: float
+    host_step_s: list[float]  # plan + fill + replay + mark_submitted, per decode step
+    prefill_s: float
+    ring_stalls: int
+    graph_nodes: dict | None = None
+
+
+class DecodeLoop:
+    """Runs ``requests`` through ``model`` with KV paged by ``alloc``.
+
+    Args:
+        model: the decoder (its caches are sized from ``alloc.config``).
+        alloc: a fresh :class:`graphalloc.HybridAllocator` (no live requests).
+        max_batch: decode lanes of the fixed-shape step.
+        n_serials: requests over the whole run (rows of the history buffers).
+        max_out: most tokens one request generates.
+        graph: capture each step into a CUDA graph (needs a CUDA allocator).
+        alloc_in_graph: with ``graph``, put the allocator's step inside the model's
+            graph (the point of graphalloc); ``False`` launches it eagerly before each
+            replay of a model-only graph (the way engines do it today).
+        keep_logits: also record every step's logits (for comparison).
+    """
+
+    def __init__(self, model: TinyHybridLM, alloc: ga.HybridAllocator, *, max_batch: int,
+                 n_serials: int, max_out: int, graph: bool = False, alloc_in_graph: bool = True,
+                 keep_logits: bool = True):
+        acfg, mcfg = alloc.config, model.cfg
+        if alloc.ledger.live.any():
+            raise ValueError("DecodeLoop needs a fresh allocator (no live requests)")
+        if graph and acfg.device.type != "cuda":
+            raise ValueError("graph=True needs an allocator on a CUDA device")
+        if max_batch > acfg.max_alloc_rows or max_batch > acfg.max_step_tokens:
+            raise ValueError(f"max_batch {max_batch} exceeds the allocator's frozen "
+                             f"max_alloc_rows {acfg.max_alloc_rows} / max_step_tokens "
+                             f"{acfg.max_step_tokens}")
+        self.model, self.alloc, self.max_batch = model, alloc, max_batch
+        self.graph, self.alloc_in_graph = graph, alloc_in_graph
+        dev = acfg.device
+        self.device = dev
+        self.kv = PagedKV(mcfg, acfg.num_full_slots, (acfg.num_swa_pages + 1) * acfg.page_size,
+                          dev)
+        self.n_serials = n_serials
+        # static_* buffers: allocated once, updated in place (captured addresses)
+        self.tokens_buf = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.lane_buf = torch.zeros(N_LANE_FIELDS, max_batch, dtype=torch.int64, device=dev)
+        pin = dev.type == "cuda"
+        self.lane_host = [torch.zeros(N_LANE_FIELDS, max_batch, dtype=torch.int64, pin_memory=pin)
+                          for _ in range(len(alloc.ring))]
+        self.lane_np = [t.numpy() for t in self.lane_host]
+        self.history_buf = torch.zeros(n_serials + 1, max_out, dtype=torch.int64, device=dev)
+        self.logits_buf = (torch.zeros(n_serials + 1, max_out, mcfg.vocab_size, device=dev)
+                           if keep_logits else None)
+        self.arange_ctx = torch.arange(acfg.max_context_len, device=dev)
+        self.graphs: list = []
+        self._pending_lanes: np.ndarray | None = None
+
+    # ---- the step body (captured) -------------------------------------------------------
+    def _body(self, i: int) -> None:
+        if self.alloc_in_graph:
+            self.alloc.launch(i)
+        self._model_step(i)
+
+    def _model_step(self, i: int) -> None:
+        alloc, model = self.alloc, self.model
+        self.lane_buf.copy_(self.lane_host[i], non_blocking=True)
+        rows, pos, valid, out = (self.lane_buf[f] for f in (ROW, POS, VALID, OUT))
+        serial, gen = self.lane_buf[SERIAL], self.lane_buf[GEN]
+        ok = valid != 0
+        full_slot = torch.where(ok, alloc.state.out_full_buf[out].long(), 0)
+        swa_slot = torch.where(ok, alloc.state.out_swa_buf[out].long(), 0)
+        r2t = alloc.req_to_token[rows].long()
+        keys = model.key_table(r2t, alloc.full_to_swa.long(), pos[:, None],
+                               alloc.config.max_context_len, swa_window_keys=True)
+        logits = model.forward(self.tokens_buf[:, None], pos[:, None], keys, full_slot[:, None],
+                               swa_slot[:, None], self.kv)[:, 0]
+        nxt = torch.argmax(logits, dim=-1)
+        self.tokens_buf.copy_(nxt)
+        self.history_buf[serial, gen] = nxt
+        if self.logits_buf is not None:
+            self.logits_buf[serial, gen] = logits
+
+    def capture(self) -> None:
+        """Warm up and capture one graph per descriptor buffer. Call before any request."""
+        alloc = self.alloc
+        torch.cuda.synchronize()  # sync ok: one-time set-up
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2 * len(alloc.ring)):  # empty steps: every row padded
+                p = alloc.plan()
+                self._fill_lanes(p.buffer_index, [], [])
+                self._body(p.buffer_index)
+                alloc.mark_submitted(p)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()  # sync ok: one-time set-up
+        pool = None
+        for i in range(len(alloc.ring)):
+            g = ga.capture_graph(lambda i=i: self._body(i), pool=pool)
+            pool = g.pool()
+            self.graphs.append(g)
+        torch.cuda.synchronize()  # sync ok: one-time set-up
+
+    def describe(self) -> dict | None:
+        try:
+            return ga.describe_graph(self.graphs[0]) if self.graphs else None
+        except Exception as exc:  # informative only (needs cuda-python)
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    # ---- host side ----------------------------------------------------------------------
+    def _fill_lanes(self, i: int, lanes: list[int], reqs: list) -> None:
+        """Lane inputs of one step into pinned buffer ``i`` (host memory only)."""
+        t = self.lane_np[i]
+        t[:] = 0
+        t[SERIAL] = self.n_serials  # padded lanes record into the scratch row
+        for k, (b, st) in enumerate(zip(lanes, reqs, strict=True)):
+            t[ROW, b], t[POS, b], t[VALID, b] = st["row"], st["len"], 1
+            t[OUT, b], t[SERIAL, b], t[GEN, b] = k, st["serial"], st["n_gen"]
+
+    def _admit(self, new: list[tuple[int, Request]], state: dict) -> None:
+        """Prefill ``(lane, request)`` pairs eagerly: one allocator step, one forward each."""
+        cap = self.alloc.config.max_step_tokens
+        chunk: list = []
+        for lane, req in new:  # as few allocator steps as the frozen step size allows
+            if chunk and sum(len(r.prompt) for _, r in chunk) + len(req.prompt) > cap:
+                self._prefill(chunk, state)
+                chunk = []
+            chunk.append((lane, req))
+        self._prefill(chunk, state)
+
+    def _prefill(self, new: list[tuple[int, Request]], state: dict) -> None:
+        alloc, model = self.alloc, self.model
+        rows = [alloc.admit() for _ in new]
+        res = alloc.step(extend=(rows, [len(r.prompt) for _, r in new]))
+        for k, ((lane, req), row) in enumerate(zip(new, rows, strict=True)):
+            n = len(req.prompt)
+            full, swa = res.slots_of(k)
+            q_pos = self.arange_ctx[:n][None]
+            keys = model.key_table(alloc.req_to_token[row:row + 1].long(),
+                                   alloc.full_to_swa.long(), q_pos, n, swa_window_keys=False)
+            logits = model.forward(self.prompts_dev[req.serial:req.serial + 1, :n], q_pos, keys,
+                                   full[None].long(), swa[None].long(), self.kv)[0, -1]
+            nxt = torch.argmax(logits)
+            self.tokens_buf[lane] = nxt
+            self.history_buf[req.serial, 0] = nxt
+            if self.logits_buf is not None:
+                self.logits_buf[req.serial, 0] = logits
+            state[lane] = {"row": row, "len": n, "serial": req.serial, "n_gen": 1,
+                           "n_out": req.n_out}
+
+    def _free_pages_ok(self, prompts: list[int], n_active: int) -> bool:
+        ps, st = self.alloc.config.page_size, self.alloc.stats()
+        need = sum(-(-n // ps) + 1 for n in prompts) + n_active
+        return need <= min(st["full_free_pages"], st["swa_free_pages"])
+
+    def run(self, requests: list[Request], *, progress=None, sync_debug: bool = False
+            ) -> LoopResult:
+        """Serve every request to its output length; read tokens back once at the end.
+
+        ``sync_debug``: run the loop under ``torch.cuda.set_sync_debug_mode("error")``,
+        so any host/device synchronisation inside it raises (CUDA only).
+        """
+        max_prompt = max(len(r.prompt) for r in requests)
+        prompts = np.zeros((self.n_serials, max_prompt), dtype=np.int64)
+        for r in requests:
+            prompts[r.serial, :len(r.prompt)] = r.prompt
+        self.prompts_dev = torch.from_numpy(prompts).to(self.device)  # before the loop
+        stalls0 = self.alloc.ring.stalls
+        debug = sync_debug and self.device.type == "cuda"
+        if debug:
+            old_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+        t_start = time.perf_counter()
+        try:
+            steps, host_s, prefill_s = self._loop(list(requests), progress)
+        finally:
+            if debug:
+                torch.cuda.set_sync_debug_mode(old_mode)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # sync ok: after the loop
+        wall = time.perf_counter() - t_start
+        hist = self.history_buf.cpu().numpy()  # the one read of sampled tokens
+        tokens = {r.serial: hist[r.serial, :r.n_out].tolist() for r in requests}
+        logits = None
+        if self.logits_buf is not None:
+            lg = self.logits_buf.cpu().numpy()
+            logits = {r.serial: lg[r.serial, :r.n_out] for r in requests}
+        return LoopResult(tokens, logits, steps, wall, host_s, prefill_s,
+                          self.alloc.ring.stalls - stalls0, self.describe())
+
+    def _loop(self, queue: list[Request], progress) -> tuple[list, list, float]:
+        alloc, B, ps = self.alloc, self.max_batch, self.alloc.config.page_size
+        state: dict[int, dict] = {}  # lane -> request state (host)
+        to_release: list[int] = []
+        steps, host_s, prefill_s = [], [], 0.0
+        while queue or state or to_release:
+            # 1. lanes of finished requests free up; their rows are released in this step
+            for lane in [b for b, st in state.items() if st["n_gen"] >= st["n_out"]]:
+                to_release.append(state.pop(lane)["row"])
+            # 2. admit into free lanes while rows and pages allow (eager prefill)
+            free_lanes = [b for b in range(B) if b not in state]
+            n_rows_free = alloc.config.max_reqs - int(alloc.ledger.live.sum())
+            n_new = min(len(free_lanes), len(queue), n_rows_free)
+            while n_new and not self._free_pages_ok([len(r.prompt) for r in queue[:n_new]],
+                                                     len(state)):
+                n_new -= 1
+            if n_new:
+                t0 = time.perf_counter()
+                self._admit(list(zip(free_lanes[:n_new], queue[:n_new], strict=True)), state)
+                del queue[:n_new]
+                prefill_s += time.perf_counter() - t0
+            # 3. one decode step: releases + evictions + decode allocation + forward + argmax
+            lanes = sorted(b for b, st in state.items() if st["n_gen"] < st["n_out"])
+            reqs = [state[b] for b in lanes]
+            rows = [st["row"] for st in reqs]
+            frontier_before = alloc.ledger.frontier.copy()
+            t0 = time.perf_counter()
+            p = alloc.plan(release=to_release, evict=True, decode=rows)
+            self._fill_lanes(p.buffer_index, lanes, reqs)
+            if self.graphs:
+                if not self.alloc_in_graph:
+                    alloc.launch(p.buffer_index)  # eager allocator step, then the model graph
+                self.graphs[p.buffer_index].replay()
+            else:
+                self._body(p.buffer_index)
+            alloc.mark_submitted(p)
+            host_s.append(time.perf_counter() - t0)
+            led = alloc.ledger
+            evicted = np.where(led.live, led.frontier - frontier_before, 0)
+            st_now = alloc.stats()
+            steps.append({
+                "decode": len(rows), "released": len(to_release),
+                "swa_pages_evicted": int(evicted.sum()) // ps,
+                "pages_freed": dict(p.pages_freed), "pages_allocated": dict(p.pages_allocated),
+                "full_used_pages": st_now["full_used_pages"],
+                "swa_used_pages": st_now["swa_used_pages"],
+                "live_requests": st_now["live_requests"],
+            })
+            to_release = []
+            for st in reqs:
+                st["len"] += 1
+                st["n_gen"] += 1
+            if progress is not None:
+                progress.update(1)
+        return steps, host_s, prefill_s
