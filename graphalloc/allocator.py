@@ -309,11 +309,13 @@ class HybridAllocator:
             if advance is not None:
                 b.advance_frontier(b.live_rows(advance[0], "advance"), advance[1])
             if decode is not None and len(np.atleast_1d(decode)):
-                d_rows = b.live_rows(decode, "alloc_decode")
+                d_rows = self._not_group_released(b.live_rows(decode, "alloc_decode"),
+                                                  "alloc_decode")
                 first = b.extend(d_rows, np.ones(len(d_rows), dtype=np.int64))
                 results.append((d_rows, first, np.ones(len(d_rows), dtype=np.int64)))
             if extend is not None:
-                e_rows = b.live_rows(extend[0], "alloc_extend")
+                e_rows = self._not_group_released(b.live_rows(extend[0], "alloc_extend"),
+                                                  "alloc_extend")
                 n = np.asarray(extend[1], dtype=np.int64).reshape(-1)
                 first = b.extend(e_rows, n)
                 results.append((e_rows, first, n))
@@ -479,6 +481,15 @@ class HybridAllocator:
             from .errors import OverlapError
             raise OverlapError(f"{what}: a request row appears twice in one call")
         return arr
+
+    def _not_group_released(self, rows: np.ndarray, what: str) -> np.ndarray:
+        """A request released inside an open free_group() cannot allocate: its release is
+        only deferred, so the ledger still shows it live."""
+        if self._group is not None and self._group_pending[rows].any():
+            r = int(rows[self._group_pending[rows]][0])
+            raise UnknownRequestError(f"{what}: request row {r} was released earlier in this "
+                                      "free_group(); it cannot allocate")
+        return rows
 
     def _check_not_in_group_alloc(self, release, evict) -> None:
         if self._group is None:
