@@ -11,8 +11,17 @@ shares the launcher's signature:
 Most users want :class:`graphalloc.HybridAllocator`, not these.
 """
 
-from .allocate import allocate_tokens_torch
+from .allocate import allocate_tokens, allocate_tokens_torch
 from .error_word import new_error_word
-from .release import release_pages_torch
+from .get_and_clear import get_and_clear_swa_pages, get_and_clear_swa_pages_torch
+from .release import release_pages, release_pages_torch
 
-__all__ = ["allocate_tokens_torch", "release_pages_torch", "new_error_word"]
+__all__ = [
+    "release_pages",
+    "release_pages_torch",
+    "allocate_tokens",
+    "allocate_tokens_torch",
+    "get_and_clear_swa_pages",
+    "get_and_clear_swa_pages_torch",
+    "new_error_word",
+]

@@ -24,12 +24,22 @@ A popped 0 (the sink marker, left by a faulty release) is a SINK_POP fault: the
 token is pointed at the sink page, the mapping is not written, and no page gets
 two owners.
 
+The Triton kernel writes the mapping in a second loop over the row's new
+pages (``[BLOCK_PAGES, BLOCK_PS]`` tiles) instead of per token: the same
+writes, with a tile that does not grow with the token block.
+
+Bytes per token: one index write to req_to_token and two to the outputs, plus
+the gathers of the popped (or continued) page ids; per new page, ps index
+writes of the mapping.
+
 ``allocate_tokens`` (Triton) and ``allocate_tokens_torch`` share one signature.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from graphalloc.descriptor import (
     AL_FLAGS,
@@ -43,12 +53,151 @@ from graphalloc.descriptor import (
     AL_START_POS,
     AL_SWA_POP,
 )
-from graphalloc.errors import FaultCode
+from graphalloc.errors import FaultCode, TensorSpecError
 
-from .error_word import STAGE_ALLOC, record_faults_torch
-from .release import _lanes_of_rows
+from .error_word import ERR_WORDS, STAGE_ALLOC, record_faults, record_faults_torch
+from .release import _lanes_of_rows, block_ps, check_rows, load_row, row_col
 
-__all__ = ["allocate_tokens_torch"]
+__all__ = ["allocate_tokens", "allocate_tokens_torch"]
+
+# Descriptor columns, flags and codes as constexprs (jit code reads only constexpr globals).
+_REQ = tl.constexpr(AL_REQ)
+_START_POS = tl.constexpr(AL_START_POS)
+_N_TOKENS = tl.constexpr(AL_N_TOKENS)
+_FULL_POP = tl.constexpr(AL_FULL_POP)
+_SWA_POP = tl.constexpr(AL_SWA_POP)
+_OUT = tl.constexpr(AL_OUT)
+_FLAGS = tl.constexpr(AL_FLAGS)
+_N_PAGES = tl.constexpr(AL_N_PAGES)
+_F_RING, _F_RING_ADMIT = tl.constexpr(AL_RING), tl.constexpr(AL_RING_ADMIT)
+_SINK_POP = tl.constexpr(FaultCode.SINK_POP)
+_STAGE_ALLOC = tl.constexpr(STAGE_ALLOC)
+
+
+@triton.jit(do_not_specialize=["stride_r2t_row", "stride_ring_row", "n_full_cap", "n_swa_cap",
+                               "n_lanes", "n_ring_cols"])
+def _allocate_kernel(
+    # descriptor (int64 [n_rows, 8], may be pinned host memory)
+    rows_ptr,
+    # device tables and outputs
+    r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, out_full_ptr, out_swa_ptr, err_ptr,
+    # strides
+    stride_r2t_row, stride_ring_row,
+    # sizes
+    page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols,
+    # meta-parameters
+    BLOCK_TOKENS: tl.constexpr, BLOCK_PAGES: tl.constexpr, BLOCK_PS: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    row, cols = load_row(rows_ptr, pid)
+    n_tokens = row_col(row, cols, _N_TOKENS)
+    n_pages = row_col(row, cols, _N_PAGES)
+    if (n_tokens == 0) & (n_pages == 0):  # padded row
+        return
+    r = row_col(row, cols, _REQ)
+    start_pos = row_col(row, cols, _START_POS)
+    full_pop = row_col(row, cols, _FULL_POP)
+    swa_pop = row_col(row, cols, _SWA_POP)
+    first_out = row_col(row, cols, _OUT)
+    flags = row_col(row, cols, _FLAGS)
+    ring = (flags & _F_RING) != 0
+    pool = (flags & _F_RING) == 0
+    r2t_row_ptr = r2t_ptr + r * stride_r2t_row
+    ring_row_ptr = ring_ptr + r * stride_ring_row
+    lanes_t = tl.arange(0, BLOCK_TOKENS)
+
+    # Ring admission: pop the request's ring pages (q < min(n_pages, ring width)).
+    if (flags & _F_RING_ADMIT) != 0:
+        n_admit = tl.minimum(n_pages, n_ring_cols)
+        for start in range(0, n_admit, BLOCK_TOKENS):
+            q = start + lanes_t
+            admit_mask = q < n_admit
+            popped = tl.load(swa_free_ptr + (swa_pop + q) % n_swa_cap, mask=admit_mask,
+                             other=0).to(tl.int64)
+            tl.store(ring_row_ptr + q, popped.to(ring_ptr.dtype.element_ty), mask=admit_mask)
+            record_faults(err_ptr, admit_mask & (popped == 0), lanes_t, _SINK_POP, _STAGE_ALLOC,
+                          pid, r, popped, BLOCK_TOKENS)
+
+    # Token lanes: continue the partial page, then new pages popped in order.
+    first_new = (start_pos + page_size - 1) // page_size  # pages below it exist already
+    for start in range(0, n_tokens, BLOCK_TOKENS):
+        i = start + lanes_t  # int64: token index within the row
+        tok_mask = (i < n_tokens) & (first_out + i < n_lanes)
+        pos = start_pos + i
+        page_no = pos // page_size
+        off = pos - page_no * page_size
+        is_new = tok_mask & (page_no >= first_new)
+        is_old = tok_mask & (page_no < first_new)
+        k = page_no - first_new
+        new_full = tl.load(full_free_ptr + (full_pop + k) % n_full_cap, mask=is_new,
+                           other=0).to(tl.int64)
+        new_swa = tl.load(swa_free_ptr + (swa_pop + k) % n_swa_cap, mask=is_new & pool,
+                          other=0).to(tl.int64)
+        ring_swa = tl.load(ring_row_ptr + page_no % n_ring_cols, mask=tok_mask & ring,
+                           other=0).to(tl.int64)
+        old_full = tl.load(r2t_row_ptr + page_no * page_size, mask=is_old,
+                           other=0).to(tl.int64) // page_size
+        old_swa = tl.load(f2s_ptr + old_full * page_size, mask=is_old & pool,
+                          other=0).to(tl.int64) // page_size
+        full = tl.where(is_new, new_full, old_full)
+        swa = tl.where(ring, ring_swa, tl.where(is_new, new_swa, old_swa))
+        fault = is_new & ((new_full == 0) | (pool & (new_swa == 0)))
+        record_faults(err_ptr, fault, lanes_t, _SINK_POP, _STAGE_ALLOC, pid, r,
+                      tl.where(new_full == 0, new_full, new_swa), BLOCK_TOKENS)
+        full_slot = full * page_size + off
+        tl.store(r2t_row_ptr + pos, full_slot.to(r2t_ptr.dtype.element_ty), mask=tok_mask)
+        tl.store(out_full_ptr + first_out + i, full_slot.to(out_full_ptr.dtype.element_ty),
+                 mask=tok_mask)
+        tl.store(out_swa_ptr + first_out + i,
+                 (swa * page_size + off).to(out_swa_ptr.dtype.element_ty), mask=tok_mask)
+
+    # Page-dense mapping of each new page, whole, where both pops are real pages.
+    n_new = (start_pos + n_tokens + page_size - 1) // page_size - first_new
+    lanes_p = tl.arange(0, BLOCK_PAGES)
+    offs_ps = tl.arange(0, BLOCK_PS)
+    in_page = offs_ps < page_size
+    for start in range(0, n_new, BLOCK_PAGES):
+        k = start + lanes_p
+        page_no = first_new + k
+        page_mask = (k < n_new) & (first_out + page_no * page_size - start_pos < n_lanes)
+        full = tl.load(full_free_ptr + (full_pop + k) % n_full_cap, mask=page_mask,
+                       other=0).to(tl.int64)
+        pool_swa = tl.load(swa_free_ptr + (swa_pop + k) % n_swa_cap, mask=page_mask & pool,
+                           other=0).to(tl.int64)
+        ring_swa = tl.load(ring_row_ptr + page_no % n_ring_cols, mask=page_mask & ring,
+                           other=0).to(tl.int64)
+        swa = tl.where(ring, ring_swa, pool_swa)
+        map_mask = (page_mask & (full > 0) & (swa > 0))[:, None] & in_page[None, :]
+        slots = full[:, None] * page_size + offs_ps[None, :]
+        values = swa[:, None] * page_size + offs_ps[None, :]
+        tl.store(f2s_ptr + slots, values.to(f2s_ptr.dtype.element_ty), mask=map_mask)
+
+
+def allocate_tokens(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages,
+                    out_full_slots, out_swa_slots, err, *, page_size: int, n_full_cap: int,
+                    n_swa_cap: int, n_lanes: int, validate: bool = False) -> None:
+    """Launch the allocation kernel: one program per row of ``rows``. Shares the twin's
+    signature and results (``validate`` is accepted for symmetry). Returns before the
+    device has finished."""
+    check_rows(rows, full_to_swa, "allocation")
+    if err.dtype != torch.int64 or err.numel() < ERR_WORDS:
+        raise TensorSpecError(f"err must be int64 [{ERR_WORDS}], got {err.dtype} "
+                              f"{tuple(err.shape)}")
+    if req_to_token.stride(1) != 1 or ring_pages.stride(1) != 1:
+        raise TensorSpecError("req_to_token and ring_pages need unit column stride")
+    if not (out_full_slots.is_contiguous() and out_swa_slots.is_contiguous()):
+        raise TensorSpecError("the output slot buffers must be contiguous")
+    n_rows = rows.shape[0]
+    if n_rows == 0:
+        return
+    ps_block = block_ps(page_size)
+    _allocate_kernel[(n_rows,)](
+        rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, out_full_slots,
+        out_swa_slots, err,
+        req_to_token.stride(0), ring_pages.stride(0),
+        page_size, n_full_cap, n_swa_cap, n_lanes, ring_pages.shape[1],
+        BLOCK_TOKENS=64, BLOCK_PAGES=max(2, min(32, 2048 // ps_block)), BLOCK_PS=ps_block,
+    )
 
 
 def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages,
@@ -74,8 +223,7 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     ring_pages.index_put_((admit_r.reshape(-1), q.expand_as(admit_r).reshape(-1)),
                           popped.reshape(-1).to(ring_pages.dtype))
     row_ids = torch.arange(rows.shape[0], device=device)[:, None].expand_as(admit_lane)
-    record_faults_torch(err, admit_lane & (popped == 0), FaultCode.SINK_POP, STAGE_ALLOC,
-                        row_ids, rows[:, AL_REQ, None].expand_as(admit_lane), popped)
+    admit_fault = admit_lane & (popped == 0)
 
     # --- token lanes ------------------------------------------------------------------
     row_of, i, valid = _lanes_of_rows(rows[:, AL_N_TOKENS], n_lanes)
@@ -99,8 +247,15 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     full = torch.where(is_new, new_full, old_full)
     swa = torch.where(ring, ring_swa, torch.where(is_new, new_swa_pool, old_swa_pool))
     fault = is_new & ((new_full == 0) | (~ring & (new_swa_pool == 0)))
-    record_faults_torch(err, fault, FaultCode.SINK_POP, STAGE_ALLOC, row_of, r,
-                        torch.where(new_full == 0, new_full, new_swa_pool))
+    # One record for admission and token lanes, claimed in (row, lane) order: a row's
+    # admission lanes come before its token lanes, as in the kernel's program.
+    width = n_ring + n_lanes
+    record_faults_torch(
+        err, torch.cat([admit_fault.reshape(-1), fault]), FaultCode.SINK_POP, STAGE_ALLOC,
+        torch.cat([row_ids.reshape(-1), row_of]),
+        torch.cat([rows[:, AL_REQ, None].expand_as(admit_lane).reshape(-1), r]),
+        torch.cat([popped.reshape(-1), torch.where(new_full == 0, new_full, new_swa_pool)]),
+        order=torch.cat([(row_ids * width + q).reshape(-1), row_of * width + n_ring + i]))
 
     full_slot = full * ps + off
     req_to_token[r, t] = full_slot.to(req_to_token.dtype)

@@ -14,21 +14,37 @@ Layout of ``err`` (int64, 8 entries, on the device)::
 Within one launch the first record is the fault of the lowest (row, lane) in
 the Torch twin and in the interpreter; on a GPU, programs race for the claim,
 so any faulting row may win (the bits and the count are exact either way).
+
+Kernels record through :func:`record_faults` (one block of lanes at a time)::
+
+    n = number of faulting lanes in the block
+    if n > 0:
+        atomic_or(err[ERR_CODES], code); atomic_add(err[ERR_COUNT], n)
+        if atomic_cas(err[ERR_CLAIMED], 0, 1) == 0:     # one claim attempt per block
+            err[ERR_CODE:] = code, row, req, page of the block's lowest faulting lane, stage
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 __all__ = [
     "ERR_CODES", "ERR_COUNT", "ERR_CLAIMED", "ERR_CODE", "ERR_ROW", "ERR_REQ", "ERR_PAGE",
     "ERR_STAGE", "ERR_WORDS", "STAGE_RELEASE", "STAGE_ALLOC", "STAGE_SINGLE",
-    "new_error_word", "record_faults_torch",
+    "new_error_word", "record_faults_torch", "record_faults",
 ]
 
 ERR_CODES, ERR_COUNT, ERR_CLAIMED, ERR_CODE, ERR_ROW, ERR_REQ, ERR_PAGE, ERR_STAGE = range(8)
 ERR_WORDS = 8
 STAGE_RELEASE, STAGE_ALLOC, STAGE_SINGLE = 0, 1, 2
+
+# The same offsets as constexprs: jit functions may only read constexpr globals.
+_CODES, _COUNT = tl.constexpr(ERR_CODES), tl.constexpr(ERR_COUNT)
+_CLAIMED, _CODE = tl.constexpr(ERR_CLAIMED), tl.constexpr(ERR_CODE)
+_ROW, _REQ = tl.constexpr(ERR_ROW), tl.constexpr(ERR_REQ)
+_PAGE, _STAGE = tl.constexpr(ERR_PAGE), tl.constexpr(ERR_STAGE)
 
 
 def new_error_word(device: torch.device | str) -> torch.Tensor:
@@ -36,17 +52,23 @@ def new_error_word(device: torch.device | str) -> torch.Tensor:
 
 
 def record_faults_torch(err: torch.Tensor, fault: torch.Tensor, code: int, stage: int,
-                        row: torch.Tensor, req: torch.Tensor, page: torch.Tensor) -> None:
+                        row: torch.Tensor, req: torch.Tensor, page: torch.Tensor,
+                        order: torch.Tensor | None = None) -> None:
     """Fixed-shape, sync-free fault recording for the Torch twins.
 
     ``fault`` is a bool lane mask; ``row``, ``req``, ``page`` give each lane's
     record fields (same shape). The first faulting lane claims the record if
-    nobody has since the last reset.
+    nobody has since the last reset: the lowest ``order`` (an int64 lane key,
+    distinct per lane) when given, else the first in flat order.
     """
     fault = fault.reshape(-1)
     count = fault.sum(dtype=torch.int64)
     any_fault = count > 0
-    first = torch.argmax(fault.to(torch.int8))  # first True lane (0 when none)
+    if order is None:
+        first = torch.argmax(fault.to(torch.int8))  # first True lane (0 when none)
+    else:
+        big = torch.iinfo(torch.int64).max
+        first = torch.argmin(torch.where(fault, order.reshape(-1), big))
     record = torch.stack([
         torch.ones((), dtype=torch.int64, device=err.device),
         torch.full((), code, dtype=torch.int64, device=err.device),
@@ -59,3 +81,25 @@ def record_faults_torch(err: torch.Tensor, fault: torch.Tensor, code: int, stage
     err[ERR_CLAIMED:] = torch.where(claim, record, err[ERR_CLAIMED:])
     err[ERR_CODES] |= torch.where(any_fault, code, 0)
     err[ERR_COUNT] += count
+
+
+@triton.jit
+def record_faults(err_ptr, fault, lanes, code: tl.constexpr, stage: tl.constexpr, row, req, page,
+                  BLOCK: tl.constexpr):
+    """Record one block's faults: ``fault`` is a bool ``[BLOCK]`` mask over ``lanes``
+    (``tl.arange(0, BLOCK)``); ``page`` gives each lane's page; ``row``, ``req`` are scalars.
+    The block's lowest faulting lane attempts the claim once."""
+    n_fault = tl.sum(fault.to(tl.int64), axis=0)
+    if n_fault > 0:
+        zero = n_fault * 0  # an int64 scalar: the word's type for the atomics below
+        first = tl.min(tl.where(fault, lanes, BLOCK), axis=0)
+        first_page = tl.sum(tl.where(lanes == first, page.to(tl.int64), 0), axis=0)
+        tl.atomic_or(err_ptr + _CODES, zero + code)
+        tl.atomic_add(err_ptr + _COUNT, n_fault)
+        claimed = tl.atomic_cas(err_ptr + _CLAIMED, zero, zero + 1)
+        if claimed == 0:
+            tl.store(err_ptr + _CODE, zero + code)
+            tl.store(err_ptr + _ROW, zero + row)
+            tl.store(err_ptr + _REQ, zero + req)
+            tl.store(err_ptr + _PAGE, first_page)
+            tl.store(err_ptr + _STAGE, zero + stage)

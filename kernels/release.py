@@ -13,8 +13,18 @@ One program per descriptor release row (see ``graphalloc.descriptor``)::
         if CLEAR: full_to_swa[page*ps : page*ps + ps] = 0   # a partial tail page whole
         if FULL:  full_free[(full_push + j) % cap] = page
 
+Lanes past ``n_lanes`` (the row's first lane ``REL_LANE`` + j) are dropped, as
+in the twin. Fault recording: ``kernels.error_word.record_faults``.
+
 Bytes per freed page: one index read of req_to_token, one of full_to_swa, ps
 index writes for the clear, one or two index writes for the pushes.
+
+Compiled variants: every size, stride and capacity is a ``do_not_specialize``
+runtime int, and the descriptor's address never changes, so a new page count,
+start position or number of padded rows never compiles a new variant.
+``page_size`` stays specialisable (it is fixed per allocator and lets ps = 1 or
+a multiple of 16 compile to simpler, aligned code); only ``BLOCK_PS`` is a
+constexpr.
 
 ``release_pages`` (Triton) and ``release_pages_torch`` (the reference twin)
 share one signature and produce identical state.
@@ -23,24 +33,171 @@ share one signature and produce identical state.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from graphalloc.descriptor import (
     REL_CLEAR,
     REL_FLAGS,
     REL_FULL,
     REL_FULL_PUSH,
+    REL_LANE,
     REL_N_PAGES,
     REL_REQ,
     REL_RING_RETURN,
     REL_START_POS,
     REL_SWA,
     REL_SWA_PUSH,
+    ROW_WIDTH,
 )
-from graphalloc.errors import FaultCode
+from graphalloc.errors import FaultCode, TensorSpecError
 
-from .error_word import STAGE_RELEASE, record_faults_torch
+from .error_word import ERR_WORDS, STAGE_RELEASE, record_faults, record_faults_torch
 
-__all__ = ["release_pages_torch"]
+__all__ = ["release_pages", "release_pages_torch"]
+
+# Descriptor columns, flags and codes as constexprs (jit code reads only constexpr globals).
+_ROW_WIDTH = tl.constexpr(ROW_WIDTH)
+_REQ = tl.constexpr(REL_REQ)
+_START_POS = tl.constexpr(REL_START_POS)
+_N_PAGES = tl.constexpr(REL_N_PAGES)
+_FLAGS = tl.constexpr(REL_FLAGS)
+_SWA_PUSH = tl.constexpr(REL_SWA_PUSH)
+_FULL_PUSH = tl.constexpr(REL_FULL_PUSH)
+_LANE = tl.constexpr(REL_LANE)
+_F_SWA, _F_FULL = tl.constexpr(REL_SWA), tl.constexpr(REL_FULL)
+_F_CLEAR, _F_RING_RETURN = tl.constexpr(REL_CLEAR), tl.constexpr(REL_RING_RETURN)
+_UNMAPPED_PEER = tl.constexpr(FaultCode.UNMAPPED_PEER)
+_STAGE_RELEASE = tl.constexpr(STAGE_RELEASE)
+
+
+@triton.jit
+def load_row(rows_ptr, pid):
+    """One program's descriptor row: a single 64-byte vector load (int64 ``[ROW_WIDTH]``)."""
+    cols = tl.arange(0, _ROW_WIDTH)
+    return tl.load(rows_ptr + pid * _ROW_WIDTH + cols).to(tl.int64), cols
+
+
+@triton.jit
+def row_col(row, cols, col: tl.constexpr):
+    """Column ``col`` of a loaded row, as an int64 scalar (no second memory access)."""
+    return tl.sum(tl.where(cols == col, row, 0), axis=0)
+
+
+@triton.jit(do_not_specialize=["stride_r2t_row", "stride_ring_row", "n_full_cap", "n_swa_cap",
+                               "n_lanes", "n_ring_cols"])
+def _release_kernel(
+    # descriptor (int64 [n_rows, 8], may be pinned host memory)
+    rows_ptr,
+    # device tables
+    r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr,
+    # strides
+    stride_r2t_row, stride_ring_row,
+    # sizes
+    page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols,
+    # meta-parameters
+    BLOCK_PAGES: tl.constexpr, BLOCK_PS: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    row, cols = load_row(rows_ptr, pid)
+    n_pages = row_col(row, cols, _N_PAGES)
+    if n_pages == 0:  # padded row
+        return
+    r = row_col(row, cols, _REQ)
+    start_pos = row_col(row, cols, _START_POS)
+    flags = row_col(row, cols, _FLAGS)
+    swa_push = row_col(row, cols, _SWA_PUSH)
+    full_push = row_col(row, cols, _FULL_PUSH)
+    first_lane = row_col(row, cols, _LANE)
+    ring_return = (flags & _F_RING_RETURN) != 0
+    reads = (flags & _F_RING_RETURN) == 0
+    do_swa = reads & ((flags & _F_SWA) != 0)
+    do_clear = reads & ((flags & _F_CLEAR) != 0)
+    do_full = reads & ((flags & _F_FULL) != 0)
+
+    lanes = tl.arange(0, BLOCK_PAGES)
+    offs_ps = tl.arange(0, BLOCK_PS)
+    in_page = offs_ps < page_size
+    r2t_row_ptr = r2t_ptr + r * stride_r2t_row
+    ring_row_ptr = ring_ptr + r * stride_ring_row
+    for start in range(0, n_pages, BLOCK_PAGES):
+        j = start + lanes  # int64: page index within the row
+        page_mask = (j < n_pages) & (first_lane + j < n_lanes)
+        swa_pos = (swa_push + j) % n_swa_cap
+
+        # Ring release: hand the request's ring pages back to the SWA ring; nothing else.
+        ring_mask = page_mask & ring_return
+        ring_page = tl.load(ring_row_ptr + tl.minimum(j, n_ring_cols - 1), mask=ring_mask,
+                            other=0)
+        tl.store(swa_free_ptr + swa_pos, ring_page.to(swa_free_ptr.dtype.element_ty),
+                 mask=ring_mask)
+
+        # Gather: representative, full page, SWA peer.
+        read_mask = page_mask & reads
+        rep = tl.load(r2t_row_ptr + start_pos + j * page_size, mask=read_mask,
+                      other=0).to(tl.int64)
+        full_page = rep // page_size
+        swa_mask = page_mask & do_swa
+        peer = tl.load(f2s_ptr + rep, mask=swa_mask, other=0).to(tl.int64)
+        mapped = peer > 0
+        swa_page = tl.where(mapped, peer // page_size, 0)
+        record_faults(err_ptr, swa_mask & (peer <= 0), lanes, _UNMAPPED_PEER, _STAGE_RELEASE,
+                      pid, r, full_page, BLOCK_PAGES)
+
+        # rep is one of the slots cleared below: every gather must land before any clear.
+        tl.debug_barrier()
+
+        clear_mask = (page_mask & do_clear)[:, None] & in_page[None, :]
+        slots = full_page[:, None] * page_size + offs_ps[None, :]
+        tl.store(f2s_ptr + slots, tl.zeros([BLOCK_PAGES, BLOCK_PS], f2s_ptr.dtype.element_ty),
+                 mask=clear_mask)
+        tl.store(swa_free_ptr + swa_pos, swa_page.to(swa_free_ptr.dtype.element_ty),
+                 mask=swa_mask)
+        tl.store(full_free_ptr + (full_push + j) % n_full_cap,
+                 full_page.to(full_free_ptr.dtype.element_ty), mask=page_mask & do_full)
+
+
+def check_rows(rows: torch.Tensor, table: torch.Tensor, what: str) -> None:
+    """Launcher checks on a descriptor table (attribute reads only: no sync)."""
+    if rows.dtype != torch.int64 or rows.dim() != 2 or rows.shape[1] != ROW_WIDTH:
+        raise TensorSpecError(f"{what} rows must be int64 [n, {ROW_WIDTH}], got {rows.dtype} "
+                              f"{tuple(rows.shape)}")
+    if not rows.is_contiguous():
+        raise TensorSpecError(f"{what} rows must be contiguous (one 64-byte load per row)")
+    if rows.device != table.device and not (rows.device.type == "cpu" and rows.is_pinned()):
+        raise TensorSpecError(f"{what} rows are on {rows.device} but the tables on "
+                              f"{table.device}: pass pinned host memory or a device tensor")
+
+
+def block_ps(page_size: int) -> int:
+    """``BLOCK_PS``: the page tile width, the next power of two >= page_size."""
+    return triton.next_power_of_2(page_size)
+
+
+def release_pages(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, err,
+                  *, page_size: int, n_full_cap: int, n_swa_cap: int, n_lanes: int,
+                  validate: bool = False) -> None:
+    """Launch the release kernel: one program per row of ``rows``. Shares the twin's
+    signature and results (``validate`` is accepted for symmetry; the release kernel
+    records its faults either way). Returns before the device has finished."""
+    check_rows(rows, full_to_swa, "release")
+    if err.dtype != torch.int64 or err.numel() < ERR_WORDS:
+        raise TensorSpecError(f"err must be int64 [{ERR_WORDS}], got {err.dtype} "
+                              f"{tuple(err.shape)}")
+    if req_to_token.stride(1) != 1 or ring_pages.stride(1) != 1:
+        raise TensorSpecError("req_to_token and ring_pages need unit column stride")
+    n_rows = rows.shape[0]
+    if n_rows == 0:
+        return
+    ps_block = block_ps(page_size)
+    # A [BLOCK_PAGES, BLOCK_PS] clear tile of at most 2048 slots (power-of-two dims).
+    pages_block = max(2, min(32, 2048 // ps_block))
+    _release_kernel[(n_rows,)](
+        rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, err,
+        req_to_token.stride(0), ring_pages.stride(0),
+        page_size, n_full_cap, n_swa_cap, n_lanes, ring_pages.shape[1],
+        BLOCK_PAGES=pages_block, BLOCK_PS=ps_block,
+    )
 
 
 def _lanes_of_rows(n_per_row: torch.Tensor, n_lanes: int):
