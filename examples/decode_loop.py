@@ -162,7 +162,7 @@ def summarize(result: LoopResult, mcfg: ModelConfig, ps: int) -> dict:
         "swa_pages_evicted": int(evict.sum()),
         "requests_released": int(sum(s["released"] for s in steps)),
         "pages_allocated": {k: int(sum(s["pages_allocated"][k] for s in steps))
-                            for k in ("full", "swa")},
+                            + result.prefill_pages[k] for k in ("full", "swa")},
         "pages_freed": {k: int(sum(s["pages_freed"][k] for s in steps)) for k in ("full", "swa")},
         "peak_full_pages": int(full.max()), "peak_swa_pages": int(swa.max()),
         "kv_bytes_at_peak": {"hybrid": int(hybrid[peak]) * token_bytes,

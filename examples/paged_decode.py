@@ -69,6 +69,8 @@ class LoopResult:
     prefill_s: float
     ring_stalls: int
     graph_nodes: dict | None = None
+    gpu_step_ms: list[float] | None = None  # per decode step, with time_steps on CUDA
+    prefill_pages: dict | None = None  # pages allocated by the prefill steps
 
 
 class DecodeLoop:
@@ -85,11 +87,12 @@ class DecodeLoop:
             graph (the point of graphalloc); ``False`` launches it eagerly before each
             replay of a model-only graph (the way engines do it today).
         keep_logits: also record every step's logits (for comparison).
+        time_steps: record CUDA events around each decode step (GPU time per step).
     """
 
     def __init__(self, model: TinyHybridLM, alloc: ga.HybridAllocator, *, max_batch: int,
                  n_serials: int, max_out: int, graph: bool = False, alloc_in_graph: bool = True,
-                 keep_logits: bool = True):
+                 keep_logits: bool = True, time_steps: bool = False):
         acfg, mcfg = alloc.config, model.cfg
         if alloc.ledger.live.any():
             raise ValueError("DecodeLoop needs a fresh allocator (no live requests)")
@@ -101,6 +104,7 @@ class DecodeLoop:
                              f"{acfg.max_step_tokens}")
         self.model, self.alloc, self.max_batch = model, alloc, max_batch
         self.graph, self.alloc_in_graph = graph, alloc_in_graph
+        self.time_steps = time_steps and acfg.device.type == "cuda"
         dev = acfg.device
         self.device = dev
         self.kv = PagedKV(mcfg, acfg.num_full_slots, (acfg.num_swa_pages + 1) * acfg.page_size,
@@ -196,7 +200,10 @@ class DecodeLoop:
     def _prefill(self, new: list[tuple[int, Request]], state: dict) -> None:
         alloc, model = self.alloc, self.model
         rows = [alloc.admit() for _ in new]
-        res = alloc.step(extend=(rows, [len(r.prompt) for _, r in new]))
+        p = alloc.plan(extend=(rows, [len(r.prompt) for _, r in new]))
+        res = alloc.run(p)
+        for k in self.prefill_pages:
+            self.prefill_pages[k] += p.pages_allocated[k]
         for k, ((lane, req), row) in enumerate(zip(new, rows, strict=True)):
             n = len(req.prompt)
             full, swa = res.slots_of(k)
@@ -231,13 +238,14 @@ class DecodeLoop:
             prompts[r.serial, :len(r.prompt)] = r.prompt
         self.prompts_dev = torch.from_numpy(prompts).to(self.device)  # before the loop
         stalls0 = self.alloc.ring.stalls
+        self.prefill_pages = {"full": 0, "swa": 0}
         debug = sync_debug and self.device.type == "cuda"
         if debug:
             old_mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("error")
         t_start = time.perf_counter()
         try:
-            steps, host_s, prefill_s = self._loop(list(requests), progress)
+            steps, host_s, prefill_s, events = self._loop(list(requests), progress)
         finally:
             if debug:
                 torch.cuda.set_sync_debug_mode(old_mode)
@@ -250,14 +258,16 @@ class DecodeLoop:
         if self.logits_buf is not None:
             lg = self.logits_buf.cpu().numpy()
             logits = {r.serial: lg[r.serial, :r.n_out] for r in requests}
+        gpu_ms = [a.elapsed_time(b) for a, b in events] if events else None
         return LoopResult(tokens, logits, steps, wall, host_s, prefill_s,
-                          self.alloc.ring.stalls - stalls0, self.describe())
+                          self.alloc.ring.stalls - stalls0, self.describe(), gpu_ms,
+                          dict(self.prefill_pages))
 
-    def _loop(self, queue: list[Request], progress) -> tuple[list, list, float]:
+    def _loop(self, queue: list[Request], progress) -> tuple[list, list, float, list]:
         alloc, B, ps = self.alloc, self.max_batch, self.alloc.config.page_size
         state: dict[int, dict] = {}  # lane -> request state (host)
         to_release: list[int] = []
-        steps, host_s, prefill_s = [], [], 0.0
+        steps, host_s, prefill_s, events = [], [], 0.0, []
         while queue or state or to_release:
             # 1. lanes of finished requests free up; their rows are released in this step
             for lane in [b for b, st in state.items() if st["n_gen"] >= st["n_out"]]:
@@ -282,6 +292,9 @@ class DecodeLoop:
             t0 = time.perf_counter()
             p = alloc.plan(release=to_release, evict=True, decode=rows)
             self._fill_lanes(p.buffer_index, lanes, reqs)
+            if self.time_steps:
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
             if self.graphs:
                 if not self.alloc_in_graph:
                     alloc.launch(p.buffer_index)  # eager allocator step, then the model graph
@@ -290,6 +303,9 @@ class DecodeLoop:
                 self._body(p.buffer_index)
             alloc.mark_submitted(p)
             host_s.append(time.perf_counter() - t0)
+            if self.time_steps:
+                ev[1].record()
+                events.append(ev)
             led = alloc.ledger
             evicted = np.where(led.live, led.frontier - frontier_before, 0)
             st_now = alloc.stats()
@@ -307,4 +323,4 @@ class DecodeLoop:
                 st["n_gen"] += 1
             if progress is not None:
                 progress.update(1)
-        return steps, host_s, prefill_s
+        return steps, host_s, prefill_s, events
