@@ -10,11 +10,11 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } > "$out/machine.txt" 2>&1
-PYTHONUNBUFFERED=1 python3 -m pytest -q -rs -s tests -p no:cacheprovider ${PYTEST_ARGS:-} \
+PYTHONUNBUFFERED=1 timeout "${SUITE_TIMEOUT:-400}" python3 -m pytest -q -rs -s tests -p no:cacheprovider ${PYTEST_ARGS:-} \
   > "$out/pytest_cuda.log" 2>&1
 echo "pytest exit $?" >> "$out/pytest_cuda.log"
 for tool in memcheck racecheck; do
-  compute-sanitizer --tool "$tool" --error-exitcode 3 python3 tests/gpu/sanitize_kernels.py 20 \
+  timeout "${SAN_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 3 python3 tests/gpu/sanitize_kernels.py 20 \
     > "$out/sanitizer_$tool.log" 2>&1
   echo "compute-sanitizer $tool exit $?" >> "$out/sanitizer_$tool.log"
 done
