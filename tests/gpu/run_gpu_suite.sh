@@ -10,7 +10,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } > "$out/machine.txt" 2>&1
-PYTHONUNBUFFERED=1 timeout "${SUITE_TIMEOUT:-400}" python3 -m pytest -q -rs -s tests -p no:cacheprovider ${PYTEST_ARGS:-} \
+PYTHONUNBUFFERED=1 timeout "${SUITE_TIMEOUT:-400}" python3 -m pytest -q -rs -s tests -p no:cacheprovider ${PYTEST_ARGS:-} -k "${PYTEST_K:-}" \
   > "$out/pytest_cuda.log" 2>&1
 echo "pytest exit $?" >> "$out/pytest_cuda.log"
 for tool in memcheck racecheck; do
