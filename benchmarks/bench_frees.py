@@ -1,0 +1,524 @@
+"""Graph-replay microbenchmarks: graphalloc against the eager baselines, in one process.
+
+    python benchmarks/bench_frees.py [--quick] [--out benchmarks/results/NAME]
+
+What runs (each a task of the progress bar; every number is a median of
+``--samples`` samples after ``--warmup`` untimed ones, with p20/p80 beside it):
+
+1. ``single``: one SWA segment free, page_size x pages per free, three ways
+   (eager 8-op Torch sequence, fused ``get_and_clear_swa_pages``, a graphalloc
+   step graph holding that one segment): host enqueue time, GPU interval of a
+   graph replay (256 MiB L2 flush before each, outside the interval), launches.
+2. ``steps``: a scheduler step of B segment frees from B requests: host time
+   per step and GPU time for the eager loop, the fused loop, graphalloc's replay.
+3. ``decode``: the same with one decode token for each of the B requests.
+4. ``floor`` (an empty kernel in a graph), ``bandwidth`` (device copy), launch
+   and graph-node counts, ``profile`` (cProfile of graphalloc's planning) and
+   ``traces`` (eight back-to-back one-page frees, baseline and graphalloc).
+
+Writes into ``--out``: ``bench_frees.json``, ``bench_frees.md``, three PNGs and
+two Perfetto traces (seven files). Without CUDA (``--quick`` in CI) the same
+code paths run on the CPU with the Torch reference twins; device times are then
+CPU wall clock and the targets are not judged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import os
+import platform
+import pstats
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+# None of these defines a Triton kernel at import; baselines does (the floor kernel), so it
+# is imported only after main() has settled TRITON_INTERPRET.
+import report  # noqa: E402
+from timing import (  # noqa: E402
+    Sampler,
+    copy_bandwidth_gbs,
+    count_launches,
+    graph_nodes,
+    replayable,
+    summarize,
+)
+from workloads import StepWorkload  # noqa: E402
+
+FULL = dict(single_ps=(1, 16, 64, 128), single_pages=(1, 8, 64, 1024),
+            step_b=(1, 8, 64, 256, 1024), step_ps=(16, 128), step_pages=(1, 8),
+            samples=100, warmup=10, flush_mib=256, copy_mib=1024, token_budget=65536,
+            profile_steps=100, headline_b=256)
+QUICK = dict(single_ps=(1, 16), single_pages=(1, 8), step_b=(1, 8), step_ps=(16,),
+             step_pages=(1, 8), samples=5, warmup=2, flush_mib=8, copy_mib=16, token_budget=256,
+             profile_steps=5, headline_b=8)
+SECTIONS = ("floor", "bandwidth", "single", "steps", "decode", "profile", "traces")
+INDEX_BYTES = 8  # int64 indices throughout
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny sizes and sample counts (CPU CI)")
+    p.add_argument("--out", default=os.path.join(HERE, "results"), help="output directory")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
+                   help="graphalloc backend (auto: triton on CUDA, torch on CPU)")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--samples", type=int, help="timed samples per measurement")
+    p.add_argument("--warmup", type=int, help="untimed samples before them")
+    p.add_argument("--row-pages", type=int, default=16,
+                   help="graphalloc max_pages_per_row (longer segments split into rows)")
+    p.add_argument("--token-budget", type=int, help="graphalloc max_step_tokens")
+    p.add_argument("--time-budget-s", type=float, default=480.0,
+                   help="tasks not started by then are skipped (outputs are still written)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    params = dict(QUICK if args.quick else FULL)
+    for key in ("samples", "warmup", "token_budget"):
+        if getattr(args, key) is not None:
+            params[key] = getattr(args, key)
+    params["row_pages"] = args.row_pages
+    args.params = params
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    return args
+
+
+class Context:
+    """What every task needs: device, sampler, implementations, parameters, results."""
+
+    def __init__(self, args, device, backend, backend_note):
+        from baselines import eager_get_and_clear_swa_pages, load_fused
+
+        self.args, self.params = args, args.params
+        self.device, self.is_cuda = device, device.type == "cuda"
+        self.backend = backend
+        self.sampler = Sampler(device, n_samples=self.params["samples"],
+                               n_warmup=self.params["warmup"], flush_mib=self.params["flush_mib"])
+        fused_backend = "triton" if (self.is_cuda or backend == "triton") else "torch"
+        self.fused, fused_name, fused_reason = load_fused(fused_backend)
+        self.impls = [("eager", eager_get_and_clear_swa_pages)]
+        if self.fused is not None:
+            self.impls.append(("fused", self.fused))
+        self.results = {
+            "command": None, "machine": None, "config": None, "floor": None, "floor_end": None,
+            "copy_bandwidth": None, "single_free": [], "steps": [], "plan_profile": {},
+            "traces": {}, "skipped": [], "errors": [], "notes": [],
+        }
+        if backend_note:
+            self.results["notes"].append(backend_note)
+        if fused_reason:
+            self.skip(f"fused kernel ({fused_backend}): {fused_reason}")
+        else:
+            self.results["notes"].append(f"fused kernel: graphalloc.kernels.get_and_clear."
+                                         f"{fused_name}(validate=False)")
+        if not self.is_cuda:
+            self.skip("GPU-only parts (no CUDA device): CUDA graphs, CUDA events, the L2 flush, "
+                      "CUDA launch counts and graph nodes, targets. Device times are CPU wall "
+                      "clock of eager execution, not GPU intervals")
+
+    def skip(self, what: str) -> None:
+        self.results["skipped"].append(what)
+        print(f"[skip] {what}", file=sys.stderr)
+
+    def n_steps(self, extra: int = 2) -> int:
+        """Steps a workload must hold: host loop + device loop + launch count + spare."""
+        return 2 * (self.params["samples"] + self.params["warmup"]) + extra
+
+    def workload(self, n_reqs, ps, n_pages, decode, n_steps=None):
+        return StepWorkload(n_reqs, ps, n_pages, decode=decode, device=self.device,
+                            backend=self.backend, n_steps=n_steps or self.n_steps(),
+                            token_budget=self.params["token_budget"],
+                            row_pages=self.params["row_pages"])
+
+    def release_memory(self) -> None:
+        gc.collect()
+        if self.is_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+
+# ---- measurements ----------------------------------------------------------------------
+def measure_eager_like(ctx, fn, restore, *, launches=True, nodes=True) -> dict:
+    """Host enqueue time, launches and GPU interval (graph replay) of an eager callable."""
+    s = ctx.sampler
+    rec = {"cpu_us": summarize(s.host_us(fn))}
+    if launches:
+        rec["launches"] = count_launches(fn, ctx.is_cuda)
+    call, graph = replayable(fn, ctx.is_cuda)
+    rec["gpu_us"] = summarize(s.device_us(lambda _: call(), before=restore))
+    if nodes:
+        rec["graph"] = graph_nodes(graph)
+    return rec
+
+
+def measure_graphalloc(ctx, wl, *, launches=True) -> dict:
+    """Host time (plan, replay, both), launches and GPU interval of a workload's steps."""
+    s = ctx.sampler
+    plan_us, run_us = s.host_stages_us([wl.plan, wl.run])
+    rec = {"cpu_us": summarize(np.add(plan_us, run_us)), "plan_us": summarize(plan_us),
+           "run_us": summarize(run_us)}
+    if launches:
+        rec["launches"] = count_launches(wl.step, ctx.is_cuda)
+    rec["gpu_us"] = summarize(s.device_us(wl.run, before=wl.plan))
+    rec["graph"] = graph_nodes(wl.graph)
+    rec["workload"] = wl.verify(deep=not ctx.is_cuda)
+    rec["frozen_shape"] = {k: getattr(wl.config, k) for k in (
+        "max_release_rows", "max_pages_per_row", "max_step_pages", "max_alloc_rows",
+        "max_step_tokens")}
+    return rec
+
+
+def task_floor(ctx, key="floor"):
+    from baselines import empty_launcher
+
+    fn, what = empty_launcher(ctx.device)
+    call, graph = replayable(fn, ctx.is_cuda)
+    s = ctx.sampler
+    ctx.results[key] = {"kernel": what, "gpu_us": summarize(s.device_us(call)),
+                        "cpu_us": summarize(s.host_us(call)), "graph": graph_nodes(graph)}
+
+
+def task_bandwidth(ctx):
+    ctx.results["copy_bandwidth"] = copy_bandwidth_gbs(ctx.sampler,
+                                                       ctx.params["copy_mib"] * 2**20)
+
+
+def clear_bytes(n_pages: int, ps: int) -> int:
+    """Bytes a free of n_pages moves: per page one representative read, one peer read,
+    ps cleared entries, one SWA page write (index-sized each)."""
+    return n_pages * (ps + 3) * INDEX_BYTES
+
+
+def task_single(ctx, ps, n_pages):
+    from baselines import FreeTables
+
+    tables = FreeTables(1, n_pages, ps, ctx.device, seed=ps * 7919 + n_pages)
+    reps, f2s = tables.representatives[0], tables.full_to_swa
+    for name, free in ctx.impls:
+        rec = {"impl": name, "page_size": ps, "pages": n_pages}
+        rec.update(measure_eager_like(ctx, lambda free=free: free(reps, f2s, ps), tables.restore))
+        ctx.results["single_free"].append(rec)
+    tables = reps = f2s = None  # free the baseline tables before the workload's
+    wl = ctx.workload(1, ps, n_pages, decode=False)
+    try:
+        rec = {"impl": "graphalloc", "page_size": ps, "pages": n_pages}
+        rec.update(measure_graphalloc(ctx, wl))
+        ctx.results["single_free"].append(rec)
+    finally:
+        wl.close()
+    for rec in ctx.results["single_free"]:
+        if rec["page_size"] == ps and rec["pages"] == n_pages and rec.get("gpu_us"):
+            n_bytes = clear_bytes(n_pages, ps)
+            rec["clear_bytes"] = n_bytes
+            rec["clear_gb_per_s"] = n_bytes / (rec["gpu_us"]["p50"] * 1e3)
+
+
+def task_step(ctx, n_reqs, ps, n_pages, decode):
+    p = ctx.params
+    count = ps == p["step_ps"][0] and n_pages == p["step_pages"][0]  # launches: per B only
+    base = {"B": n_reqs, "page_size": ps, "pages": n_pages, "decode": decode}
+    _step_baselines(ctx, base, count)  # its tables are freed on return
+    ctx.release_memory()
+    wl = ctx.workload(n_reqs, ps, n_pages, decode)
+    try:
+        rec = {"impl": "graphalloc", **base}
+        rec.update(measure_graphalloc(ctx, wl, launches=count))
+        ctx.results["steps"].append(rec)
+    finally:
+        wl.close()
+
+
+def _step_baselines(ctx, base, count):
+    from baselines import DecodeTables, FreeTables
+
+    n_reqs, ps, n_pages = base["B"], base["page_size"], base["pages"]
+    tables = FreeTables(n_reqs, n_pages, ps, ctx.device, seed=n_reqs * 31 + ps + n_pages)
+    dec = DecodeTables(n_reqs, ps, ctx.device) if base["decode"] else None
+    for name, free in ctx.impls:
+        def step(free=free):
+            tables.free_all(free)
+            if dec is not None:
+                dec.step()
+        rec = {"impl": name, **base}
+        rec.update(measure_eager_like(ctx, step, tables.restore, launches=count, nodes=count))
+        ctx.results["steps"].append(rec)
+
+
+def task_profile(ctx, decode):
+    """cProfile of graphalloc's plan() alone at the headline size (relative cost only:
+    the profiler inflates every call)."""
+    n_reqs, ps, n_pages = ctx.params["headline_b"], ctx.params["step_ps"][0], 8
+    n = ctx.params["profile_steps"]
+    wl = ctx.workload(n_reqs, ps, n_pages, decode, n_steps=n + 5)
+    try:
+        for _ in range(3):
+            wl.step()
+        prof = cProfile.Profile()
+        for _ in range(n):
+            prof.enable()
+            planned = wl.plan()
+            prof.disable()
+            wl.run(planned)
+        wl.verify()
+    finally:
+        wl.close()
+    stats = pstats.Stats(prof).stats
+    rows = []
+    for (path, line, func), (_, ncalls, tottime, cumtime, _) in stats.items():
+        short = os.path.relpath(path, REPO) if path.startswith(REPO) else os.path.basename(path)
+        where = f"{short}:{line}({func})" if line else func
+        rows.append({"function": where, "calls_per_step": ncalls / n,
+                     "tottime_us_per_step": tottime / n * 1e6,
+                     "cumtime_us_per_step": cumtime / n * 1e6})
+    rows.sort(key=lambda r: -r["tottime_us_per_step"])
+    total = sum(r["tottime_us_per_step"] for r in rows)
+    label = f"B={n_reqs} ps={ps} pages={n_pages}" + (" +decode" if decode else "")
+    ctx.results["plan_profile"][("decode" if decode else "frees")] = {
+        "case": label, "steps": n, "profiled_plan_us_per_step": total, "top": rows[:15]}
+
+
+def task_traces(ctx, out_dir):
+    """Perfetto (Chrome JSON) traces of eight back-to-back one-page frees."""
+    from baselines import FreeTables, eager_get_and_clear_swa_pages
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.is_cuda else [])
+    ps = 16
+    tables = FreeTables(8, 1, ps, ctx.device, seed=8)
+    tables.free_all(eager_get_and_clear_swa_pages)  # warm
+    tables.restore()
+    ctx.sampler.sync()
+    with profile(activities=acts) as prof:
+        for i, reps in enumerate(tables.representatives):
+            with record_function(f"eager free {i} (8-op sequence)"):
+                eager_get_and_clear_swa_pages(reps, tables.full_to_swa, ps)
+        ctx.sampler.sync()
+    eager_path = os.path.join(out_dir, "trace_eager_8frees.json")
+    prof.export_chrome_trace(eager_path)
+
+    wl = ctx.workload(1, ps, 1, decode=False, n_steps=12)
+    try:
+        wl.step()  # warm
+        ctx.sampler.sync()
+        with profile(activities=acts) as prof:
+            for i in range(8):
+                with record_function(f"graphalloc step {i}: plan"):
+                    planned = wl.plan()
+                with record_function(f"graphalloc step {i}: replay"):
+                    wl.run(planned)
+            ctx.sampler.sync()
+        wl.verify()
+    finally:
+        wl.close()
+    graph_path = os.path.join(out_dir, "trace_graphalloc_8frees.json")
+    prof.export_chrome_trace(graph_path)
+    ctx.results["traces"] = {"eager": os.path.basename(eager_path),
+                             "graphalloc": os.path.basename(graph_path), "page_size": ps}
+
+
+def build_tasks(ctx, out_dir):
+    """Tasks in order of importance (the headline first), so a run cut short by
+    ``--time-budget-s`` keeps what the targets need."""
+    p, want = ctx.params, ctx.args.sections
+    tasks = []
+    if "floor" in want:
+        tasks.append(("floor: empty kernel in a graph", lambda: task_floor(ctx)))
+    if "bandwidth" in want:
+        tasks.append(("bandwidth: device copy", lambda: task_bandwidth(ctx)))
+    head = p["headline_b"]
+    b_order = [b for b in p["step_b"] if b == head] + [b for b in p["step_b"] if b != head]
+
+    def add_steps(decode):
+        for n_reqs in b_order:
+            for ps in p["step_ps"]:
+                for n_pages in p["step_pages"]:
+                    label = f"step B={n_reqs} ps={ps} pages={n_pages}" + (" +decode" * decode)
+                    tasks.append((label, lambda b=n_reqs, ps=ps, n=n_pages, d=decode:
+                                  task_step(ctx, b, ps, n, d)))
+
+    if "steps" in want:
+        add_steps(False)
+    if "single" in want:
+        cases = [(ps, n) for ps in p["single_ps"] for n in p["single_pages"]]
+        cases.sort(key=lambda c: c != (128, 1024))  # the bandwidth target's case first
+        for ps, n_pages in cases:
+            tasks.append((f"single free ps={ps} pages={n_pages}",
+                          lambda ps=ps, n=n_pages: task_single(ctx, ps, n)))
+    if "decode" in want:
+        add_steps(True)
+    if "profile" in want:
+        tasks.append(("profile: planning (frees)", lambda: task_profile(ctx, False)))
+        tasks.append(("profile: planning (+decode)", lambda: task_profile(ctx, True)))
+    if "traces" in want:
+        tasks.append(("traces: 8 one-page frees", lambda: task_traces(ctx, out_dir)))
+    if "floor" in want:
+        tasks.append(("floor again (drift check)", lambda: task_floor(ctx, "floor_end")))
+    return tasks
+
+
+# ---- run -------------------------------------------------------------------------------
+def pick_device(requested: str) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def pick_backend(requested: str, device: torch.device):
+    """``(backend, note)``; auto: Triton on CUDA when its step kernels import, else torch."""
+    if requested != "auto":
+        return requested, None
+    if device.type != "cuda":
+        return "torch", "graphalloc backend: torch (CPU run; the Torch reference twins)"
+    try:
+        from graphalloc.kernels.allocate import allocate_tokens  # noqa: F401
+        from graphalloc.kernels.release import release_pages  # noqa: F401
+    except Exception as exc:
+        return "torch", (f"graphalloc backend: torch, because the Triton step kernels did not "
+                         f"import ({type(exc).__name__}: {exc})")
+    return "triton", "graphalloc backend: triton"
+
+
+def machine_info(device: torch.device) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "numpy": np.__version__, "platform": platform.platform(), "cpu": _cpu_model(),
+            "cpu_count": os.cpu_count(), "cuda_runtime": getattr(torch.version, "cuda", None)}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except Exception:
+        info["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=torch.cuda.get_device_name(device),
+                    gpu_capability=f"{props.major}.{props.minor}",
+                    gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    gpu_sms=props.multi_processor_count, driver=_driver_version())
+    else:
+        info["gpu"] = None
+    info["graphalloc_commit"] = _git_commit()
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _run_quiet(cmd, cwd=None):
+    try:
+        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else None
+    except Exception:
+        return None
+
+
+def _driver_version():
+    out = _run_quiet(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return out.splitlines()[0] if out else None
+
+
+def _git_commit():
+    commit = _run_quiet(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO)
+    if commit and _run_quiet(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO):
+        commit += "-dirty"
+    return commit
+
+
+def _progress(tasks, enabled: bool):
+    if enabled:
+        try:
+            from tqdm import tqdm
+            return tqdm(tasks, desc="bench_frees", unit="task", file=sys.stderr,
+                        dynamic_ncols=True)
+        except ImportError:
+            print("[skip] tqdm not installed: plain progress lines", file=sys.stderr)
+    return _PlainProgress(tasks)
+
+
+class _PlainProgress:
+    def __init__(self, tasks):
+        self.tasks = tasks
+
+    def __iter__(self):
+        for i, task in enumerate(self.tasks):
+            print(f"[{i + 1}/{len(self.tasks)}] {task[0]}", file=sys.stderr, flush=True)
+            yield task
+
+    def set_postfix_str(self, _):
+        pass
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    device = pick_device(args.device)
+    if device.type != "cuda":
+        if args.backend == "triton":
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is defined
+        torch.set_num_threads(1)  # tiny tensors: intra-op threads only contend
+    backend, note = pick_backend(args.backend, device)
+
+    t_start = time.perf_counter()
+    out_dir = os.path.abspath(args.out)
+    os.makedirs(out_dir, exist_ok=True)
+    ctx = Context(args, device, backend, note)
+    res = ctx.results
+    res["command"] = " ".join(["python", "benchmarks/bench_frees.py", *argv])
+    res["machine"] = machine_info(device)
+    res["config"] = {**args.params, "device": str(device), "backend": backend,
+                     "device_clock": ctx.sampler.clock, "index_dtype": "int64",
+                     "sections": args.sections, "quick": args.quick,
+                     "torch_threads": torch.get_num_threads()}
+    if ctx.is_cuda:  # initialise CUPTI before any graph is captured
+        count_launches(lambda: torch.zeros(1, device=device).add_(1), True)
+
+    tasks = build_tasks(ctx, out_dir)
+    bar = _progress(tasks, not args.no_progress)
+    for label, run in bar:
+        bar.set_postfix_str(label)
+        if time.perf_counter() - t_start > args.time_budget_s:
+            ctx.skip(f"{label}: past --time-budget-s {args.time_budget_s:.0f}")
+            continue
+        try:
+            run()
+        except Exception as exc:
+            tb = traceback.format_exc()
+            res["errors"].append({"task": label, "error": f"{type(exc).__name__}: {exc}",
+                                  "traceback": tb.splitlines()[-12:]})
+            print(f"\n[error] {label}: {type(exc).__name__}: {exc}\n{tb}", file=sys.stderr)
+        finally:
+            ctx.release_memory()
+            res["wall_s"] = time.perf_counter() - t_start
+            report.write_outputs(res, out_dir, plots=False)  # partial results survive a kill
+    res["wall_s"] = time.perf_counter() - t_start
+    written = report.write_outputs(res, out_dir)
+    print(report.summary_text(res))
+    print(f"wrote {len(written)} files to {out_dir}: {', '.join(sorted(written))}")
+    print(f"total {res['wall_s']:.1f} s; {len(res['errors'])} errors")
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
