@@ -69,12 +69,13 @@ def record_faults_torch(err: torch.Tensor, fault: torch.Tensor, code: int, stage
     else:
         big = torch.iinfo(torch.int64).max
         first = torch.argmin(torch.where(fault, order.reshape(-1), big))
+    first = first.reshape(1)  # a 0-dim tensor index would be read on the host (a sync)
     record = torch.stack([
         torch.ones((), dtype=torch.int64, device=err.device),
         torch.full((), code, dtype=torch.int64, device=err.device),
-        row.reshape(-1)[first].to(torch.int64),
-        req.reshape(-1)[first].to(torch.int64),
-        page.reshape(-1)[first].to(torch.int64),
+        row.reshape(-1)[first][0].to(torch.int64),
+        req.reshape(-1)[first][0].to(torch.int64),
+        page.reshape(-1)[first][0].to(torch.int64),
         torch.full((), stage, dtype=torch.int64, device=err.device),
     ])
     claim = (err[ERR_CLAIMED] == 0) & any_fault
