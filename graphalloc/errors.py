@@ -33,6 +33,7 @@ __all__ = [
     "StateError",
     "IntegrityError",
     "DeviceFaultError",
+    "ReplicaDivergenceError",
     "FaultCode",
     "FAULT_NAMES",
 ]
@@ -142,3 +143,33 @@ class DeviceFaultError(GraphallocError, RuntimeError):
         )
         self.codes, self.count, self.code = codes, count, code
         self.stage, self.row, self.req, self.page = stage, row, req, page
+
+
+class ReplicaDivergenceError(GraphallocError, RuntimeError):
+    """Tensor-parallel replicas of one allocator no longer hold the same state.
+
+    Raised on every rank by the periodic consistency check of
+    :class:`graphalloc.replicas.ReplicatedAllocator` (all ranks see the same
+    gathered digests, so all raise together and none is left waiting in a
+    collective). Attributes: ``step`` (the first replica step whose digests
+    differ), ``rank`` (the first global rank that differs from the reference
+    there), ``ranks`` (every differing rank), ``reference_rank`` (the majority
+    value's rank, ties to the planner), ``fields`` (which parts differ:
+    ``ledger``, ``full_to_swa``, ...) and ``last_equal_step`` (the last step
+    known equal on every rank, ``-1`` if none was compared).
+    """
+
+    def __init__(self, step: int, rank: int, ranks: list, reference_rank: int, fields: list,
+                 last_equal_step: int):
+        super().__init__(
+            f"replica divergence: rank {rank} differs from rank {reference_rank} at step "
+            f"{step} in {', '.join(fields)} (differing ranks: {ranks}; all ranks agreed up to "
+            f"step {last_equal_step}). Every rank must apply the same operations in the same "
+            "order: in replicated mode the same inputs to a deterministic scheduler, in "
+            "broadcast mode one follow() per planner step. The caches are no longer "
+            "interchangeable: stop serving, then rebuild the diverged ranks from the planner's "
+            "state_dict()."
+        )
+        self.step, self.rank, self.ranks = step, rank, list(ranks)
+        self.reference_rank, self.fields = reference_rank, list(fields)
+        self.last_equal_step = last_equal_step

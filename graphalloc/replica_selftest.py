@@ -1,0 +1,404 @@
+"""Self-test of :mod:`graphalloc.replicas`: random multi-rank runs, a planning trace, a CLI.
+
+On a machine with N GPUs (NCCL, one process per GPU, graph replay, sync-debug "error")::
+
+    python -m graphalloc.replicas --selftest --world-size 2 --backend nccl --out DIR
+
+``--world-size 1`` is a one-GPU smoke run of the CUDA paths (graphs, NCCL calls,
+sync-debug) without the perturbation scenarios. On a CPU (gloo; what
+``tests/test_replicas.py`` runs)::
+
+    python -m graphalloc.replica_selftest --world-size 2 --backend gloo --out DIR
+
+Each rank writes ``DIR/rank<r>.json``; rank 0's parent then writes ``DIR/summary.json``
+and ``DIR/summary.md`` and exits non-zero if any scenario failed. Scenarios (each a few
+hundred random steps of admit / extend / decode / window eviction / release):
+
+===========================  ================================================================
+``replicated-pool``          every rank plans; digests equal at every check and at the end
+``replicated-ring``          the same in SWA ring mode (ring admits are device steps)
+``broadcast-pool``           rank 0 plans, followers replay the broadcast payload
+``broadcast-ring``           the same in ring mode
+``replicated-input-skew``    the last rank skips one decode: must be named, at that step
+``broadcast-device-skew``    the last rank's mapping is corrupted: must be named, at that step
+===========================  ================================================================
+
+``--plan-trace FILE`` instead runs the workload on one CPU allocator and writes every
+planned descriptor (used rows) and ledger digest to FILE: runs with different
+``PYTHONHASHSEED`` values must write identical bytes (the determinism test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .allocator import HybridAllocator
+from .config import AllocatorConfig
+from .errors import ContractError, ReplicaDivergenceError
+from .graph import StepGraph
+from .ledger import Ledger
+from .planner import StepBuilder
+from .replicas import ReplicatedAllocator
+from .state_digest import ledger_digest
+
+__all__ = ["RandomWorkload", "Scenario", "default_scenarios", "selftest_config", "plan_trace",
+           "spawn_selftest", "summarize", "main"]
+
+
+def selftest_config(device: str | torch.device, backend: str, ring: bool) -> AllocatorConfig:
+    """A small, awkward geometry (page size 3, window 10) that fills and drains often."""
+    return AllocatorConfig(page_size=3, num_full_pages=160, num_swa_pages=96, max_reqs=12,
+                           max_context_len=120, sliding_window=10, device=device,
+                           backend=backend, swa_ring_pages=5 if ring else 0,
+                           max_step_tokens=256)
+
+
+def _fits(config: AllocatorConfig, ledger: Ledger, step: dict) -> bool:
+    """Dry run of ``HybridAllocator.plan`` on a copy of the ledger (pure host)."""
+    b = StepBuilder(config, ledger.copy())
+    try:
+        if len(step.get("release", ())):
+            b.release(b.live_rows(step["release"], "release"))
+        if step.get("evict"):
+            rows = np.flatnonzero(b.ledger.live)
+            b.advance_frontier(rows, b.window_frontier(rows))
+        if len(step.get("decode", ())):
+            rows = b.live_rows(step["decode"], "decode")
+            b.extend(rows, np.ones(len(rows), dtype=np.int64))
+        if step.get("extend") is not None:
+            b.extend(b.live_rows(step["extend"][0], "extend"), step["extend"][1])
+        b.finish()
+    except ContractError:
+        return False
+    return True
+
+
+class RandomWorkload:
+    """A deterministic random scheduler: same seed and same ledger, same steps.
+
+    ``shape_rng`` draws the decisions every rank makes (whether an iteration admits);
+    ``arg_rng`` draws step arguments and is used only where a step is planned, so a
+    broadcast follower, which plans nothing, stays in lockstep with its planner.
+    Proposals are dry-run on a ledger copy and shrunk until they plan, so the
+    wrapper's refusal path is never needed for lockstep.
+    """
+
+    def __init__(self, config: AllocatorConfig, seed: int):
+        self.config = config
+        self.shape_rng = np.random.default_rng([seed, 1])
+        self.arg_rng = np.random.default_rng([seed, 2])
+        self.n_iterations = 0
+
+    def wants_admit(self) -> bool:
+        p_admit = 0.7 if self.n_iterations < 8 else 0.25
+        self.n_iterations += 1
+        return bool(self.shape_rng.random() < p_admit)
+
+    def propose(self, ledger: Ledger) -> dict:
+        """Keyword arguments for one ``step()``: release, window eviction, decode, extend."""
+        cfg, rng, ps = self.config, self.arg_rng, self.config.page_size
+        live = np.flatnonzero(ledger.live)
+        seq = ledger.seq_len
+        finish = (rng.random(len(live)) < 0.06) | (seq[live] >= cfg.max_context_len)
+        release, rest = live[finish], live[~finish]
+        evict = bool(cfg.ring_mode or rng.random() < 0.6)
+        roll = rng.random(len(rest))
+        n_tokens = np.minimum(rng.integers(1, 4 * ps + 6, size=len(rest)),
+                              cfg.max_context_len - seq[rest])
+        fresh = seq[rest] == 0
+        if cfg.ring_mode:  # the new pages must fit the ring once the window moved
+            b = StepBuilder(cfg, ledger.copy())
+            b.release(release)
+            b.advance_frontier(rest, b.window_frontier(rest))
+            limit = (b.ledger.frontier[rest] // ps + cfg.swa_ring_pages) * ps - seq[rest]
+            n_tokens = np.minimum(n_tokens, limit)
+        decode = rest[(roll < 0.6) & ~fresh]
+        grow = (((roll >= 0.6) & (roll < 0.85)) | fresh) & (n_tokens >= 1)
+        ext_rows, ext_n = rest[grow], n_tokens[grow]
+        half = len(ext_rows) // 2
+        base = {"release": release, "evict": evict}
+        for step in ({**base, "decode": decode, "extend": (ext_rows, ext_n)},
+                     {**base, "decode": decode, "extend": (ext_rows[:half], ext_n[:half])},
+                     {**base, "decode": decode},
+                     {**base, "decode": decode[:len(decode) // 2]},
+                     base, {"release": release}, {}):
+            if step.get("extend") is not None and len(step["extend"][0]) == 0:
+                step = {k: v for k, v in step.items() if k != "extend"}
+            if _fits(cfg, ledger, step):
+                return step
+        raise AssertionError("an empty step must always plan")
+
+
+@dataclasses.dataclass
+class Scenario:
+    name: str
+    mode: str  # "replicated" | "broadcast"
+    ring: bool = False
+    iterations: int = 300
+    perturb: str = ""  # "" | "input" (skip one decode) | "device" (corrupt a mapping entry)
+    perturb_at: int = -1  # iteration of the perturbation
+    check_every: int = 16
+    digest_every: int = 1
+    seed: int = 0
+
+
+def default_scenarios(iterations: int = 300, check_every: int = 16) -> list[Scenario]:
+    short = max(40, iterations // 3)
+    return [
+        Scenario("replicated-pool", "replicated", iterations=iterations,
+                 check_every=check_every, seed=1),
+        Scenario("broadcast-pool", "broadcast", iterations=iterations,
+                 check_every=check_every, seed=2),
+        Scenario("replicated-ring", "replicated", ring=True, iterations=short,
+                 check_every=check_every, digest_every=2 if check_every % 2 == 0 else 1,
+                 seed=3),
+        Scenario("broadcast-ring", "broadcast", ring=True, iterations=short,
+                 check_every=check_every, seed=4),
+        Scenario("replicated-input-skew", "replicated", iterations=short + 20, perturb="input",
+                 perturb_at=short // 2 + 1, check_every=check_every, seed=5),
+        Scenario("broadcast-device-skew", "broadcast", iterations=short + 20, perturb="device",
+                 perturb_at=short // 2 + 3, check_every=check_every, seed=6),
+    ]
+
+
+def _percentiles(times: list[float]) -> dict:
+    if not times:
+        return {}
+    ms = np.asarray(times) * 1e3
+    return {"median": float(np.median(ms)), "p90": float(np.percentile(ms, 90)),
+            "max": float(ms.max())}
+
+
+def run_scenario(sc: Scenario, rank: int, device: torch.device, backend: str,
+                 sync_debug: bool) -> dict:
+    """One scenario on this rank (collective: every rank runs the same scenarios in order)."""
+    cfg = selftest_config(device, backend, sc.ring)
+    alloc = HybridAllocator(cfg)
+    graph = StepGraph(alloc) if sc.mode == "replicated" and device.type == "cuda" else None
+    rep = ReplicatedAllocator(alloc, mode=sc.mode, check_every=sc.check_every,
+                              digest_every=sc.digest_every)
+    skewed_rank = rep.global_ranks[-1]
+    workload = RandomWorkload(cfg, sc.seed)
+    out: dict = {"name": sc.name, "mode": sc.mode, "ring": sc.ring, "planner": rep.is_planner,
+                 "iterations": sc.iterations, "error": None, "expected": None,
+                 "sync_debug": bool(sync_debug and device.type == "cuda")}
+    step_times: list[float] = []
+    it = 0
+    if out["sync_debug"]:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for it in range(sc.iterations):
+            if workload.wants_admit():
+                try:
+                    rep.admit()
+                except ContractError:
+                    pass  # no free row or ring pages: the same on every rank
+            step = workload.propose(alloc.ledger) if rep.is_planner else {}
+            if sc.perturb and it == sc.perturb_at:
+                out["expected"] = {"step": rep.n_steps + 1, "rank": skewed_rank}
+                step = {}
+                if sc.perturb == "input":  # every rank but the skewed one decodes one row
+                    rows = np.flatnonzero(alloc.ledger.live & (alloc.ledger.seq_len > 0)
+                                          & (alloc.ledger.seq_len < cfg.max_context_len))
+                    assert len(rows), "the skew iteration needs a live request"
+                    if rep.rank != skewed_rank:
+                        step = {"decode": rows[:1]}
+                elif rep.rank == skewed_rank:  # a stale mapping entry on the last full page
+                    alloc.state.full_to_swa_buf[cfg.num_full_pages * cfg.page_size].add_(7)
+            t0 = time.perf_counter()
+            rep.step(**step)
+            step_times.append(time.perf_counter() - t0)
+        rep.check()
+    except ReplicaDivergenceError as exc:
+        out["error"] = {"step": exc.step, "rank": exc.rank, "ranks": exc.ranks,
+                        "reference_rank": exc.reference_rank, "fields": exc.fields,
+                        "last_equal_step": exc.last_equal_step, "message": str(exc)}
+    finally:
+        if out["sync_debug"]:
+            torch.cuda.set_sync_debug_mode(0)
+    out.update(iterations_run=it + 1, n_steps=rep.n_steps, n_checks=rep.n_checks,
+               n_replays=rep.n_replays + (graph.replays if graph else 0),
+               host_ms_per_step=_percentiles(step_times))
+    if out["error"] is None:
+        out["digest"] = {k: str(v) for k, v in rep.current_digest().items()}
+        alloc.check()
+        alloc.check_integrity()
+        out["integrity"] = "ok"
+        out["stats"] = {k: alloc.stats()[k] for k in ("full_free_pages", "swa_free_pages",
+                                                      "live_requests", "steps_run")}
+    rep.close()
+    if graph is not None:
+        graph.close()
+    return out
+
+
+def _worker(rank: int, world_size: int, backend: str, init_method: str, out_dir: str,
+            scenarios: list[Scenario], sync_debug: bool, timeout_s: float) -> None:
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        kernel_backend = "triton"
+        extra = {"device_id": device}
+    else:
+        device, kernel_backend, extra = torch.device("cpu"), "torch", {}
+        torch.set_num_threads(1)  # the ranks share the cores; small ops hate contended pools
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **extra)
+    try:
+        results = {"rank": rank, "world_size": world_size, "backend": backend,
+                   "device": str(device), "torch": torch.__version__, "scenarios": []}
+        if device.type == "cuda":
+            results["device_name"] = torch.cuda.get_device_name(device)
+        t0 = time.perf_counter()
+        for sc in scenarios:
+            t1 = time.perf_counter()
+            res = run_scenario(sc, rank, device, kernel_backend, sync_debug)
+            res["seconds"] = time.perf_counter() - t1
+            results["scenarios"].append(res)
+        results["seconds"] = time.perf_counter() - t0
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    finally:
+        dist.destroy_process_group()
+
+
+def summarize(out_dir: str, world_size: int) -> dict:
+    """Cross-rank verdict per scenario; writes ``summary.json`` and ``summary.md``."""
+    ranks = []
+    for r in range(world_size):
+        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+            ranks.append(json.load(f))
+    verdicts = []
+    for i, sc0 in enumerate(ranks[0]["scenarios"]):
+        per_rank = [rk["scenarios"][i] for rk in ranks]
+        if sc0["expected"] is None:
+            digests = [s.get("digest") for s in per_rank]
+            ok = all(s["error"] is None for s in per_rank) and all(
+                d == digests[0] for d in digests) and digests[0] is not None
+            detail = "digests equal on all ranks" if ok else "divergence or unequal digests"
+        else:
+            errs = [s["error"] for s in per_rank]
+            exp = sc0["expected"]
+            ok = all(e is not None and e["step"] == exp["step"] and e["rank"] == exp["rank"]
+                     for e in errs)
+            detail = (f"named step {errs[0]['step']}, rank {errs[0]['rank']}, fields "
+                      f"{errs[0]['fields']}" if errs[0] else "not detected")
+            detail += f" (expected step {exp['step']}, rank {exp['rank']})"
+        verdicts.append({"name": sc0["name"], "ok": bool(ok), "detail": detail,
+                         "steps": sc0["n_steps"], "checks": sc0["n_checks"],
+                         "replays": [s["n_replays"] for s in per_rank],
+                         "host_ms_per_step": [s["host_ms_per_step"] for s in per_rank],
+                         "seconds": max(s["seconds"] for s in per_rank)})
+    summary = {"ok": all(v["ok"] for v in verdicts), "world_size": world_size,
+               "backend": ranks[0]["backend"], "torch": ranks[0]["torch"],
+               "devices": [rk.get("device_name", rk["device"]) for rk in ranks],
+               "sync_debug": [s["sync_debug"] for s in ranks[0]["scenarios"]],
+               "scenarios": verdicts}
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    lines = [f"# Replica self-test: {world_size} ranks, {summary['backend']}, torch "
+             f"{summary['torch']}", "", f"Devices: {', '.join(summary['devices'])}", "",
+             "Sync-debug mode \"error\" around the step loops: "
+             f"{'yes' if all(summary['sync_debug']) else 'no'}. Verdict: "
+             f"{'PASS' if summary['ok'] else 'FAIL'}.", "",
+             "| scenario | ok | steps | checks | host ms/step (median, rank 0) | result |",
+             "|---|---|---|---|---|---|"]
+    for v in verdicts:
+        med = v["host_ms_per_step"][0].get("median", float("nan"))
+        lines.append(f"| {v['name']} | {'yes' if v['ok'] else 'NO'} | {v['steps']} | "
+                     f"{v['checks']} | {med:.3f} | {v['detail']} |")
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return summary
+
+
+def spawn_selftest(world_size: int, backend: str, out_dir: str,
+                   scenarios: list[Scenario] | None = None, sync_debug: bool = True,
+                   timeout_s: float = 120.0) -> dict:
+    """Run the scenarios on ``world_size`` spawned processes (rendezvous through a file in a
+    fresh temporary directory: loopback only) and summarise them."""
+    import torch.multiprocessing as mp
+
+    os.makedirs(out_dir, exist_ok=True)
+    scenarios = default_scenarios() if scenarios is None else scenarios
+    if world_size < 2:  # a one-rank smoke run (e.g. one GPU): nothing can diverge
+        scenarios = [sc for sc in scenarios if not sc.perturb]
+    with tempfile.TemporaryDirectory() as rendezvous:
+        init_method = "file://" + os.path.join(rendezvous, "init")
+        mp.spawn(_worker, args=(world_size, backend, init_method, out_dir, scenarios,
+                                sync_debug, timeout_s), nprocs=world_size, join=True)
+    return summarize(out_dir, world_size)
+
+
+def plan_trace(path: str, seed: int, iterations: int) -> int:
+    """Plan the workload on CPU allocators (pool mode, then ring mode) and write every
+    descriptor's used rows and the ledger digest after it to ``path``; returns the
+    number of planned steps. Host planning only: the kernels are not run."""
+    n_planned = 0
+    with open(path, "wb") as f:
+        for ring in (False, True):
+            cfg = selftest_config("cpu", "torch", ring)
+            alloc = HybridAllocator(cfg)
+            base = cfg.max_release_rows
+
+            def record(index: int, alloc=alloc, base=base) -> None:
+                buf = alloc.ring.np_bufs[index]
+                n_rel, n_al = alloc.ring.used[index]
+                f.write(np.int64([n_rel, n_al]).tobytes())
+                f.write(buf[:n_rel].tobytes())
+                f.write(buf[base:base + n_al].tobytes())
+                f.write(np.int64([ledger_digest(alloc.ledger)]).tobytes())
+
+            alloc.step_runner = record
+            workload = RandomWorkload(cfg, seed)
+            for _ in range(iterations):
+                if workload.wants_admit():
+                    try:
+                        alloc.admit()
+                    except ContractError:
+                        pass
+                alloc.step(**workload.propose(alloc.ledger))
+            n_planned += alloc.steps_run
+    return n_planned
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--selftest", action="store_true", help="(accepted; the default action)")
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
+    ap.add_argument("--out", default="benchmarks/results/replicas")
+    ap.add_argument("--steps", type=int, default=300, help="iterations of the long scenarios")
+    ap.add_argument("--check-every", type=int, default=16)
+    ap.add_argument("--no-sync-debug", action="store_true")
+    ap.add_argument("--plan-trace", metavar="FILE", help="write a planning trace and exit")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.plan_trace:
+        n = plan_trace(args.plan_trace, args.seed, args.steps)
+        print(f"planned {n} steps into {args.plan_trace}")
+        return
+    if args.backend == "nccl" and torch.cuda.device_count() < args.world_size:
+        sys.exit(f"--backend nccl needs {args.world_size} GPUs, this machine has "
+                 f"{torch.cuda.device_count()}")
+    summary = spawn_selftest(args.world_size, args.backend, args.out,
+                             default_scenarios(args.steps, args.check_every),
+                             sync_debug=not args.no_sync_debug)
+    with open(os.path.join(args.out, "summary.md")) as f:
+        print(f.read())
+    sys.exit(0 if summary["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()

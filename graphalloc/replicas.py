@@ -1,0 +1,531 @@
+"""Tensor-parallel replicas: the same allocator state on every rank, over ``torch.distributed``.
+
+In a tensor-parallel engine every GPU rank holds its own KV cache and so its own
+:class:`~graphalloc.HybridAllocator`; all ranks must make exactly the same decisions
+every step or their caches diverge silently. :class:`ReplicatedAllocator` wraps one
+rank's allocator and keeps the ranks equal in one of two modes (gloo for CPU
+allocators, NCCL for CUDA ones, one process per GPU; no other transport):
+
+``mode="replicated"`` (SGLang style)
+    Every rank runs the same deterministic scheduler and plans every step itself.
+    Host planning is a pure function of its inputs and the ledger: numpy only,
+    nothing iterates a dict or set, hashes a string or reads a clock to decide
+    anything (``tests/test_replicas.py`` proves it byte for byte across
+    ``PYTHONHASHSEED`` values). No collective per step.
+
+``mode="broadcast"`` (vLLM style)
+    One planner rank (``src``) plans; each device step's *payload* is broadcast
+    and the followers only replay it. The payload is one fixed-shape int64 tensor
+    on the allocator's device::
+
+        rows [0, max_release_rows)                  release rows   (the step descriptor,
+        rows [max_release_rows, + max_alloc_rows)   allocation rows  see graphalloc.descriptor)
+        row  n_desc                                 meta: step, ledger digest, ring heads/counts
+        rows (n_desc, n_desc + n_ledger_rows)       the planner's ledger: live, seq_len,
+                                                    frontier, protected (max_reqs each)
+
+    On every rank, the planner included, the step kernels read the descriptor from
+    this device tensor (the kernels take any tensor), so a follower never copies it
+    to the host: its per-step work is the collective plus one graph replay, and its
+    host never waits on anything but the collective call itself.
+
+Per device step, for the planner and a follower (broadcast mode)::
+
+    planner                                       follower
+    plan() -> descriptor buffer i (pinned)
+    ledger -> header buffer i (pinned)
+    payload[:n_desc] <- buffer i  (async H2D)
+    payload[n_desc:] <- header i  (async H2D)
+    broadcast(payload) -------------------------> broadcast(payload)   the only collective
+    replay: kernels read payload                  replay: kernels read payload
+    digest -> history row                         digest -> history row
+
+The planner's header buffer ``i`` is guarded by descriptor buffer ``i``'s ring event
+(``DescriptorRing``): the ring never hands buffer ``i`` out again before the copies
+reading it have run, so the planner does not wait either.
+
+**Followers' host ledger.** A follower never plans, so its ``alloc.ledger`` is a
+copy: :meth:`ReplicatedAllocator.sync_ledger` unpacks the ledger of the latest
+payload (a device read) and verifies its digest. It runs at every consistency check,
+so a follower's ledger is the planner's as of the last checked step; call it before
+promoting a follower to planner or reading its ``stats()``.
+
+**Consistency check.** Every ``digest_every`` steps each rank records a digest row:
+``step``, ``planned_step`` (broadcast: the step number the planner put in the
+payload), ``ledger`` (64-bit BLAKE2b of the host ledger arrays and ring counts) and
+one 64-bit digest per device table of ``DeviceState.tables()`` (mapping, free rings,
+``req_to_token``, ring pages, error word). A table digest is
+``sum_r w_r * sum_c w_c * x[r, c]`` in wrapping int64 arithmetic with odd pseudo-random
+position weights, computed by Torch ops into a preallocated buffer (captured as one
+CUDA graph on a GPU): no sync, and integer wrapping sums are exact and
+order-independent, so every rank computes the same bits. A change of a single entry
+changes the digest with certainty (``delta * odd * odd != 0 mod 2**64``). Every
+``check_every`` steps the rows are all-gathered (the one place that synchronises, inside
+:func:`~graphalloc.sync_points.sync_allowed`) and compared; the first differing row names
+the step, the rank (against the majority, ties to the planner) and the fields, and
+every rank raises the same :class:`~graphalloc.errors.ReplicaDivergenceError`.
+
+**Lockstep rule.** Collectives must pair up, so every rank issues the same sequence
+of device steps: each :meth:`~ReplicatedAllocator.step` is exactly one device step,
+and so is :meth:`~ReplicatedAllocator.admit` in SWA ring mode (pool-mode admits are
+host-only). A call refused with a :class:`~graphalloc.errors.ContractError` still
+runs an empty step, then re-raises, so a refusal on one rank never leaves the
+others waiting in a collective; the divergence, if any, is reported by the check.
+Followers call the same wrapper methods as the planner, without arguments (given
+ones are ignored: the planner's decisions are the only ones). A planner that calls
+the wrapped allocator directly (``release``, ``evict_window``, ``free_group``...)
+issues one collective per device step it runs; its followers call :meth:`follow`
+once for each.
+
+Costs (per step): replicated: one digest (one read of every table, plus a write of
+an int64 scratch of the largest table) and a BLAKE2b of ``4 * max_reqs`` int64;
+broadcast: two async H2D copies on the planner and one broadcast of
+``(n_desc + 1 + ceil(max_reqs / 2)) * 64`` bytes, plus the digest. ``check_every=0``
+turns digests off (``check()`` then compares the current state only). Construction
+synchronises (it captures graphs and runs an initial check, inside ``sync_allowed``).
+
+Limits: ``admit(prefix_slots=...)`` writes ``req_to_token`` outside the descriptor,
+so broadcast mode refuses it (use replicated mode for prefix sharing). The broadcast
+is eager (not captured): the planner's H2D copies would otherwise become copy nodes.
+The digest and the ledger wire format live in :mod:`graphalloc.state_digest`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .allocator import AllocResult, HybridAllocator
+from .descriptor import ROW_WIDTH
+from .errors import ConfigError, ContractError, ReplicaDivergenceError
+from .graph import capture_graph
+from .state_digest import (
+    META_LEDGER,
+    META_MAGIC,
+    META_STEP,
+    META_STEPS_RUN,
+    StateDigest,
+    ledger_digest,
+    n_ledger_rows,
+    pack_ledger,
+    unpack_ledger,
+)
+from .sync_points import sync_allowed
+
+__all__ = ["ReplicatedAllocator"]
+
+# Columns of a digest row; the table digests follow.
+COL_STEP, COL_PLANNED_STEP, COL_LEDGER = 0, 1, 2
+_N_HEAD_COLS = 3
+
+
+# ---- the wrapper -------------------------------------------------------------------------
+class ReplicatedAllocator:
+    """One rank's :class:`~graphalloc.HybridAllocator`, kept identical to the other ranks'.
+
+    Example (every rank, one process per GPU)::
+
+        dist.init_process_group("nccl", ...); torch.cuda.set_device(local_rank)
+        alloc = HybridAllocator(AllocatorConfig(..., device="cuda", backend="triton"))
+        rep = ReplicatedAllocator(alloc, mode="broadcast", check_every=64)  # collective
+        for batch in scheduler_steps:                  # every rank, same sequence
+            for _ in batch.new_requests:
+                row = rep.admit()                      # planner: the row; followers: None
+            out = rep.step(release=..., evict=True, decode=..., extend=...)  # followers: step()
+
+    Args:
+        alloc: this rank's allocator; every rank's must have the same geometry and state
+            (checked at construction). In replicated mode attach a
+            :class:`~graphalloc.StepGraph` *before* wrapping; in broadcast mode do not
+            (the wrapper captures its own graph over the payload).
+        group: the tensor-parallel process group (``None``: the default group).
+        mode: ``"replicated"`` or ``"broadcast"`` (see the module docstring).
+        src: global rank of the planner in broadcast mode (default: the group's first rank).
+        check_every: steps between consistency checks (a multiple of ``digest_every``);
+            0 disables digests and periodic checks.
+        digest_every: steps between recorded digests; with 1 a divergence is named to the
+            exact step, with k to within k steps (``last_equal_step`` bounds it).
+        use_graph: replay the payload kernels and the digest from CUDA graphs (default: on
+            CUDA devices).
+
+    Construction is collective (it compares configurations and the initial state of all
+    ranks) and synchronises. Every method that may run a device step is collective too.
+    """
+
+    def __init__(self, alloc: HybridAllocator, group=None, *, mode: str = "replicated",
+                 src: int | None = None, check_every: int = 64, digest_every: int = 1,
+                 use_graph: bool | None = None):
+        cfg = alloc.config
+        if mode not in ("replicated", "broadcast"):
+            raise ConfigError(f"mode must be 'replicated' or 'broadcast', got {mode!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError("torch.distributed is not initialised: call "
+                              "init_process_group() on every rank first")
+        if digest_every < 1 or check_every < 0 or (check_every and check_every % digest_every):
+            raise ConfigError(f"check_every ({check_every}) must be 0 or a positive multiple of "
+                              f"digest_every ({digest_every}, >= 1)")
+        self.group = group if group is not None else dist.group.WORLD
+        backend = str(dist.get_backend(self.group)).lower()
+        wanted = "nccl" if cfg.device.type == "cuda" else "gloo"
+        if wanted not in backend:
+            raise ConfigError(f"an allocator on {cfg.device} needs a process group with the "
+                              f"{wanted} backend, this one is {backend!r}")
+        if alloc._pending is not None:
+            raise ConfigError("run() the planned step before wrapping the allocator")
+        if mode == "broadcast" and alloc.step_runner is not None:
+            raise ConfigError("broadcast mode replays the broadcast payload from its own graph; "
+                              "close() the StepGraph attached to this allocator first")
+        self.alloc, self.mode = alloc, mode
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank()
+        self.global_ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+        self.src = self.global_ranks[0] if src is None else src
+        if self.src not in self.global_ranks:
+            raise ConfigError(f"src={self.src} is not a rank of the group {self.global_ranks}")
+        self.is_planner = mode == "replicated" or self.rank == self.src
+        self.check_every, self.digest_every = check_every, digest_every
+        self.use_graph = cfg.device.type == "cuda" if use_graph is None else use_graph
+        if self.use_graph and cfg.device.type != "cuda":
+            raise ConfigError("use_graph=True needs a CUDA allocator")
+        self.device = cfg.device
+
+        self.n_steps = 0  # device steps run through this wrapper (equal on every rank)
+        self.n_checks = 0
+        self.n_replays = 0
+        self.last_equal_step = -1
+        self.first_divergence: ReplicaDivergenceError | None = None
+        self._error: ReplicaDivergenceError | None = None
+
+        self._step_graph = self._digest_graph = None
+        with sync_allowed():  # construction may copy weights to the device and capture graphs
+            self._check_same_config()
+            self._allocate_buffers()
+            if self.use_graph:
+                self._capture_graphs()
+            self._record_digest(host_ledger=True)
+            self._compare()
+        self._raise_divergence()
+
+        if mode == "replicated":
+            self._prev_runner = alloc.step_runner
+            self._runner = self._run_replicated
+        elif self.is_planner:
+            self._prev_runner, self._runner = None, self._run_planner
+        else:
+            self._prev_runner, self._runner = None, self._refuse_local_step
+        alloc.step_runner = self._runner
+
+    # ---- collective operations ---------------------------------------------------------
+    def step(self, **step_args) -> AllocResult | None:
+        """One scheduler step on every rank: :meth:`HybridAllocator.step` with the same
+        keyword arguments on a planner; a follower replays the planner's step (its
+        arguments are ignored) and returns ``None`` (its slots are in
+        ``alloc.state.out_full_buf`` / ``out_swa_buf``, in the planner's lane order).
+        A step refused on this rank runs an empty step, then raises."""
+        if not self.is_planner:
+            self.follow()
+            return None
+        self._check_runner()
+        try:
+            result = self.alloc.step(**step_args)
+        except ContractError:
+            self._empty_step()
+            raise
+        self._raise_divergence()
+        return result
+
+    def admit(self, prefix_slots: torch.Tensor | None = None) -> int | None:
+        """:meth:`HybridAllocator.admit` on every rank. Host-only in pool mode; one device
+        step in ring mode (then collective). Followers return ``None``. Broadcast mode
+        refuses ``prefix_slots`` (the prefix is written outside the descriptor)."""
+        if not self.is_planner:
+            if self.alloc.config.ring_mode:
+                self.follow()
+            return None
+        self._check_runner()
+        try:
+            if self.mode == "broadcast" and prefix_slots is not None:
+                raise ContractError(
+                    "broadcast mode cannot admit with prefix_slots: the prefix is written into "
+                    "req_to_token outside the step descriptor, so followers would miss it. "
+                    "Use mode='replicated' for prefix sharing")
+            row = self.alloc.admit(prefix_slots)
+        except ContractError:
+            if self.alloc.config.ring_mode:
+                self._empty_step()
+            raise
+        self._raise_divergence()
+        return row
+
+    def follow(self) -> None:
+        """Follower: receive and replay one planner device step. Never synchronises the
+        host beyond the broadcast call itself (except at a periodic check)."""
+        if self.is_planner:
+            raise ContractError(f"rank {self.rank} plans; follow() is for broadcast followers")
+        self._broadcast_and_launch()
+        self._after_step()
+        self._raise_divergence()
+
+    def check(self) -> None:
+        """Compare all ranks' digests now (collective; synchronises). Records the current
+        state first if the latest step has no digest. Raises
+        :class:`~graphalloc.errors.ReplicaDivergenceError` naming the first differing step."""
+        with sync_allowed():
+            if self._n_hist == 0 or self._host_hist[self._n_hist - 1, COL_STEP] != self.n_steps:
+                self._record_digest(host_ledger=self.mode == "replicated")
+            self._compare()
+        self._raise_divergence()
+
+    # ---- local operations --------------------------------------------------------------
+    def sync_ledger(self) -> None:
+        """Follower: replace ``alloc.ledger`` by the ledger of the latest payload (reads the
+        device; verifies its digest). A no-op on planners and before the first step."""
+        if self.is_planner or self.n_steps == 0:
+            return
+        with sync_allowed():
+            header = self._payload_header.cpu().numpy()  # sync ok: check point / explicit
+        if header[0, META_MAGIC] == 0:  # nothing but empty steps were received
+            return
+        self.alloc.ledger = unpack_ledger(self.alloc.config, header)
+        self.alloc.steps_run = int(header[0, META_STEPS_RUN])
+
+    def current_digest(self) -> dict[str, int]:
+        """This rank's digest of its current state (reads the device; not collective). A
+        follower syncs its ledger first."""
+        self.sync_ledger()
+        with sync_allowed():
+            self.digest.compute(self.digest_buf[_N_HEAD_COLS:])
+            values = self.digest_buf.cpu().tolist()  # sync ok: explicit inspection
+        values[COL_STEP] = values[COL_PLANNED_STEP] = self.n_steps
+        values[COL_LEDGER] = ledger_digest(self.alloc.ledger)
+        return dict(zip(self.columns, values, strict=True))
+
+    def close(self) -> None:
+        """Detach from the allocator (its previous step runner is restored). Not collective."""
+        if self.alloc.step_runner is self._runner:
+            self.alloc.step_runner = self._prev_runner
+
+    # ---- step runners (called by HybridAllocator.run) ----------------------------------
+    def _run_replicated(self, buffer_index: int) -> None:
+        if self._prev_runner is not None:
+            self._prev_runner(buffer_index)
+        else:
+            self.alloc.launch(buffer_index)
+        self._after_step()
+
+    def _run_planner(self, buffer_index: int) -> None:
+        alloc = self.alloc
+        header = self._header_np[buffer_index]  # free: the ring waited for buffer i's event
+        pack_ledger(alloc.ledger, header)
+        header[0, META_STEP] = self.n_steps + 1
+        header[0, META_STEPS_RUN] = alloc.steps_run + 1  # mark_submitted counts it next
+        self._payload_desc.copy_(alloc.ring.bufs[buffer_index], non_blocking=True)
+        self._payload_header.copy_(self._header_bufs[buffer_index], non_blocking=True)
+        self._broadcast_and_launch()
+        self._after_step()
+
+    def _refuse_local_step(self, buffer_index: int) -> None:
+        raise ContractError(
+            f"rank {self.rank} is a broadcast follower: it replays the planner's steps "
+            "(ReplicatedAllocator.step()/follow()) and never plans its own; this step was not "
+            "run and the allocator is unusable until rebuilt")
+
+    def _broadcast_and_launch(self) -> None:
+        dist.broadcast(self.payload_buf, src=self.src, group=self.group)
+        if self._step_graph is not None:
+            self._step_graph.replay()
+            self.n_replays += 1
+        else:
+            self.alloc.kernels(self._payload_release, self._payload_alloc)
+
+    def _empty_step(self) -> None:
+        """Keep lockstep after a refused call: one device step that changes nothing."""
+        if self.mode == "broadcast":
+            self._payload_desc.zero_()
+            self._payload_meta[META_STEP].fill_(self.n_steps + 1)  # a device fill: no sync
+            self._broadcast_and_launch()
+        self._after_step()
+
+    # ---- digests and checks ------------------------------------------------------------
+    def _after_step(self) -> None:
+        self.n_steps += 1
+        if not self.check_every:
+            return
+        if self.n_steps % self.digest_every == 0:
+            self._record_digest(host_ledger=self.mode == "replicated")
+        if self.n_steps % self.check_every == 0:
+            with sync_allowed():
+                self._compare()
+
+    def _digest_into_buf(self) -> None:
+        if self.mode == "broadcast":  # what the planner said: its step number and ledger
+            self.digest_buf[COL_PLANNED_STEP:COL_LEDGER + 1].copy_(
+                self._payload_meta[META_STEP:META_LEDGER + 1])
+        self.digest.compute(self.digest_buf[_N_HEAD_COLS:])
+
+    def _record_digest(self, host_ledger: bool) -> None:
+        row = self._n_hist
+        self._n_hist += 1
+        self._host_hist[row, COL_STEP] = self.n_steps
+        self._host_cols[row] = False
+        self._host_cols[row, COL_STEP] = True
+        if host_ledger:
+            self._host_hist[row, COL_PLANNED_STEP] = self.n_steps
+            self._host_hist[row, COL_LEDGER] = ledger_digest(self.alloc.ledger)
+            self._host_cols[row, COL_PLANNED_STEP:COL_LEDGER + 1] = True
+        if self._digest_graph is not None:
+            self._digest_graph.replay()
+            self.n_replays += 1
+        else:
+            self._digest_into_buf()
+        self.hist_buf[row].copy_(self.digest_buf)
+
+    def _compare(self) -> None:
+        """All-gather the history rows and compare them (collective; call under
+        sync_allowed). Stores the error; a follower then refreshes its ledger."""
+        n = self._n_hist
+        host = torch.from_numpy(self._host_hist[:n]).to(self.device)
+        mask = torch.from_numpy(self._host_cols[:n]).to(self.device)
+        local = torch.where(mask, host, self.hist_buf[:n])
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local, group=self.group)
+        table = torch.stack(gathered).cpu().numpy()  # sync ok: the periodic check
+        self._n_hist = 0
+        self.n_checks += 1
+        error = self._first_divergence(table)
+        if error is None:
+            if n:
+                self.last_equal_step = int(table[0, n - 1, COL_STEP])
+        else:
+            self._error = error
+            self.first_divergence = self.first_divergence or error
+        if self.mode == "broadcast" and not self.is_planner:
+            self.sync_ledger()
+
+    def _first_divergence(self, table: np.ndarray) -> ReplicaDivergenceError | None:
+        """First row where ranks differ: reference = the majority value (ties: the planner,
+        then the lowest rank); every rank computes the same answer from the same table."""
+        last_equal = self.last_equal_step
+        src_index = self.global_ranks.index(self.src)
+        for j in range(table.shape[1]):
+            rows = table[:, j, :]
+            if (rows == rows[0]).all():
+                last_equal = int(rows[0, COL_STEP])
+                continue
+            same = (rows[:, None, :] == rows[None, :, :]).all(-1)  # [world, world]
+            votes = same.sum(1)
+            best = votes.max()
+            ref = src_index if votes[src_index] == best else int(np.flatnonzero(votes == best)[0])
+            diverged = np.flatnonzero(~same[ref])
+            first = int(diverged[0])
+            fields = [self.columns[c] for c in np.flatnonzero(rows[first] != rows[ref])]
+            return ReplicaDivergenceError(
+                step=int(rows[ref, COL_STEP]), rank=self.global_ranks[first],
+                ranks=[self.global_ranks[int(r)] for r in diverged],
+                reference_rank=self.global_ranks[ref], fields=fields,
+                last_equal_step=last_equal)
+        return None
+
+    def _raise_divergence(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    # ---- construction helpers ----------------------------------------------------------
+    def _check_same_config(self) -> None:
+        cfg = self.alloc.config
+        geometry = sorted((f.name, str(getattr(cfg, f.name))) for f in dataclasses.fields(cfg)
+                          if f.name != "device")
+        text = repr((geometry, self.mode, self.src, self.check_every, self.digest_every,
+                     len(self.alloc.ring)))
+        value = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little",
+                               signed=True)
+        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine, group=self.group)
+        values = torch.cat(gathered).cpu().tolist()  # sync ok: construction
+        bad = [self.global_ranks[r] for r, v in enumerate(values) if v != values[0]]
+        if bad:
+            raise ConfigError(
+                f"ranks {bad} wrap an allocator with a different geometry or wrapper options "
+                f"than rank {self.global_ranks[0]}; every rank needs the same AllocatorConfig "
+                "(device aside), mode, src, check_every, digest_every and descriptor ring")
+
+    def _allocate_buffers(self) -> None:
+        """Allocated once, updated in place only (graphs hold their addresses)::
+
+            digest_buf    int64 [3 + n_tables]           device  the latest digest row
+            hist_buf      int64 [n_hist, 3 + n_tables]   device  digest rows since the check
+            payload_buf   int64 [n_desc + 1 + n_ledger_rows(cfg), 8]
+                                                         device  broadcast mode: the payload
+            _header_bufs  int64 [1 + n_ledger_rows(cfg), 8] x len(alloc.ring)
+                                                         pinned  planner staging, one per
+                                                                 descriptor buffer
+
+        ``n_hist = check_every // digest_every + 1`` (the extra row for ``check()``).
+        """
+        cfg, alloc, mode = self.alloc.config, self.alloc, self.mode
+        check_every, digest_every = self.check_every, self.digest_every
+        self.digest = StateDigest(alloc.state.tables())
+        self.columns = ["step", "planned_step", "ledger", *self.digest.names]
+        n_cols = len(self.columns)
+        n_hist = (check_every // digest_every if check_every else 0) + 1
+        self.digest_buf = torch.zeros(n_cols, dtype=torch.int64, device=self.device)
+        self.hist_buf = torch.zeros(n_hist, n_cols, dtype=torch.int64, device=self.device)
+        self._host_hist = np.zeros((n_hist, n_cols), dtype=np.int64)
+        self._host_cols = np.zeros((n_hist, n_cols), dtype=bool)  # which values come from host
+        self._n_hist = 0
+
+        # Broadcast payload (fixed shape, allocated once; views made once).
+        n_desc = cfg.max_release_rows + cfg.max_alloc_rows
+        self.n_desc_rows = n_desc
+        if mode == "broadcast":
+            n_rows = n_desc + 1 + n_ledger_rows(cfg)
+            self.payload_buf = torch.zeros(n_rows, ROW_WIDTH, dtype=torch.int64,
+                                           device=self.device)
+            self._payload_desc = self.payload_buf[:n_desc]
+            self._payload_release = self.payload_buf[:cfg.max_release_rows]
+            self._payload_alloc = self.payload_buf[cfg.max_release_rows:n_desc]
+            self._payload_header = self.payload_buf[n_desc:]
+            self._payload_meta = self.payload_buf[n_desc]
+            pinned = self.device.type == "cuda"
+            # Planner staging: header buffer i travels with descriptor buffer i.
+            self._header_bufs = [torch.zeros(n_rows - n_desc, ROW_WIDTH, dtype=torch.int64,
+                                             pin_memory=pinned)
+                                 for _ in range(len(alloc.ring) if self.is_planner else 0)]
+            self._header_np = [b.numpy() for b in self._header_bufs]
+
+    def _capture_graphs(self) -> None:
+        """Warm up on a side stream (compiles the kernels; the zero payload is all padding,
+        so nothing changes), then capture. Runs once, under sync_allowed."""
+        fns = [self._digest_into_buf]
+        if self.mode == "broadcast":
+            fns.insert(0, lambda: self.alloc.kernels(self._payload_release, self._payload_alloc))
+        torch.cuda.synchronize()  # sync ok: one-time construction
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for fn in fns:
+                fn()
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()  # sync ok: one-time construction
+        graphs = [capture_graph(fn) for fn in fns]
+        torch.cuda.synchronize()  # sync ok: one-time construction
+        self._digest_graph = graphs[-1]
+        self._step_graph = graphs[0] if self.mode == "broadcast" else None
+
+    def _check_runner(self) -> None:
+        if self.alloc.step_runner is not self._runner:
+            raise ConfigError("the allocator's step runner was replaced after wrapping (a "
+                              "StepGraph attached later?); attach StepGraph before wrapping")
+
+
+if __name__ == "__main__":  # python -m graphalloc.replicas --selftest ...
+    from .replica_selftest import main
+
+    main()
