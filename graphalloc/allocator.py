@@ -465,7 +465,9 @@ class HybridAllocator:
             live = rows[b.ledger.live[rows]]
             b.advance_frontier(live, b.window_frontier(live))
         else:
-            b.advance_frontier(rows, pos)
+            # Validated at the call against the frontier then; an evict_window() earlier in the
+            # block may since have moved it past pos (those pages are already freed): no-op there.
+            b.advance_frontier(rows, np.maximum(pos, b.ledger.frontier[rows]))
 
     def _group_rows(self, rows, what: str) -> np.ndarray:
         led = self.ledger
