@@ -73,8 +73,8 @@ class Ledger:
         other.config = self.config
         for name in ("live", "seq_len", "frontier", "protected"):
             setattr(other, name, getattr(self, name).copy())
-        other.full = dataclasses.replace(self.full)
-        other.swa = dataclasses.replace(self.swa)
+        other.full = FreeRing(self.full.capacity, self.full.head, self.full.n_free)
+        other.swa = FreeRing(self.swa.capacity, self.swa.head, self.swa.n_free)
         return other
 
     # ---- derived counts -------------------------------------------------------------

@@ -88,6 +88,12 @@ def as_rows(rows, n_reqs: int) -> np.ndarray:
     return arr
 
 
+def _stack(parts: list[np.ndarray]) -> np.ndarray:
+    if not parts:
+        return _EMPTY
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 def _ceil_div(a, b):
     return -(-a // b)
 
@@ -104,6 +110,8 @@ class StepBuilder:
         self.release_parts: list[np.ndarray] = []
         self.alloc_parts: list[np.ndarray] = []
         self.n_tokens = 0  # allocated tokens so far (the next output lane)
+        self.n_release_pages = 0  # freed pages so far (the next release page lane)
+        self.n_alloc_calls = 0
         self.pages_freed = {"full": 0, "swa": 0}
         self.pages_allocated = {"full": 0, "swa": 0}
 
@@ -187,31 +195,39 @@ class StepBuilder:
 
     def _add_release(self, rows, start_pos, n_pages, flags: int) -> None:
         keep = n_pages > 0
-        if not keep.any():
-            return
-        rows, start_pos, n_pages = rows[keep], start_pos[keep], n_pages[keep]
+        if not keep.all() or not len(keep):
+            if not keep.any():
+                return
+            rows, start_pos, n_pages = rows[keep], start_pos[keep], n_pages[keep]
         cap = self.config.max_pages_per_row
         if n_pages.max() > cap:  # split long segments into rows of at most cap pages
             n_chunks = _ceil_div(n_pages, cap)
             seg = np.repeat(np.arange(len(rows)), n_chunks)
             chunk = np.arange(len(seg)) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
-            rows, n_pages = rows[seg], n_pages[seg] - chunk * cap
+            rows, n_pages = rows[seg], np.minimum(cap, n_pages[seg] - chunk * cap)
             start_pos = start_pos[seg] + chunk * cap * self.config.page_size
-        chunk_pages = np.minimum(cap, n_pages)
-        out = np.zeros((len(rows), ROW_WIDTH), dtype=np.int64)
+        out = np.empty((len(rows), ROW_WIDTH), dtype=np.int64)
         out[:, REL_REQ] = rows
         out[:, REL_START_POS] = start_pos
-        out[:, REL_N_PAGES] = chunk_pages
+        out[:, REL_N_PAGES] = n_pages
         out[:, REL_FLAGS] = flags
-        before = np.cumsum(chunk_pages) - chunk_pages
-        total = int(chunk_pages.sum())
+        ends = np.cumsum(n_pages)
+        total = int(ends[-1])
+        before = ends - n_pages
+        out[:, REL_LANE] = before + self.n_release_pages  # page lanes, in row order
+        self.n_release_pages += total
         led = self.ledger
         if flags & (REL_SWA | REL_RING_RETURN):
             out[:, REL_SWA_PUSH] = (led.swa.push(total) + before) % led.swa.capacity
             self.pages_freed["swa"] += total
+        else:
+            out[:, REL_SWA_PUSH] = 0
         if flags & REL_FULL:
             out[:, REL_FULL_PUSH] = (led.full.push(total) + before) % led.full.capacity
             self.pages_freed["full"] += total
+        else:
+            out[:, REL_FULL_PUSH] = 0
+        out[:, 7] = 0
         self.release_parts.append(out)
 
     # ---- allocation --------------------------------------------------------------------
@@ -237,20 +253,21 @@ class StepBuilder:
         n_tokens = np.asarray(n_tokens, dtype=np.int64).reshape(-1)
         if len(n_tokens) != len(rows):
             raise PositionError(f"{len(rows)} rows but {len(n_tokens)} token counts")
-        if (n_tokens < 0).any():
-            raise PositionError(f"token counts must be >= 0, got {n_tokens.min()}")
-        if self.allocated[rows].any():
+        if self.n_alloc_calls and self.allocated[rows].any():
             r = int(rows[self.allocated[rows]][0])
             raise OverlapError(f"request {r} already allocates in this step; "
                                "merge its tokens into one call")
         start = led.seq_len[rows]
         end = start + n_tokens
-        if (end > cfg.max_context_len).any():
-            i = int(np.flatnonzero(end > cfg.max_context_len)[0])
-            raise PositionError(
-                f"request {rows[i]}: positions up to {end[i]} exceed max_context_len "
-                f"{cfg.max_context_len}")
-        if (n_tokens > cfg.max_tokens_per_alloc_row).any():
+        if len(rows) and (n_tokens.min() < 0 or end.max() > cfg.max_context_len
+                          or n_tokens.max() > cfg.max_tokens_per_alloc_row):
+            if (n_tokens < 0).any():
+                raise PositionError(f"token counts must be >= 0, got {n_tokens.min()}")
+            if (end > cfg.max_context_len).any():
+                i = int(np.flatnonzero(end > cfg.max_context_len)[0])
+                raise PositionError(
+                    f"request {rows[i]}: positions up to {end[i]} exceed max_context_len "
+                    f"{cfg.max_context_len}")
             i = int(np.argmax(n_tokens))
             raise BatchTooLargeError(
                 f"request {rows[i]} allocates {n_tokens[i]} tokens in one step; the frozen "
@@ -272,28 +289,31 @@ class StepBuilder:
                     f"{_ceil_div(end[i], ps)}) would need {span[i]} ring pages, the ring has "
                     f"{cfg.swa_ring_pages}. Evict the window first (in the same step is fine), "
                     "or extend in smaller chunks")
+        first_lane = self.n_tokens + np.cumsum(n_tokens) - n_tokens
         keep = n_tokens > 0
-        first_lane = np.full(len(rows), self.n_tokens, dtype=np.int64)
-        if keep.any():
-            k_rows, k_tok, k_pages = rows[keep], n_tokens[keep], new_pages[keep]
+        if keep.all():
+            k_rows, k_start, k_tok, k_pages, k_lane = rows, start, n_tokens, new_pages, first_lane
+        else:
+            k_rows, k_start, k_tok = rows[keep], start[keep], n_tokens[keep]
+            k_pages, k_lane = new_pages[keep], first_lane[keep]
+        if len(k_rows):
             pages_before = np.cumsum(k_pages) - k_pages
-            lanes_before = np.cumsum(k_tok) - k_tok
             out = np.zeros((len(k_rows), ROW_WIDTH), dtype=np.int64)
             out[:, AL_REQ] = k_rows
-            out[:, AL_START_POS] = start[keep]
+            out[:, AL_START_POS] = k_start
             out[:, AL_N_TOKENS] = k_tok
             out[:, AL_FULL_POP] = (led.full.pop(need_full) + pages_before) % led.full.capacity
             if cfg.ring_mode:
                 out[:, AL_FLAGS] = AL_RING
             else:
                 out[:, AL_SWA_POP] = (led.swa.pop(need_swa) + pages_before) % led.swa.capacity
-            out[:, AL_OUT] = self.n_tokens + lanes_before
+            out[:, AL_OUT] = k_lane
             out[:, AL_N_PAGES] = k_pages
-            first_lane = self.n_tokens + np.cumsum(n_tokens) - n_tokens
             self.alloc_parts.append(out)
-            self.n_tokens += int(k_tok.sum())
+            self.n_tokens = int(k_lane[-1] + k_tok[-1])
         led.seq_len[rows] = end
         self.allocated[rows] = True
+        self.n_alloc_calls += 1
         self.pages_allocated["full"] += need_full
         self.pages_allocated["swa"] += need_swa
         return first_lane
@@ -302,13 +322,11 @@ class StepBuilder:
     def finish(self) -> tuple[np.ndarray, np.ndarray]:
         """The step's release and allocation rows, lanes assigned; checks frozen capacities."""
         cfg = self.config
-        release = np.concatenate(self.release_parts) if self.release_parts else _EMPTY
-        alloc = np.concatenate(self.alloc_parts) if self.alloc_parts else _EMPTY
-        n_pages = release[:, REL_N_PAGES]
-        release[:, REL_LANE] = np.cumsum(n_pages) - n_pages
+        release = _stack(self.release_parts)
+        alloc = _stack(self.alloc_parts)
         for what, have, cap, name in (
             ("release rows", len(release), cfg.max_release_rows, "max_release_rows"),
-            ("freed pages", int(n_pages.sum()), cfg.max_step_pages, "max_step_pages"),
+            ("freed pages", self.n_release_pages, cfg.max_step_pages, "max_step_pages"),
             ("allocation rows", len(alloc), cfg.max_alloc_rows, "max_alloc_rows"),
             ("allocated tokens", self.n_tokens, cfg.max_step_tokens, "max_step_tokens"),
         ):
