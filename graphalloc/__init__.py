@@ -45,8 +45,10 @@ from .config import AllocatorConfig  # noqa: E402
 from .errors import *  # noqa: E402, F403
 from .errors import __all__ as _errors_all  # noqa: E402
 from .graph import StepGraph, capture_graph, describe_graph  # noqa: E402
+from .replicas import ReplicatedAllocator  # noqa: E402
 
 __all__ = [
     "HybridAllocator", "AllocatorConfig", "AllocResult", "PlannedStep", "StepGraph",
+    "ReplicatedAllocator",
     "capture_graph", "describe_graph", *_errors_all,
 ]
