@@ -141,8 +141,8 @@ def run_bench(args) -> dict:
                     loop.capture()
                 loop.run(reqs[: max(2, batch // 4)])  # warm-up (allocator left empty)
                 loops[(backend, v)] = loop
-        samples = {k: {"steps_per_s": [], "host_us": [], "gpu_us": [], "steps": 0}
-                   for k in loops}
+        samples = {k: {"steps_per_s": [], "host_us": [], "launch_us": [], "gpu_us": [],
+                       "steps": 0} for k in loops}
         tokens = {}
         for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
             for k, loop in loops.items():
@@ -150,6 +150,7 @@ def run_bench(args) -> dict:
                 sm = samples[k]
                 sm["steps_per_s"].append(len(res.steps) / res.wall_s)
                 sm["host_us"] += [t * 1e6 for t in res.host_step_s]
+                sm["launch_us"] += [t * 1e6 for t in res.host_launch_s]
                 sm["gpu_us"] += [t * 1e3 for t in (res.gpu_step_ms or [])]
                 sm["steps"] = len(res.steps)
                 sm["graph_nodes"] = res.graph_nodes
@@ -161,13 +162,15 @@ def run_bench(args) -> dict:
                 "batch": batch, "backend": backend, "variant": v, "requests": n_req,
                 "steps": sm["steps"], "steps_with_evictions": sm["evict_steps"],
                 "steps_per_s": _q(sm["steps_per_s"]), "host_us_per_step": _q(sm["host_us"]),
+                "host_launch_us_per_step": _q(sm["launch_us"]),
                 "gpu_us_per_step": _q(sm["gpu_us"]) if sm["gpu_us"] else None,
                 "tokens_equal_across_variants": tokens[(backend, v)] == ref_tokens,
                 "graph_nodes": _node_counts(sm["graph_nodes"]),
             })
             r = results[-1]
             print(f"batch {batch:>4} {backend:>6} {v:<11} {r['steps_per_s']['median']:8.0f} "
-                  f"steps/s  host {r['host_us_per_step']['median']:7.1f} us/step"
+                  f"steps/s  host {r['host_us_per_step']['median']:7.1f} us/step (launch "
+                  f"{r['host_launch_us_per_step']['median']:6.1f})"
                   + (f"  GPU {r['gpu_us_per_step']['median']:7.1f} us/step"
                      if r["gpu_us_per_step"] else "")
                   + ("" if r["tokens_equal_across_variants"] else "  TOKENS DIFFER"))
@@ -202,8 +205,12 @@ def markdown(out: dict) -> str:
              f"{m['output_len']}, {m['repeats']} interleaved repeats; median (p20-p80).", ""]
     if "empty_graph_floor_us" in m:
         lines += [f"Empty-graph replay floor: {m['empty_graph_floor_us']:.1f} us GPU.", ""]
-    lines += ["| batch | backend | variant | steps/s | host us/step | GPU us/step | tokens equal |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["host us/step: plan (with any wait for a free descriptor buffer, i.e. for the GPU)"
+              " + launch; launch: lane inputs + eager allocator launches (eager_alloc) + replay"
+              " + mark_submitted.", "",
+              "| batch | backend | variant | steps/s | host us/step | host launch us/step "
+              "| GPU us/step | tokens equal |",
+              "|---|---|---|---|---|---|---|---|"]
 
     def fmt(q, digits=1):
         return f"{q['median']:.{digits}f} ({q['p20']:.{digits}f}-{q['p80']:.{digits}f})" \
@@ -211,6 +218,7 @@ def markdown(out: dict) -> str:
     for r in out["results"]:
         lines.append(f"| {r['batch']} | {r['backend']} | {r['variant']} | "
                      f"{fmt(r['steps_per_s'], 0)} | {fmt(r['host_us_per_step'])} | "
+                     f"{fmt(r['host_launch_us_per_step'])} | "
                      f"{fmt(r['gpu_us_per_step'])} | {r['tokens_equal_across_variants']} |")
     return "\n".join(lines) + "\n"
 
@@ -224,9 +232,14 @@ def plot(out: dict, path: Path) -> bool:
         return False
     res = out["results"]
     labels = [f"b{r['batch']}\n{r['backend']}\n{r['variant']}" for r in res]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(res) * 2), 4))
+    fig, axes = plt.subplots(1, 3, figsize=(max(10, 1.1 * len(res) * 3), 4))
     for ax, key, title in ((axes[0], "steps_per_s", "decode steps / s (higher is better)"),
-                           (axes[1], "host_us_per_step", "host us / decode step")):
+                           (axes[1], "host_launch_us_per_step",
+                            "host launch us / step (lanes + launches + replay)"),
+                           (axes[2], "gpu_us_per_step", "GPU us / decode step")):
+        if any(not r[key] for r in res):
+            ax.set_visible(False)
+            continue
         med = [r[key]["median"] for r in res]
         err = [[r[key]["median"] - r[key]["p20"] for r in res],
                [r[key]["p80"] - r[key]["median"] for r in res]]

@@ -66,6 +66,7 @@ class LoopResult:
     steps: list[dict]  # per decode step, host-side numbers
     wall_s: float
     host_step_s: list[float]  # plan + fill + replay + mark_submitted, per decode step
+    host_launch_s: list[float]  # fill + (eager allocator launch) + replay + mark_submitted
     prefill_s: float
     ring_stalls: int
     graph_nodes: dict | None = None
@@ -245,7 +246,7 @@ class DecodeLoop:
             torch.cuda.set_sync_debug_mode("error")
         t_start = time.perf_counter()
         try:
-            steps, host_s, prefill_s, events = self._loop(list(requests), progress)
+            steps, host_s, launch_s, prefill_s, events = self._loop(list(requests), progress)
         finally:
             if debug:
                 torch.cuda.set_sync_debug_mode(old_mode)
@@ -259,15 +260,15 @@ class DecodeLoop:
             lg = self.logits_buf.cpu().numpy()
             logits = {r.serial: lg[r.serial, :r.n_out] for r in requests}
         gpu_ms = [a.elapsed_time(b) for a, b in events] if events else None
-        return LoopResult(tokens, logits, steps, wall, host_s, prefill_s,
+        return LoopResult(tokens, logits, steps, wall, host_s, launch_s, prefill_s,
                           self.alloc.ring.stalls - stalls0, self.describe(), gpu_ms,
                           dict(self.prefill_pages))
 
-    def _loop(self, queue: list[Request], progress) -> tuple[list, list, float, list]:
+    def _loop(self, queue: list[Request], progress) -> tuple[list, list, list, float, list]:
         alloc, B, ps = self.alloc, self.max_batch, self.alloc.config.page_size
         state: dict[int, dict] = {}  # lane -> request state (host)
         to_release: list[int] = []
-        steps, host_s, prefill_s, events = [], [], 0.0, []
+        steps, host_s, launch_s, prefill_s, events = [], [], [], 0.0, []
         while queue or state or to_release:
             # 1. lanes of finished requests free up; their rows are released in this step
             for lane in [b for b, st in state.items() if st["n_gen"] >= st["n_out"]]:
@@ -291,6 +292,7 @@ class DecodeLoop:
             frontier_before = alloc.ledger.frontier.copy()
             t0 = time.perf_counter()
             p = alloc.plan(release=to_release, evict=True, decode=rows)
+            t1 = time.perf_counter()  # plan() includes any wait for a descriptor buffer
             self._fill_lanes(p.buffer_index, lanes, reqs)
             if self.time_steps:
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -302,7 +304,9 @@ class DecodeLoop:
             else:
                 self._body(p.buffer_index)
             alloc.mark_submitted(p)
-            host_s.append(time.perf_counter() - t0)
+            t2 = time.perf_counter()
+            host_s.append(t2 - t0)
+            launch_s.append(t2 - t1)
             if self.time_steps:
                 ev[1].record()
                 events.append(ev)
@@ -323,4 +327,4 @@ class DecodeLoop:
                 st["n_gen"] += 1
             if progress is not None:
                 progress.update(1)
-        return steps, host_s, prefill_s, events
+        return steps, host_s, launch_s, prefill_s, events
