@@ -180,7 +180,7 @@ def run_bench(args) -> dict:
                       "heads": mcfg.num_heads, "kv_heads": mcfg.num_kv_heads,
                       "vocab": mcfg.vocab_size},
             "prompt_len": args.prompt_len, "output_len": args.output_len,
-            "repeats": args.repeats}
+            "repeats": args.repeats, "args": vars(args)}
     try:
         import triton
         meta["triton"] = triton.__version__
@@ -202,7 +202,8 @@ def markdown(out: dict) -> str:
     lines = [f"# Decode loop: allocator in the model's graph vs. launched eagerly ({m['device']})",
              "", f"torch {m['torch']}, triton {m.get('triton', '-')}, page_size {m['page_size']},"
              f" window {m['window']}, model {m['model']}, prompts {m['prompt_len']}, outputs "
-             f"{m['output_len']}, {m['repeats']} interleaved repeats; median (p20-p80).", ""]
+             f"{m['output_len']}, {m['repeats']} interleaved repeats; median (p20-p80).", "",
+             f"Arguments: `{m.get('args')}`", ""]
     if "empty_graph_floor_us" in m:
         lines += [f"Empty-graph replay floor: {m['empty_graph_floor_us']:.1f} us GPU.", ""]
     lines += ["host us/step: plan (with any wait for a free descriptor buffer, i.e. for the GPU)"

@@ -175,7 +175,7 @@ def summarize(result: LoopResult, mcfg: ModelConfig, ps: int) -> dict:
         "wall_s": result.wall_s, "prefill_s": result.prefill_s,
         "steps_per_s": len(steps) / result.wall_s,
         "ring_stalls": result.ring_stalls,
-        "graph_nodes": result.graph_nodes,
+        "graph_nodes": _node_counts(result.graph_nodes) if result.graph_nodes else None,
         "series": {"full_used_pages": full.tolist(), "swa_used_pages": swa.tolist(),
                    "memory_saved": [None if np.isnan(x) else round(float(x), 4) for x in saved],
                    "swa_pages_evicted": evict.tolist(),
@@ -217,7 +217,9 @@ def plot(runs: list[dict], path: Path) -> bool:
 
 def markdown(cfg: dict, runs: list[dict]) -> str:
     lines = [f"# decode_loop: {cfg['device']}, graph={cfg['graph']}, backend={cfg['backend']}", "",
-             f"Model: {cfg['model']}", "",
+             f"Model: {cfg['model']}; {cfg['requests']} requests, {cfg['max_batch']} lanes, "
+             f"torch {cfg['torch']}, transformers {cfg.get('transformers')}, GPU {cfg['gpu']}, "
+             f"sync debug {cfg['sync_debug']}", "",
              "| ps | steps | steps w/ evictions | SWA pages evicted | peak FULL / SWA pages "
              "| memory saved (peak, mean) | tokens equal | max logit diff | host us/step "
              "| steps/s |",
@@ -362,16 +364,14 @@ def _main(args: argparse.Namespace) -> dict:
               f"(mean {100 * summary['memory_saved_mean']:.1f}%); {verdict}")
         print(f"        host {summary['host_us_per_step']['median']:.0f} us/step (median), "
               f"{summary['steps_per_s']:.0f} steps/s incl. prefill, "
-              f"{summary['ring_stalls']} descriptor-ring waits (the GPU was 2 steps behind), "
-              "integrity ok"
+              f"{summary['ring_stalls']} descriptor-ring waits (for the GPU), integrity ok"
               + (", 0 host syncs (sync debug 'error')" if run["host_syncs_in_loop"] == 0 else "")
-              + (f", graph nodes {_node_counts(summary['graph_nodes'])}"
-                 if summary["graph_nodes"] else ""))
+              + (f", graph nodes {summary['graph_nodes']}" if summary["graph_nodes"] else ""))
 
     ok = all(r.get("comparison", {}).get("tokens_equal", True)
              and r.get("comparison", {}).get("logits_within_atol", True) for r in runs)
-    cfg = {"device": args.device, "graph": args.graph, "sync_debug": args.sync_debug,
-           "backend": backend, "torch": torch.__version__,
+    cfg = {"args": vars(args), "device": args.device, "graph": args.graph,
+           "sync_debug": args.sync_debug, "backend": backend, "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
            "model": {"layers": mcfg.layer_types, "hidden": mcfg.hidden_size,
                      "heads": mcfg.num_heads, "kv_heads": mcfg.num_kv_heads,
