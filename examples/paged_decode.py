@@ -4,16 +4,16 @@ The graph of a step, captured once per descriptor buffer ``i`` of the allocator
 (``len(alloc.ring)`` graphs, sharing one memory pool)::
 
     alloc.launch(i)                        releases, window evictions, decode allocation
-    lane_buf <- lane_host[i]               this step's per-lane inputs (pinned, 6 x B int64)
+    lane_buf <- lane_host_bufs[i]          this step's per-lane inputs (pinned, 6 x B int64)
     full/swa slot of lane b = alloc out_*_buf[lane OUT[b]]   (sink 0 for padded lanes)
     logits = model(tokens_buf, ...)        writes the new K/V, reads K/V through the tables
     tokens_buf <- argmax(logits)           the next step's input, never read by the host
     history_buf[SERIAL, GEN] <- tokens     (and logits_buf): read once, after the loop
 
 Per step the host, from host-side lengths only: ``p = alloc.plan(release=...,
-evict=True, decode=rows)``, fills ``lane_host[p.buffer_index]``, replays graph
+evict=True, decode=rows)``, fills ``lane_host_bufs[p.buffer_index]``, replays graph
 ``p.buffer_index`` and calls ``alloc.mark_submitted(p)``. The event the allocator
-records there also guards ``lane_host[i]``: ``plan()`` hands out buffer ``i``
+records there also guards ``lane_host_bufs[i]``: ``plan()`` hands out buffer ``i``
 again only after the replay that read it has finished.
 
 Batch lanes and allocator output lanes. The model runs a fixed batch of
@@ -111,19 +111,19 @@ class DecodeLoop:
         self.kv = PagedKV(mcfg, acfg.num_full_slots, (acfg.num_swa_pages + 1) * acfg.page_size,
                           dev)
         self.n_serials = n_serials
-        # static_* buffers: allocated once, updated in place (captured addresses)
+        # *_buf(s): allocated once, updated in place only (a captured graph holds their addresses)
         self.tokens_buf = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.lane_buf = torch.zeros(N_LANE_FIELDS, max_batch, dtype=torch.int64, device=dev)
         pin = dev.type == "cuda"
-        self.lane_host = [torch.zeros(N_LANE_FIELDS, max_batch, dtype=torch.int64, pin_memory=pin)
-                          for _ in range(len(alloc.ring))]
-        self.lane_np = [t.numpy() for t in self.lane_host]
+        self.lane_host_bufs = [  # one per descriptor buffer, guarded by the same event
+            torch.zeros(N_LANE_FIELDS, max_batch, dtype=torch.int64, pin_memory=pin)
+            for _ in range(len(alloc.ring))]
+        self.lane_np = [t.numpy() for t in self.lane_host_bufs]
         self.history_buf = torch.zeros(n_serials + 1, max_out, dtype=torch.int64, device=dev)
         self.logits_buf = (torch.zeros(n_serials + 1, max_out, mcfg.vocab_size, device=dev)
                            if keep_logits else None)
         self.arange_ctx = torch.arange(acfg.max_context_len, device=dev)
         self.graphs: list = []
-        self._pending_lanes: np.ndarray | None = None
 
     # ---- the step body (captured) -------------------------------------------------------
     def _body(self, i: int) -> None:
@@ -133,7 +133,7 @@ class DecodeLoop:
 
     def _model_step(self, i: int) -> None:
         alloc, model = self.alloc, self.model
-        self.lane_buf.copy_(self.lane_host[i], non_blocking=True)
+        self.lane_buf.copy_(self.lane_host_bufs[i], non_blocking=True)
         rows, pos, valid, out = (self.lane_buf[f] for f in (ROW, POS, VALID, OUT))
         serial, gen = self.lane_buf[SERIAL], self.lane_buf[GEN]
         ok = valid != 0
