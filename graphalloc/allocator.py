@@ -91,6 +91,7 @@ class PlannedStep:
     pages_freed: dict
     pages_allocated: dict
     result: AllocResult | None = None
+    fusable: bool = False  # release and allocation may run as one launch (StepBuilder.fusable)
 
 
 class HybridAllocator:
@@ -112,13 +113,14 @@ class HybridAllocator:
     checks, which read the device on purpose.
     """
 
-    def __init__(self, config: AllocatorConfig, *, n_descriptor_bufs: int = 2):
+    def __init__(self, config: AllocatorConfig, *, n_descriptor_bufs: int = 2,
+                 fused_step: bool = False):
         self.config = config
         self.ledger = Ledger(config)
         self.state = DeviceState(config)
         self.ring = DescriptorRing(config.max_release_rows, config.max_alloc_rows, config.device,
                                    n_bufs=n_descriptor_bufs)
-        self.kernels = StepKernels(config, self.state)
+        self.kernels = StepKernels(config, self.state, fused=fused_step)
         self.step_runner: Callable[[int], None] | None = None  # set by StepGraph
         self._pending: PlannedStep | None = None
         self._group: list | None = None
@@ -331,15 +333,18 @@ class HybridAllocator:
         if self.step_runner is not None:
             self.step_runner(planned.buffer_index)
         else:
-            self.launch(planned.buffer_index)
+            self.launch(planned.buffer_index, fusable=planned.fusable)
         self.mark_submitted(planned)
         return planned.result
 
-    def launch(self, buffer_index: int) -> None:
+    def launch(self, buffer_index: int, fusable: bool = False) -> None:
         """Enqueue the step kernels reading descriptor buffer ``buffer_index``.
         Capture-safe: call it inside an engine's own graph capture, one captured
-        graph per descriptor buffer (``len(alloc.ring)`` of them)."""
-        self.kernels(self.ring.release_rows(buffer_index), self.ring.alloc_rows(buffer_index))
+        graph per descriptor buffer (``len(alloc.ring)`` of them). ``fusable=True``
+        (only for steps whose ``PlannedStep.fusable`` is set) makes it one fused launch
+        when the allocator was built with ``fused_step=True``; see ``StepKernels``."""
+        self.kernels(self.ring.release_rows(buffer_index), self.ring.alloc_rows(buffer_index),
+                     fusable=fusable)
 
     def mark_submitted(self, planned: PlannedStep) -> None:
         """Tell the allocator the planned step was enqueued (engines that replay their own
@@ -438,11 +443,11 @@ class HybridAllocator:
         if self._pending is not None:
             raise PendingStepError("the previous planned step was never run(); run it first")
         self._refuse_if_faulted()
-        builder = StepBuilder(self.config, self.ledger.copy())
+        builder = StepBuilder(self.config, self.ledger.copy(), epoch=self.steps_run + 1)
         apply(builder)  # raises with nothing committed
         release, alloc = builder.finish()
         index = self.ring.acquire()
-        self.ring.write(index, release, alloc)
+        self.ring.write(index, release, alloc, fusable=builder.fusable)
         self.ledger = builder.ledger  # commit
         result = None
         if results:
@@ -452,7 +457,8 @@ class HybridAllocator:
             result = AllocResult(rows, first, n_tok, self.state.out_full_buf[:builder.n_tokens],
                                  self.state.out_swa_buf[:builder.n_tokens])
         self._pending = PlannedStep(index, len(release), len(alloc), builder.n_tokens,
-                                    builder.pages_freed, builder.pages_allocated, result)
+                                    builder.pages_freed, builder.pages_allocated, result,
+                                    builder.fusable)
         return self._pending
 
     def _run_step(self, apply) -> AllocResult | None:

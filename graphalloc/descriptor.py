@@ -13,7 +13,8 @@ Release rows (``max_release_rows`` of them), one per segment of one request::
     4    REL_SWA_PUSH  free-ring position where SWA page j is pushed (+ j, mod capacity)
     5    REL_FULL_PUSH free-ring position where FULL page j is pushed (+ j, mod capacity)
     6    REL_LANE      exclusive prefix sum of pages: the row's first page lane
-    7    (spare)
+    7    REL_EPOCH     the step's epoch (> 0, a step counter; 0 skips validate mode's
+                       duplicate-free check for the row)
 
     For page j < n: rep = req_to_token[r, s + j*ps]; the full page is rep // ps.
     REL_SWA:   peer = full_to_swa[rep]; push peer // ps (0, the sink marker, and a
@@ -49,7 +50,7 @@ import torch
 __all__ = [
     "ROW_WIDTH",
     "REL_REQ", "REL_START_POS", "REL_N_PAGES", "REL_FLAGS", "REL_SWA_PUSH", "REL_FULL_PUSH",
-    "REL_LANE",
+    "REL_LANE", "REL_EPOCH",
     "REL_SWA", "REL_FULL", "REL_CLEAR", "REL_RING_RETURN",
     "AL_REQ", "AL_START_POS", "AL_N_TOKENS", "AL_FULL_POP", "AL_SWA_POP", "AL_OUT", "AL_FLAGS",
     "AL_N_PAGES", "AL_RING", "AL_RING_ADMIT",
@@ -59,6 +60,7 @@ __all__ = [
 ROW_WIDTH = 8
 
 REL_REQ, REL_START_POS, REL_N_PAGES, REL_FLAGS, REL_SWA_PUSH, REL_FULL_PUSH, REL_LANE = range(7)
+REL_EPOCH = 7
 REL_SWA, REL_FULL, REL_CLEAR, REL_RING_RETURN = 1, 2, 4, 8
 
 AL_REQ, AL_START_POS, AL_N_TOKENS, AL_FULL_POP, AL_SWA_POP, AL_OUT, AL_FLAGS, AL_N_PAGES = range(8)
@@ -94,6 +96,7 @@ class DescriptorRing:
         self._alloc_views = [b[n_release_rows:] for b in self.bufs]
         self.events: list[torch.cuda.Event | None] = [None] * n_bufs
         self.used = [(0, 0)] * n_bufs  # rows written last time, per buffer
+        self.fusable = [False] * n_bufs  # per buffer: its step may run as one fused launch
         self.next_index = 0
         self.stalls = 0
 
@@ -115,8 +118,10 @@ class DescriptorRing:
             event.synchronize()  # sync ok: only when the GPU is len(ring) steps behind
         return index
 
-    def write(self, index: int, release: np.ndarray, alloc: np.ndarray) -> None:
-        """Copy the planned rows in; rows past them become padding (all zeros)."""
+    def write(self, index: int, release: np.ndarray, alloc: np.ndarray,
+              fusable: bool = False) -> None:
+        """Copy the planned rows in; rows past them become padding (all zeros).
+        ``fusable``: the step's ``StepBuilder.fusable``, kept for the step runner."""
         buf = self.np_bufs[index]
         n_rel, n_al = len(release), len(alloc)
         old_rel, old_al = self.used[index]
@@ -128,6 +133,7 @@ class DescriptorRing:
         if old_al > n_al:
             buf[base + n_al:base + old_al] = 0
         self.used[index] = (n_rel, n_al)
+        self.fusable[index] = fusable
 
     def submitted(self, index: int) -> None:
         """Record that the step reading buffer ``index`` was enqueued on the current stream."""

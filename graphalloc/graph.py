@@ -59,13 +59,21 @@ class StepGraph:
     programs and ``max_alloc_rows`` allocation programs; padded rows exit at
     once. On a CPU device nothing is captured and steps run eagerly.
 
-    ``replays`` counts graph launches.
+    With an allocator built with ``fused_step=True`` each descriptor buffer gets
+    two graphs: ``graphs[i]`` (release, then allocation: two kernel nodes) and
+    ``fused_graphs[i]`` (one fused kernel node); a step replays the fused one
+    only when its plan marked it fusable (``alloc.ring.fusable[i]``).
+
+    ``replays`` counts graph launches, ``fused_replays`` those of fused graphs.
     """
 
     def __init__(self, alloc, *, warmup: int = 2):
         self.alloc = alloc
         self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.fused_graphs: list[torch.cuda.CUDAGraph] = []
         self.replays = 0
+        self.fused_replays = 0
+        fused = alloc.kernels.fused
         if alloc.config.device.type == "cuda":
             if alloc._pending is not None:
                 raise RuntimeError("run() the planned step before building a StepGraph")
@@ -77,30 +85,42 @@ class StepGraph:
                     alloc.ring.write(i, alloc.ring.np_bufs[i][:0], alloc.ring.np_bufs[i][:0])
                 for _ in range(warmup):
                     alloc.launch(0)
+                    if fused:
+                        alloc.launch(0, fusable=True)
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()  # sync ok: one-time construction
             for i in range(len(alloc.ring)):
                 self.graphs.append(capture_graph(lambda i=i: alloc.launch(i)))
+                if fused:
+                    self.fused_graphs.append(
+                        capture_graph(lambda i=i: alloc.launch(i, fusable=True)))
             torch.cuda.synchronize()  # sync ok: one-time construction
         alloc.step_runner = self._run
 
     def _run(self, buffer_index: int) -> None:
+        fusable = self.alloc.ring.fusable[buffer_index]
         if self.graphs:
-            self.graphs[buffer_index].replay()
+            if fusable and self.fused_graphs:
+                self.fused_graphs[buffer_index].replay()
+                self.fused_replays += 1
+            else:
+                self.graphs[buffer_index].replay()
             self.replays += 1
         else:
-            self.alloc.launch(buffer_index)
+            self.alloc.launch(buffer_index, fusable=fusable)
 
     def close(self) -> None:
         """Detach from the allocator (steps run eagerly again)."""
         if self.alloc.step_runner == self._run:
             self.alloc.step_runner = None
 
-    def describe(self) -> dict:
-        """:func:`describe_graph` of the first captured graph."""
-        if not self.graphs:
+    def describe(self, fused: bool = False) -> dict:
+        """:func:`describe_graph` of the first captured graph (of the fused ones with
+        ``fused=True``)."""
+        graphs = self.fused_graphs if fused else self.graphs
+        if not graphs:
             return {}
-        return describe_graph(self.graphs[0])
+        return describe_graph(graphs[0])
 
 
 def _cudart():

@@ -35,6 +35,7 @@ from .descriptor import (
     AL_START_POS,
     AL_SWA_POP,
     REL_CLEAR,
+    REL_EPOCH,
     REL_FLAGS,
     REL_FULL,
     REL_FULL_PUSH,
@@ -101,9 +102,12 @@ def _ceil_div(a, b):
 class StepBuilder:
     """Accumulates one step's rows over a working copy of the ledger."""
 
-    def __init__(self, config: AllocatorConfig, ledger: Ledger):
+    def __init__(self, config: AllocatorConfig, ledger: Ledger, epoch: int = 0):
         self.config = config
         self.ledger = ledger  # a working copy: mutated freely, committed by the caller
+        self.epoch = epoch  # written into every release row (REL_EPOCH); > 0, never reused
+        # Free pages before the step: pops within them never touch this step's pushes.
+        self.n_free_before = {"full": ledger.full.n_free, "swa": ledger.swa.n_free}
         self.len_at_start = ledger.seq_len.copy()  # pages below this exist on the device
         self.released = np.zeros(config.max_reqs, dtype=bool)
         self.allocated = np.zeros(config.max_reqs, dtype=bool)
@@ -227,7 +231,7 @@ class StepBuilder:
             self.pages_freed["full"] += total
         else:
             out[:, REL_FULL_PUSH] = 0
-        out[:, 7] = 0
+        out[:, REL_EPOCH] = self.epoch
         self.release_parts.append(out)
 
     # ---- allocation --------------------------------------------------------------------
@@ -317,6 +321,14 @@ class StepBuilder:
         self.pages_allocated["full"] += need_full
         self.pages_allocated["swa"] += need_swa
         return first_lane
+
+    @property
+    def fusable(self) -> bool:
+        """True when release and allocation of this step may run as one launch: the step's
+        pops of each FIFO ring fit in what was free before it, so they never read a
+        position this step pushes to (``graphalloc.ledger.FreeRing``)."""
+        return (self.pages_allocated["full"] <= self.n_free_before["full"]
+                and self.pages_allocated["swa"] <= self.n_free_before["swa"])
 
     # ---- finish ------------------------------------------------------------------------
     def finish(self) -> tuple[np.ndarray, np.ndarray]:

@@ -5,6 +5,7 @@ shares the launcher's signature:
 
 * ``release`` -- the step's lookup-and-clear core node (release/evict rows)
 * ``allocate`` -- the step's decode/extend allocation
+* ``step`` -- both of them in one fused launch (for steps the planner marks fusable)
 * ``get_and_clear`` -- the single-call ``get_and_clear_swa_pages`` op
 * ``error_word`` -- the device error word both write faults to
 
@@ -15,12 +16,15 @@ from .allocate import allocate_tokens, allocate_tokens_torch
 from .error_word import new_error_word
 from .get_and_clear import get_and_clear_swa_pages, get_and_clear_swa_pages_torch
 from .release import release_pages, release_pages_torch
+from .step import run_step_fused, run_step_fused_torch
 
 __all__ = [
     "release_pages",
     "release_pages_torch",
     "allocate_tokens",
     "allocate_tokens_torch",
+    "run_step_fused",
+    "run_step_fused_torch",
     "get_and_clear_swa_pages",
     "get_and_clear_swa_pages_torch",
     "new_error_word",

@@ -24,9 +24,18 @@ A popped 0 (the sink marker, left by a faulty release) is a SINK_POP fault: the
 token is pointed at the sink page, the mapping is not written, and no page gets
 two owners.
 
+Validate mode (``validate=True``: the constexpr ``VALIDATE``; compiled out when
+off, skipped by the twin) also checks every popped id against its pool: a FULL
+page outside ``[1, n_full_cap]`` or an SWA page outside ``[1, n_swa_cap]``
+(token and admission pops alike) is an OUT_OF_RANGE fault and is treated as the
+sink: no mapping written, the token pointed at the sink page, the ring entry of
+an admission set to 0. A lane is counted once whatever it broke.
+
 The Triton kernel writes the mapping in a second loop over the row's new
 pages (``[BLOCK_PAGES, BLOCK_PS]`` tiles) instead of per token: the same
-writes, with a tile that does not grow with the token block.
+writes, with a tile that does not grow with the token block. The row's work is
+the device function ``_allocate_body``, shared by ``_allocate_kernel`` (one
+program per allocation row) and the fused step kernel of ``kernels.step``.
 
 Bytes per token: one index write to req_to_token and two to the outputs, plus
 the gathers of the popped (or continued) page ids; per new page, ps index
@@ -55,10 +64,16 @@ from graphalloc.descriptor import (
 )
 from graphalloc.errors import FaultCode, TensorSpecError
 
-from .error_word import ERR_WORDS, STAGE_ALLOC, record_faults, record_faults_torch
-from .release import _lanes_of_rows, block_ps, check_rows, load_row, row_col
+from .error_word import (
+    STAGE_ALLOC,
+    record_fault_bits,
+    record_fault_bits_torch,
+    record_faults,
+    record_faults_torch,
+)
+from .release import _lanes_of_rows, block_ps, check_common, check_rows, load_row, row_col
 
-__all__ = ["allocate_tokens", "allocate_tokens_torch"]
+__all__ = ["allocate_tokens", "allocate_tokens_torch", "allocate_meta"]
 
 # Descriptor columns, flags and codes as constexprs (jit code reads only constexpr globals).
 _REQ = tl.constexpr(AL_REQ)
@@ -71,24 +86,21 @@ _FLAGS = tl.constexpr(AL_FLAGS)
 _N_PAGES = tl.constexpr(AL_N_PAGES)
 _F_RING, _F_RING_ADMIT = tl.constexpr(AL_RING), tl.constexpr(AL_RING_ADMIT)
 _SINK_POP = tl.constexpr(FaultCode.SINK_POP)
+_OUT_OF_RANGE = tl.constexpr(FaultCode.OUT_OF_RANGE)
 _STAGE_ALLOC = tl.constexpr(STAGE_ALLOC)
 
 
-@triton.jit(do_not_specialize=["stride_r2t_row", "stride_ring_row", "n_full_cap", "n_swa_cap",
-                               "n_lanes", "n_ring_cols"])
-def _allocate_kernel(
-    # descriptor (int64 [n_rows, 8], may be pinned host memory)
-    rows_ptr,
-    # device tables and outputs
+@triton.jit
+def _allocate_body(
+    pid, rows_ptr,
     r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, out_full_ptr, out_swa_ptr, err_ptr,
-    # strides
     stride_r2t_row, stride_ring_row,
-    # sizes
     page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols,
-    # meta-parameters
-    BLOCK_TOKENS: tl.constexpr, BLOCK_PAGES: tl.constexpr, BLOCK_PS: tl.constexpr,
+    VALIDATE: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_PAGES: tl.constexpr,
+    BLOCK_PS: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
+    """One allocation row (``pid``, int64): the body of ``_allocate_kernel`` and of the fused
+    step kernel (``kernels.step``)."""
     row, cols = load_row(rows_ptr, pid)
     n_tokens = row_col(row, cols, _N_TOKENS)
     n_pages = row_col(row, cols, _N_PAGES)
@@ -114,9 +126,17 @@ def _allocate_kernel(
             admit_mask = q < n_admit
             popped = tl.load(swa_free_ptr + (swa_pop + q) % n_swa_cap, mask=admit_mask,
                              other=0).to(tl.int64)
+            if VALIDATE:
+                oor = admit_mask & ((popped < 0) | (popped > n_swa_cap))
+                bits = (tl.where(admit_mask & (popped == 0), _SINK_POP, 0)
+                        | tl.where(oor, _OUT_OF_RANGE, 0))
+                record_fault_bits(err_ptr, bits.to(tl.int64), lanes_t, _STAGE_ALLOC, pid, r,
+                                  popped, BLOCK_TOKENS)
+                popped = tl.where(oor, 0, popped)  # out of range: the ring gets the sink
+            else:
+                record_faults(err_ptr, admit_mask & (popped == 0), lanes_t, _SINK_POP,
+                              _STAGE_ALLOC, pid, r, popped, BLOCK_TOKENS)
             tl.store(ring_row_ptr + q, popped.to(ring_ptr.dtype.element_ty), mask=admit_mask)
-            record_faults(err_ptr, admit_mask & (popped == 0), lanes_t, _SINK_POP, _STAGE_ALLOC,
-                          pid, r, popped, BLOCK_TOKENS)
 
     # Token lanes: continue the partial page, then new pages popped in order.
     first_new = (start_pos + page_size - 1) // page_size  # pages below it exist already
@@ -139,11 +159,23 @@ def _allocate_kernel(
                            other=0).to(tl.int64) // page_size
         old_swa = tl.load(f2s_ptr + old_full * page_size, mask=is_old & pool,
                           other=0).to(tl.int64) // page_size
+        if VALIDATE:
+            full_bad = is_new & ((new_full <= 0) | (new_full > n_full_cap))
+            swa_bad = is_new & pool & ((new_swa <= 0) | (new_swa > n_swa_cap))
+            bits = (tl.where((is_new & (new_full == 0)) | (is_new & pool & (new_swa == 0)),
+                             _SINK_POP, 0)
+                    | tl.where((full_bad & (new_full != 0)) | (swa_bad & (new_swa != 0)),
+                               _OUT_OF_RANGE, 0))
+            record_fault_bits(err_ptr, bits.to(tl.int64), lanes_t, _STAGE_ALLOC, pid, r,
+                              tl.where(full_bad, new_full, new_swa), BLOCK_TOKENS)
+            new_full = tl.where(full_bad, 0, new_full)  # a bad id is treated as the sink
+            new_swa = tl.where(swa_bad, 0, new_swa)
+        else:
+            fault = is_new & ((new_full == 0) | (pool & (new_swa == 0)))
+            record_faults(err_ptr, fault, lanes_t, _SINK_POP, _STAGE_ALLOC, pid, r,
+                          tl.where(new_full == 0, new_full, new_swa), BLOCK_TOKENS)
         full = tl.where(is_new, new_full, old_full)
         swa = tl.where(ring, ring_swa, tl.where(is_new, new_swa, old_swa))
-        fault = is_new & ((new_full == 0) | (pool & (new_swa == 0)))
-        record_faults(err_ptr, fault, lanes_t, _SINK_POP, _STAGE_ALLOC, pid, r,
-                      tl.where(new_full == 0, new_full, new_swa), BLOCK_TOKENS)
         full_slot = full * page_size + off
         tl.store(r2t_row_ptr + pos, full_slot.to(r2t_ptr.dtype.element_ty), mask=tok_mask)
         tl.store(out_full_ptr + first_out + i, full_slot.to(out_full_ptr.dtype.element_ty),
@@ -166,6 +198,9 @@ def _allocate_kernel(
                            other=0).to(tl.int64)
         ring_swa = tl.load(ring_row_ptr + page_no % n_ring_cols, mask=page_mask & ring,
                            other=0).to(tl.int64)
+        if VALIDATE:  # out-of-range pops are the sink here too: no mapping written
+            full = tl.where(full <= n_full_cap, full, 0)
+            pool_swa = tl.where(pool_swa <= n_swa_cap, pool_swa, 0)
         swa = tl.where(ring, ring_swa, pool_swa)
         map_mask = (page_mask & (full > 0) & (swa > 0))[:, None] & in_page[None, :]
         slots = full[:, None] * page_size + offs_ps[None, :]
@@ -173,36 +208,64 @@ def _allocate_kernel(
         tl.store(f2s_ptr + slots, values.to(f2s_ptr.dtype.element_ty), mask=map_mask)
 
 
+@triton.jit(do_not_specialize=["stride_r2t_row", "stride_ring_row", "n_full_cap", "n_swa_cap",
+                               "n_lanes", "n_ring_cols"])
+def _allocate_kernel(
+    # descriptor (int64 [n_rows, 8], may be pinned host memory)
+    rows_ptr,
+    # device tables and outputs
+    r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, out_full_ptr, out_swa_ptr, err_ptr,
+    # strides
+    stride_r2t_row, stride_ring_row,
+    # sizes
+    page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols,
+    # meta-parameters
+    VALIDATE: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_PAGES: tl.constexpr,
+    BLOCK_PS: tl.constexpr,
+):
+    _allocate_body(tl.program_id(0).to(tl.int64), rows_ptr,
+                   r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, out_full_ptr,
+                   out_swa_ptr, err_ptr,
+                   stride_r2t_row, stride_ring_row,
+                   page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols,
+                   VALIDATE, BLOCK_TOKENS, BLOCK_PAGES, BLOCK_PS)
+
+
+def allocate_meta(page_size: int) -> dict:
+    """The allocation body's block sizes (token lanes, mapping tile of at most 2048 slots)."""
+    ps_block = block_ps(page_size)
+    return dict(BLOCK_TOKENS=64, BLOCK_PAGES=max(2, min(32, 2048 // ps_block)),
+                BLOCK_PS=ps_block)
+
+
 def allocate_tokens(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages,
                     out_full_slots, out_swa_slots, err, *, page_size: int, n_full_cap: int,
-                    n_swa_cap: int, n_lanes: int, validate: bool = False) -> None:
+                    n_swa_cap: int, n_lanes: int, validate: bool = False,
+                    swa_epoch: torch.Tensor | None = None) -> None:
     """Launch the allocation kernel: one program per row of ``rows``. Shares the twin's
-    signature and results (``validate`` is accepted for symmetry). Returns before the
-    device has finished."""
+    signature and results. ``validate`` compiles in the range checks of popped ids
+    (``swa_epoch`` is accepted for symmetry with the release launcher and not read).
+    Returns before the device has finished."""
     check_rows(rows, full_to_swa, "allocation")
-    if err.dtype != torch.int64 or err.numel() < ERR_WORDS:
-        raise TensorSpecError(f"err must be int64 [{ERR_WORDS}], got {err.dtype} "
-                              f"{tuple(err.shape)}")
-    if req_to_token.stride(1) != 1 or ring_pages.stride(1) != 1:
-        raise TensorSpecError("req_to_token and ring_pages need unit column stride")
+    check_common(req_to_token, ring_pages, err, False, swa_epoch, n_swa_cap)
     if not (out_full_slots.is_contiguous() and out_swa_slots.is_contiguous()):
         raise TensorSpecError("the output slot buffers must be contiguous")
     n_rows = rows.shape[0]
     if n_rows == 0:
         return
-    ps_block = block_ps(page_size)
     _allocate_kernel[(n_rows,)](
         rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, out_full_slots,
         out_swa_slots, err,
         req_to_token.stride(0), ring_pages.stride(0),
         page_size, n_full_cap, n_swa_cap, n_lanes, ring_pages.shape[1],
-        BLOCK_TOKENS=64, BLOCK_PAGES=max(2, min(32, 2048 // ps_block)), BLOCK_PS=ps_block,
+        VALIDATE=bool(validate), **allocate_meta(page_size),
     )
 
 
 def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages,
                           out_full_slots, out_swa_slots, err, *, page_size: int, n_full_cap: int,
-                          n_swa_cap: int, n_lanes: int, validate: bool = False) -> None:
+                          n_swa_cap: int, n_lanes: int, validate: bool = False,
+                          swa_epoch: torch.Tensor | None = None) -> None:
     """Reference twin of the allocation kernel over ``n_lanes`` flat token lanes.
 
     ``req_to_token`` has a scratch row past the requests and the output buffers
@@ -219,11 +282,17 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     q = torch.arange(n_ring, device=device)
     admit_lane = admit[:, None] & (q[None, :] < rows[:, AL_N_PAGES, None])
     popped = swa_free[(rows[:, AL_SWA_POP, None] + q) % n_swa_cap].to(torch.int64)
+    admit_bits = torch.where(admit_lane & (popped == 0), FaultCode.SINK_POP, 0)
+    if validate:
+        admit_oor = admit_lane & ((popped < 0) | (popped > n_swa_cap))
+        admit_bits |= torch.where(admit_oor, FaultCode.OUT_OF_RANGE, 0)
+        ring_value = torch.where(admit_oor, 0, popped)  # out of range: the ring gets the sink
+    else:
+        ring_value = popped
     admit_r = torch.where(admit_lane, rows[:, AL_REQ, None], ring_pages.shape[0] - 1)
     ring_pages.index_put_((admit_r.reshape(-1), q.expand_as(admit_r).reshape(-1)),
-                          popped.reshape(-1).to(ring_pages.dtype))
+                          ring_value.reshape(-1).to(ring_pages.dtype))
     row_ids = torch.arange(rows.shape[0], device=device)[:, None].expand_as(admit_lane)
-    admit_fault = admit_lane & (popped == 0)
 
     # --- token lanes ------------------------------------------------------------------
     row_of, i, valid = _lanes_of_rows(rows[:, AL_N_TOKENS], n_lanes)
@@ -244,18 +313,32 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     old_full = req_to_token[r, old_col].to(torch.int64) // ps
     old_swa_pool = full_to_swa[old_full * ps].to(torch.int64) // ps
 
+    pool_new = is_new & ~ring
+    sink = (is_new & (new_full == 0)) | (pool_new & (new_swa_pool == 0))
+    if validate:
+        full_bad = is_new & ((new_full <= 0) | (new_full > n_full_cap))
+        swa_bad = pool_new & ((new_swa_pool <= 0) | (new_swa_pool > n_swa_cap))
+        bits = (torch.where(sink, FaultCode.SINK_POP, 0)
+                | torch.where((full_bad & (new_full != 0)) | (swa_bad & (new_swa_pool != 0)),
+                              FaultCode.OUT_OF_RANGE, 0))
+        fault_page = torch.where(full_bad, new_full, new_swa_pool)
+        new_full = torch.where(full_bad, 0, new_full)  # a bad id is treated as the sink
+        new_swa_pool = torch.where(swa_bad, 0, new_swa_pool)
+    else:
+        bits = torch.where(sink, FaultCode.SINK_POP, 0)
+        fault_page = torch.where(new_full == 0, new_full, new_swa_pool)
     full = torch.where(is_new, new_full, old_full)
     swa = torch.where(ring, ring_swa, torch.where(is_new, new_swa_pool, old_swa_pool))
-    fault = is_new & ((new_full == 0) | (~ring & (new_swa_pool == 0)))
     # One record for admission and token lanes, claimed in (row, lane) order: a row's
     # admission lanes come before its token lanes, as in the kernel's program.
     width = n_ring + n_lanes
-    record_faults_torch(
-        err, torch.cat([admit_fault.reshape(-1), fault]), FaultCode.SINK_POP, STAGE_ALLOC,
-        torch.cat([row_ids.reshape(-1), row_of]),
-        torch.cat([rows[:, AL_REQ, None].expand_as(admit_lane).reshape(-1), r]),
-        torch.cat([popped.reshape(-1), torch.where(new_full == 0, new_full, new_swa_pool)]),
-        order=torch.cat([(row_ids * width + q).reshape(-1), row_of * width + n_ring + i]))
+    record = (record_fault_bits_torch if validate else
+              lambda e, b, *a, **kw: record_faults_torch(e, b != 0, FaultCode.SINK_POP, *a, **kw))
+    record(err, torch.cat([admit_bits.reshape(-1), bits]), STAGE_ALLOC,
+           torch.cat([row_ids.reshape(-1), row_of]),
+           torch.cat([rows[:, AL_REQ, None].expand_as(admit_lane).reshape(-1), r]),
+           torch.cat([popped.reshape(-1), fault_page]),
+           order=torch.cat([(row_ids * width + q).reshape(-1), row_of * width + n_ring + i]))
 
     full_slot = full * ps + off
     req_to_token[r, t] = full_slot.to(req_to_token.dtype)

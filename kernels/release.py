@@ -14,7 +14,27 @@ One program per descriptor release row (see ``graphalloc.descriptor``)::
         if FULL:  full_free[(full_push + j) % cap] = page
 
 Lanes past ``n_lanes`` (the row's first lane ``REL_LANE`` + j) are dropped, as
-in the twin. Fault recording: ``kernels.error_word.record_faults``.
+in the twin. Fault recording: ``kernels.error_word``.
+
+Validate mode (``validate=True``: the constexpr ``VALIDATE``; with it off none
+of this is compiled, and the twin skips it) adds, per page lane, before the
+barrier::
+
+    if rep not in [ps, (n_full_cap + 1) * ps):  OUT_OF_RANGE; the lane reads and
+        clears nothing, and pushes the sink marker 0 (FULL and SWA)
+    if SWA and peer > 0:
+        if peer // ps not in [1, n_swa_cap]:    OUT_OF_RANGE; push 0 instead
+        if full_to_swa[page*ps + o] != (peer // ps) * ps + o for some o < ps:
+                                                NOT_PAGE_DENSE
+        old = atomic_xchg(swa_epoch[peer // ps], epoch)   # epoch: the row's REL_EPOCH
+        if old == epoch:                        DUPLICATE_FREE (a 2nd free this step)
+
+The epoch stamp is how uniqueness is checked across programs without a sort:
+the host writes a step counter (> 0, never reused) into every release row, so
+a page stamped with this step's epoch was freed earlier in this step; rows
+with epoch 0 skip the check. Every lane is counted once in the error word
+whatever it broke (``record_fault_bits``). Extra bytes per freed page: ps index
+reads of the page tile and one 8-byte atomic exchange.
 
 Bytes per freed page: one index read of req_to_token, one of full_to_swa, ps
 index writes for the clear, one or two index writes for the pushes.
@@ -23,11 +43,13 @@ Compiled variants: every size, stride and capacity is a ``do_not_specialize``
 runtime int, and the descriptor's address never changes, so a new page count,
 start position or number of padded rows never compiles a new variant.
 ``page_size`` stays specialisable (it is fixed per allocator and lets ps = 1 or
-a multiple of 16 compile to simpler, aligned code); only ``BLOCK_PS`` is a
-constexpr.
+a multiple of 16 compile to simpler, aligned code); ``VALIDATE``, ``BLOCK_PAGES``
+and ``BLOCK_PS`` are constexprs fixed per allocator.
 
-``release_pages`` (Triton) and ``release_pages_torch`` (the reference twin)
-share one signature and produce identical state.
+The row's work is the device function ``_release_body``, shared by
+``_release_kernel`` (one program per release row) and the fused step kernel of
+``kernels.step``. ``release_pages`` (Triton) and ``release_pages_torch`` (the
+reference twin) share one signature and produce identical state.
 """
 
 from __future__ import annotations
@@ -38,6 +60,7 @@ import triton.language as tl
 
 from graphalloc.descriptor import (
     REL_CLEAR,
+    REL_EPOCH,
     REL_FLAGS,
     REL_FULL,
     REL_FULL_PUSH,
@@ -52,9 +75,16 @@ from graphalloc.descriptor import (
 )
 from graphalloc.errors import FaultCode, TensorSpecError
 
-from .error_word import ERR_WORDS, STAGE_RELEASE, record_faults, record_faults_torch
+from .error_word import (
+    ERR_WORDS,
+    STAGE_RELEASE,
+    record_fault_bits,
+    record_fault_bits_torch,
+    record_faults,
+    record_faults_torch,
+)
 
-__all__ = ["release_pages", "release_pages_torch"]
+__all__ = ["release_pages", "release_pages_torch", "release_meta"]
 
 # Descriptor columns, flags and codes as constexprs (jit code reads only constexpr globals).
 _ROW_WIDTH = tl.constexpr(ROW_WIDTH)
@@ -65,9 +95,13 @@ _FLAGS = tl.constexpr(REL_FLAGS)
 _SWA_PUSH = tl.constexpr(REL_SWA_PUSH)
 _FULL_PUSH = tl.constexpr(REL_FULL_PUSH)
 _LANE = tl.constexpr(REL_LANE)
+_EPOCH = tl.constexpr(REL_EPOCH)
 _F_SWA, _F_FULL = tl.constexpr(REL_SWA), tl.constexpr(REL_FULL)
 _F_CLEAR, _F_RING_RETURN = tl.constexpr(REL_CLEAR), tl.constexpr(REL_RING_RETURN)
 _UNMAPPED_PEER = tl.constexpr(FaultCode.UNMAPPED_PEER)
+_NOT_PAGE_DENSE = tl.constexpr(FaultCode.NOT_PAGE_DENSE)
+_OUT_OF_RANGE = tl.constexpr(FaultCode.OUT_OF_RANGE)
+_DUPLICATE_FREE = tl.constexpr(FaultCode.DUPLICATE_FREE)
 _STAGE_RELEASE = tl.constexpr(STAGE_RELEASE)
 
 
@@ -84,21 +118,16 @@ def row_col(row, cols, col: tl.constexpr):
     return tl.sum(tl.where(cols == col, row, 0), axis=0)
 
 
-@triton.jit(do_not_specialize=["stride_r2t_row", "stride_ring_row", "n_full_cap", "n_swa_cap",
-                               "n_lanes", "n_ring_cols"])
-def _release_kernel(
-    # descriptor (int64 [n_rows, 8], may be pinned host memory)
-    rows_ptr,
-    # device tables
-    r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr,
-    # strides
+@triton.jit
+def _release_body(
+    pid, rows_ptr,
+    r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr, epoch_ptr,
     stride_r2t_row, stride_ring_row,
-    # sizes
     page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols,
-    # meta-parameters
-    BLOCK_PAGES: tl.constexpr, BLOCK_PS: tl.constexpr,
+    VALIDATE: tl.constexpr, BLOCK_PAGES: tl.constexpr, BLOCK_PS: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
+    """One release row (``pid``, int64): the body of ``_release_kernel`` and of the fused
+    step kernel (``kernels.step``)."""
     row, cols = load_row(rows_ptr, pid)
     n_pages = row_col(row, cols, _N_PAGES)
     if n_pages == 0:  # padded row
@@ -114,6 +143,9 @@ def _release_kernel(
     do_swa = reads & ((flags & _F_SWA) != 0)
     do_clear = reads & ((flags & _F_CLEAR) != 0)
     do_full = reads & ((flags & _F_FULL) != 0)
+    if VALIDATE:
+        epoch = row_col(row, cols, _EPOCH)  # 0: no duplicate check for this row
+        n_slots = (n_full_cap + 1) * page_size
 
     lanes = tl.arange(0, BLOCK_PAGES)
     offs_ps = tl.arange(0, BLOCK_PS)
@@ -136,18 +168,52 @@ def _release_kernel(
         read_mask = page_mask & reads
         rep = tl.load(r2t_row_ptr + start_pos + j * page_size, mask=read_mask,
                       other=0).to(tl.int64)
+        swa_mask = page_mask & do_swa  # lanes that push an SWA page (the sink marker if need be)
+        if VALIDATE:
+            # A representative outside [ps, n_slots) is masked: nothing is read or written
+            # through it, and both pushes get the sink marker.
+            fault_page = rep // page_size
+            rep_ok = (rep >= page_size) & (rep < n_slots)
+            bad_rep = read_mask & ~rep_ok
+            read_mask = read_mask & rep_ok
+            rep = tl.where(rep_ok, rep, 0)
+            gather_mask = swa_mask & rep_ok
+        else:
+            gather_mask = swa_mask
         full_page = rep // page_size
-        swa_mask = page_mask & do_swa
-        peer = tl.load(f2s_ptr + rep, mask=swa_mask, other=0).to(tl.int64)
+        peer = tl.load(f2s_ptr + rep, mask=gather_mask, other=0).to(tl.int64)
         mapped = peer > 0
         swa_page = tl.where(mapped, peer // page_size, 0)
-        record_faults(err_ptr, swa_mask & (peer <= 0), lanes, _UNMAPPED_PEER, _STAGE_RELEASE,
-                      pid, r, full_page, BLOCK_PAGES)
+        if VALIDATE:
+            live = gather_mask & mapped
+            swa_ok = (swa_page >= 1) & (swa_page <= n_swa_cap)
+            bad_swa = live & ~swa_ok
+            swa_page = tl.where(swa_ok, swa_page, 0)  # out of range: push the sink marker
+            # Page-dense: slot o of the full page holds (peer // ps) * ps + o, every o.
+            tile_mask = live[:, None] & in_page[None, :]
+            tile = tl.load(f2s_ptr + full_page[:, None] * page_size + offs_ps[None, :],
+                           mask=tile_mask, other=0).to(tl.int64)
+            expect = (peer // page_size)[:, None] * page_size + offs_ps[None, :]
+            n_off = tl.sum((tile_mask & (tile != expect)).to(tl.int32), axis=1)
+            # Unique within the step: stamp the page with the step's epoch; finding the
+            # stamp already there means another lane freed it in this step.
+            stamp_mask = live & swa_ok & (epoch > 0)
+            old = tl.atomic_xchg(epoch_ptr + swa_page, tl.zeros_like(swa_page) + epoch,
+                                 mask=stamp_mask)
+            bits = (tl.where(gather_mask & ~mapped, _UNMAPPED_PEER, 0)
+                    | tl.where(live & (n_off > 0), _NOT_PAGE_DENSE, 0)
+                    | tl.where(bad_rep | bad_swa, _OUT_OF_RANGE, 0)
+                    | tl.where(stamp_mask & (old == epoch), _DUPLICATE_FREE, 0))
+            record_fault_bits(err_ptr, bits.to(tl.int64), lanes, _STAGE_RELEASE, pid, r,
+                              fault_page, BLOCK_PAGES)
+        else:
+            record_faults(err_ptr, swa_mask & (peer <= 0), lanes, _UNMAPPED_PEER,
+                          _STAGE_RELEASE, pid, r, full_page, BLOCK_PAGES)
 
         # rep is one of the slots cleared below: every gather must land before any clear.
         tl.debug_barrier()
 
-        clear_mask = (page_mask & do_clear)[:, None] & in_page[None, :]
+        clear_mask = (read_mask & do_clear)[:, None] & in_page[None, :]
         slots = full_page[:, None] * page_size + offs_ps[None, :]
         tl.store(f2s_ptr + slots, tl.zeros([BLOCK_PAGES, BLOCK_PS], f2s_ptr.dtype.element_ty),
                  mask=clear_mask)
@@ -155,6 +221,27 @@ def _release_kernel(
                  mask=swa_mask)
         tl.store(full_free_ptr + (full_push + j) % n_full_cap,
                  full_page.to(full_free_ptr.dtype.element_ty), mask=page_mask & do_full)
+
+
+@triton.jit(do_not_specialize=["stride_r2t_row", "stride_ring_row", "n_full_cap", "n_swa_cap",
+                               "n_lanes", "n_ring_cols"])
+def _release_kernel(
+    # descriptor (int64 [n_rows, 8], may be pinned host memory)
+    rows_ptr,
+    # device tables (epoch_ptr: validate mode's stamps; unread otherwise)
+    r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr, epoch_ptr,
+    # strides
+    stride_r2t_row, stride_ring_row,
+    # sizes
+    page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols,
+    # meta-parameters
+    VALIDATE: tl.constexpr, BLOCK_PAGES: tl.constexpr, BLOCK_PS: tl.constexpr,
+):
+    _release_body(tl.program_id(0).to(tl.int64), rows_ptr,
+                  r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr, epoch_ptr,
+                  stride_r2t_row, stride_ring_row,
+                  page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols,
+                  VALIDATE, BLOCK_PAGES, BLOCK_PS)
 
 
 def check_rows(rows: torch.Tensor, table: torch.Tensor, what: str) -> None:
@@ -174,29 +261,45 @@ def block_ps(page_size: int) -> int:
     return triton.next_power_of_2(page_size)
 
 
-def release_pages(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, err,
-                  *, page_size: int, n_full_cap: int, n_swa_cap: int, n_lanes: int,
-                  validate: bool = False) -> None:
-    """Launch the release kernel: one program per row of ``rows``. Shares the twin's
-    signature and results (``validate`` is accepted for symmetry; the release kernel
-    records its faults either way). Returns before the device has finished."""
-    check_rows(rows, full_to_swa, "release")
+def release_meta(page_size: int) -> dict:
+    """The release body's block sizes: a ``[BLOCK_PAGES, BLOCK_PS]`` clear tile of at most
+    2048 slots (power-of-two dims)."""
+    ps_block = block_ps(page_size)
+    return dict(BLOCK_PAGES=max(2, min(32, 2048 // ps_block)), BLOCK_PS=ps_block)
+
+
+def check_common(req_to_token, ring_pages, err, validate: bool, swa_epoch, n_swa_cap: int):
+    """Launcher checks shared by the release, allocation and fused step launchers."""
     if err.dtype != torch.int64 or err.numel() < ERR_WORDS:
         raise TensorSpecError(f"err must be int64 [{ERR_WORDS}], got {err.dtype} "
                               f"{tuple(err.shape)}")
     if req_to_token.stride(1) != 1 or ring_pages.stride(1) != 1:
         raise TensorSpecError("req_to_token and ring_pages need unit column stride")
+    if validate and (swa_epoch is None or swa_epoch.dtype != torch.int64
+                     or swa_epoch.numel() < n_swa_cap + 1):
+        got = "None" if swa_epoch is None else f"{swa_epoch.dtype} {tuple(swa_epoch.shape)}"
+        raise TensorSpecError(f"validate=True needs swa_epoch, int64 [n_swa_cap + 1 = "
+                              f"{n_swa_cap + 1}] (DeviceState.swa_epoch_buf), got {got}")
+
+
+def release_pages(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, err,
+                  *, page_size: int, n_full_cap: int, n_swa_cap: int, n_lanes: int,
+                  validate: bool = False, swa_epoch: torch.Tensor | None = None) -> None:
+    """Launch the release kernel: one program per row of ``rows``. Shares the twin's
+    signature and results. ``validate`` compiles in the checks of the module docstring;
+    it needs ``swa_epoch`` (int64 ``[n_swa_cap + 1]``, zero-initialised, kept across
+    steps), which is not read otherwise. Returns before the device has finished."""
+    check_rows(rows, full_to_swa, "release")
+    check_common(req_to_token, ring_pages, err, validate, swa_epoch, n_swa_cap)
     n_rows = rows.shape[0]
     if n_rows == 0:
         return
-    ps_block = block_ps(page_size)
-    # A [BLOCK_PAGES, BLOCK_PS] clear tile of at most 2048 slots (power-of-two dims).
-    pages_block = max(2, min(32, 2048 // ps_block))
     _release_kernel[(n_rows,)](
         rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, err,
+        swa_epoch if validate else err,
         req_to_token.stride(0), ring_pages.stride(0),
         page_size, n_full_cap, n_swa_cap, n_lanes, ring_pages.shape[1],
-        BLOCK_PAGES=pages_block, BLOCK_PS=ps_block,
+        VALIDATE=bool(validate), **release_meta(page_size),
     )
 
 
@@ -210,14 +313,44 @@ def _lanes_of_rows(n_per_row: torch.Tensor, n_lanes: int):
     return row_of_lane, torch.where(valid, within, 0), valid
 
 
+def stamp_epochs_torch(swa_epoch: torch.Tensor, page: torch.Tensor, epoch: torch.Tensor,
+                       active: torch.Tensor) -> torch.Tensor:
+    """Twin of the kernel's ``old = atomic_xchg(swa_epoch[page], epoch)`` over lanes in
+    program order: returns ``old == epoch`` per active lane and leaves each page stamped
+    with the epoch of its last lane. Fixed-shape and sync-free (one sort).
+
+    A lane's ``old`` is the epoch of the previous active lane with the same page, or the
+    table's value for the page's first lane; with one epoch per step that marks the second
+    and later frees of a page in the step.
+    """
+    n = page.shape[0]
+    lane = torch.arange(n, device=page.device)
+    key = torch.where(active, page, -1)  # inactive lanes sort first and are ignored
+    order = torch.argsort(key * n + lane)  # by page, then lane: a stable grouping
+    s_key, s_epoch = key[order], epoch[order]
+    s_page = s_key.clamp(min=0)
+    same_prev = torch.zeros_like(active)
+    same_prev[1:] = s_key[1:] == s_key[:-1]
+    prev_epoch = torch.roll(s_epoch, 1)
+    old = torch.where(same_prev, prev_epoch, swa_epoch[s_page])
+    s_dup = (s_key >= 0) & (old == s_epoch)
+    # Each page ends with its last lane's epoch; every lane of a page writes that same
+    # value, so the duplicate indices of the scatter below agree.
+    last = torch.searchsorted(s_key, s_key, right=True) - 1
+    final = torch.where(s_key >= 0, s_epoch[last], swa_epoch[s_page])
+    swa_epoch.index_put_((s_page,), final.to(swa_epoch.dtype))
+    return torch.zeros_like(active).scatter_(0, order, s_dup)
+
+
 def release_pages_torch(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, err,
                         *, page_size: int, n_full_cap: int, n_swa_cap: int, n_lanes: int,
-                        validate: bool = False) -> None:
+                        validate: bool = False, swa_epoch: torch.Tensor | None = None) -> None:
     """Reference twin of the release kernel over ``n_lanes`` flat page lanes.
 
     ``req_to_token`` has one scratch row past the requests, ``full_free`` and
     ``swa_free`` one scratch entry past their capacity: padded lanes write there.
     """
+    check_common(req_to_token, ring_pages, err, validate, swa_epoch, n_swa_cap)
     device = full_to_swa.device
     ps = page_size
     rows = rows.to(device, non_blocking=True)
@@ -229,22 +362,50 @@ def release_pages_torch(rows, req_to_token, full_to_swa, full_free, swa_free, ri
     col = torch.where(reads, rows[row_of, REL_START_POS] + j * ps, 0)
     r_read = torch.where(reads, r, req_to_token.shape[0] - 1)
     rep = req_to_token[r_read, col].to(torch.int64)
+    do_swa = reads & ((flags & REL_SWA) != 0)
+    if validate:  # a representative out of range is read and cleared through nowhere
+        fault_page = rep // ps
+        rep_ok = (rep >= ps) & (rep < (n_full_cap + 1) * ps)
+        bad_rep = reads & ~rep_ok
+        read_ok = reads & rep_ok
+        rep = torch.where(rep_ok, rep, 0)
+        gather = do_swa & rep_ok
+    else:
+        read_ok, gather = reads, do_swa
     full_page = rep // ps
     peer = full_to_swa[rep].to(torch.int64)
+    if validate:
+        peer = torch.where(gather, peer, 0)
     mapped = peer > 0
+    swa_page = torch.where(mapped, peer // ps, 0)
+    offs = torch.arange(ps, device=device)
+    if validate:
+        live = gather & mapped
+        swa_ok = (swa_page >= 1) & (swa_page <= n_swa_cap)
+        bad_swa = live & ~swa_ok
+        swa_page = torch.where(swa_ok, swa_page, 0)
+        tile = full_to_swa[torch.where(live[:, None], full_page[:, None] * ps + offs, 0)]
+        not_dense = live & (tile.to(torch.int64) != (peer // ps)[:, None] * ps + offs).any(1)
+        epoch = rows[row_of, REL_EPOCH]
+        stamp = live & swa_ok & (epoch > 0)
+        dup = stamp_epochs_torch(swa_epoch, torch.where(stamp, swa_page, 0), epoch, stamp)
+        bits = (torch.where(gather & ~mapped, FaultCode.UNMAPPED_PEER, 0)
+                | torch.where(not_dense, FaultCode.NOT_PAGE_DENSE, 0)
+                | torch.where(bad_rep | bad_swa, FaultCode.OUT_OF_RANGE, 0)
+                | torch.where(dup, FaultCode.DUPLICATE_FREE, 0))
+        record_fault_bits_torch(err, bits, STAGE_RELEASE, row_of, r, fault_page)
+    else:
+        record_faults_torch(err, do_swa & ~mapped, FaultCode.UNMAPPED_PEER, STAGE_RELEASE,
+                            row_of, r, full_page)
 
-    do_swa = reads & ((flags & REL_SWA) != 0)
     ring_col = torch.where(ring_return, j, 0).clamp_(max=ring_pages.shape[1] - 1)
     ring_page = ring_pages[torch.where(ring_return, r, 0), ring_col].to(torch.int64)
-    swa_value = torch.where(ring_return, ring_page, torch.where(mapped, peer // ps, 0))
+    swa_value = torch.where(ring_return, ring_page, swa_page)
     swa_pos = torch.where(do_swa | ring_return,
                           (rows[row_of, REL_SWA_PUSH] + j) % n_swa_cap, n_swa_cap)
-    fault = do_swa & ~mapped
-    record_faults_torch(err, fault, FaultCode.UNMAPPED_PEER, STAGE_RELEASE, row_of, r, full_page)
 
     # The gathers above are materialised before the clear below: the twin's barrier.
-    do_clear = reads & ((flags & REL_CLEAR) != 0)
-    offs = torch.arange(ps, device=device)
+    do_clear = read_ok & ((flags & REL_CLEAR) != 0)
     clear_slot = torch.where(do_clear[:, None], full_page[:, None] * ps + offs, 0)
     full_to_swa.index_put_((clear_slot.reshape(-1),),
                            torch.zeros((), dtype=full_to_swa.dtype, device=device))

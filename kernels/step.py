@@ -1,0 +1,128 @@
+"""The fused step: release and allocation of one step in ONE launch.
+
+Why it is allowed. The free lists are FIFO rings whose positions the host
+owns (``graphalloc.ledger.FreeRing``): a step pushes the pages it frees at the
+tail and pops the pages it allocates from the head. When the step's pops of
+each ring fit in what was free *before* the step, the pop positions
+``[head, head + pops)`` and the push positions ``[head + n_free, ...)`` are
+disjoint, so no allocation program reads a ring entry a release program
+writes. The other tables are disjoint by the host contracts: a released
+request does not allocate in its step, a frontier advance frees only whole
+pages below the allocated length (never the partial page an allocation
+continues), and the pages popped are pages free before the step, never the
+pages cleared by this step's releases. Then the programs of both bodies have
+no dependency on each other and may run in any order, concurrently.
+``StepBuilder.fusable`` is that condition; a step without it must run as two
+launches (``kernels.release`` then ``kernels.allocate``).
+
+One program per descriptor row of either table::
+
+    pid < R:  _release_body(pid)              # release rows [0, R)
+    else:     _allocate_body(pid - R)         # allocation rows [0, A)
+
+The bodies are the same device functions the two single kernels run, so both
+variants execute the same instructions per row; only the launch differs (one
+grid of R + A programs instead of two grids and the dependency between them).
+Faults go to the same error word; on a GPU the first record may then come from
+either stage (bits and counts are exact either way); the interpreter runs
+programs in order, so there it equals the two-launch record.
+
+``run_step_fused`` (Triton) and ``run_step_fused_torch`` (the twin: the two
+twins in order, which is what the fused launch must equal) share one signature.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphalloc.errors import TensorSpecError
+
+from .allocate import _allocate_body, allocate_meta, allocate_tokens_torch
+from .release import _release_body, check_common, check_rows, release_meta, release_pages_torch
+
+__all__ = ["run_step_fused", "run_step_fused_torch"]
+
+
+@triton.jit(do_not_specialize=["stride_r2t_row", "stride_ring_row", "n_full_cap", "n_swa_cap",
+                               "n_release_rows", "n_release_lanes", "n_alloc_lanes",
+                               "n_ring_cols"])
+def _step_kernel(
+    # descriptor tables (int64 [R, 8] and [A, 8], may be pinned host memory)
+    rel_rows_ptr, al_rows_ptr,
+    # device tables and outputs (epoch_ptr: validate mode's stamps; unread otherwise)
+    r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, out_full_ptr, out_swa_ptr, err_ptr,
+    epoch_ptr,
+    # strides
+    stride_r2t_row, stride_ring_row,
+    # sizes
+    page_size, n_full_cap, n_swa_cap, n_release_rows, n_release_lanes, n_alloc_lanes,
+    n_ring_cols,
+    # meta-parameters
+    VALIDATE: tl.constexpr, REL_BLOCK_PAGES: tl.constexpr, AL_BLOCK_TOKENS: tl.constexpr,
+    AL_BLOCK_PAGES: tl.constexpr, BLOCK_PS: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    if pid < n_release_rows:
+        _release_body(pid, rel_rows_ptr,
+                      r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr, epoch_ptr,
+                      stride_r2t_row, stride_ring_row,
+                      page_size, n_full_cap, n_swa_cap, n_release_lanes, n_ring_cols,
+                      VALIDATE, REL_BLOCK_PAGES, BLOCK_PS)
+    else:
+        _allocate_body(pid - n_release_rows, al_rows_ptr,
+                       r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, out_full_ptr,
+                       out_swa_ptr, err_ptr,
+                       stride_r2t_row, stride_ring_row,
+                       page_size, n_full_cap, n_swa_cap, n_alloc_lanes, n_ring_cols,
+                       VALIDATE, AL_BLOCK_TOKENS, AL_BLOCK_PAGES, BLOCK_PS)
+
+
+def run_step_fused(release_rows, alloc_rows, req_to_token, full_to_swa, full_free, swa_free,
+                   ring_pages, out_full_slots, out_swa_slots, err, *, page_size: int,
+                   n_full_cap: int, n_swa_cap: int, n_release_lanes: int, n_alloc_lanes: int,
+                   validate: bool = False, swa_epoch: torch.Tensor | None = None) -> None:
+    """Launch one step as a single grid of ``R + A`` programs (R release rows, A allocation
+    rows). Only for a step whose pops fit in what was free before it
+    (``StepBuilder.fusable``); the caller guarantees it, nothing here can check it.
+
+    Arguments are those of ``release_pages`` and ``allocate_tokens`` together
+    (``n_release_lanes`` / ``n_alloc_lanes`` are their ``n_lanes``); ``validate`` needs
+    ``swa_epoch``. Returns before the device has finished.
+    """
+    check_rows(release_rows, full_to_swa, "release")
+    check_rows(alloc_rows, full_to_swa, "allocation")
+    check_common(req_to_token, ring_pages, err, validate, swa_epoch, n_swa_cap)
+    if not (out_full_slots.is_contiguous() and out_swa_slots.is_contiguous()):
+        raise TensorSpecError("the output slot buffers must be contiguous")
+    n_rel, n_al = release_rows.shape[0], alloc_rows.shape[0]
+    if n_rel + n_al == 0:
+        return
+    rel_meta, al_meta = release_meta(page_size), allocate_meta(page_size)
+    _step_kernel[(n_rel + n_al,)](
+        release_rows, alloc_rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages,
+        out_full_slots, out_swa_slots, err, swa_epoch if validate else err,
+        req_to_token.stride(0), ring_pages.stride(0),
+        page_size, n_full_cap, n_swa_cap, n_rel, n_release_lanes, n_alloc_lanes,
+        ring_pages.shape[1],
+        VALIDATE=bool(validate), REL_BLOCK_PAGES=rel_meta["BLOCK_PAGES"],
+        AL_BLOCK_TOKENS=al_meta["BLOCK_TOKENS"], AL_BLOCK_PAGES=al_meta["BLOCK_PAGES"],
+        BLOCK_PS=rel_meta["BLOCK_PS"],
+    )
+
+
+def run_step_fused_torch(release_rows, alloc_rows, req_to_token, full_to_swa, full_free,
+                         swa_free, ring_pages, out_full_slots, out_swa_slots, err, *,
+                         page_size: int, n_full_cap: int, n_swa_cap: int, n_release_lanes: int,
+                         n_alloc_lanes: int, validate: bool = False,
+                         swa_epoch: torch.Tensor | None = None) -> None:
+    """Reference twin of :func:`run_step_fused`: the release twin, then the allocation twin
+    (the order the fused launch must be indistinguishable from)."""
+    common = dict(page_size=page_size, n_full_cap=n_full_cap, n_swa_cap=n_swa_cap,
+                  validate=validate, swa_epoch=swa_epoch)
+    release_pages_torch(release_rows, req_to_token, full_to_swa, full_free, swa_free,
+                        ring_pages, err, n_lanes=n_release_lanes, **common)
+    allocate_tokens_torch(alloc_rows, req_to_token, full_to_swa, full_free, swa_free,
+                          ring_pages, out_full_slots, out_swa_slots, err, n_lanes=n_alloc_lanes,
+                          **common)
