@@ -271,6 +271,8 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     ``req_to_token`` has a scratch row past the requests and the output buffers
     a scratch entry past ``n_lanes``: padded lanes write there.
     """
+    if rows.shape[0] == 0:  # as the launcher: nothing to run
+        return
     device = full_to_swa.device
     ps = page_size
     rows = rows.to(device, non_blocking=True)

@@ -351,6 +351,8 @@ def release_pages_torch(rows, req_to_token, full_to_swa, full_free, swa_free, ri
     ``swa_free`` one scratch entry past their capacity: padded lanes write there.
     """
     check_common(req_to_token, ring_pages, err, validate, swa_epoch, n_swa_cap)
+    if rows.shape[0] == 0:  # as the launcher: nothing to run
+        return
     device = full_to_swa.device
     ps = page_size
     rows = rows.to(device, non_blocking=True)

@@ -1,0 +1,490 @@
+"""Fused step vs two launches: the GPU time of one step-graph replay, both ways.
+
+    python benchmarks/bench_fused.py --out benchmarks/results/h200_fused   # GPU, a few minutes
+    python benchmarks/bench_fused.py --quick --out /tmp/bench_fused        # CPU smoke run
+
+A step of B requests: each request frees one SWA segment of ``pages`` live
+pages (a frontier advance: ``plan(advance=...)``), and with ``+decode`` also
+allocates one decode token (request r sits at in-page offset r mod ps, so about
+B / ps of the tokens pop a new page). Every such step is fusable: its pops fit
+in what was free before it. Three graphs are timed:
+
+    two     the allocator's step graph: release kernel, then allocation kernel
+    fused   the fused step graph of the same descriptor buffer: one kernel of R + A programs
+    floor   an empty Triton kernel in a graph (measured first and again last)
+
+Each timed sample is a real, distinct step: plan it (host, untimed), write
+``--flush-mib`` MiB to evict L2, record an event, replay, record an event.
+``two`` and ``fused`` alternate sample by sample on the same allocator (the
+order flips every sample), so drift and state affect both alike. Medians (p50)
+of ``--samples`` samples after ``--warmup`` untimed ones; p20/p80 in the JSON.
+
+Grid: B in {1, 8, 64, 256, 1024} x page_size {16, 128} x pages {1, 8} x
+{frees, frees + decode}. The frozen shape is as tight as the step:
+``max_release_rows`` = B x rows per segment (``--row-pages`` pages per row),
+``max_alloc_rows`` = B, ``max_step_pages`` = B x pages.
+
+Writes ``bench_fused.json`` and ``bench_fused.md`` into ``--out``. Without CUDA
+(``--quick``) the same code runs eagerly on the Torch twins (device times are
+CPU wall clock, ``"device_clock": "cpu-wall"``; no verdict is drawn).
+
+The verdict (GPU only) follows a rule fixed in advance, ``VERDICT_RULE``: keep
+the fused variant if it saves at least ``KEEP_MIN_SAVING_US`` at the median
+over all cases and is nowhere slower by more than ``KEEP_MAX_LOSS_US``;
+otherwise drop it (the two-kernel graph is needed anyway, for the steps that
+are not fusable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+FULL = dict(b=(1, 8, 64, 256, 1024), ps=(16, 128), pages=(1, 8), decode=(False, True),
+            samples=100, warmup=10, flush_mib=256, token_budget=65536)
+QUICK = dict(b=(1, 8), ps=(16,), pages=(1, 8), decode=(False, True), samples=5, warmup=2,
+             flush_mib=8, token_budget=256)
+KEEP_MIN_SAVING_US = 1.0
+KEEP_MAX_LOSS_US = 0.5
+VERDICT_RULE = (f"keep the fused variant if (two - fused) p50 is >= {KEEP_MIN_SAVING_US} us at "
+                f"the median over all cases and >= -{KEEP_MAX_LOSS_US} us in every case; "
+                "otherwise drop it (steps that are not fusable need the two-kernel graph anyway)")
+QUANTILES = (20, 50, 80)
+
+
+def summarize(samples_us) -> dict | None:
+    arr = np.asarray(list(samples_us), dtype=np.float64)
+    if arr.size == 0:
+        return None
+    p20, p50, p80 = np.percentile(arr, QUANTILES)
+    return {"p20": float(p20), "p50": float(p50), "p80": float(p80), "mean": float(arr.mean()),
+            "min": float(arr.min()), "n": int(arr.size)}
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---- the workload ---------------------------------------------------------------------------
+class FusedWorkload:
+    """B requests on one allocator built with ``fused_step=True``, prefilled (untimed) so
+    that ``n_steps`` steps can each advance every request's frontier by ``n_pages`` pages.
+
+    ``step_graph.graphs[i]`` / ``step_graph.fused_graphs[i]`` are the two variants for
+    descriptor buffer i (empty on the CPU: ``launch(i, fusable=...)`` runs eagerly)."""
+
+    def __init__(self, n_reqs: int, ps: int, n_pages: int, *, decode: bool, device, backend: str,
+                 n_steps: int, token_budget: int, row_pages: int, window_pages: int = 4):
+        from graphalloc import AllocatorConfig, HybridAllocator, StepGraph
+
+        self.n_reqs, self.ps, self.n_pages, self.decode = n_reqs, ps, n_pages, decode
+        self.n_steps = n_steps
+        self.grow = n_pages * ps  # frontier move per step, tokens
+        window = window_pages * ps
+        fill = n_steps * self.grow + window
+        context = fill + n_steps * int(decode) + 2 * ps
+        pages_per_req = _ceil_div(context, ps) + 1
+        row_cap = max(1, min(n_pages, row_pages))
+        budget = max(token_budget, n_reqs)
+        self.config = AllocatorConfig(
+            page_size=ps, num_full_pages=n_reqs * pages_per_req,
+            num_swa_pages=n_reqs * pages_per_req, max_reqs=n_reqs, max_context_len=context,
+            sliding_window=window, index_dtype=torch.int64, device=device, backend=backend,
+            max_release_rows=n_reqs * _ceil_div(n_pages, row_cap), max_pages_per_row=row_cap,
+            max_alloc_rows=n_reqs,
+            max_tokens_per_alloc_row=min(context, budget // min(n_reqs, 16)),
+            max_step_pages=n_reqs * n_pages, max_step_tokens=budget)
+        self.alloc = HybridAllocator(self.config, fused_step=True)
+        self.step_graph = StepGraph(self.alloc)
+        self.rows = np.array([self.alloc.admit() for _ in range(n_reqs)], dtype=np.int64)
+        phase = np.arange(n_reqs, dtype=np.int64) % ps if decode else 0
+        self._fill(np.full(n_reqs, fill, dtype=np.int64) + phase)
+        self.frontier = np.zeros(n_reqs, dtype=np.int64)
+        self.steps_done = 0
+        self.swa_pages_freed = 0
+        self.n_not_fusable = 0
+
+    def _fill(self, n_tokens: np.ndarray) -> None:
+        cfg = self.config
+        left = n_tokens.copy()
+        while left.any():
+            piece = np.minimum(left, cfg.max_tokens_per_alloc_row)
+            todo = np.flatnonzero(piece)
+            take = todo[np.cumsum(piece[todo]) <= cfg.max_step_tokens]
+            self.alloc.alloc_extend(self.rows[take], piece[take])
+            left[take] -= piece[take]
+
+    def plan(self):
+        """The next step, planned into a descriptor buffer (host only)."""
+        if self.steps_done >= self.n_steps:
+            raise RuntimeError(f"workload sized for {self.n_steps} steps")
+        new = self.frontier + self.grow
+        decode = self.rows if self.decode else ()
+        planned = self.alloc.plan(advance=(self.rows, new), decode=decode)
+        self.frontier = new
+        self.steps_done += 1
+        self.n_not_fusable += not planned.fusable
+        return planned
+
+    def runner(self, variant: str):
+        """``run(planned)``: replay (or, on the CPU, launch) ``variant`` for the planned step,
+        then mark it submitted."""
+        alloc, sg = self.alloc, self.step_graph
+        graphs = {"two": sg.graphs, "fused": sg.fused_graphs}[variant]
+        fusable = variant == "fused"
+
+        def run(planned) -> None:
+            if graphs:
+                graphs[planned.buffer_index].replay()
+            else:
+                alloc.launch(planned.buffer_index, fusable=fusable)
+            alloc.mark_submitted(planned)
+            self.swa_pages_freed += planned.pages_freed["swa"]
+        return run
+
+    def verify(self) -> dict:
+        """No device fault, and every step freed B x pages SWA pages (reads the device)."""
+        self.alloc.check()
+        expected = self.steps_done * self.n_reqs * self.n_pages
+        if self.swa_pages_freed != expected:
+            raise AssertionError(f"{self.swa_pages_freed} SWA pages freed, expected {expected}")
+        if not self.alloc.config.device.type == "cuda":
+            self.alloc.check_integrity()
+        return {"steps": self.steps_done, "swa_pages_freed": self.swa_pages_freed,
+                "not_fusable_steps": self.n_not_fusable}
+
+    def close(self) -> None:
+        self.step_graph.close()
+        self.step_graph.graphs.clear()
+        self.step_graph.fused_graphs.clear()
+        self.alloc = None
+
+
+# ---- timing -------------------------------------------------------------------------------
+class Timer:
+    """Device intervals of one call per sample, an L2-evicting write queued before each."""
+
+    def __init__(self, device: torch.device, n_samples: int, n_warmup: int, flush_mib: int):
+        self.device, self.is_cuda = device, device.type == "cuda"
+        self.n_samples, self.n_warmup = n_samples, n_warmup
+        self.clock = "cuda-events" if self.is_cuda else "cpu-wall"
+        self._flush_buf = (torch.empty(flush_mib * 2**20 // 4, dtype=torch.int32, device=device)
+                           if self.is_cuda else None)
+
+    def sync(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def alternating(self, calls: dict, before=None) -> dict:
+        """Samples of every ``calls[name](before())``, the names alternating within each
+        sample round (order reversed every other round). Returns microseconds per name."""
+        names = list(calls)
+        pending = {name: [] for name in names}
+        for i in range(self.n_warmup + self.n_samples):
+            for name in (names if i % 2 == 0 else names[::-1]):
+                value = before() if before is not None else None
+                if self.is_cuda:
+                    self._flush_buf.zero_()  # queued first: the device is busy while we enqueue
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    calls[name](value)
+                    end.record()
+                    if i >= self.n_warmup:
+                        pending[name].append((start, end))
+                else:
+                    t0 = time.perf_counter_ns()
+                    calls[name](value)
+                    t1 = time.perf_counter_ns()
+                    if i >= self.n_warmup:
+                        pending[name].append((t1 - t0) / 1e3)
+        self.sync()
+        if self.is_cuda:
+            return {n: [s.elapsed_time(e) * 1e3 for s, e in v] for n, v in pending.items()}
+        return pending
+
+
+def floor_call(device: torch.device):
+    """``(call, what, graph)``: an empty Triton kernel captured in a graph (CUDA), else a
+    one-element fill run eagerly."""
+    buf = torch.zeros(1, dtype=torch.int32, device=device)
+    if device.type != "cuda":
+        return (lambda _=None: buf.zero_()), "one-element torch fill (eager)", None
+    import triton
+
+    from graphalloc.graph import capture_graph
+
+    @triton.jit
+    def _empty_kernel(x_ptr):
+        pass
+
+    _empty_kernel[(1,)](buf)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = capture_graph(lambda: _empty_kernel[(1,)](buf))
+    torch.cuda.synchronize()
+    return (lambda _=None: graph.replay()), "empty Triton kernel, grid (1,), in a graph", graph
+
+
+def graph_nodes(graph) -> dict:
+    if graph is None:
+        return {"note": "no CUDA graph (CPU run)"}
+    try:
+        from graphalloc.graph import describe_graph
+        return describe_graph(graph)
+    except Exception as exc:  # cuda-python missing, or a torch without raw_cuda_graph
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+# ---- tasks --------------------------------------------------------------------------------
+def measure_floor(ctx) -> dict:
+    call, what, graph = floor_call(ctx.device)
+    samples = ctx.timer.alternating({"floor": call})["floor"]
+    return {"kernel": what, "gpu_us": summarize(samples), "graph": graph_nodes(graph)}
+
+
+def measure_case(ctx, n_reqs: int, ps: int, n_pages: int, decode: bool) -> dict:
+    p = ctx.params
+    n_steps = 2 * (p["samples"] + p["warmup"]) + 2
+    wl = FusedWorkload(n_reqs, ps, n_pages, decode=decode, device=ctx.device,
+                       backend=ctx.backend, n_steps=n_steps, token_budget=p["token_budget"],
+                       row_pages=p["row_pages"])
+    try:
+        cfg = wl.config
+        rec = {"B": n_reqs, "page_size": ps, "pages": n_pages, "decode": decode,
+               "release_rows": cfg.max_release_rows, "alloc_rows": cfg.max_alloc_rows,
+               "programs": {"two": [cfg.max_release_rows, cfg.max_alloc_rows],
+                            "fused": [cfg.max_release_rows + cfg.max_alloc_rows]}}
+        samples = ctx.timer.alternating({"two": wl.runner("two"), "fused": wl.runner("fused")},
+                                        before=wl.plan)
+        rec["gpu_us"] = {name: summarize(v) for name, v in samples.items()}
+        sg = wl.step_graph
+        rec["graph_nodes"] = {
+            "two": graph_nodes(sg.graphs[0] if sg.graphs else None),
+            "fused": graph_nodes(sg.fused_graphs[0] if sg.fused_graphs else None)}
+        for nodes in rec["graph_nodes"].values():
+            nodes.pop("kernel_names", None)
+        rec["verify"] = wl.verify()
+        rec["all_fusable"] = rec["verify"]["not_fusable_steps"] == 0
+        two, fused = rec["gpu_us"]["two"]["p50"], rec["gpu_us"]["fused"]["p50"]
+        rec["saving_us"] = two - fused
+        floor = (ctx.results.get("floor") or {}).get("gpu_us") or {}
+        if floor.get("p50") is not None and two > floor["p50"]:
+            rec["saving_of_work_above_floor"] = (two - fused) / (two - floor["p50"])
+        return rec
+    finally:
+        wl.close()
+        ctx.release_memory()
+
+
+def verdict(cases: list, is_cuda: bool) -> dict:
+    if not is_cuda:
+        return {"rule": VERDICT_RULE, "decision": None,
+                "note": "CPU run: wall clock of the Torch twins, no decision"}
+    savings = [c["saving_us"] for c in cases if "saving_us" in c]
+    if not savings:
+        return {"rule": VERDICT_RULE, "decision": None, "note": "no case measured"}
+    med, worst = float(np.median(savings)), float(min(savings))
+    keep = med >= KEEP_MIN_SAVING_US and worst >= -KEEP_MAX_LOSS_US
+    return {"rule": VERDICT_RULE, "median_saving_us": med, "worst_saving_us": worst,
+            "best_saving_us": float(max(savings)), "decision": "keep fused" if keep else
+            "drop fused"}
+
+
+# ---- reporting ----------------------------------------------------------------------------
+def _q(s: dict | None) -> str:
+    if not s:
+        return "-"
+    return f"{s['p50']:.2f} ({s['p20']:.2f}-{s['p80']:.2f})"
+
+
+def markdown(res: dict) -> str:
+    unit = "us GPU" if res["device_clock"] == "cuda-events" else "us CPU wall (Torch twins)"
+    lines = ["# Fused step vs two launches", "",
+             f"Command: `{res['command']}`  ", f"Machine: {res['machine'].get('summary', '?')}  ",
+             f"Clock: {res['device_clock']}; p50 (p20-p80) of {res['params']['samples']} samples "
+             f"after {res['params']['warmup']} warm-ups, {res['params']['flush_mib']} MiB L2 "
+             "flush before each, outside the interval.", ""]
+    floor = res.get("floor") or {}
+    floor_end = res.get("floor_end") or {}
+    lines.append(f"Floor ({floor.get('kernel', '-')}): {_q(floor.get('gpu_us'))} {unit} "
+                 f"(again at the end: {_q(floor_end.get('gpu_us'))}).")
+    lines += ["", f"| B | ps | pages | decode | programs (two / fused) | two, {unit} | "
+              f"fused, {unit} | saving | of work above floor |",
+              "|---:|---:|---:|:---:|---|---|---|---:|---:|"]
+    for c in res["cases"]:
+        if "gpu_us" not in c:
+            continue
+        share = c.get("saving_of_work_above_floor")
+        lines.append(
+            f"| {c['B']} | {c['page_size']} | {c['pages']} | {'yes' if c['decode'] else 'no'} | "
+            f"{c['release_rows']} + {c['alloc_rows']} / {c['release_rows'] + c['alloc_rows']} | "
+            f"{_q(c['gpu_us']['two'])} | {_q(c['gpu_us']['fused'])} | {c['saving_us']:+.2f} | "
+            f"{'-' if share is None else f'{100 * share:.0f}%'} |")
+    v = res["verdict"]
+    lines += ["", "## Verdict", "", f"Rule: {v['rule']}.", ""]
+    if v.get("decision"):
+        lines.append(f"**{v['decision']}**: median saving {v['median_saving_us']:+.2f} us, "
+                     f"worst {v['worst_saving_us']:+.2f} us, best {v['best_saving_us']:+.2f} us.")
+    else:
+        lines.append(v.get("note", "no decision"))
+    if res["errors"] or res["skipped"]:
+        lines += ["", "## Errors and skipped parts", ""]
+        lines += [f"- error: {e['case']}: {e['error']}" for e in res["errors"]]
+        lines += [f"- skipped: {s}" for s in res["skipped"]]
+    return "\n".join(lines) + "\n"
+
+
+def machine_info(device: torch.device) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "numpy": np.__version__, "platform": platform.platform()}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except Exception as exc:
+        info["triton"] = f"unavailable ({type(exc).__name__})"
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, text=True,
+                                        capture_output=True, timeout=10).stdout.strip()
+    except Exception:
+        info["commit"] = "unknown"
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+        info["summary"] = f"{info['gpu']}, torch {info['torch']}, Triton {info['triton']}"
+    else:
+        info["summary"] = f"CPU ({platform.processor() or 'unknown'}), torch {info['torch']}"
+    return info
+
+
+# ---- run ----------------------------------------------------------------------------------
+class Context:
+    def __init__(self, args, device: torch.device, backend: str):
+        self.args, self.params = args, args.params
+        self.device, self.is_cuda, self.backend = device, device.type == "cuda", backend
+        self.timer = Timer(device, self.params["samples"], self.params["warmup"],
+                           self.params["flush_mib"])
+        self.results: dict = {}
+
+    def release_memory(self) -> None:
+        gc.collect()
+        if self.is_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny sizes and sample counts (CPU CI)")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "fused"),
+                   help="output directory")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
+                   help="auto: triton on CUDA, torch (the twins) on the CPU")
+    p.add_argument("--b", help="comma-separated request counts (default 1,8,64,256,1024)")
+    p.add_argument("--ps", help="comma-separated page sizes (default 16,128)")
+    p.add_argument("--pages", help="comma-separated pages per segment (default 1,8)")
+    p.add_argument("--decode", choices=("both", "yes", "no"), default="both",
+                   help="steps with a decode token per request, without, or both")
+    p.add_argument("--samples", type=int, help="timed samples per measurement")
+    p.add_argument("--warmup", type=int, help="untimed samples before them")
+    p.add_argument("--flush-mib", type=int, help="MiB written before every sample")
+    p.add_argument("--row-pages", type=int, default=16, help="max_pages_per_row")
+    p.add_argument("--token-budget", type=int, help="max_step_tokens")
+    p.add_argument("--time-budget-s", type=float, default=900.0,
+                   help="cases not started by then are skipped (outputs are still written)")
+    args = p.parse_args(argv)
+    params = dict(QUICK if args.quick else FULL)
+    for key in ("b", "ps", "pages"):
+        if getattr(args, key):
+            params[key] = tuple(int(x) for x in getattr(args, key).split(","))
+    params["decode"] = {"both": (False, True), "yes": (True,), "no": (False,)}[args.decode]
+    for key in ("samples", "warmup", "flush_mib", "token_budget"):
+        if getattr(args, key) is not None:
+            params[key] = getattr(args, key)
+    params["row_pages"] = args.row_pages
+    args.params = params
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if device.type == "cpu" and args.backend == "triton":
+        # Triton on the CPU needs its interpreter, set before any kernel is defined.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    backend = args.backend if args.backend != "auto" else (
+        "triton" if device.type == "cuda" else "torch")
+    ctx = Context(args, device, backend)
+    p = ctx.params
+    res = ctx.results
+    res.update({
+        "command": " ".join(["python", os.path.relpath(__file__, REPO),
+                             *(sys.argv[1:] if argv is None else argv)]),
+        "machine": machine_info(device), "device_clock": ctx.timer.clock, "backend": backend,
+        "params": {k: list(v) if isinstance(v, tuple) else v for k, v in p.items()},
+        "floor": None, "floor_end": None, "cases": [], "errors": [], "skipped": []})
+    if device.type != "cuda":
+        res["skipped"].append("GPU-only parts (no CUDA device): graphs, CUDA events, the L2 "
+                              "flush; device times are CPU wall clock of the Torch twins")
+    t_start = time.perf_counter()
+    cases = [(b, ps, n, d) for d in p["decode"] for b in p["b"] for ps in p["ps"]
+             for n in p["pages"]]
+    try:
+        res["floor"] = measure_floor(ctx)
+    except Exception as exc:
+        res["errors"].append({"case": "floor", "error": f"{type(exc).__name__}: {exc}",
+                              "traceback": traceback.format_exc()})
+    for b, ps, n, d in cases:
+        label = f"B={b} ps={ps} pages={n}" + (" +decode" * d)
+        if time.perf_counter() - t_start > args.time_budget_s:
+            res["skipped"].append(f"{label}: time budget of {args.time_budget_s:.0f} s spent")
+            continue
+        t0 = time.perf_counter()
+        try:
+            rec = measure_case(ctx, b, ps, n, d)
+            rec["wall_s"] = time.perf_counter() - t0
+            res["cases"].append(rec)
+            print(f"{label}: two {_q(rec['gpu_us']['two'])}  fused {_q(rec['gpu_us']['fused'])}"
+                  f"  ({rec['wall_s']:.1f} s)", file=sys.stderr)
+        except Exception as exc:
+            res["errors"].append({"case": label, "error": f"{type(exc).__name__}: {exc}",
+                                  "traceback": traceback.format_exc()})
+            print(f"{label}: FAILED {type(exc).__name__}: {exc}", file=sys.stderr)
+            ctx.release_memory()
+    try:
+        res["floor_end"] = measure_floor(ctx)
+    except Exception as exc:
+        res["errors"].append({"case": "floor_end", "error": f"{type(exc).__name__}: {exc}"})
+    res["verdict"] = verdict(res["cases"], ctx.is_cuda)
+    res["wall_s"] = time.perf_counter() - t_start
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_fused.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(args.out, "bench_fused.md"), "w") as f:
+        f.write(markdown(res))
+    print(f"wrote {args.out}/bench_fused.json and bench_fused.md; verdict: "
+          f"{res['verdict'].get('decision')}", file=sys.stderr)
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
