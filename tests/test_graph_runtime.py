@@ -81,11 +81,13 @@ def test_plan_run_pairing_and_ring_rotation():
 
 # ---- CUDA -----------------------------------------------------------------------------------
 @pytest.mark.cuda
-@pytest.mark.parametrize("ring", [False, True])
-def test_graph_replay_matches_eager_torch_every_step(ring):
+@pytest.mark.parametrize("ring,fused", [(False, False), (True, False), (False, True),
+                                        (True, True)])
+def test_graph_replay_matches_eager_torch_every_step(ring, fused):
     """N random steps replayed through graphs (Triton) equal the eager Torch backend after
-    every step, with zero host syncs in the whole loop."""
-    graphed = ga.HybridAllocator(make_config("cuda", "triton", ring))
+    every step, with zero host syncs in the whole loop. ``fused``: fusable steps replay the
+    one-kernel graph."""
+    graphed = ga.HybridAllocator(make_config("cuda", "triton", ring), fused_step=fused)
     eager = ga.HybridAllocator(make_config("cuda", "torch", ring))
     step_graph = ga.StepGraph(graphed)
     rng = np.random.default_rng(11 + ring)
@@ -104,7 +106,9 @@ def test_graph_replay_matches_eager_torch_every_step(ring):
     eager.check_integrity()
     graphed.check()
     assert step_graph.replays == graphed.steps_run
-    print(f"ring={ring}: {N_STEPS_GPU} ops, {step_graph.replays} replays, kinds {kinds}")
+    assert (step_graph.fused_replays > 0) == fused
+    print(f"ring={ring} fused={fused}: {N_STEPS_GPU} ops, {step_graph.replays} replays "
+          f"({step_graph.fused_replays} fused), kinds {kinds}")
 
 
 @pytest.mark.cuda
@@ -138,3 +142,11 @@ def test_describe_graph_only_kernel_nodes():
     for forbidden in ("memcpy", "memset", "host"):
         assert desc.get(forbidden, 0) == 0, desc
     assert desc["total"] == 2
+
+
+@pytest.mark.cuda
+def test_describe_fused_graph_one_kernel_node():
+    alloc = ga.HybridAllocator(make_config("cuda", "triton", False), fused_step=True)
+    desc = ga.StepGraph(alloc).describe(fused=True)
+    print("fused graph nodes:", desc)
+    assert desc.get("kernel") == 1 and desc["total"] == 1, desc
