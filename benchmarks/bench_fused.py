@@ -219,19 +219,23 @@ class Timer:
         return pending
 
 
-def floor_call(device: torch.device):
-    """``(call, what, graph)``: an empty Triton kernel captured in a graph (CUDA), else a
-    one-element fill run eagerly."""
-    buf = torch.zeros(1, dtype=torch.int32, device=device)
-    if device.type != "cuda":
-        return (lambda _=None: buf.zero_()), "one-element torch fill (eager)", None
+try:
     import triton
-
-    from graphalloc.graph import capture_graph
 
     @triton.jit
     def _empty_kernel(x_ptr):
         pass
+except Exception:  # no Triton: the CPU run needs no floor kernel
+    _empty_kernel = None
+
+
+def floor_call(device: torch.device):
+    """``(call, what, graph)``: an empty Triton kernel captured in a graph (CUDA), else a
+    one-element fill run eagerly."""
+    buf = torch.zeros(1, dtype=torch.int32, device=device)
+    if device.type != "cuda" or _empty_kernel is None:
+        return (lambda _=None: buf.zero_()), "one-element torch fill (eager)", None
+    from graphalloc.graph import capture_graph
 
     _empty_kernel[(1,)](buf)  # compile outside the capture
     torch.cuda.synchronize()

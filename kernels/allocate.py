@@ -334,13 +334,16 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     # One record for admission and token lanes, claimed in (row, lane) order: a row's
     # admission lanes come before its token lanes, as in the kernel's program.
     width = n_ring + n_lanes
-    record = (record_fault_bits_torch if validate else
-              lambda e, b, *a, **kw: record_faults_torch(e, b != 0, FaultCode.SINK_POP, *a, **kw))
-    record(err, torch.cat([admit_bits.reshape(-1), bits]), STAGE_ALLOC,
-           torch.cat([row_ids.reshape(-1), row_of]),
-           torch.cat([rows[:, AL_REQ, None].expand_as(admit_lane).reshape(-1), r]),
-           torch.cat([popped.reshape(-1), fault_page]),
-           order=torch.cat([(row_ids * width + q).reshape(-1), row_of * width + n_ring + i]))
+    lane_bits = torch.cat([admit_bits.reshape(-1), bits])
+    record = (torch.cat([row_ids.reshape(-1), row_of]),
+              torch.cat([rows[:, AL_REQ, None].expand_as(admit_lane).reshape(-1), r]),
+              torch.cat([popped.reshape(-1), fault_page]))
+    order = torch.cat([(row_ids * width + q).reshape(-1), row_of * width + n_ring + i])
+    if validate:
+        record_fault_bits_torch(err, lane_bits, STAGE_ALLOC, *record, order=order)
+    else:
+        record_faults_torch(err, lane_bits != 0, FaultCode.SINK_POP, STAGE_ALLOC, *record,
+                            order=order)
 
     full_slot = full * ps + off
     req_to_token[r, t] = full_slot.to(req_to_token.dtype)

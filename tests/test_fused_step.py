@@ -119,18 +119,16 @@ def shuffled_programs(rng):
 
 @pytest.mark.parametrize("ring,validate", [(False, False), (False, True), (True, False)],
                          ids=["pool", "pool-validate", "ring"])
-def test_random_fusable_steps_fused_equal_two_launches(ring, validate):
+def test_random_fusable_steps_fused_equal_two_launches(ring, validate, device):
     """Random continuous-batching steps on four allocators: Triton two launches (the
     reference), Triton fused, Torch fused (the twin) and Triton with the fusable steps'
     programs shuffled. Every device tensor equal after every step."""
     rng = np.random.default_rng(5 + 2 * ring)
-    two = ga.HybridAllocator(make_config("triton", ring=ring, validate=validate))
-    fused = ga.HybridAllocator(make_config("triton", ring=ring, validate=validate),
-                               fused_step=True)
-    twin = ga.HybridAllocator(make_config("torch", ring=ring, validate=validate),
-                              fused_step=True)
-    shuffled = ga.HybridAllocator(make_config("triton", ring=ring, validate=validate),
-                                  fused_step=True)
+    kw = dict(ring=ring, validate=validate, device=device)
+    two = ga.HybridAllocator(make_config("triton", **kw))
+    fused = ga.HybridAllocator(make_config("triton", **kw), fused_step=True)
+    twin = ga.HybridAllocator(make_config("torch", **kw), fused_step=True)
+    shuffled = ga.HybridAllocator(make_config("triton", **kw), fused_step=True)
     shuffled.kernels._step = shuffled_programs(np.random.default_rng(99))
     allocs = [two, fused, twin, shuffled]
     for i in range(36):
@@ -149,11 +147,12 @@ def test_random_fusable_steps_fused_equal_two_launches(ring, validate):
         alloc.check_integrity()
 
 
-def _tight_pair(backend="triton"):
+def _tight_pair(device, backend="triton"):
     """Four FULL and four SWA pages, all owned by two interleaved requests."""
     ps = 2
-    cfg = make_config(backend, ps=ps, num_full_pages=4, num_swa_pages=4, max_reqs=2,
-                      max_context_len=6 * ps, max_step_pages=8, max_step_tokens=6 * ps)
+    cfg = make_config(backend, ps=ps, device=device, num_full_pages=4, num_swa_pages=4,
+                      max_reqs=2, max_context_len=6 * ps, max_step_pages=8,
+                      max_step_tokens=6 * ps)
     allocs = [ga.HybridAllocator(cfg), ga.HybridAllocator(cfg, fused_step=True)]
     for alloc in allocs:
         r1, r2 = alloc.admit(), alloc.admit()
@@ -162,10 +161,10 @@ def _tight_pair(backend="triton"):
     return allocs, (r1, r2), ps
 
 
-def test_non_fusable_step_is_detected_and_runs_as_two_launches():
+def test_non_fusable_step_is_detected_and_runs_as_two_launches(device):
     """Release r1 (pushes its 2 pages) and give r2 two new pages in the same step: nothing
     was free before the step, so the pops read the positions the release pushes to."""
-    allocs, (r1, r2), ps = _tight_pair()
+    allocs, (r1, r2), ps = _tight_pair(device)
     plans = [alloc.plan(release=[r1], extend=([r2], [2 * ps])) for alloc in allocs]
     assert [p.fusable for p in plans] == [False, False]
     assert allocs[1].ring.fusable[plans[1].buffer_index] is False
@@ -215,9 +214,9 @@ def test_fusable_boundary_pops_equal_to_free_before():
         assert (release[:, 7] == 7).all()  # REL_EPOCH
 
 
-def test_padded_and_empty_descriptors():
+def test_padded_and_empty_descriptors(device):
     """All-padding rows change nothing; zero rows launch nothing (both backends)."""
-    alloc = ga.HybridAllocator(make_config("triton"))
+    alloc = ga.HybridAllocator(make_config("triton", device=device))
     st = alloc.state
     r = alloc.admit()
     alloc.alloc_extend([r], [5])
@@ -225,8 +224,8 @@ def test_padded_and_empty_descriptors():
     cfg = alloc.config
     for fn in (run_step_fused, run_step_fused_torch):
         for n_rel, n_al in ((cfg.max_release_rows, cfg.max_alloc_rows), (0, 0)):
-            fn(torch.zeros((n_rel, 8), dtype=torch.int64),
-               torch.zeros((n_al, 8), dtype=torch.int64), st.req_to_token_buf,
+            fn(torch.zeros((n_rel, 8), dtype=torch.int64, device=device),
+               torch.zeros((n_al, 8), dtype=torch.int64, device=device), st.req_to_token_buf,
                st.full_to_swa_buf, st.full_free_buf, st.swa_free_buf, st.ring_pages_buf,
                st.out_full_buf, st.out_swa_buf, st.err_buf, page_size=cfg.page_size,
                n_full_cap=cfg.num_full_pages, n_swa_cap=cfg.num_swa_pages,
@@ -236,7 +235,7 @@ def test_padded_and_empty_descriptors():
             t, b = t[:-1], before[name][:-1]  # the twins' scratch entries
         else:
             b = before[name]
-        torch.testing.assert_close(t, b, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(t.cpu(), b.cpu(), rtol=0, atol=0, msg=name)
 
 
 def test_stepgraph_picks_the_variant_per_step_on_cpu():
@@ -256,8 +255,9 @@ def test_stepgraph_picks_the_variant_per_step_on_cpu():
     assert step_graph.replays == 0 and step_graph.fused_graphs == []
 
 
-def test_bench_fused_quick_runs_on_cpu(tmp_path):
-    """benchmarks/bench_fused.py --quick end to end on the Torch twin: both output files."""
+def test_bench_fused_quick_runs(tmp_path):
+    """benchmarks/bench_fused.py --quick end to end (the Torch twins on a CPU, CUDA graphs
+    on a GPU): both output files, every step fusable."""
     import importlib.util
     import os
 
@@ -268,7 +268,7 @@ def test_bench_fused_quick_runs_on_cpu(tmp_path):
     spec.loader.exec_module(bench)
     assert bench.main(["--quick", "--b", "1,4", "--pages", "2", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "bench_fused.json").read_text())
-    assert data["device_clock"] == "cpu-wall"
+    assert data["device_clock"] == ("cuda-events" if torch.cuda.is_available() else "cpu-wall")
     assert data["cases"] and all(c["all_fusable"] for c in data["cases"])
     assert {"two", "fused"} <= set(data["cases"][0]["gpu_us"])
     assert (tmp_path / "bench_fused.md").read_text().startswith("# ")

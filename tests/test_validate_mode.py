@@ -2,9 +2,12 @@
 
 Every scenario runs on a Torch-backend and a Triton-backend allocator (the
 Triton interpreter on the CPU) with ``validate=True``; both must record the same
-fault bits, count and first record, and leave identical tables (the epoch
-stamps included). With ``validate=False`` the same corruptions record no
-validation fault. Sizes are tiny: every Triton program costs ~2 ms here.
+fault bits and count, and leave identical tables (the epoch stamps included).
+The first record is equal too where the interpreter runs programs in order; on
+a GPU programs race for it (and two lanes freeing one page race for which one
+is the duplicate), so there it must be one of the candidates. With
+``validate=False`` the same corruptions record no validation fault. Sizes are
+tiny: every Triton program costs ~2 ms in the interpreter.
 """
 
 import numpy as np
@@ -59,15 +62,24 @@ def err_of(alloc):
     return alloc.state.err_buf.cpu().tolist()
 
 
-def assert_pair_equal(pair):
-    """Same tables, error word (first record included: the interpreter runs programs in
-    order) and epoch stamps on both backends."""
+def assert_pair_equal(pair, candidates=None):
+    """Same tables, epoch stamps and error word on both backends. ``candidates`` (first
+    records ``[code, row, req, page]``, the one the twin and the interpreter give first):
+    on a GPU the Triton record may be any of them."""
     snaps = [alloc.snapshot() for alloc in pair]
+    racy = candidates is not None and pair[1].config.device.type == "cuda"
     for name in snaps[0]:
-        np.testing.assert_array_equal(np.asarray(snaps[0][name]), np.asarray(snaps[1][name]),
-                                      err_msg=f"{name} differs between torch and triton")
+        a, b = np.asarray(snaps[0][name]), np.asarray(snaps[1][name])
+        if name == "err" and racy:
+            a, b = a[:ERR_CLAIMED], b[:ERR_CLAIMED]
+        np.testing.assert_array_equal(a, b, err_msg=f"{name} differs between torch and triton")
     torch.testing.assert_close(pair[0].state.swa_epoch_buf.cpu(),
                                pair[1].state.swa_epoch_buf.cpu(), rtol=0, atol=0)
+    if candidates is not None:
+        stage = int(snaps[0]["err"][ERR_STAGE])
+        assert err_of(pair[0])[ERR_CLAIMED:ERR_STAGE] == [1, *candidates[0]]
+        assert err_of(pair[1])[ERR_CLAIMED + 1:ERR_STAGE] in [list(c) for c in candidates]
+        assert err_of(pair[1])[ERR_STAGE] == stage
 
 
 def pages_of(alloc, r, n_pages):
@@ -169,9 +181,10 @@ def test_duplicate_free_in_one_step(ps, device):
         alloc.release([ra, rb])
         err = err_of(alloc)
         assert err[ERR_CODES] == F.DUPLICATE_FREE and err[ERR_COUNT] == 2
-        assert err[ERR_CLAIMED:] == [1, F.DUPLICATE_FREE, 1, rb, pb[0], STAGE_RELEASE]
         assert int(alloc.state.swa_epoch_buf[shared]) == alloc.steps_run  # this step's epoch
-    assert_pair_equal(pair)
+    # In program order the second and third frees are the duplicates; on a GPU any two are.
+    dup = F.DUPLICATE_FREE
+    assert_pair_equal(pair, [(dup, 1, rb, pb[0]), (dup, 0, ra, pa), (dup, 1, rb, pb[2])])
 
 
 def test_same_page_in_two_steps_is_not_a_duplicate_of_this_step(device):
@@ -312,17 +325,25 @@ def test_hand_built_rows_every_check(ps, device):
     release_pages_torch(rows, *t.values(), swa_epoch=epochs, **kw)
     release_pages(rows, *got.values(), swa_epoch=got_epochs, **kw)
     for name in t:
-        cut = slice(None) if name in ("full_to_swa", "err") else slice(0, -1)
+        cut = slice(None) if name == "full_to_swa" else slice(0, ERR_CLAIMED) if (
+            name == "err") else slice(0, -1)
         torch.testing.assert_close(t[name][cut].cpu(), got[name][cut].cpu(), rtol=0, atol=0,
                                    msg=f"{name} differs")
     torch.testing.assert_close(epochs.cpu(), got_epochs.cpu(), rtol=0, atol=0)
-    err = got["err"].cpu().tolist()
-    # Faulting lanes: 4 (ps > 1), 6, 8, 11, 12, 13, 14; never 15 or 16 (epoch 0).
-    assert err[ERR_CODES] == (F.UNMAPPED_PEER | F.OUT_OF_RANGE | F.DUPLICATE_FREE
-                              | F.NOT_PAGE_DENSE * (ps > 1))
-    assert err[ERR_COUNT] == 6 + (ps > 1)
-    first = [F.NOT_PAGE_DENSE, 0, 0, 4] if ps > 1 else [F.DUPLICATE_FREE, 1, 1, 6]
-    assert err[ERR_CLAIMED:] == [1, *first, STAGE_RELEASE]
+    # Faulting lanes: 4 (ps > 1), 6, 8, 11, 12, 13, 14; never 15 or 16 (epoch 0). On a GPU
+    # pages 5 / 6 and 9 / 11 race for which one is the duplicate, and rows for the record.
+    assert got["err"][ERR_CODES] == (F.UNMAPPED_PEER | F.OUT_OF_RANGE | F.DUPLICATE_FREE
+                                     | F.NOT_PAGE_DENSE * (ps > 1))
+    assert got["err"][ERR_COUNT] == 6 + (ps > 1)
+    dup = F.DUPLICATE_FREE
+    first = [F.NOT_PAGE_DENSE, 0, 0, 4] if ps > 1 else [dup, 1, 1, 6]
+    assert t["err"][ERR_CLAIMED:].tolist() == [1, *first, STAGE_RELEASE]  # the twin
+    record = got["err"][ERR_CLAIMED:].tolist()
+    if got["err"].device.type == "cpu":  # the interpreter: programs in order
+        assert record == [1, *first, STAGE_RELEASE]
+    else:
+        assert record[1:5] in [first, [dup, 1, 1, 5], [dup, 2, 2, 9], [dup, 2, 2, 11],
+                               [dup, 3, 3, 13]]
     assert epochs.tolist() == [0] + [5] * 9 + [0] * 7
     swa_pushed = got["swa_free"][:lane].tolist()
     assert swa_pushed[7] == 0 and swa_pushed[13] == 0  # page 8's bad peer, page 14's bad rep
