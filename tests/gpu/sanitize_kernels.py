@@ -7,7 +7,8 @@ Row kinds exercised: window eviction (SWA+clear), finish above the frontier
 (SWA+FULL+clear), finish below the frontier (FULL only), ring eviction (clear),
 ring return, ring admission, extend (new pages + partial page), decode, padded
 rows; an unmapped peer (fault path) and a sink-marker pop; the single-call op
-with and without validation; eager launches and graph replays.
+with and without validation; eager launches and graph replays; the fused
+one-launch step and validate mode.
 """
 
 from __future__ import annotations
@@ -36,9 +37,14 @@ def config(ring: bool, ps: int, dtype) -> ga.AllocatorConfig:
 def main() -> None:
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 60
     rng = np.random.default_rng(0)
-    for ring in (False, True):
-        for ps, dtype in ((1, torch.int32), (16, torch.int64), (3, torch.int64)):
-            alloc = ga.HybridAllocator(config(ring, ps, dtype))
+    variants = [(ring, ps, dtype, False, False) for ring in (False, True)
+                for ps, dtype in ((1, torch.int32), (16, torch.int64), (3, torch.int64))]
+    variants += [(False, 16, torch.int64, True, False), (True, 4, torch.int32, True, True),
+                 (False, 3, torch.int64, False, True)]  # (ring, ps, dtype, fused, validate)
+    for ring, ps, dtype, fused, validate in variants:
+        if True:
+            cfg = dataclasses.replace(config(ring, ps, dtype), validate=validate)
+            alloc = ga.HybridAllocator(cfg, fused_step=fused)
             for _ in range(steps // 2):
                 random_step([alloc], rng)
             ga.StepGraph(alloc)
