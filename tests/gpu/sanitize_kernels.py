@@ -42,16 +42,15 @@ def main() -> None:
     variants += [(False, 16, torch.int64, True, False), (True, 4, torch.int32, True, True),
                  (False, 3, torch.int64, False, True)]  # (ring, ps, dtype, fused, validate)
     for ring, ps, dtype, fused, validate in variants:
-        if True:
-            cfg = dataclasses.replace(config(ring, ps, dtype), validate=validate)
-            alloc = ga.HybridAllocator(cfg, fused_step=fused)
-            for _ in range(steps // 2):
-                random_step([alloc], rng)
-            ga.StepGraph(alloc)
-            for _ in range(steps // 2):
-                random_step([alloc], rng)
-            alloc.check()
-            assert alloc.audit() == [], alloc.audit()
+        cfg = dataclasses.replace(config(ring, ps, dtype), validate=validate)
+        alloc = ga.HybridAllocator(cfg, fused_step=fused)
+        for _ in range(steps // 2):
+            random_step([alloc], rng)
+        ga.StepGraph(alloc)
+        for _ in range(steps // 2):
+            random_step([alloc], rng)
+        alloc.check()
+        assert alloc.audit() == [], alloc.audit()
     # fault paths: unmapped peer pushed as sink marker, then popped
     alloc = ga.HybridAllocator(dataclasses.replace(config(False, 4, torch.int64),
                                                    num_swa_pages=8))
