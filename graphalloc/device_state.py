@@ -62,8 +62,8 @@ class DeviceState:
         dev, dt = cfg.device, cfg.index_dtype
         self.full_free_buf[:-1].copy_(torch.arange(1, cfg.num_full_pages + 1, dtype=dt, device=dev))
         self.swa_free_buf[:-1].copy_(torch.arange(1, cfg.num_swa_pages + 1, dtype=dt, device=dev))
-        self.full_free_buf[-1] = 0
-        self.swa_free_buf[-1] = 0
+        self.full_free_buf[-1:].zero_()
+        self.swa_free_buf[-1:].zero_()
 
     # Public views (no scratch entries).
     @property
