@@ -179,12 +179,12 @@ class HybridAllocator:
             if cfg.ring_mode:
                 b.ring_admit(row)
 
-        if n_prefix:
-            self.state.req_to_token_buf[row, :n_prefix].copy_(prefix_slots)
         if cfg.ring_mode:
-            self._run_step(apply)
+            self._run_step(apply)  # may refuse (a pending plan): copy the prefix only after
         else:  # nothing for the device to do
             apply(StepBuilder(cfg, self.ledger))
+        if n_prefix:
+            self.state.req_to_token_buf[row, :n_prefix].copy_(prefix_slots)
         return row
 
     def alloc_extend(self, rows, extend_lens) -> AllocResult:
