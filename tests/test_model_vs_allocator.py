@@ -1,0 +1,503 @@
+"""Stateful comparison of HybridAllocator (Torch backend, CPU) against tests/model.py.
+
+A hypothesis state machine drives both with random admits (with and without a
+shared prefix), extends (zero tokens and zero new pages included), decodes,
+window evictions, frontier advances, releases, free groups and combined
+steps, valid and invalid. After every rule it checks the allocator's integrity
+checker, and then independently: exact equality with the model (free queues in
+order, ``full_to_swa``, ``req_to_token`` on held positions, ring pages, counts,
+step count, the slots each allocation returned), per-pool conservation rebuilt
+from the device tables (no page owned twice, none lost, page 0 never handed
+out), page density of the mapping, and page-aligned monotone frontiers. An
+operation the model refuses must raise the matching typed error with the
+snapshot and stats unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from model import (
+    ALIGNMENT,
+    BATCH,
+    CAPACITY,
+    FRONTIER,
+    NESTED,
+    OVERLAP,
+    POSITION,
+    RING,
+    UNKNOWN,
+    Model,
+    Violation,
+    ceil_div,
+)
+
+from graphalloc import AllocatorConfig, HybridAllocator
+from graphalloc import errors as E
+
+ERRORS = {
+    UNKNOWN: E.UnknownRequestError,
+    OVERLAP: E.OverlapError,
+    CAPACITY: E.CapacityError,
+    ALIGNMENT: E.AlignmentError,
+    POSITION: E.PositionError,
+    FRONTIER: E.FrontierError,
+    BATCH: E.BatchTooLargeError,
+    RING: E.RingOverflowError,
+    NESTED: E.NestedGroupError,
+}
+
+I32, I64 = torch.int32, torch.int64
+
+# name: AllocatorConfig kwargs (+ the allocator's fused_step: one fused release+allocation
+# launch where the step allows it, or always two). Small pools so capacity is hit often.
+CONFIGS = {
+    "ps1": dict(page_size=1, num_full_pages=14, num_swa_pages=8, max_reqs=4,
+                max_context_len=10, sliding_window=3, index_dtype=I64, fused_step=False),
+    "ps1_ring": dict(page_size=1, num_full_pages=10, num_swa_pages=14, max_reqs=4,
+                     max_context_len=10, sliding_window=3, swa_ring_pages=4, index_dtype=I32,
+                     fused_step=True),
+    "ps2_tight": dict(page_size=2, num_full_pages=12, num_swa_pages=8, max_reqs=3,
+                      max_context_len=14, sliding_window=5, index_dtype=I32,
+                      max_release_rows=4, max_pages_per_row=2, max_alloc_rows=2,
+                      max_tokens_per_alloc_row=6, max_step_tokens=8, max_step_pages=9,
+                      fused_step=True),
+    "ps3_ring": dict(page_size=3, num_full_pages=10, num_swa_pages=11, max_reqs=4,
+                     max_context_len=18, sliding_window=2, swa_ring_pages=3, index_dtype=I64,
+                     fused_step=False),
+    "ps4": dict(page_size=4, num_full_pages=10, num_swa_pages=6, max_reqs=4,
+                max_context_len=24, sliding_window=1, index_dtype=I32,  # W < ps
+                fused_step=True),
+    "ps16_ring": dict(page_size=16, num_full_pages=10, num_swa_pages=10, max_reqs=3,
+                      max_context_len=80, sliding_window=20, swa_ring_pages=3, index_dtype=I32,
+                      fused_step=False),
+    "ps64": dict(page_size=64, num_full_pages=8, num_swa_pages=5, max_reqs=3,
+                 max_context_len=256, sliding_window=40, index_dtype=I64, fused_step=True),
+    "ps128": dict(page_size=128, num_full_pages=5, num_swa_pages=4, max_reqs=2,
+                  max_context_len=384, sliding_window=130, index_dtype=I32, fused_step=False),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The tables are tiny: intra-op threads only add overhead (and oversubscribe CI cores)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class Boom(Exception):
+    """Raised inside a free_group block on purpose."""
+
+
+def expected_error(kinds):
+    return tuple(ERRORS[k] for k in sorted(kinds))
+
+
+def assert_same_snapshot(before: dict, after: dict) -> None:
+    assert before.keys() == after.keys()
+    for key, value in before.items():
+        if isinstance(value, np.ndarray):
+            assert np.array_equal(value, after[key]), f"{key} changed"
+        else:
+            assert value == after[key], f"{key} changed"
+
+
+# ---- strategies (indices into the live rows, resolved when the rule runs) ----------------
+picks = st.lists(st.integers(0, 7), max_size=4)
+codes = st.tuples(st.integers(0, 3), st.integers(0, 2**20))  # token counts, see tokens_value
+badness = st.sampled_from([None] * 8 + ["dead", "range", "dup"])
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    CONFIG: dict = {}
+
+    def __init__(self):
+        super().__init__()
+        config = dict(self.CONFIG)
+        fused = config.pop("fused_step")
+        self.cfg = AllocatorConfig(device="cpu", backend="torch", **config)
+        self.alloc = HybridAllocator(self.cfg, fused_step=fused)
+        self.model = Model.from_config(self.cfg)
+        self.ps = self.cfg.page_size
+        self.prev_frontier: dict[int, int] = {}
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def rows_from(self, idx, bad=None) -> list[int]:
+        live = sorted(self.model.reqs)
+        rows = []
+        if live:
+            for i in idx:
+                r = live[i % len(live)]
+                if r not in rows:
+                    rows.append(r)
+        if bad == "dead":
+            dead = [r for r in range(self.cfg.max_reqs) if r not in self.model.reqs]
+            if dead:
+                rows.append(dead[0])
+        elif bad == "range":
+            rows.append(self.cfg.max_reqs if len(idx) % 2 else -1)
+        elif bad == "dup" and rows:
+            rows.append(rows[0])
+        return rows
+
+    def tokens_value(self, n_code) -> int:
+        """Map a drawn (kind, value) onto a token count: small counts, whole pages, up to two
+        pages, or anything up to past the context limit."""
+        ps = self.ps
+        kind, v = n_code
+        if kind == 0:
+            return v % 4  # 0..3 tokens
+        if kind == 1:
+            return (v % 3) * ps  # whole pages (0 included)
+        if kind == 2:
+            return v % (2 * ps + 2)
+        return v % (self.cfg.max_context_len + 2)  # large: capacity and context limits
+
+    def apply(self, model_op, alloc_op):
+        """Run an operation on both; compare outcome. Returns (model result, alloc result)."""
+        before = self.alloc.snapshot()
+        stats_before = self.alloc.stats()
+        try:
+            expected = model_op(self.model)
+        except Violation as v:
+            with pytest.raises(expected_error(v.kinds)):
+                alloc_op(self.alloc)
+            assert_same_snapshot(before, self.alloc.snapshot())
+            assert self.alloc.stats() == stats_before
+            return None, None
+        got = alloc_op(self.alloc)
+        return expected, got
+
+    def compare_result(self, expected, got) -> None:
+        if expected is None:
+            assert got is None
+            return
+        assert got is not None
+        assert [int(r) for r in got.rows] == [r for r, _, _ in expected]
+        for i, (_, full, swa) in enumerate(expected):
+            assert int(got.n_tokens[i]) == len(full)
+            f, s = got.slots_of(i)
+            assert f.tolist() == full
+            assert s.tolist() == swa
+
+    # ---- operations --------------------------------------------------------------------------
+    def do_admit(self, src_pick, n_pages, misalign):
+        prefix = None
+        if n_pages and self.model.reqs:
+            live = sorted(self.model.reqs)
+            src = self.model.reqs[live[src_pick % len(live)]]
+            n_tok = min(n_pages * self.ps, src.length // self.ps * self.ps)
+            if misalign and self.ps > 1:
+                n_tok += 1
+            if 0 < n_tok <= src.length:
+                prefix = list(src.slots[:n_tok])
+        tensor = None if prefix is None else torch.tensor(prefix, dtype=self.cfg.index_dtype)
+        expected, got = self.apply(lambda m: m.admit(prefix), lambda a: a.admit(tensor))
+        if expected is not None:
+            assert got == expected
+        return expected
+
+    def do_extend(self, idx, codes, bad):
+        rows = self.rows_from(idx, bad)
+        n = [self.tokens_value(c) for c in codes][:len(rows)]
+        n += [1] * (len(rows) - len(n))
+        self.compare_result(*self.apply(lambda m: m.alloc_extend(rows, n),
+                                        lambda a: a.alloc_extend(rows, n)))
+
+    def do_decode(self, idx, bad):
+        rows = self.rows_from(idx, bad)
+        self.compare_result(*self.apply(lambda m: m.alloc_decode(rows),
+                                        lambda a: a.alloc_decode(rows)))
+
+    def do_evict(self, idx, all_rows, bad):
+        rows = None if all_rows else self.rows_from(idx, bad)
+        self.apply(lambda m: m.evict_window(rows), lambda a: a.evict_window(rows))
+
+    def advance_targets(self, rows, deltas, misalign):
+        pos = []
+        for i, r in enumerate(rows):
+            req = self.model.reqs.get(r)
+            cur = req.frontier if req is not None else 0
+            if self.model.group is not None:
+                cur = max(cur, self.model.group_frontier.get(r, 0))
+            d = deltas[i % len(deltas)] if deltas else 0
+            p = cur + d * self.ps
+            if misalign and i == 0 and self.ps > 1:
+                p += 1
+            pos.append(p)
+        return pos
+
+    def do_advance(self, idx, deltas, misalign, bad):
+        rows = self.rows_from(idx, bad)
+        pos = self.advance_targets(rows, deltas, misalign)
+        self.apply(lambda m: m.advance_frontier(rows, pos),
+                   lambda a: a.advance_frontier(rows, pos))
+
+    def do_release(self, idx, bad):
+        rows = self.rows_from(idx, bad)
+        self.apply(lambda m: m.release(rows), lambda a: a.release(rows))
+
+    # ---- rules -------------------------------------------------------------------------------
+    @initialize(n=st.integers(0, 4), codes=st.lists(codes, min_size=4, max_size=4))
+    def start(self, n, codes):
+        for _ in range(min(n, self.cfg.max_reqs)):
+            self.do_admit(0, 0, False)
+        for i in range(min(n, self.cfg.max_reqs)):
+            self.do_extend([i], codes[i:i + 1], None)
+
+    @rule(src=st.integers(0, 7), n_pages=st.integers(0, 2),
+          misalign=st.sampled_from([False] * 4 + [True]))
+    def admit(self, src, n_pages, misalign):
+        self.do_admit(src, n_pages, misalign)
+
+    @precondition(lambda self: any(q.length >= self.ps for q in self.model.reqs.values()))
+    @rule(src=st.integers(0, 7), n_pages=st.integers(1, 2), code=codes)
+    def admit_prefixed_and_extend(self, src, n_pages, code):
+        """A request sharing whole pages of another one's, then its own tokens."""
+        live = sorted(self.model.reqs)
+        sources = [r for r in live if self.model.reqs[r].length >= self.ps]
+        row = self.do_admit(live.index(sources[src % len(sources)]), n_pages, False)
+        if row is not None:
+            self.do_extend([sorted(self.model.reqs).index(row)], [code], None)
+
+    @rule(idx=picks, codes=st.lists(codes, max_size=4), bad=badness)
+    def extend(self, idx, codes, bad):
+        self.do_extend(idx, codes, bad)
+
+    @rule(idx=picks, bad=badness)
+    def decode(self, idx, bad):
+        self.do_decode(idx, bad)
+
+    @rule(idx=picks, codes=st.lists(codes, max_size=4))
+    def extend_valid_rows(self, idx, codes):  # a second allocating rule: pools fill up
+        self.do_extend(idx, codes, None)
+
+    @rule(idx=picks, all_rows=st.booleans(), bad=badness)
+    def evict(self, idx, all_rows, bad):
+        self.do_evict(idx, all_rows, bad)
+
+    @rule(idx=picks, deltas=st.lists(st.integers(-1, 3), max_size=3), misalign=st.booleans(),
+          bad=badness)
+    def advance(self, idx, deltas, misalign, bad):
+        self.do_advance(idx, deltas, misalign, bad)
+
+    def busy(self) -> bool:
+        """Enough live state that freeing is interesting (keeps the pools under pressure)."""
+        m = self.model
+        return len(m.reqs) >= 2 or len(m.full_q) < m.n_full // 2
+
+    @precondition(lambda self: self.busy())
+    @rule(idx=picks, bad=badness)
+    def release(self, idx, bad):
+        self.do_release(idx[:2], bad)
+
+    @rule(rel=picks, ev=st.sampled_from(["none", "all", "rows"]), ev_idx=picks,
+          adv=st.one_of(st.none(), st.tuples(picks, st.lists(st.integers(-1, 2), max_size=2))),
+          dec=picks, ext=picks, codes=st.lists(codes, max_size=4), bad=badness)
+    def combined_step(self, rel, ev, ev_idx, adv, dec, ext, codes, bad):
+        live = sorted(self.model.reqs)
+        # at most one release, and only under pressure, so others stay to allocate
+        release = self.rows_from(rel[:1]) if self.busy() else []
+        others = [r for r in live if r not in release]
+        pick = lambda idx: list(dict.fromkeys(others[i % len(others)] for i in idx)) \
+            if others else []
+        evict = {"none": None, "all": True, "rows": pick(ev_idx)}[ev]
+        advance = None
+        if adv is not None:  # targets relative to the frontier before this step's eviction
+            adv_rows = pick(adv[0])
+            advance = (adv_rows, self.advance_targets(adv_rows, adv[1], False))
+        decode = pick(dec)
+        ext_rows = [r for r in pick(ext) if r not in decode]
+        if bad == "dup" and release:
+            decode = decode + release  # released this step, then decoded: unknown
+        elif bad == "dead" and decode:
+            ext_rows = ext_rows + decode[:1]  # allocates twice in one step: overlap
+        elif bad == "range":
+            decode = decode + [self.cfg.max_reqs]
+        n = [self.tokens_value(c) for c in codes][:len(ext_rows)]
+        n += [1] * (len(ext_rows) - len(n))
+        extend = (ext_rows, n) if ext_rows or codes else None
+        self.compare_result(*self.apply(
+            lambda m: m.step(release=release, evict=evict, advance=advance, decode=decode,
+                             extend=extend),
+            lambda a: a.step(release=release, evict=evict, advance=advance, decode=decode,
+                             extend=extend)))
+
+    group_op = st.tuples(
+        st.sampled_from(["release", "evict", "evict_all", "advance", "decode", "extend",
+                         "admit", "nested", "step_release", "step_advance"]),
+        picks, st.lists(st.integers(-1, 2), max_size=3), st.booleans(), badness)
+
+    @precondition(lambda self: self.busy())
+    @rule(ops=st.lists(group_op, max_size=5), raise_inside=st.booleans())
+    def free_group(self, ops, raise_inside):
+        def body():
+            for kind, idx, deltas, flag, bad in ops:
+                self.group_op(kind, idx, deltas, flag, bad)
+        self.run_group(body, raise_inside)
+
+    @precondition(lambda self: self.model.reqs)
+    @rule(idx=picks, deltas=st.lists(st.integers(-1, 2), max_size=3), release_other=st.booleans())
+    def group_evict_then_advance(self, idx, deltas, release_other):
+        """Deferred eviction, then a deferred advance validated against the frontier before
+        it (possibly behind where the eviction will have moved it), maybe with a release."""
+        def body():
+            rows = self.rows_from(idx)
+            others = [r for r in self.model.reqs if r not in rows]
+            if release_other and others:
+                self.do_release(others[:1], None)
+            self.do_evict(idx, False, None)
+            self.do_advance(idx, deltas, False, None)
+        self.run_group(body, False)
+
+    def run_group(self, body, raise_inside):
+        """Run ``body`` inside free_group() on both; the flush is one step, or (when the model
+        refuses the flush) the matching error with the state as it was before the exit."""
+        model = self.model
+        model.open_group()
+        expected = None
+        before_flush = None
+        try:
+            with self.alloc.free_group():
+                body()
+                # capacity is unchanged by the deferred frees until the block exits
+                assert self.alloc.stats()["full_free_pages"] == len(model.full_q)
+                assert self.alloc.stats()["swa_free_pages"] == len(model.swa_q)
+                probe = model.clone()
+                try:
+                    probe.close_group()
+                except Violation as v:
+                    expected = v.kinds
+                    before_flush = self.alloc.snapshot()
+                if raise_inside:
+                    raise Boom()
+        except Boom:
+            assert expected is None
+        except E.ContractError as e:
+            assert expected is not None, f"flush raised {e!r}, the model accepted it"
+            assert isinstance(e, expected_error(expected)), (e, expected)
+            assert_same_snapshot(before_flush, self.alloc.snapshot())
+        else:
+            assert not raise_inside and expected is None
+        try:
+            model.close_group()
+        except Violation:
+            pass
+        assert model.group is None
+
+    def group_op(self, kind, idx, deltas, flag, bad):
+        if kind == "release":
+            self.do_release(idx, bad)
+        elif kind == "evict":
+            self.do_evict(idx, False, bad)
+        elif kind == "evict_all":
+            self.do_evict(idx, True, bad)
+        elif kind == "advance":
+            self.do_advance(idx, deltas, flag, bad)
+        elif kind == "decode":
+            # pending (released in this block) rows are legal picks: they must be refused
+            self.do_decode(idx, bad)
+        elif kind == "extend":
+            self.do_extend(idx, [(i % 4, i * 7) for i in idx], bad)
+        elif kind == "admit":
+            self.do_admit(idx[0] if idx else 0, 1 if flag else 0, False)
+        elif kind == "nested":
+            before = self.alloc.snapshot()
+            with pytest.raises(E.NestedGroupError):
+                with self.alloc.free_group():
+                    pass
+            assert_same_snapshot(before, self.alloc.snapshot())
+        elif kind == "step_release":  # release through step() inside a group: refused
+            rows = self.rows_from(idx, bad)
+            self.apply(lambda m: m.step(release=rows), lambda a: a.step(release=rows))
+        else:  # frontier advance through step() inside a group: refused
+            rows = self.rows_from(idx, bad)
+            adv = (rows, self.advance_targets(rows, deltas, False))
+            self.apply(lambda m: m.step(advance=adv), lambda a: a.step(advance=adv))
+
+    # ---- checks ------------------------------------------------------------------------------
+    @invariant()
+    def matches_model(self):
+        a, m, cfg, ps = self.alloc, self.model, self.cfg, self.ps
+        a.check_integrity()
+        stats = a.stats()
+        assert stats["full_free_pages"] == len(m.full_q)
+        assert stats["swa_free_pages"] == len(m.swa_q)
+        assert stats["full_used_pages"] == cfg.num_full_pages - len(m.full_q)
+        assert stats["live_requests"] == len(m.reqs)
+        assert stats["seq_len"] == {r: q.length for r, q in m.reqs.items()}
+        assert stats["frontier"] == {r: q.frontier for r, q in m.reqs.items()}
+        assert stats["steps_run"] == m.steps
+
+        # free rings, in FIFO order from the head
+        full_free = a.state.full_free.tolist()
+        swa_free = a.state.swa_free.tolist()
+        assert len(full_free) == cfg.num_full_pages and len(swa_free) == cfg.num_swa_pages
+        head = m.free_ring_head("full")
+        got_full = [full_free[(head + i) % cfg.num_full_pages] for i in range(len(m.full_q))]
+        assert got_full == list(m.full_q)
+        head = m.free_ring_head("swa")
+        got_swa = [swa_free[(head + i) % cfg.num_swa_pages] for i in range(len(m.swa_q))]
+        assert got_swa == list(m.swa_q)
+
+        # mapping: exactly the model's, and page-dense
+        f2s = a.full_to_swa.tolist()
+        assert f2s == m.full_to_swa()
+        for page in range(cfg.num_full_pages + 1):
+            slots = f2s[page * ps:(page + 1) * ps]
+            assert all(s == 0 for s in slots) or (
+                slots[0] > 0 and slots[0] % ps == 0
+                and slots == [slots[0] + o for o in range(ps)]), (page, slots)
+        assert all(s == 0 for s in f2s[:ps]), "page 0 is mapped"
+
+        # req_to_token on every held position; ring pages
+        r2t = a.req_to_token
+        for r, q in m.reqs.items():
+            assert r2t[r, :q.length].tolist() == q.slots
+            if cfg.ring_mode:
+                assert a.state.ring_pages[r, :cfg.swa_ring_pages].tolist() == q.ring
+
+        # conservation, rebuilt from the device tables: owned + free == 1..N exactly once
+        owned_full, owned_swa = [], []
+        for r, q in m.reqs.items():
+            pages = [int(r2t[r, p * ps]) // ps
+                     for p in range(q.protected // ps, ceil_div(q.length, ps))]
+            owned_full += pages
+            if cfg.ring_mode:
+                owned_swa += a.state.ring_pages[r, :cfg.swa_ring_pages].tolist()
+            else:
+                owned_swa += [f2s[pg * ps] // ps for pg in pages[(q.frontier - q.protected)
+                                                                  // ps:]]
+        assert sorted(owned_full + got_full) == list(range(1, cfg.num_full_pages + 1))
+        assert sorted(owned_swa + got_swa) == list(range(1, cfg.num_swa_pages + 1))
+
+        # frontiers: page-aligned, at or past the prefix, monotone while the row lives
+        for r, q in m.reqs.items():
+            f = stats["frontier"][r]
+            assert f % ps == 0 and q.protected <= f <= q.length // ps * ps
+            assert f >= self.prev_frontier.get(r, 0)
+        self.prev_frontier = {r: q.frontier for r, q in m.reqs.items()}
+
+
+def _make(name: str, config: dict):
+    machine = type(f"Machine_{name}", (AllocatorMachine,), {"CONFIG": config})
+    case = machine.TestCase
+    case.settings = settings(max_examples=50, stateful_step_count=40, deadline=None,
+                             suppress_health_check=list(HealthCheck), database=None)
+    return case
+
+
+for _name, _config in CONFIGS.items():
+    globals()[f"TestModelVsAllocator_{_name}"] = _make(_name, _config)
