@@ -50,6 +50,9 @@ import traceback
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workloads import StepWorkload  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if REPO not in sys.path:
@@ -76,68 +79,19 @@ def summarize(samples_us) -> dict | None:
             "min": float(arr.min()), "n": int(arr.size)}
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # ---- the workload ---------------------------------------------------------------------------
-class FusedWorkload:
-    """B requests on one allocator built with ``fused_step=True``, prefilled (untimed) so
-    that ``n_steps`` steps can each advance every request's frontier by ``n_pages`` pages.
-
+class FusedWorkload(StepWorkload):
+    """:class:`workloads.StepWorkload` on an allocator built with ``fused_step=True``:
     ``step_graph.graphs[i]`` / ``step_graph.fused_graphs[i]`` are the two variants for
     descriptor buffer i (empty on the CPU: ``launch(i, fusable=...)`` runs eagerly)."""
 
-    def __init__(self, n_reqs: int, ps: int, n_pages: int, *, decode: bool, device, backend: str,
-                 n_steps: int, token_budget: int, row_pages: int, window_pages: int = 4):
-        from graphalloc import AllocatorConfig, HybridAllocator, StepGraph
-
-        self.n_reqs, self.ps, self.n_pages, self.decode = n_reqs, ps, n_pages, decode
-        self.n_steps = n_steps
-        self.grow = n_pages * ps  # frontier move per step, tokens
-        window = window_pages * ps
-        fill = n_steps * self.grow + window
-        context = fill + n_steps * int(decode) + 2 * ps
-        pages_per_req = _ceil_div(context, ps) + 1
-        row_cap = max(1, min(n_pages, row_pages))
-        budget = max(token_budget, n_reqs)
-        self.config = AllocatorConfig(
-            page_size=ps, num_full_pages=n_reqs * pages_per_req,
-            num_swa_pages=n_reqs * pages_per_req, max_reqs=n_reqs, max_context_len=context,
-            sliding_window=window, index_dtype=torch.int64, device=device, backend=backend,
-            max_release_rows=n_reqs * _ceil_div(n_pages, row_cap), max_pages_per_row=row_cap,
-            max_alloc_rows=n_reqs,
-            max_tokens_per_alloc_row=min(context, budget // min(n_reqs, 16)),
-            max_step_pages=n_reqs * n_pages, max_step_tokens=budget)
-        self.alloc = HybridAllocator(self.config, fused_step=True)
-        self.step_graph = StepGraph(self.alloc)
-        self.rows = np.array([self.alloc.admit() for _ in range(n_reqs)], dtype=np.int64)
-        phase = np.arange(n_reqs, dtype=np.int64) % ps if decode else 0
-        self._fill(np.full(n_reqs, fill, dtype=np.int64) + phase)
-        self.frontier = np.zeros(n_reqs, dtype=np.int64)
-        self.steps_done = 0
-        self.swa_pages_freed = 0
+    def __init__(self, n_reqs: int, ps: int, n_pages: int, **kwargs):
+        super().__init__(n_reqs, ps, n_pages, fused_step=True, **kwargs)
         self.n_not_fusable = 0
 
-    def _fill(self, n_tokens: np.ndarray) -> None:
-        cfg = self.config
-        left = n_tokens.copy()
-        while left.any():
-            piece = np.minimum(left, cfg.max_tokens_per_alloc_row)
-            todo = np.flatnonzero(piece)
-            take = todo[np.cumsum(piece[todo]) <= cfg.max_step_tokens]
-            self.alloc.alloc_extend(self.rows[take], piece[take])
-            left[take] -= piece[take]
-
-    def plan(self):
+    def plan(self, _=None):
         """The next step, planned into a descriptor buffer (host only)."""
-        if self.steps_done >= self.n_steps:
-            raise RuntimeError(f"workload sized for {self.n_steps} steps")
-        new = self.frontier + self.grow
-        decode = self.rows if self.decode else ()
-        planned = self.alloc.plan(advance=(self.rows, new), decode=decode)
-        self.frontier = new
-        self.steps_done += 1
+        planned = super().plan()
         self.n_not_fusable += not planned.fusable
         return planned
 
@@ -159,20 +113,9 @@ class FusedWorkload:
 
     def verify(self) -> dict:
         """No device fault, and every step freed B x pages SWA pages (reads the device)."""
-        self.alloc.check()
-        expected = self.steps_done * self.n_reqs * self.n_pages
-        if self.swa_pages_freed != expected:
-            raise AssertionError(f"{self.swa_pages_freed} SWA pages freed, expected {expected}")
-        if not self.alloc.config.device.type == "cuda":
-            self.alloc.check_integrity()
-        return {"steps": self.steps_done, "swa_pages_freed": self.swa_pages_freed,
-                "not_fusable_steps": self.n_not_fusable}
-
-    def close(self) -> None:
-        self.step_graph.close()
-        self.step_graph.graphs.clear()
-        self.step_graph.fused_graphs.clear()
-        self.alloc = None
+        out = super().verify(deep=self.alloc.config.device.type != "cuda")
+        out["not_fusable_steps"] = self.n_not_fusable
+        return out
 
 
 # ---- timing -------------------------------------------------------------------------------

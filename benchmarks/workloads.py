@@ -16,7 +16,9 @@ step start a page (pop one FULL and one SWA page) and the rest continue one.
 
 The frozen shape is as tight as the step: ``max_release_rows`` = B rows (times
 the rows a segment splits into at ``row_pages`` pages per row),
-``max_step_pages`` = B * n_pages. ``max_step_tokens`` is a token budget (it
+``max_step_pages`` = B * n_pages. ``fused_step`` is off by default here, so
+``bench_frees`` times the two-kernel step graph (``bench_fused`` compares both).
+``max_step_tokens`` is a token budget (it
 bounds the fill's steps and the decode tokens; the Triton kernels launch one
 program per descriptor row, so it does not change the timed grid).
 """
@@ -42,7 +44,7 @@ class StepWorkload:
 
     def __init__(self, n_reqs: int, page_size: int, n_pages: int, *, decode: bool, device,
                  backend: str, n_steps: int, token_budget: int, row_pages: int,
-                 window_pages: int = 4):
+                 window_pages: int = 4, fused_step: bool = False):
         from graphalloc import AllocatorConfig, HybridAllocator, StepGraph
 
         ps = page_size
@@ -63,7 +65,7 @@ class StepWorkload:
             max_alloc_rows=n_reqs,
             max_tokens_per_alloc_row=min(context, budget // min(n_reqs, 16)),
             max_step_pages=n_reqs * n_pages, max_step_tokens=budget)
-        self.alloc = HybridAllocator(self.config)
+        self.alloc = HybridAllocator(self.config, fused_step=fused_step)
         self.step_graph = StepGraph(self.alloc)
         self.rows = np.array([self.alloc.admit() for _ in range(n_reqs)], dtype=np.int64)
         phase = np.arange(n_reqs, dtype=np.int64) % ps if decode else 0
@@ -126,4 +128,5 @@ class StepWorkload:
     def close(self) -> None:
         self.step_graph.close()
         self.step_graph.graphs.clear()
+        self.step_graph.fused_graphs.clear()
         self.alloc = None
