@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import CORE_DEVICE
 
 from graphalloc import AllocatorConfig, HybridAllocator
 from graphalloc import errors as E
@@ -80,8 +81,10 @@ def plan_twice(a):
     return a
 
 
-def prefix(n, dtype=torch.int64, device="cpu", shape=None):
-    t = torch.arange(PS, PS + n, dtype=dtype, device=device)
+def prefix(n, dtype=torch.int64, device=None, shape=None):
+    # On the allocators' device (CUDA when the suite is redirected there) unless a case
+    # names another on purpose.
+    t = torch.arange(PS, PS + n, dtype=dtype, device=device or CORE_DEVICE)
     return t.reshape(shape) if shape else t
 
 

@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import CORE_DEVICE
 from workload import random_step
 
 import graphalloc as ga
@@ -50,6 +51,7 @@ def sync_debug_error():
 
 
 # ---- CPU equivalents ------------------------------------------------------------------------
+@pytest.mark.skipif(CORE_DEVICE != "cpu", reason="the CPU behaviour of StepGraph")
 @pytest.mark.parametrize("ring", [False, True])
 def test_stepgraph_on_cpu_runs_eagerly_and_matches(ring):
     """Without a GPU a StepGraph runs the same steps eagerly with identical results."""
