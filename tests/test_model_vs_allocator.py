@@ -152,6 +152,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             rows.append(rows[0])
         return rows
 
+    @staticmethod
+    def form(rows: list[int], k: int):
+        """The same rows as a list, an int64 array or an int32 array (the model gets the list)."""
+        return [rows, np.asarray(rows, dtype=np.int64), np.asarray(rows, dtype=np.int32)][k % 3]
+
     def tokens_value(self, n_code) -> int:
         """Map a drawn (kind, value) onto a token count: small counts, whole pages, up to two
         pages, or anything up to past the context limit."""
@@ -213,13 +218,17 @@ class AllocatorMachine(RuleBasedStateMachine):
         rows = self.rows_from(idx, bad)
         n = [self.tokens_value(c) for c in codes][:len(rows)]
         n += [1] * (len(rows) - len(n))
+        rows_in = self.form(rows, len(codes))
         self.compare_result(*self.apply(lambda m: m.alloc_extend(rows, n),
-                                        lambda a: a.alloc_extend(rows, n)))
+                                        lambda a: a.alloc_extend(rows_in, n)))
+        assert [int(r) for r in rows_in] == rows  # the caller's array is left alone
 
     def do_decode(self, idx, bad):
         rows = self.rows_from(idx, bad)
+        rows_in = self.form(rows, len(idx))
         self.compare_result(*self.apply(lambda m: m.alloc_decode(rows),
-                                        lambda a: a.alloc_decode(rows)))
+                                        lambda a: a.alloc_decode(rows_in)))
+        assert [int(r) for r in rows_in] == rows
 
     def do_evict(self, idx, all_rows, bad):
         rows = None if all_rows else self.rows_from(idx, bad)
@@ -247,7 +256,9 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def do_release(self, idx, bad):
         rows = self.rows_from(idx, bad)
-        self.apply(lambda m: m.release(rows), lambda a: a.release(rows))
+        rows_in = self.form(rows, len(idx) + 1)
+        self.apply(lambda m: m.release(rows), lambda a: a.release(rows_in))
+        assert [int(r) for r in rows_in] == rows
 
     # ---- rules -------------------------------------------------------------------------------
     @initialize(n=st.integers(0, 4), codes=st.lists(codes, min_size=4, max_size=4))
