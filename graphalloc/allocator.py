@@ -229,8 +229,9 @@ class HybridAllocator:
         if len(pos) != len(arr):
             raise PositionError(f"{len(arr)} rows but {len(pos)} frontier positions")
         if (pos % ps).any():
-            raise AlignmentError(f"frontier positions {pos.tolist()} must be multiples of "
-                                 f"page_size {ps}")
+            bad = int(pos[pos % ps != 0][0])
+            raise AlignmentError(f"frontier position {bad} must be a multiple of "
+                                 f"page_size {ps}; only whole pages are freed")
         current = np.maximum(self.ledger.frontier[arr], self._group_frontier[arr])
         if (pos < current).any():
             i = int(np.flatnonzero(pos < current)[0])

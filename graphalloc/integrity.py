@@ -146,7 +146,7 @@ def audit_state(config, ledger, snap: dict) -> list[Finding]:
     for p in np.flatnonzero(~dense)[:8]:
         findings.append(Finding("not_page_dense", "FULL", int(p), -1,
                                 f"full_to_swa of full page {p} is not page-dense: "
-                                f"{f2s[p].tolist()}"))
+                                f"{f2s[p].tolist()}"))  # numpy: off the fast path
     should_map = np.zeros(config.num_full_pages + 1, dtype=bool)
     protected_pages = np.zeros_like(should_map)
     for r in np.flatnonzero(ledger.live):
@@ -169,7 +169,7 @@ def audit_state(config, ledger, snap: dict) -> list[Finding]:
                                 f"SWA page {v} is the peer of {counts[vals == v][0]} full pages"))
     if snap["err"][0]:
         findings.append(Finding("device_fault", "-", int(snap["err"][6]), int(snap["err"][5]),
-                                f"device error word is set: {snap['err'].tolist()}"))
+                                f"device error word: {snap['err'].tolist()}"))  # off the fast path
     return findings
 
 
