@@ -205,6 +205,11 @@ CASES = [
     ("step_while_planned", lambda: plan_twice(two_requests()), lambda a: a.alloc_decode([1]),
      E.PendingStepError),
     ("run_stale_plan", lambda: stale_plan(), lambda a: a.run(a.stale), E.PendingStepError),
+    # another allocator's handle: a plan made by a second allocator is not this one's step
+    ("run_foreign_plan", two_requests,
+     lambda a: a.run(two_requests().plan(decode=[0])), E.PendingStepError),
+    ("admit_foreign_int32_prefix", two_requests,
+     lambda a: a.admit(two_requests(dtype=torch.int32).req_to_token[0, :PS]), E.TensorSpecError),
     ("ring_admit_while_planned", lambda: plan_twice(ring_ready()), lambda a: a.admit(),
      E.PendingStepError),
     ("ring_admit_prefix_while_planned", lambda: plan_twice(ring_ready()),
