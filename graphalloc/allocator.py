@@ -36,13 +36,12 @@ from .errors import (
     AlignmentError,
     CapacityError,
     DeviceFaultError,
-    FrontierError,
     NestedGroupError,
     PendingStepError,
     PositionError,
     TensorSpecError,
-    UnknownRequestError,
 )
+from .free_group import FreeGroup
 from .kernels.error_word import (
     ERR_CODE,
     ERR_CODES,
@@ -53,7 +52,7 @@ from .kernels.error_word import (
     ERR_STAGE,
 )
 from .ledger import Ledger
-from .planner import StepBuilder, as_rows
+from .planner import StepBuilder
 from .sync_points import sync_allowed
 
 __all__ = ["HybridAllocator", "AllocResult", "PlannedStep"]
@@ -130,9 +129,7 @@ class HybridAllocator:
         self.kernels = StepKernels(config, self.state, fused=fused_step)
         self.step_runner: Callable[[int], None] | None = None  # set by StepGraph
         self._pending: PlannedStep | None = None
-        self._group: list | None = None
-        self._group_pending = np.zeros(config.max_reqs, dtype=bool)
-        self._group_frontier = np.zeros(config.max_reqs, dtype=np.int64)
+        self._group: FreeGroup | None = None  # the open free_group() block, if any
         self._faulted = False
         self.steps_run = 0
 
@@ -170,7 +167,8 @@ class HybridAllocator:
             if n_prefix > cfg.max_context_len:
                 raise PositionError(f"prefix of {n_prefix} tokens exceeds max_context_len "
                                     f"{cfg.max_context_len}")
-        free_rows = np.flatnonzero(~led.live & ~self._group_pending)
+        taken = led.live if self._group is None else led.live | self._group.pending
+        free_rows = np.flatnonzero(~taken)
         if len(free_rows) == 0:
             raise CapacityError(f"all {cfg.max_reqs} request rows are in use; release one first")
         row = int(free_rows[0])
@@ -211,8 +209,7 @@ class HybridAllocator:
     def evict_window(self, rows=None) -> None:
         """Advance frontiers by the window rule (``rows=None``: every live request)."""
         if self._group is not None:
-            rows = self._group_rows(rows, "evict_window")
-            self._group.append(("evict", rows, None))
+            self._group.evict(rows)
             return
         self.step(evict=True if rows is None else rows)
 
@@ -223,27 +220,7 @@ class HybridAllocator:
             self._run_step(lambda b: b.advance_frontier(b.live_rows(rows, "advance_frontier"),
                                                         new_frontier_pos))
             return
-        arr = self._group_rows(rows, "advance_frontier")
-        pos = np.asarray(new_frontier_pos, dtype=np.int64).reshape(-1)
-        ps = self.config.page_size
-        if len(pos) != len(arr):
-            raise PositionError(f"{len(arr)} rows but {len(pos)} frontier positions")
-        if (pos % ps).any():
-            bad = int(pos[pos % ps != 0][0])
-            raise AlignmentError(f"frontier position {bad} must be a multiple of "
-                                 f"page_size {ps}; only whole pages are freed")
-        current = np.maximum(self.ledger.frontier[arr], self._group_frontier[arr])
-        if (pos < current).any():
-            i = int(np.flatnonzero(pos < current)[0])
-            raise FrontierError(f"request {arr[i]}: frontier would move back from "
-                                f"{current[i]} to {pos[i]}")
-        limit = self.ledger.seq_len[arr] // ps * ps
-        if (pos > limit).any():
-            i = int(np.flatnonzero(pos > limit)[0])
-            raise PositionError(f"request {arr[i]}: frontier {pos[i]} is past the last whole "
-                                f"page ({limit[i]})")
-        self._group_frontier[arr] = pos
-        self._group.append(("advance", arr, pos))
+        self._group.advance(rows, new_frontier_pos)
 
     def release(self, rows) -> None:
         """Free everything the requests own (finished or retracted) and return their rows.
@@ -254,9 +231,7 @@ class HybridAllocator:
         if self._group is None:
             self.step(release=rows)
             return
-        arr = self._group_rows(rows, "release")
-        self._group_pending[arr] = True
-        self._group.append(("release", arr, None))
+        self._group.release(rows)
 
     @contextlib.contextmanager
     def free_group(self) -> Iterator[None]:
@@ -274,15 +249,13 @@ class HybridAllocator:
         if self._group is not None:
             raise NestedGroupError("free_group() blocks cannot be nested; "
                                    "close the outer block first")
-        self._group = []
+        self._group = FreeGroup(self)
         try:
             yield
         finally:
-            intents, self._group = self._group, None
-            self._group_pending[:] = False
-            self._group_frontier[:] = 0
-            if intents:
-                self._run_step(lambda b: [self._apply_intent(b, *it) for it in intents])
+            group, self._group = self._group, None
+            if group.intents:
+                self._run_step(group.apply)
 
     # ---- one scheduler step ------------------------------------------------------------
     def step(self, *, release=(), evict=None, advance=None, decode=(),
@@ -319,12 +292,12 @@ class HybridAllocator:
             if advance is not None:
                 b.advance_frontier(b.live_rows(advance[0], "advance"), advance[1])
             if decode is not None and len(np.atleast_1d(decode)):
-                d_rows = self._not_group_released(b.live_rows(decode, "alloc_decode"),
+                d_rows = self._refuse_group_released(b.live_rows(decode, "alloc_decode"),
                                                   "alloc_decode")
                 first = b.extend(d_rows, np.ones(len(d_rows), dtype=np.int64))
                 results.append((d_rows, first, np.ones(len(d_rows), dtype=np.int64)))
             if extend is not None:
-                e_rows = self._not_group_released(b.live_rows(extend[0], "alloc_extend"),
+                e_rows = self._refuse_group_released(b.live_rows(extend[0], "alloc_extend"),
                                                   "alloc_extend")
                 n = np.asarray(extend[1], dtype=np.int64).reshape(-1)
                 first = b.extend(e_rows, n)
@@ -472,40 +445,8 @@ class HybridAllocator:
     def _run_step(self, apply) -> AllocResult | None:
         return self.run(self._plan(apply, []))
 
-    def _apply_intent(self, b: StepBuilder, kind: str, rows: np.ndarray, pos) -> None:
-        if kind == "release":
-            b.release(rows)
-        elif kind == "evict":
-            live = rows[b.ledger.live[rows]]
-            b.advance_frontier(live, b.window_frontier(live))
-        else:
-            # Validated at the call against the frontier then; an evict_window() earlier in the
-            # block may since have moved it past pos (those pages are already freed): no-op there.
-            b.advance_frontier(rows, np.maximum(pos, b.ledger.frontier[rows]))
-
-    def _group_rows(self, rows, what: str) -> np.ndarray:
-        led = self.ledger
-        if rows is None:
-            return np.flatnonzero(led.live & ~self._group_pending)
-        arr = as_rows(rows, self.config.max_reqs)
-        bad = ~led.live[arr] | self._group_pending[arr]
-        if bad.any():
-            r = int(arr[bad][0])
-            why = "released earlier in this free_group" if self._group_pending[r] else "not live"
-            raise UnknownRequestError(f"{what}: request row {r} is {why}")
-        if len(np.unique(arr)) != len(arr):
-            from .errors import OverlapError
-            raise OverlapError(f"{what}: a request row appears twice in one call")
-        return arr
-
-    def _not_group_released(self, rows: np.ndarray, what: str) -> np.ndarray:
-        """A request released inside an open free_group() cannot allocate: its release is
-        only deferred, so the ledger still shows it live."""
-        if self._group is not None and self._group_pending[rows].any():
-            r = int(rows[self._group_pending[rows]][0])
-            raise UnknownRequestError(f"{what}: request row {r} was released earlier in this "
-                                      "free_group(); it cannot allocate")
-        return rows
+    def _refuse_group_released(self, rows: np.ndarray, what: str) -> np.ndarray:
+        return rows if self._group is None else self._group.refuse_released(rows, what)
 
     def _check_not_in_group_alloc(self, release, evict) -> None:
         if self._group is None:
