@@ -34,6 +34,7 @@ from .descriptor import DescriptorRing
 from .device_state import DeviceState
 from .errors import (
     AlignmentError,
+    BatchTooLargeError,
     CapacityError,
     DeviceFaultError,
     NestedGroupError,
@@ -254,8 +255,7 @@ class HybridAllocator:
             yield
         finally:
             group, self._group = self._group, None
-            if group.intents:
-                self._run_step(group.apply)
+            self._flush(group.intents)
 
     # ---- one scheduler step ------------------------------------------------------------
     def step(self, *, release=(), evict=None, advance=None, decode=(),
@@ -445,13 +445,36 @@ class HybridAllocator:
     def _run_step(self, apply) -> AllocResult | None:
         return self.run(self._plan(apply, []))
 
+    def _flush(self, intents: list) -> None:
+        """Run a closed block's frees: one step, or -- when that step would exceed the
+        frozen descriptor shape -- intent by intent, halving an intent's rows as needed.
+        Each step commits whole, so no accepted free is ever dropped."""
+        if not intents:
+            return
+        try:
+            self._run_step(lambda b: FreeGroup.apply_intents(b, intents))
+            return
+        except BatchTooLargeError:
+            if len(intents) == 1 and len(intents[0][1]) <= 1:
+                raise
+        if len(intents) > 1:
+            for intent in intents:
+                self._flush([intent])
+            return
+        kind, rows, pos = intents[0]
+        half = len(rows) // 2
+        self._flush([(kind, rows[:half], None if pos is None else pos[:half])])
+        self._flush([(kind, rows[half:], None if pos is None else pos[half:])])
+
     def _refuse_group_released(self, rows: np.ndarray, what: str) -> np.ndarray:
         return rows if self._group is None else self._group.refuse_released(rows, what)
 
     def _check_not_in_group_alloc(self, release, evict) -> None:
         if self._group is None:
             return
-        if (release is not None and len(np.atleast_1d(release))) or evict not in (None, False):
+        evicts = evict is True or (evict is not None and evict is not False
+                                   and len(np.atleast_1d(evict)) > 0)
+        if (release is not None and len(np.atleast_1d(release))) or evicts:
             raise NestedGroupError("inside free_group() call release()/evict_window() "
                                    "(deferred) instead of step(release=..., evict=...)")
 

@@ -98,7 +98,11 @@ class FreeGroup:
 
     def apply(self, b: StepBuilder) -> None:
         """Plan every intent, in call order, into one step."""
-        for kind, rows, pos in self.intents:
+        self.apply_intents(b, self.intents)
+
+    @staticmethod
+    def apply_intents(b: StepBuilder, intents: list) -> None:
+        for kind, rows, pos in intents:
             if kind == "release":
                 b.release(rows)
             elif kind == "evict":

@@ -432,3 +432,33 @@ def test_free_ring_wraps_around(dtype):
         assert queue(a, "full") == expected
     assert a.state.full_free.dtype == dtype
     a.check_integrity()
+
+
+def test_free_group_flush_larger_than_one_step_is_split_not_dropped():
+    """Ring mode: evict + release of every request needs more release rows than one
+    frozen step holds; the flush splits into several steps and frees everything."""
+    cfg = AllocatorConfig(page_size=2, num_full_pages=64, num_swa_pages=64, max_reqs=4,
+                          max_context_len=32, sliding_window=3, swa_ring_pages=3)
+    a = HybridAllocator(cfg)
+    rows = [a.admit() for _ in range(4)]
+    a.alloc_extend(rows, [5, 5, 5, 5])
+    before = a.steps_run
+    with a.free_group():
+        a.evict_window()
+        a.release(rows)
+    assert a.steps_run - before > 1  # split: 4 evict + 12 release rows > 12 per step
+    assert a.stats()["live_requests"] == 0
+    assert a.stats()["full_free_pages"] == 64 and a.stats()["swa_free_pages"] == 64
+    a.check_integrity()
+
+
+def test_step_evict_row_zero_inside_group_is_refused():
+    a = HybridAllocator(AllocatorConfig(page_size=2, num_full_pages=8, num_swa_pages=8,
+                                        max_reqs=2, max_context_len=16, sliding_window=3))
+    r = a.admit()
+    a.alloc_extend([r], [6])
+    with a.free_group():
+        with pytest.raises(E.NestedGroupError):
+            a.step(evict=0)  # row 0, not "no eviction"
+        a.step(evict=[])  # nothing to evict: allowed
+    assert a.ledger.frontier[r] == 0
