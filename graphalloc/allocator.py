@@ -447,24 +447,39 @@ class HybridAllocator:
 
     def _flush(self, intents: list) -> None:
         """Run a closed block's frees: one step, or -- when that step would exceed the
-        frozen descriptor shape -- intent by intent, halving an intent's rows as needed.
-        Each step commits whole, so no accepted free is ever dropped."""
+        frozen descriptor shape -- intent by intent, an intent's rows halved until each
+        part fits, one step per part in call order (the same pages end up in the same
+        free-ring order). The split is planned on ledger copies first: if even one row
+        cannot fit a step, :class:`BatchTooLargeError` is raised before anything runs."""
         if not intents:
             return
+        parts: list = []
+        self._split(intents, self.ledger.copy(), parts)
+        for part in parts:
+            self._run_step(lambda b, part=part: FreeGroup.apply_intents(b, part))
+
+    def _split(self, intents: list, ledger, parts: list):
+        """Append to ``parts`` the groups of intents that each fit one step, planning them on
+        ``ledger`` (a copy); returns the ledger after them."""
+        builder = StepBuilder(self.config, ledger.copy())
         try:
-            self._run_step(lambda b: FreeGroup.apply_intents(b, intents))
-            return
+            FreeGroup.apply_intents(builder, intents)
+            builder.finish()
         except BatchTooLargeError:
             if len(intents) == 1 and len(intents[0][1]) <= 1:
                 raise
-        if len(intents) > 1:
-            for intent in intents:
-                self._flush([intent])
-            return
-        kind, rows, pos = intents[0]
-        half = len(rows) // 2
-        self._flush([(kind, rows[:half], None if pos is None else pos[:half])])
-        self._flush([(kind, rows[half:], None if pos is None else pos[half:])])
+            if len(intents) > 1:
+                pieces = [[intent] for intent in intents]
+            else:
+                kind, rows, pos = intents[0]
+                half = len(rows) // 2
+                pieces = [[(kind, rows[:half], None if pos is None else pos[:half])],
+                          [(kind, rows[half:], None if pos is None else pos[half:])]]
+            for piece in pieces:
+                ledger = self._split(piece, ledger, parts)
+            return ledger
+        parts.append(intents)
+        return builder.ledger
 
     def _refuse_group_released(self, rows: np.ndarray, what: str) -> np.ndarray:
         return rows if self._group is None else self._group.refuse_released(rows, what)

@@ -266,14 +266,24 @@ class Model:
         self.group = []
 
     def close_group(self) -> None:
-        """Flush the deferred frees as one step; on a Violation the frees are dropped (the
-        model keeps everything else) and the group is closed either way."""
+        """Flush the deferred frees: one step when it fits the frozen step shape; otherwise
+        intent by intent, an intent's rows halved until each part fits (each part one
+        step, in call order). Only a single row that cannot fit is refused (BATCH): its
+        frees are dropped, the rest of the model kept. The group is closed either way."""
         intents, self.group = self.group, None
         self.pending = set()
         self.group_frontier = {}
+        self._flush(intents)
+
+    def _flush(self, intents: list) -> None:
         if not intents:
             return
-        work = self.clone()
+        parts = []
+        self._split(intents, self.clone(), parts)  # may raise: nothing applied then
+        for part in parts:
+            self._apply_part(part, self)
+
+    def _apply_part(self, intents: list, work) -> list:
         rel_rows: list = []
         for kind, rows, pos in intents:
             if kind == "release":
@@ -284,9 +294,29 @@ class Model:
             else:  # "free up to pos": an earlier eviction in the block may already be past it
                 pos = [max(p, work.reqs[r].frontier) for r, p in zip(rows, pos, strict=True)]
                 rel_rows += work._advance(rows, pos)
-        work._check_shape(rel_rows, [])
         work.steps += 1
-        self.__dict__.update(work.__dict__)
+        return rel_rows
+
+    def _split(self, intents: list, state, parts: list):
+        work = state.clone()
+        rel_rows = self._apply_part(intents, work)
+        try:
+            work._check_shape(rel_rows, [])
+        except Violation:
+            if len(intents) == 1 and len(intents[0][1]) <= 1:
+                raise
+            if len(intents) > 1:
+                pieces = [[intent] for intent in intents]
+            else:
+                kind, rows, pos = intents[0]
+                half = len(rows) // 2
+                pieces = [[(kind, rows[:half], None if pos is None else pos[:half])],
+                          [(kind, rows[half:], None if pos is None else pos[half:])]]
+            for piece in pieces:
+                state = self._split(piece, state, parts)
+            return state
+        parts.append(intents)
+        return work
 
     # ---- rules -----------------------------------------------------------------------------
     def window_frontier(self, row: int) -> int:
