@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import summarize  # noqa: E402
 from workloads import StepWorkload  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -67,16 +68,6 @@ KEEP_MAX_LOSS_US = 0.5
 VERDICT_RULE = (f"keep the fused variant if (two - fused) p50 is >= {KEEP_MIN_SAVING_US} us at "
                 f"the median over all cases and >= -{KEEP_MAX_LOSS_US} us in every case; "
                 "otherwise drop it (steps that are not fusable need the two-kernel graph anyway)")
-QUANTILES = (20, 50, 80)
-
-
-def summarize(samples_us) -> dict | None:
-    arr = np.asarray(list(samples_us), dtype=np.float64)
-    if arr.size == 0:
-        return None
-    p20, p50, p80 = np.percentile(arr, QUANTILES)
-    return {"p20": float(p20), "p50": float(p50), "p80": float(p80), "mean": float(arr.mean()),
-            "min": float(arr.min()), "n": int(arr.size)}
 
 
 # ---- the workload ---------------------------------------------------------------------------
