@@ -59,6 +59,16 @@ from .sync_points import sync_allowed
 __all__ = ["HybridAllocator", "AllocResult", "PlannedStep"]
 
 
+def _given(rows) -> bool:
+    """True for a non-empty row list (``None``, ``()``, ``[]`` and empty arrays are 'none')."""
+    if rows is None:
+        return False
+    try:
+        return len(rows) > 0
+    except TypeError:  # a scalar row (int, numpy int, 0-d array)
+        return True
+
+
 @dataclasses.dataclass
 class AllocResult:
     """Slots a step allocated, for the model's KV writes.
@@ -71,8 +81,19 @@ class AllocResult:
     rows: np.ndarray
     first_lane: np.ndarray
     n_tokens: np.ndarray
-    full_slots: torch.Tensor
-    swa_slots: torch.Tensor
+    out_full_buf: torch.Tensor  # the static output buffers (the views are made on access:
+    out_swa_buf: torch.Tensor  # slicing a tensor costs microseconds on the per-step path)
+    n_step_tokens: int
+
+    @property
+    def full_slots(self) -> torch.Tensor:
+        """``[n_step_tokens]`` full slots of this step's new tokens, in lane order."""
+        return self.out_full_buf[:self.n_step_tokens]
+
+    @property
+    def swa_slots(self) -> torch.Tensor:
+        """``[n_step_tokens]`` SWA slots of this step's new tokens, in lane order."""
+        return self.out_swa_buf[:self.n_step_tokens]
 
     def slots_of(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = int(self.first_lane[i]), int(self.first_lane[i] + self.n_tokens[i])
@@ -283,7 +304,7 @@ class HybridAllocator:
         Must be followed by :meth:`run` (or the engine's replay and :meth:`mark_submitted`)."""
 
         def apply(b: StepBuilder) -> None:
-            if release is not None and len(np.atleast_1d(release)):
+            if _given(release):
                 b.release(b.live_rows(release, "release"))
             if evict is not None and evict is not False:
                 rows = (np.flatnonzero(b.ledger.live) if evict is True
@@ -291,7 +312,7 @@ class HybridAllocator:
                 b.advance_frontier(rows, b.window_frontier(rows))
             if advance is not None:
                 b.advance_frontier(b.live_rows(advance[0], "advance"), advance[1])
-            if decode is not None and len(np.atleast_1d(decode)):
+            if _given(decode):
                 d_rows = self._refuse_group_released(b.live_rows(decode, "alloc_decode"),
                                                   "alloc_decode")
                 first = b.extend(d_rows, np.ones(len(d_rows), dtype=np.int64))
@@ -435,8 +456,8 @@ class HybridAllocator:
             rows = np.concatenate([r[0] for r in results])
             first = np.concatenate([r[1] for r in results])
             n_tok = np.concatenate([r[2] for r in results])
-            result = AllocResult(rows, first, n_tok, self.state.out_full_buf[:builder.n_tokens],
-                                 self.state.out_swa_buf[:builder.n_tokens])
+            result = AllocResult(rows, first, n_tok, self.state.out_full_buf,
+                                 self.state.out_swa_buf, builder.n_tokens)
         self._pending = PlannedStep(index, len(release), len(alloc), builder.n_tokens,
                                     builder.pages_freed, builder.pages_allocated, result,
                                     builder.fusable)
