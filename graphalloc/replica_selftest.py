@@ -100,6 +100,16 @@ class RandomWorkload:
         self.arg_rng = np.random.default_rng([seed, 2])
         self.n_iterations = 0
 
+    def drive(self, alloc, n_steps: int) -> None:
+        """``n_steps`` iterations on one allocator alone: maybe admit, then one step."""
+        for _ in range(n_steps):
+            if self.wants_admit():
+                try:
+                    alloc.admit()
+                except ContractError:
+                    pass
+            alloc.step(**self.propose(alloc.ledger))
+
     def wants_admit(self) -> bool:
         p_admit = 0.7 if self.n_iterations < 8 else 0.25
         self.n_iterations += 1
@@ -361,14 +371,7 @@ def plan_trace(path: str, seed: int, iterations: int) -> int:
                 f.write(np.int64([ledger_digest(alloc.ledger)]).tobytes())
 
             alloc.step_runner = record
-            workload = RandomWorkload(cfg, seed)
-            for _ in range(iterations):
-                if workload.wants_admit():
-                    try:
-                        alloc.admit()
-                    except ContractError:
-                        pass
-                alloc.step(**workload.propose(alloc.ledger))
+            RandomWorkload(cfg, seed).drive(alloc, iterations)
             n_planned += alloc.steps_run
     return n_planned
 

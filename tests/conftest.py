@@ -65,3 +65,15 @@ def pytest_collection_modifyitems(config, items):
 def device():
     return DEVICE
 
+
+
+def assert_same_snapshot(before: dict, after: dict) -> None:
+    """Two ``HybridAllocator.snapshot()`` dicts are equal, array by array."""
+    import numpy as np
+
+    assert before.keys() == after.keys()
+    for key, value in before.items():
+        if isinstance(value, np.ndarray):
+            assert np.array_equal(value, after[key]), f"{key} changed"
+        else:
+            assert value == after[key], f"{key} changed"

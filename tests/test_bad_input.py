@@ -9,10 +9,9 @@ check pass).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from conftest import CORE_DEVICE
+from conftest import CORE_DEVICE, assert_same_snapshot
 
 from graphalloc import AllocatorConfig, HybridAllocator
 from graphalloc import errors as E
@@ -257,13 +256,6 @@ def stale_plan():
     return a
 
 
-def assert_same(before: dict, after: dict) -> None:
-    assert before.keys() == after.keys()
-    for key, value in before.items():
-        if isinstance(value, np.ndarray):
-            assert np.array_equal(value, after[key]), f"{key} changed"
-        else:
-            assert value == after[key], f"{key} changed"
 
 
 @pytest.mark.parametrize("setup, action, error", [c[1:] for c in CASES],
@@ -275,7 +267,7 @@ def test_bad_input_raises_typed_error_and_changes_nothing(setup, action, error):
         action(a)
     assert isinstance(info.value, E.ContractError)
     assert str(info.value)  # every error carries a message
-    assert_same(before, a.snapshot())
+    assert_same_snapshot(before, a.snapshot())
     assert a.stats() == stats
     # still usable: close what the set-up left open, then one more step
     if getattr(a, "open_group", None) is not None:

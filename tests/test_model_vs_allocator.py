@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import assert_same_snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -105,13 +106,6 @@ def expected_error(kinds):
     return tuple(ERRORS[k] for k in sorted(kinds))
 
 
-def assert_same_snapshot(before: dict, after: dict) -> None:
-    assert before.keys() == after.keys()
-    for key, value in before.items():
-        if isinstance(value, np.ndarray):
-            assert np.array_equal(value, after[key]), f"{key} changed"
-        else:
-            assert value == after[key], f"{key} changed"
 
 
 # ---- strategies (indices into the live rows, resolved when the rule runs) ----------------

@@ -95,14 +95,7 @@ def test_workload_is_a_function_of_seed_and_ledger():
 
 
 def _run_some_steps(alloc: HybridAllocator, seed: int, n: int) -> None:
-    workload = RandomWorkload(alloc.config, seed)
-    for _ in range(n):
-        if workload.wants_admit():
-            try:
-                alloc.admit()
-            except ContractError:
-                pass
-        alloc.step(**workload.propose(alloc.ledger))
+    RandomWorkload(alloc.config, seed).drive(alloc, n)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
