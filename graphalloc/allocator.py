@@ -43,7 +43,7 @@ from .errors import (
     TensorSpecError,
 )
 from .free_group import FreeGroup
-from .kernels.error_word import (
+from .kernels.abi import (
     ERR_CODE,
     ERR_CODES,
     ERR_COUNT,
@@ -51,6 +51,7 @@ from .kernels.error_word import (
     ERR_REQ,
     ERR_ROW,
     ERR_STAGE,
+    STAGE_NAMES,
 )
 from .ledger import Ledger
 from .planner import StepBuilder
@@ -370,7 +371,7 @@ class HybridAllocator:
             err = self.state.err_buf.cpu().tolist()  # sync ok: the documented check point
         if err[ERR_CODES]:
             self._faulted = True
-            stage = {0: "release", 1: "alloc", 2: "single-call"}.get(err[ERR_STAGE], "?")
+            stage = STAGE_NAMES.get(err[ERR_STAGE], "?")
             raise DeviceFaultError(err[ERR_CODES], err[ERR_COUNT], err[ERR_CODE], stage,
                                    err[ERR_ROW], err[ERR_REQ], err[ERR_PAGE])
 

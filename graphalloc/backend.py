@@ -63,17 +63,18 @@ class StepKernels:
         otherwise release then allocation."""
         cfg, st = self.config, self.state
         common = dict(page_size=cfg.page_size, n_full_cap=cfg.num_full_pages,
-                      n_swa_cap=cfg.num_swa_pages, validate=cfg.validate,
-                      swa_epoch=st.swa_epoch_buf)
+                      n_swa_cap=cfg.num_swa_pages, validate=cfg.validate)
+        epochs = (st.full_epoch_buf, st.swa_epoch_buf)
         tables = (st.req_to_token_buf, st.full_to_swa_buf, st.full_free_buf, st.swa_free_buf,
                   st.ring_pages_buf)
         if fusable and self.fused:
             self.n_fused += 1
             self._step(release_rows, alloc_rows, *tables, st.out_full_buf, st.out_swa_buf,
                        st.err_buf, n_release_lanes=cfg.max_step_pages,
-                       n_alloc_lanes=cfg.max_step_tokens, **common)
+                       n_alloc_lanes=cfg.max_step_tokens, epochs=epochs, **common)
             return
         self.n_two += 1
-        self._release(release_rows, *tables, st.err_buf, n_lanes=cfg.max_step_pages, **common)
+        self._release(release_rows, *tables, st.err_buf, n_lanes=cfg.max_step_pages,
+                      epochs=epochs, **common)
         self._allocate(alloc_rows, *tables, st.out_full_buf, st.out_swa_buf, st.err_buf,
                        n_lanes=cfg.max_step_tokens, **common)

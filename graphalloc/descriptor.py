@@ -1,45 +1,10 @@
-"""The fixed-shape step descriptor: its row layouts, and the ring of pinned buffers.
+"""The ring of pinned step-descriptor buffers.
 
-A step is two tables of int64 rows, eight columns each (64 bytes, one vector
-load per program), written by the host planner and read by the kernels:
-
-Release rows (``max_release_rows`` of them), one per segment of one request::
-
-    col  name          meaning
-    0    REL_REQ       request row r of req_to_token
-    1    REL_START_POS first position s of the segment (page-aligned)
-    2    REL_N_PAGES   pages in the segment; 0 marks a padded row (exits at once)
-    3    REL_FLAGS     REL_SWA | REL_FULL | REL_CLEAR | REL_RING_RETURN
-    4    REL_SWA_PUSH  free-ring position where SWA page j is pushed (+ j, mod capacity)
-    5    REL_FULL_PUSH free-ring position where FULL page j is pushed (+ j, mod capacity)
-    6    REL_LANE      exclusive prefix sum of pages: the row's first page lane
-    7    REL_EPOCH     the step's epoch (> 0, a step counter; 0 skips validate mode's
-                       duplicate-free check for the row)
-
-    For page j < n: rep = req_to_token[r, s + j*ps]; the full page is rep // ps.
-    REL_SWA:   peer = full_to_swa[rep]; push peer // ps (0, the sink marker, and a
-               fault, when unmapped).
-    REL_CLEAR: zero full_to_swa over the whole full page (a partial tail too).
-    REL_FULL:  push the full page.
-    REL_RING_RETURN: push ring_pages[r, j] (ring mode release); nothing else.
-
-Allocation rows (``max_alloc_rows``), one per allocating request::
-
-    col  name          meaning
-    0    AL_REQ        request row r
-    1    AL_START_POS  first new position s (may be mid-page: the page is continued)
-    2    AL_N_TOKENS   tokens to allocate; 0 with AL_N_PAGES 0 marks a padded row
-    3    AL_FULL_POP   free-ring position of the first popped FULL page
-    4    AL_SWA_POP    free-ring position of the first popped SWA page
-    5    AL_OUT        exclusive prefix sum of tokens: the row's first output lane
-    6    AL_FLAGS      AL_RING (SWA slot from the request's ring) | AL_RING_ADMIT
-    7    AL_N_PAGES    new pages (informative); for AL_RING_ADMIT, ring pages to pop
-
-Padded rows are marked in the row itself, so no program reads a shared header
-from host memory. Free lists are FIFO rings: pops take from the head, pushes
-go to the tail, positions wrap at the pool's page count. The host owns head and
-fill count and writes the positions into the rows, so no shape or address ever
-depends on device data.
+A step's descriptor (two tables of int64 rows: release rows, then allocation rows)
+has the layout of the device ABI, :mod:`graphalloc.kernels.abi`; the planner writes
+it and the kernels read it. This module owns where descriptors live between the two:
+a ring of pinned host buffers, each guarded by an event, so the host never rewrites
+a buffer the GPU has not consumed.
 """
 
 from __future__ import annotations
@@ -47,24 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = [
-    "ROW_WIDTH",
-    "REL_REQ", "REL_START_POS", "REL_N_PAGES", "REL_FLAGS", "REL_SWA_PUSH", "REL_FULL_PUSH",
-    "REL_LANE", "REL_EPOCH",
-    "REL_SWA", "REL_FULL", "REL_CLEAR", "REL_RING_RETURN",
-    "AL_REQ", "AL_START_POS", "AL_N_TOKENS", "AL_FULL_POP", "AL_SWA_POP", "AL_OUT", "AL_FLAGS",
-    "AL_N_PAGES", "AL_RING", "AL_RING_ADMIT",
-    "DescriptorRing",
-]
+from .kernels.abi import ROW_WIDTH
 
-ROW_WIDTH = 8
-
-REL_REQ, REL_START_POS, REL_N_PAGES, REL_FLAGS, REL_SWA_PUSH, REL_FULL_PUSH, REL_LANE = range(7)
-REL_EPOCH = 7
-REL_SWA, REL_FULL, REL_CLEAR, REL_RING_RETURN = 1, 2, 4, 8
-
-AL_REQ, AL_START_POS, AL_N_TOKENS, AL_FULL_POP, AL_SWA_POP, AL_OUT, AL_FLAGS, AL_N_PAGES = range(8)
-AL_RING, AL_RING_ADMIT = 1, 2
+__all__ = ["DescriptorRing"]
 
 
 class DescriptorRing:

@@ -16,13 +16,13 @@ ring_pages_buf    [max_reqs + 1, max(1, swa_ring_pages)]       ring mode: a requ
 out_full_buf      [max_step_tokens + 1]                        this step's new full slots
 out_swa_buf       [max_step_tokens + 1]                        this step's new SWA slots
 err_buf           [8] int64                                    device error word
-swa_epoch_buf     [num_swa_pages + 1] int64                    validate mode: the epoch
-                                                               (step) that last freed
-                                                               each SWA page
+full_epoch_buf    [num_full_pages + 1] int64                   validate mode: the epoch
+swa_epoch_buf     [num_swa_pages + 1] int64                    (step) that last pushed
+                                                               each page to its ring
 ================  ===========================================  ======================
 
-``swa_epoch_buf`` is scratch of the validate-mode duplicate-free check (see
-``kernels.release``), not allocator state: it is not in :meth:`tables`.
+The epoch tables are scratch of the validate-mode duplicate-push check (see
+``kernels.release``), not allocator state: they are not in :meth:`tables`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class DeviceState:
         self.out_full_buf = torch.zeros(cfg.max_step_tokens + 1, dtype=dt, device=dev)
         self.out_swa_buf = torch.zeros(cfg.max_step_tokens + 1, dtype=dt, device=dev)
         self.err_buf = new_error_word(dev)
+        self.full_epoch_buf = torch.zeros(cfg.num_full_pages + 1, dtype=torch.int64, device=dev)
         self.swa_epoch_buf = torch.zeros(cfg.num_swa_pages + 1, dtype=torch.int64, device=dev)
         self.reset()
 
@@ -57,7 +58,7 @@ class DeviceState:
         """Every page free, in order 1..n; no mappings; no faults. In place."""
         cfg = self.config
         for name in ("full_to_swa_buf", "req_to_token_buf", "ring_pages_buf", "out_full_buf",
-                     "out_swa_buf", "err_buf", "swa_epoch_buf"):
+                     "out_swa_buf", "err_buf", "full_epoch_buf", "swa_epoch_buf"):
             getattr(self, name).zero_()
         dev, dt = cfg.device, cfg.index_dtype
         self.full_free_buf[:-1].copy_(torch.arange(1, cfg.num_full_pages + 1, dtype=dt, device=dev))

@@ -23,6 +23,7 @@ import dataclasses
 import numpy as np
 
 from .errors import IntegrityError
+from .kernels.abi import ERR_CODES, ERR_PAGE, ERR_REQ
 from .sync_points import sync_allowed
 
 __all__ = ["Finding", "snapshot", "audit", "audit_state", "check_integrity", "ownership"]
@@ -167,9 +168,10 @@ def audit_state(config, ledger, snap: dict) -> list[Finding]:
     for v in vals[counts > 1][:8]:
         findings.append(Finding("double_owner", "SWA", int(v), -1,
                                 f"SWA page {v} is the peer of {counts[vals == v][0]} full pages"))
-    if snap["err"][0]:
-        findings.append(Finding("device_fault", "-", int(snap["err"][6]), int(snap["err"][5]),
-                                f"device error word: {snap['err'].tolist()}"))  # off the fast path
+    err = snap["err"]
+    if err[ERR_CODES]:
+        findings.append(Finding("device_fault", "-", int(err[ERR_PAGE]), int(err[ERR_REQ]),
+                                f"device error word: {err.tolist()}"))  # off the fast path
     return findings
 
 

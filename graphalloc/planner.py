@@ -23,7 +23,17 @@ from __future__ import annotations
 import numpy as np
 
 from .config import AllocatorConfig
-from .descriptor import (
+from .errors import (
+    AlignmentError,
+    BatchTooLargeError,
+    CapacityError,
+    FrontierError,
+    OverlapError,
+    PositionError,
+    RingOverflowError,
+    UnknownRequestError,
+)
+from .kernels.abi import (
     AL_FLAGS,
     AL_FULL_POP,
     AL_N_PAGES,
@@ -47,16 +57,6 @@ from .descriptor import (
     REL_SWA,
     REL_SWA_PUSH,
     ROW_WIDTH,
-)
-from .errors import (
-    AlignmentError,
-    BatchTooLargeError,
-    CapacityError,
-    FrontierError,
-    OverlapError,
-    PositionError,
-    RingOverflowError,
-    UnknownRequestError,
 )
 from .ledger import Ledger
 

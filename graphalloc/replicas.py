@@ -100,9 +100,9 @@ import torch
 import torch.distributed as dist
 
 from .allocator import AllocResult, HybridAllocator
-from .descriptor import ROW_WIDTH
 from .errors import ConfigError, ContractError, ReplicaDivergenceError
 from .graph import capture_graph
+from .kernels.abi import ROW_WIDTH
 from .state_digest import (
     META_LEDGER,
     META_MAGIC,

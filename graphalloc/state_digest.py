@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from .config import AllocatorConfig
-from .descriptor import ROW_WIDTH
 from .errors import IntegrityError
+from .kernels.abi import ROW_WIDTH
 from .ledger import Ledger
 
 __all__ = [

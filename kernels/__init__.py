@@ -7,6 +7,7 @@ shares the launcher's signature:
 * ``allocate`` -- the step's decode/extend allocation
 * ``step`` -- both of them in one fused launch (for steps the planner marks fusable)
 * ``get_and_clear`` -- the single-call ``get_and_clear_swa_pages`` op
+* ``page_table`` -- the attention batch's FULL/SWA page tables (CSR and block-table forms)
 * ``error_word`` -- the device error word both write faults to
 
 Most users want :class:`graphalloc.HybridAllocator`, not these.
@@ -15,6 +16,7 @@ Most users want :class:`graphalloc.HybridAllocator`, not these.
 from .allocate import allocate_tokens, allocate_tokens_torch
 from .error_word import new_error_word
 from .get_and_clear import get_and_clear_swa_pages, get_and_clear_swa_pages_torch
+from .page_table import write_page_tables, write_page_tables_torch
 from .release import release_pages, release_pages_torch
 from .step import run_step_fused, run_step_fused_torch
 
@@ -28,4 +30,6 @@ __all__ = [
     "get_and_clear_swa_pages",
     "get_and_clear_swa_pages_torch",
     "new_error_word",
+    "write_page_tables",
+    "write_page_tables_torch",
 ]

@@ -1,10 +1,15 @@
 """Allocate: decode and extend allocation for a step, from the same descriptor.
 
-One program per descriptor allocation row (see ``graphalloc.descriptor``)::
+One program per descriptor allocation row (layout: ``graphalloc.kernels.abi``)::
 
     row = rows[pid]
     if row.n_tokens == 0 and row.n_pages == 0: return       # padded row
     if RING_ADMIT: ring_pages[r, q] = swa_free[(swa_pop + q) % cap] for q < n_pages; return
+    if SWA_ONLY:                                            # load-back of [s, s + n_tokens)
+        for i < n_tokens: k = i // ps; off = i % ps
+            full = req_to_token[r, s + k*ps] // ps; swa = swa_free[(swa_pop + k) % cap]
+            full_to_swa[full*ps + off] = swa*ps + off; out_full/out_swa[lane] = the slots
+        return
     first_new = ceil(s / ps)                                # pages before it exist already
     for i in range(n_tokens):                               # in blocks of BLOCK_TOKENS
         t = s + i; page_no = t // ps; off = t % ps
@@ -50,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphalloc.descriptor import (
+from .abi import (
     AL_FLAGS,
     AL_FULL_POP,
     AL_N_PAGES,
@@ -60,18 +65,14 @@ from graphalloc.descriptor import (
     AL_RING,
     AL_RING_ADMIT,
     AL_START_POS,
+    AL_SWA_ONLY,
     AL_SWA_POP,
-)
-from graphalloc.errors import FaultCode, TensorSpecError
-
-from .error_word import (
     STAGE_ALLOC,
-    record_fault_bits,
-    record_fault_bits_torch,
-    record_faults,
-    record_faults_torch,
+    FaultCode,
 )
-from .release import _lanes_of_rows, block_ps, check_common, check_rows, load_row, row_col
+from .error_word import record_fault_bits, record_fault_bits_torch
+from .errors import TensorSpecError
+from .rows import block_ps, check_rows, check_tables, lanes_of_rows, load_row, row_col
 
 __all__ = ["allocate_tokens", "allocate_tokens_torch", "allocate_meta"]
 
@@ -85,6 +86,7 @@ _OUT = tl.constexpr(AL_OUT)
 _FLAGS = tl.constexpr(AL_FLAGS)
 _N_PAGES = tl.constexpr(AL_N_PAGES)
 _F_RING, _F_RING_ADMIT = tl.constexpr(AL_RING), tl.constexpr(AL_RING_ADMIT)
+_F_SWA_ONLY = tl.constexpr(AL_SWA_ONLY)
 _SINK_POP = tl.constexpr(FaultCode.SINK_POP)
 _OUT_OF_RANGE = tl.constexpr(FaultCode.OUT_OF_RANGE)
 _STAGE_ALLOC = tl.constexpr(STAGE_ALLOC)
@@ -134,9 +136,36 @@ def _allocate_body(
                                   popped, BLOCK_TOKENS)
                 popped = tl.where(oor, 0, popped)  # out of range: the ring gets the sink
             else:
-                record_faults(err_ptr, admit_mask & (popped == 0), lanes_t, _SINK_POP,
-                              _STAGE_ALLOC, pid, r, popped, BLOCK_TOKENS)
+                bits = tl.where(admit_mask & (popped == 0), _SINK_POP, 0)
+                record_fault_bits(err_ptr, bits.to(tl.int64), lanes_t, _STAGE_ALLOC, pid, r,
+                                  popped, BLOCK_TOKENS)
             tl.store(ring_row_ptr + q, popped.to(ring_ptr.dtype.element_ty), mask=admit_mask)
+
+    # Load-back: re-pair existing FULL pages of [s, s + n_pages*ps) with popped SWA pages.
+    if (flags & _F_SWA_ONLY) != 0:
+        for start in range(0, n_tokens, BLOCK_TOKENS):
+            i = start + lanes_t
+            tok_mask = (i < n_tokens) & (first_out + i < n_lanes)
+            k = i // page_size
+            off = i - k * page_size
+            full = tl.load(r2t_row_ptr + start_pos + k * page_size, mask=tok_mask,
+                           other=0).to(tl.int64) // page_size
+            swa = tl.load(swa_free_ptr + (swa_pop + k) % n_swa_cap, mask=tok_mask,
+                          other=0).to(tl.int64)
+            swa_bad = tok_mask & ((swa <= 0) | (swa > n_swa_cap))
+            bits = (tl.where(tok_mask & (swa == 0), _SINK_POP, 0)
+                    | tl.where(swa_bad & (swa != 0), _OUT_OF_RANGE, 0))
+            record_fault_bits(err_ptr, bits.to(tl.int64), lanes_t, _STAGE_ALLOC, pid, r, swa,
+                              BLOCK_TOKENS)
+            swa = tl.where(swa_bad, 0, swa)
+            map_mask = tok_mask & (full > 0) & (swa > 0)
+            tl.store(f2s_ptr + full * page_size + off,
+                     (swa * page_size + off).to(f2s_ptr.dtype.element_ty), mask=map_mask)
+            tl.store(out_full_ptr + first_out + i,
+                     (full * page_size + off).to(out_full_ptr.dtype.element_ty), mask=tok_mask)
+            tl.store(out_swa_ptr + first_out + i,
+                     (swa * page_size + off).to(out_swa_ptr.dtype.element_ty), mask=tok_mask)
+        return
 
     # Token lanes: continue the partial page, then new pages popped in order.
     first_new = (start_pos + page_size - 1) // page_size  # pages below it exist already
@@ -172,8 +201,9 @@ def _allocate_body(
             new_swa = tl.where(swa_bad, 0, new_swa)
         else:
             fault = is_new & ((new_full == 0) | (pool & (new_swa == 0)))
-            record_faults(err_ptr, fault, lanes_t, _SINK_POP, _STAGE_ALLOC, pid, r,
-                          tl.where(new_full == 0, new_full, new_swa), BLOCK_TOKENS)
+            record_fault_bits(err_ptr, tl.where(fault, _SINK_POP, 0).to(tl.int64), lanes_t,
+                              _STAGE_ALLOC, pid, r, tl.where(new_full == 0, new_full, new_swa),
+                              BLOCK_TOKENS)
         full = tl.where(is_new, new_full, old_full)
         swa = tl.where(ring, ring_swa, tl.where(is_new, new_swa, old_swa))
         full_slot = full * page_size + off
@@ -240,14 +270,12 @@ def allocate_meta(page_size: int) -> dict:
 
 def allocate_tokens(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages,
                     out_full_slots, out_swa_slots, err, *, page_size: int, n_full_cap: int,
-                    n_swa_cap: int, n_lanes: int, validate: bool = False,
-                    swa_epoch: torch.Tensor | None = None) -> None:
+                    n_swa_cap: int, n_lanes: int, validate: bool = False) -> None:
     """Launch the allocation kernel: one program per row of ``rows``. Shares the twin's
-    signature and results. ``validate`` compiles in the range checks of popped ids
-    (``swa_epoch`` is accepted for symmetry with the release launcher and not read).
+    signature and results. ``validate`` compiles in the range checks of popped ids.
     Returns before the device has finished."""
     check_rows(rows, full_to_swa, "allocation")
-    check_common(req_to_token, ring_pages, err, False, swa_epoch, n_swa_cap)
+    check_tables(req_to_token, ring_pages, err, False, None, (n_full_cap, n_swa_cap))
     if not (out_full_slots.is_contiguous() and out_swa_slots.is_contiguous()):
         raise TensorSpecError("the output slot buffers must be contiguous")
     n_rows = rows.shape[0]
@@ -264,8 +292,7 @@ def allocate_tokens(rows, req_to_token, full_to_swa, full_free, swa_free, ring_p
 
 def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages,
                           out_full_slots, out_swa_slots, err, *, page_size: int, n_full_cap: int,
-                          n_swa_cap: int, n_lanes: int, validate: bool = False,
-                          swa_epoch: torch.Tensor | None = None) -> None:
+                          n_swa_cap: int, n_lanes: int, validate: bool = False) -> None:
     """Reference twin of the allocation kernel over ``n_lanes`` flat token lanes.
 
     ``req_to_token`` has a scratch row past the requests and the output buffers
@@ -297,15 +324,16 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     row_ids = torch.arange(rows.shape[0], device=device)[:, None].expand_as(admit_lane)
 
     # --- token lanes ------------------------------------------------------------------
-    row_of, i, valid = _lanes_of_rows(rows[:, AL_N_TOKENS], n_lanes)
+    row_of, i, valid = lanes_of_rows(rows[:, AL_N_TOKENS], n_lanes)
     r = torch.where(valid, rows[row_of, AL_REQ], scratch_row)
     s = rows[row_of, AL_START_POS]
     ring = (rows[row_of, AL_FLAGS] & AL_RING) != 0
+    swa_only = valid & ((rows[row_of, AL_FLAGS] & AL_SWA_ONLY) != 0)  # load-back lanes
     t = torch.where(valid, s + i, 0)
     page_no = t // ps
     off = t % ps
     first_new = (s + ps - 1) // ps
-    is_new = valid & (page_no >= first_new)
+    is_new = valid & ~swa_only & (page_no >= first_new)
     k = torch.where(is_new, page_no - first_new, 0)
 
     new_full = full_free[(rows[row_of, AL_FULL_POP] + k) % n_full_cap].to(torch.int64)
@@ -331,6 +359,18 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
         fault_page = torch.where(new_full == 0, new_full, new_swa_pool)
     full = torch.where(is_new, new_full, old_full)
     swa = torch.where(ring, ring_swa, torch.where(is_new, new_swa_pool, old_swa_pool))
+    # Load-back lanes: FULL page k of the row exists; its SWA page is popped at pop + k.
+    k_back = torch.where(swa_only, i // ps, 0)
+    back_full = req_to_token[r, torch.where(swa_only, s + k_back * ps, 0)].to(torch.int64) // ps
+    back_swa = swa_free[(rows[row_of, AL_SWA_POP] + k_back) % n_swa_cap].to(torch.int64)
+    back_bad = swa_only & ((back_swa <= 0) | (back_swa > n_swa_cap))
+    bits = torch.where(swa_only, torch.where(swa_only & (back_swa == 0), FaultCode.SINK_POP, 0)
+                       | torch.where(back_bad & (back_swa != 0), FaultCode.OUT_OF_RANGE, 0),
+                       bits)
+    fault_page = torch.where(swa_only, back_swa, fault_page)
+    back_swa = torch.where(back_bad, 0, back_swa)
+    full = torch.where(swa_only, back_full, full)
+    swa = torch.where(swa_only, back_swa, swa)
     # One record for admission and token lanes, claimed in (row, lane) order: a row's
     # admission lanes come before its token lanes, as in the kernel's program.
     width = n_ring + n_lanes
@@ -339,20 +379,17 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
               torch.cat([rows[:, AL_REQ, None].expand_as(admit_lane).reshape(-1), r]),
               torch.cat([popped.reshape(-1), fault_page]))
     order = torch.cat([(row_ids * width + q).reshape(-1), row_of * width + n_ring + i])
-    if validate:
-        record_fault_bits_torch(err, lane_bits, STAGE_ALLOC, *record, order=order)
-    else:
-        record_faults_torch(err, lane_bits != 0, FaultCode.SINK_POP, STAGE_ALLOC, *record,
-                            order=order)
+    record_fault_bits_torch(err, lane_bits, STAGE_ALLOC, *record, order=order)
 
     full_slot = full * ps + off
-    req_to_token[r, t] = full_slot.to(req_to_token.dtype)
+    r_write = torch.where(swa_only, scratch_row, r)  # load-back leaves req_to_token alone
+    req_to_token[r_write, t] = full_slot.to(req_to_token.dtype)
     out_pos = torch.where(valid, rows[row_of, AL_OUT] + i, n_lanes)
     out_full_slots[out_pos] = full_slot.to(out_full_slots.dtype)
     out_swa_slots[out_pos] = (swa * ps + off).to(out_swa_slots.dtype)
 
     # Whole-page, page-dense mapping for every new page (written at its first token).
-    writes_map = is_new & (off == 0) & (full > 0) & (swa > 0)
+    writes_map = (is_new | swa_only) & (off == 0) & (full > 0) & (swa > 0)
     offs = torch.arange(ps, device=device)
     map_slot = torch.where(writes_map[:, None], full[:, None] * ps + offs, 0)
     map_value = torch.where(writes_map[:, None], swa[:, None] * ps + offs, 0)

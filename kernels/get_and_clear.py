@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphalloc.errors import OverlapError, PositionError, TensorSpecError
+from .errors import OverlapError, PositionError, TensorSpecError
 
 __all__ = ["get_and_clear_swa_pages", "get_and_clear_swa_pages_torch"]
 

@@ -1,11 +1,11 @@
 """Release: the graph's core node. Lookup the SWA peers of a step's freed pages and clear them.
 
-One program per descriptor release row (see ``graphalloc.descriptor``)::
+One program per descriptor release row (layout: ``graphalloc.kernels.abi``)::
 
     row = rows[pid]                       # one 64-byte load from pinned host memory
     if row.n_pages == 0: return           # padded row
     for j in range(n_pages):              # in blocks of BLOCK_PAGES
-        if RING_RETURN: swa_free[(swa_push + j) % cap] = ring_pages[r, j]; continue
+        if RING_RETURN: swa_free[(swa_push + j) % cap] = ring_pages[r, s//ps + j]; continue
         rep  = req_to_token[r, s + j*ps]  # fixed stride, no unique()
         page = rep // ps
         if SWA:  peer = full_to_swa[rep]; push peer // ps (0 + fault when peer == 0)
@@ -26,15 +26,19 @@ barrier::
         if peer // ps not in [1, n_swa_cap]:    OUT_OF_RANGE; push 0 instead
         if full_to_swa[page*ps + o] != (peer // ps) * ps + o for some o < ps:
                                                 NOT_PAGE_DENSE
-        old = atomic_xchg(swa_epoch[peer // ps], epoch)   # epoch: the row's REL_EPOCH
-        if old == epoch:                        DUPLICATE_FREE (a 2nd free this step)
+    for every page the lane pushes (its SWA peer, its FULL page, its ring page):
+        old = atomic_xchg(epoch[pool][page], epoch)   # epoch: the row's REL_EPOCH
+        if old == epoch:                        DUPLICATE_FREE (a 2nd push this step)
+    RING_RETURN: a ring page outside [1, n_swa_cap] is OUT_OF_RANGE (0 pushed instead)
 
 The epoch stamp is how uniqueness is checked across programs without a sort:
 the host writes a step counter (> 0, never reused) into every release row, so
-a page stamped with this step's epoch was freed earlier in this step; rows
-with epoch 0 skip the check. Every lane is counted once in the error word
-whatever it broke (``record_fault_bits``). Extra bytes per freed page: ps index
-reads of the page tile and one 8-byte atomic exchange.
+a page stamped with this step's epoch was pushed earlier in this step; rows
+with epoch 0 skip the check. Every push is stamped -- SWA peers, FULL pages
+and ring pages -- so no page can enter a free ring twice in one step unseen
+(a ring release split over rows once pushed the ring's first pages again).
+Every lane is counted once in the error word whatever it broke (``record_fault_bits``). Extra bytes per freed page: ps index
+reads of the page tile and one or two 8-byte atomic exchanges.
 
 Bytes per freed page: one index read of req_to_token, one of full_to_swa, ps
 index writes for the clear, one or two index writes for the pushes.
@@ -58,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphalloc.descriptor import (
+from .abi import (
     REL_CLEAR,
     REL_EPOCH,
     REL_FLAGS,
@@ -71,23 +75,15 @@ from graphalloc.descriptor import (
     REL_START_POS,
     REL_SWA,
     REL_SWA_PUSH,
-    ROW_WIDTH,
-)
-from graphalloc.errors import FaultCode, TensorSpecError
-
-from .error_word import (
-    ERR_WORDS,
     STAGE_RELEASE,
-    record_fault_bits,
-    record_fault_bits_torch,
-    record_faults,
-    record_faults_torch,
+    FaultCode,
 )
+from .error_word import record_fault_bits, record_fault_bits_torch
+from .rows import block_ps, check_rows, check_tables, lanes_of_rows, load_row, row_col
 
-__all__ = ["release_pages", "release_pages_torch", "release_meta"]
+__all__ = ["release_pages", "release_pages_torch", "release_meta", "epoch_args"]
 
 # Descriptor columns, flags and codes as constexprs (jit code reads only constexpr globals).
-_ROW_WIDTH = tl.constexpr(ROW_WIDTH)
 _REQ = tl.constexpr(REL_REQ)
 _START_POS = tl.constexpr(REL_START_POS)
 _N_PAGES = tl.constexpr(REL_N_PAGES)
@@ -106,22 +102,18 @@ _STAGE_RELEASE = tl.constexpr(STAGE_RELEASE)
 
 
 @triton.jit
-def load_row(rows_ptr, pid):
-    """One program's descriptor row: a single 64-byte vector load (int64 ``[ROW_WIDTH]``)."""
-    cols = tl.arange(0, _ROW_WIDTH)
-    return tl.load(rows_ptr + pid * _ROW_WIDTH + cols).to(tl.int64), cols
-
-
-@triton.jit
-def row_col(row, cols, col: tl.constexpr):
-    """Column ``col`` of a loaded row, as an int64 scalar (no second memory access)."""
-    return tl.sum(tl.where(cols == col, row, 0), axis=0)
+def _stamp(epoch_ptr, page, mask, epoch):
+    """Stamp ``page`` with the step's epoch; True where it already carried it (a second
+    push of the page in this step)."""
+    old = tl.atomic_xchg(epoch_ptr + page, tl.zeros_like(page) + epoch, mask=mask)
+    return mask & (old == epoch)
 
 
 @triton.jit
 def _release_body(
     pid, rows_ptr,
-    r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr, epoch_ptr,
+    r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr, full_epoch_ptr,
+    swa_epoch_ptr,
     stride_r2t_row, stride_ring_row,
     page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols,
     VALIDATE: tl.constexpr, BLOCK_PAGES: tl.constexpr, BLOCK_PS: tl.constexpr,
@@ -143,6 +135,7 @@ def _release_body(
     do_swa = reads & ((flags & _F_SWA) != 0)
     do_clear = reads & ((flags & _F_CLEAR) != 0)
     do_full = reads & ((flags & _F_FULL) != 0)
+    first_ring_col = start_pos // page_size  # ring rows: the row's first ring column
     if VALIDATE:
         epoch = row_col(row, cols, _EPOCH)  # 0: no duplicate check for this row
         n_slots = (n_full_cap + 1) * page_size
@@ -159,8 +152,14 @@ def _release_body(
 
         # Ring release: hand the request's ring pages back to the SWA ring; nothing else.
         ring_mask = page_mask & ring_return
-        ring_page = tl.load(ring_row_ptr + tl.minimum(j, n_ring_cols - 1), mask=ring_mask,
-                            other=0)
+        ring_page = tl.load(ring_row_ptr + tl.minimum(first_ring_col + j, n_ring_cols - 1),
+                            mask=ring_mask, other=0).to(tl.int64)
+        if VALIDATE:
+            ring_ok = (ring_page >= 1) & (ring_page <= n_swa_cap)
+            bad_ring = ring_mask & ~ring_ok
+            ring_page = tl.where(ring_ok, ring_page, 0)  # out of range: push the sink marker
+            dup_ring = _stamp(swa_epoch_ptr, ring_page, ring_mask & ring_ok & (epoch > 0),
+                              epoch)
         tl.store(swa_free_ptr + swa_pos, ring_page.to(swa_free_ptr.dtype.element_ty),
                  mask=ring_mask)
 
@@ -172,7 +171,7 @@ def _release_body(
         if VALIDATE:
             # A representative outside [ps, n_slots) is masked: nothing is read or written
             # through it, and both pushes get the sink marker.
-            fault_page = rep // page_size
+            fault_page = tl.where(ring_mask, ring_page, rep // page_size)
             rep_ok = (rep >= page_size) & (rep < n_slots)
             bad_rep = read_mask & ~rep_ok
             read_mask = read_mask & rep_ok
@@ -195,20 +194,21 @@ def _release_body(
                            mask=tile_mask, other=0).to(tl.int64)
             expect = (peer // page_size)[:, None] * page_size + offs_ps[None, :]
             n_off = tl.sum((tile_mask & (tile != expect)).to(tl.int32), axis=1)
-            # Unique within the step: stamp the page with the step's epoch; finding the
-            # stamp already there means another lane freed it in this step.
-            stamp_mask = live & swa_ok & (epoch > 0)
-            old = tl.atomic_xchg(epoch_ptr + swa_page, tl.zeros_like(swa_page) + epoch,
-                                 mask=stamp_mask)
+            # Unique within the step: stamp every pushed page with the step's epoch;
+            # finding the stamp already there means it was pushed earlier in this step.
+            dup_swa = _stamp(swa_epoch_ptr, swa_page, live & swa_ok & (epoch > 0), epoch)
+            dup_full = _stamp(full_epoch_ptr, full_page,
+                              read_mask & do_full & (epoch > 0), epoch)
             bits = (tl.where(gather_mask & ~mapped, _UNMAPPED_PEER, 0)
                     | tl.where(live & (n_off > 0), _NOT_PAGE_DENSE, 0)
-                    | tl.where(bad_rep | bad_swa, _OUT_OF_RANGE, 0)
-                    | tl.where(stamp_mask & (old == epoch), _DUPLICATE_FREE, 0))
+                    | tl.where(bad_rep | bad_swa | bad_ring, _OUT_OF_RANGE, 0)
+                    | tl.where(dup_swa | dup_full | dup_ring, _DUPLICATE_FREE, 0))
             record_fault_bits(err_ptr, bits.to(tl.int64), lanes, _STAGE_RELEASE, pid, r,
                               fault_page, BLOCK_PAGES)
         else:
-            record_faults(err_ptr, swa_mask & (peer <= 0), lanes, _UNMAPPED_PEER,
-                          _STAGE_RELEASE, pid, r, full_page, BLOCK_PAGES)
+            bits = tl.where(swa_mask & (peer <= 0), _UNMAPPED_PEER, 0)
+            record_fault_bits(err_ptr, bits.to(tl.int64), lanes, _STAGE_RELEASE, pid, r,
+                              full_page, BLOCK_PAGES)
 
         # rep is one of the slots cleared below: every gather must land before any clear.
         tl.debug_barrier()
@@ -228,8 +228,9 @@ def _release_body(
 def _release_kernel(
     # descriptor (int64 [n_rows, 8], may be pinned host memory)
     rows_ptr,
-    # device tables (epoch_ptr: validate mode's stamps; unread otherwise)
-    r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr, epoch_ptr,
+    # device tables (*_epoch_ptr: validate mode's stamps; unread otherwise)
+    r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr, full_epoch_ptr,
+    swa_epoch_ptr,
     # strides
     stride_r2t_row, stride_ring_row,
     # sizes
@@ -238,27 +239,11 @@ def _release_kernel(
     VALIDATE: tl.constexpr, BLOCK_PAGES: tl.constexpr, BLOCK_PS: tl.constexpr,
 ):
     _release_body(tl.program_id(0).to(tl.int64), rows_ptr,
-                  r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr, epoch_ptr,
+                  r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr,
+                  full_epoch_ptr, swa_epoch_ptr,
                   stride_r2t_row, stride_ring_row,
                   page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols,
                   VALIDATE, BLOCK_PAGES, BLOCK_PS)
-
-
-def check_rows(rows: torch.Tensor, table: torch.Tensor, what: str) -> None:
-    """Launcher checks on a descriptor table (attribute reads only: no sync)."""
-    if rows.dtype != torch.int64 or rows.dim() != 2 or rows.shape[1] != ROW_WIDTH:
-        raise TensorSpecError(f"{what} rows must be int64 [n, {ROW_WIDTH}], got {rows.dtype} "
-                              f"{tuple(rows.shape)}")
-    if not rows.is_contiguous():
-        raise TensorSpecError(f"{what} rows must be contiguous (one 64-byte load per row)")
-    if rows.device != table.device and not (rows.device.type == "cpu" and rows.is_pinned()):
-        raise TensorSpecError(f"{what} rows are on {rows.device} but the tables on "
-                              f"{table.device}: pass pinned host memory or a device tensor")
-
-
-def block_ps(page_size: int) -> int:
-    """``BLOCK_PS``: the page tile width, the next power of two >= page_size."""
-    return triton.next_power_of_2(page_size)
 
 
 def release_meta(page_size: int) -> dict:
@@ -268,60 +253,42 @@ def release_meta(page_size: int) -> dict:
     return dict(BLOCK_PAGES=max(2, min(32, 2048 // ps_block)), BLOCK_PS=ps_block)
 
 
-def check_common(req_to_token, ring_pages, err, validate: bool, swa_epoch, n_swa_cap: int):
-    """Launcher checks shared by the release, allocation and fused step launchers."""
-    if err.dtype != torch.int64 or err.numel() < ERR_WORDS:
-        raise TensorSpecError(f"err must be int64 [{ERR_WORDS}], got {err.dtype} "
-                              f"{tuple(err.shape)}")
-    if req_to_token.stride(1) != 1 or ring_pages.stride(1) != 1:
-        raise TensorSpecError("req_to_token and ring_pages need unit column stride")
-    if validate and (swa_epoch is None or swa_epoch.dtype != torch.int64
-                     or swa_epoch.numel() < n_swa_cap + 1):
-        got = "None" if swa_epoch is None else f"{swa_epoch.dtype} {tuple(swa_epoch.shape)}"
-        raise TensorSpecError(f"validate=True needs swa_epoch, int64 [n_swa_cap + 1 = "
-                              f"{n_swa_cap + 1}] (DeviceState.swa_epoch_buf), got {got}")
+def epoch_args(validate: bool, epochs, err):
+    """The two stamp-table arguments of a launch (the error word stands in when off)."""
+    return (epochs[0], epochs[1]) if validate else (err, err)
 
 
 def release_pages(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, err,
                   *, page_size: int, n_full_cap: int, n_swa_cap: int, n_lanes: int,
-                  validate: bool = False, swa_epoch: torch.Tensor | None = None) -> None:
+                  validate: bool = False, epochs=None) -> None:
     """Launch the release kernel: one program per row of ``rows``. Shares the twin's
     signature and results. ``validate`` compiles in the checks of the module docstring;
-    it needs ``swa_epoch`` (int64 ``[n_swa_cap + 1]``, zero-initialised, kept across
-    steps), which is not read otherwise. Returns before the device has finished."""
+    it needs ``epochs = (full_epoch, swa_epoch)`` (int64 ``[n_full_cap + 1]`` and
+    ``[n_swa_cap + 1]``, zero-initialised, kept across steps), not read otherwise.
+    Returns before the device has finished."""
     check_rows(rows, full_to_swa, "release")
-    check_common(req_to_token, ring_pages, err, validate, swa_epoch, n_swa_cap)
+    check_tables(req_to_token, ring_pages, err, validate, epochs, (n_full_cap, n_swa_cap))
     n_rows = rows.shape[0]
     if n_rows == 0:
         return
     _release_kernel[(n_rows,)](
         rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, err,
-        swa_epoch if validate else err,
+        *epoch_args(validate, epochs, err),
         req_to_token.stride(0), ring_pages.stride(0),
         page_size, n_full_cap, n_swa_cap, n_lanes, ring_pages.shape[1],
         VALIDATE=bool(validate), **release_meta(page_size),
     )
 
 
-def _lanes_of_rows(n_per_row: torch.Tensor, n_lanes: int):
-    """Flat lanes over rows: (row of lane, index within row, valid mask). Sync-free."""
-    ends = torch.cumsum(n_per_row, 0)
-    lanes = torch.arange(n_lanes, device=n_per_row.device)
-    row_of_lane = torch.searchsorted(ends, lanes, right=True).clamp_(max=len(n_per_row) - 1)
-    valid = lanes < ends[-1]
-    within = lanes - (ends - n_per_row)[row_of_lane]
-    return row_of_lane, torch.where(valid, within, 0), valid
-
-
-def stamp_epochs_torch(swa_epoch: torch.Tensor, page: torch.Tensor, epoch: torch.Tensor,
+def stamp_epochs_torch(table: torch.Tensor, page: torch.Tensor, epoch: torch.Tensor,
                        active: torch.Tensor) -> torch.Tensor:
-    """Twin of the kernel's ``old = atomic_xchg(swa_epoch[page], epoch)`` over lanes in
+    """Twin of the kernel's ``old = atomic_xchg(table[page], epoch)`` over lanes in
     program order: returns ``old == epoch`` per active lane and leaves each page stamped
     with the epoch of its last lane. Fixed-shape and sync-free (one sort).
 
     A lane's ``old`` is the epoch of the previous active lane with the same page, or the
     table's value for the page's first lane; with one epoch per step that marks the second
-    and later frees of a page in the step.
+    and later pushes of a page in the step.
     """
     n = page.shape[0]
     lane = torch.arange(n, device=page.device)
@@ -332,31 +299,31 @@ def stamp_epochs_torch(swa_epoch: torch.Tensor, page: torch.Tensor, epoch: torch
     same_prev = torch.zeros_like(active)
     same_prev[1:] = s_key[1:] == s_key[:-1]
     prev_epoch = torch.roll(s_epoch, 1)
-    old = torch.where(same_prev, prev_epoch, swa_epoch[s_page])
+    old = torch.where(same_prev, prev_epoch, table[s_page])
     s_dup = (s_key >= 0) & (old == s_epoch)
     # Each page ends with its last lane's epoch; every lane of a page writes that same
     # value, so the duplicate indices of the scatter below agree.
     last = torch.searchsorted(s_key, s_key, right=True) - 1
-    final = torch.where(s_key >= 0, s_epoch[last], swa_epoch[s_page])
-    swa_epoch.index_put_((s_page,), final.to(swa_epoch.dtype))
+    final = torch.where(s_key >= 0, s_epoch[last], table[s_page])
+    table.index_put_((s_page,), final.to(table.dtype))
     return torch.zeros_like(active).scatter_(0, order, s_dup)
 
 
 def release_pages_torch(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, err,
                         *, page_size: int, n_full_cap: int, n_swa_cap: int, n_lanes: int,
-                        validate: bool = False, swa_epoch: torch.Tensor | None = None) -> None:
+                        validate: bool = False, epochs=None) -> None:
     """Reference twin of the release kernel over ``n_lanes`` flat page lanes.
 
     ``req_to_token`` has one scratch row past the requests, ``full_free`` and
     ``swa_free`` one scratch entry past their capacity: padded lanes write there.
     """
-    check_common(req_to_token, ring_pages, err, validate, swa_epoch, n_swa_cap)
+    check_tables(req_to_token, ring_pages, err, validate, epochs, (n_full_cap, n_swa_cap))
     if rows.shape[0] == 0:  # as the launcher: nothing to run
         return
     device = full_to_swa.device
     ps = page_size
     rows = rows.to(device, non_blocking=True)
-    row_of, j, valid = _lanes_of_rows(rows[:, REL_N_PAGES], n_lanes)
+    row_of, j, valid = lanes_of_rows(rows[:, REL_N_PAGES], n_lanes)
     r = rows[row_of, REL_REQ]
     flags = torch.where(valid, rows[row_of, REL_FLAGS], 0)
     ring_return = (flags & REL_RING_RETURN) != 0
@@ -365,8 +332,16 @@ def release_pages_torch(rows, req_to_token, full_to_swa, full_free, swa_free, ri
     r_read = torch.where(reads, r, req_to_token.shape[0] - 1)
     rep = req_to_token[r_read, col].to(torch.int64)
     do_swa = reads & ((flags & REL_SWA) != 0)
+    do_full = reads & ((flags & REL_FULL) != 0)
+
+    ring_col = torch.where(ring_return, rows[row_of, REL_START_POS] // ps + j, 0)
+    ring_col = ring_col.clamp_(max=ring_pages.shape[1] - 1)
+    ring_page = ring_pages[torch.where(ring_return, r, 0), ring_col].to(torch.int64)
     if validate:  # a representative out of range is read and cleared through nowhere
-        fault_page = rep // ps
+        fault_page = torch.where(ring_return, ring_page, rep // ps)
+        ring_ok = (ring_page >= 1) & (ring_page <= n_swa_cap)
+        bad_ring = ring_return & ~ring_ok
+        ring_page = torch.where(ring_ok, ring_page, 0)
         rep_ok = (rep >= ps) & (rep < (n_full_cap + 1) * ps)
         bad_rep = reads & ~rep_ok
         read_ok = reads & rep_ok
@@ -389,19 +364,23 @@ def release_pages_torch(rows, req_to_token, full_to_swa, full_free, swa_free, ri
         tile = full_to_swa[torch.where(live[:, None], full_page[:, None] * ps + offs, 0)]
         not_dense = live & (tile.to(torch.int64) != (peer // ps)[:, None] * ps + offs).any(1)
         epoch = rows[row_of, REL_EPOCH]
-        stamp = live & swa_ok & (epoch > 0)
-        dup = stamp_epochs_torch(swa_epoch, torch.where(stamp, swa_page, 0), epoch, stamp)
+        # SWA pushes in lane order: a lane pushes its peer or its ring page, never both.
+        swa_pushed = torch.where(ring_return, ring_page, swa_page)
+        swa_stamp = ((live & swa_ok) | (ring_return & ring_ok)) & (epoch > 0)
+        dup = stamp_epochs_torch(epochs[1], torch.where(swa_stamp, swa_pushed, 0), epoch,
+                                 swa_stamp)
+        full_stamp = read_ok & do_full & (epoch > 0)
+        dup |= stamp_epochs_torch(epochs[0], torch.where(full_stamp, full_page, 0), epoch,
+                                  full_stamp)
         bits = (torch.where(gather & ~mapped, FaultCode.UNMAPPED_PEER, 0)
                 | torch.where(not_dense, FaultCode.NOT_PAGE_DENSE, 0)
-                | torch.where(bad_rep | bad_swa, FaultCode.OUT_OF_RANGE, 0)
+                | torch.where(bad_rep | bad_swa | bad_ring, FaultCode.OUT_OF_RANGE, 0)
                 | torch.where(dup, FaultCode.DUPLICATE_FREE, 0))
         record_fault_bits_torch(err, bits, STAGE_RELEASE, row_of, r, fault_page)
     else:
-        record_faults_torch(err, do_swa & ~mapped, FaultCode.UNMAPPED_PEER, STAGE_RELEASE,
-                            row_of, r, full_page)
+        bits = torch.where(do_swa & ~mapped, FaultCode.UNMAPPED_PEER, 0)
+        record_fault_bits_torch(err, bits, STAGE_RELEASE, row_of, r, full_page)
 
-    ring_col = torch.where(ring_return, j, 0).clamp_(max=ring_pages.shape[1] - 1)
-    ring_page = ring_pages[torch.where(ring_return, r, 0), ring_col].to(torch.int64)
     swa_value = torch.where(ring_return, ring_page, swa_page)
     swa_pos = torch.where(do_swa | ring_return,
                           (rows[row_of, REL_SWA_PUSH] + j) % n_swa_cap, n_swa_cap)
@@ -412,6 +391,5 @@ def release_pages_torch(rows, req_to_token, full_to_swa, full_free, swa_free, ri
     full_to_swa.index_put_((clear_slot.reshape(-1),),
                            torch.zeros((), dtype=full_to_swa.dtype, device=device))
     swa_free.index_put_((swa_pos,), swa_value.to(swa_free.dtype))
-    do_full = reads & ((flags & REL_FULL) != 0)
     full_pos = torch.where(do_full, (rows[row_of, REL_FULL_PUSH] + j) % n_full_cap, n_full_cap)
     full_free.index_put_((full_pos,), full_page.to(full_free.dtype))

@@ -33,14 +33,13 @@ twins in order, which is what the fused launch must equal) share one signature.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from graphalloc.errors import TensorSpecError
-
 from .allocate import _allocate_body, allocate_meta, allocate_tokens_torch
-from .release import _release_body, check_common, check_rows, release_meta, release_pages_torch
+from .errors import TensorSpecError
+from .release import _release_body, epoch_args, release_meta, release_pages_torch
+from .rows import check_rows, check_tables
 
 __all__ = ["run_step_fused", "run_step_fused_torch"]
 
@@ -51,9 +50,9 @@ __all__ = ["run_step_fused", "run_step_fused_torch"]
 def _step_kernel(
     # descriptor tables (int64 [R, 8] and [A, 8], may be pinned host memory)
     rel_rows_ptr, al_rows_ptr,
-    # device tables and outputs (epoch_ptr: validate mode's stamps; unread otherwise)
+    # device tables and outputs (*_epoch_ptr: validate mode's stamps; unread otherwise)
     r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, out_full_ptr, out_swa_ptr, err_ptr,
-    epoch_ptr,
+    full_epoch_ptr, swa_epoch_ptr,
     # strides
     stride_r2t_row, stride_ring_row,
     # sizes
@@ -66,7 +65,8 @@ def _step_kernel(
     pid = tl.program_id(0).to(tl.int64)
     if pid < n_release_rows:
         _release_body(pid, rel_rows_ptr,
-                      r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr, epoch_ptr,
+                      r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr,
+                      full_epoch_ptr, swa_epoch_ptr,
                       stride_r2t_row, stride_ring_row,
                       page_size, n_full_cap, n_swa_cap, n_release_lanes, n_ring_cols,
                       VALIDATE, REL_BLOCK_PAGES, BLOCK_PS)
@@ -82,18 +82,18 @@ def _step_kernel(
 def run_step_fused(release_rows, alloc_rows, req_to_token, full_to_swa, full_free, swa_free,
                    ring_pages, out_full_slots, out_swa_slots, err, *, page_size: int,
                    n_full_cap: int, n_swa_cap: int, n_release_lanes: int, n_alloc_lanes: int,
-                   validate: bool = False, swa_epoch: torch.Tensor | None = None) -> None:
+                   validate: bool = False, epochs=None) -> None:
     """Launch one step as a single grid of ``R + A`` programs (R release rows, A allocation
     rows). Only for a step whose pops fit in what was free before it
     (``StepBuilder.fusable``); the caller guarantees it, nothing here can check it.
 
     Arguments are those of ``release_pages`` and ``allocate_tokens`` together
     (``n_release_lanes`` / ``n_alloc_lanes`` are their ``n_lanes``); ``validate`` needs
-    ``swa_epoch``. Returns before the device has finished.
+    ``epochs``. Returns before the device has finished.
     """
     check_rows(release_rows, full_to_swa, "release")
     check_rows(alloc_rows, full_to_swa, "allocation")
-    check_common(req_to_token, ring_pages, err, validate, swa_epoch, n_swa_cap)
+    check_tables(req_to_token, ring_pages, err, validate, epochs, (n_full_cap, n_swa_cap))
     if not (out_full_slots.is_contiguous() and out_swa_slots.is_contiguous()):
         raise TensorSpecError("the output slot buffers must be contiguous")
     n_rel, n_al = release_rows.shape[0], alloc_rows.shape[0]
@@ -102,7 +102,7 @@ def run_step_fused(release_rows, alloc_rows, req_to_token, full_to_swa, full_fre
     rel_meta, al_meta = release_meta(page_size), allocate_meta(page_size)
     _step_kernel[(n_rel + n_al,)](
         release_rows, alloc_rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages,
-        out_full_slots, out_swa_slots, err, swa_epoch if validate else err,
+        out_full_slots, out_swa_slots, err, *epoch_args(validate, epochs, err),
         req_to_token.stride(0), ring_pages.stride(0),
         page_size, n_full_cap, n_swa_cap, n_rel, n_release_lanes, n_alloc_lanes,
         ring_pages.shape[1],
@@ -115,14 +115,13 @@ def run_step_fused(release_rows, alloc_rows, req_to_token, full_to_swa, full_fre
 def run_step_fused_torch(release_rows, alloc_rows, req_to_token, full_to_swa, full_free,
                          swa_free, ring_pages, out_full_slots, out_swa_slots, err, *,
                          page_size: int, n_full_cap: int, n_swa_cap: int, n_release_lanes: int,
-                         n_alloc_lanes: int, validate: bool = False,
-                         swa_epoch: torch.Tensor | None = None) -> None:
+                         n_alloc_lanes: int, validate: bool = False, epochs=None) -> None:
     """Reference twin of :func:`run_step_fused`: the release twin, then the allocation twin
     (the order the fused launch must be indistinguishable from)."""
     common = dict(page_size=page_size, n_full_cap=n_full_cap, n_swa_cap=n_swa_cap,
-                  validate=validate, swa_epoch=swa_epoch)
+                  validate=validate)
     release_pages_torch(release_rows, req_to_token, full_to_swa, full_free, swa_free,
-                        ring_pages, err, n_lanes=n_release_lanes, **common)
+                        ring_pages, err, n_lanes=n_release_lanes, epochs=epochs, **common)
     allocate_tokens_torch(alloc_rows, req_to_token, full_to_swa, full_free, swa_free,
                           ring_pages, out_full_slots, out_swa_slots, err, n_lanes=n_alloc_lanes,
                           **common)

@@ -15,16 +15,16 @@ import json
 import numpy as np
 import pytest
 import torch
+from workload import apply_all, random_step
+
+import graphalloc as ga
 from graphalloc.kernels import (
     allocate_tokens,
     release_pages,
     run_step_fused,
     run_step_fused_torch,
 )
-from workload import apply_all, random_step
-
-import graphalloc as ga
-from graphalloc.descriptor import AL_N_PAGES, AL_N_TOKENS, REL_N_PAGES
+from graphalloc.kernels.abi import AL_N_PAGES, AL_N_TOKENS, REL_N_PAGES
 from graphalloc.ledger import Ledger
 from graphalloc.planner import StepBuilder
 
@@ -99,10 +99,10 @@ def shuffled_programs(rng):
     its own one-program launch, in a random order over both tables: any interleaving of
     release and allocation rows a GPU could produce at row granularity."""
     def run(release_rows, alloc_rows, *tables, page_size, n_full_cap, n_swa_cap,
-            n_release_lanes, n_alloc_lanes, validate=False, swa_epoch=None):
+            n_release_lanes, n_alloc_lanes, validate=False, epochs=None):
         r2t, f2s, full_free, swa_free, ring, out_full, out_swa, err = tables
         common = dict(page_size=page_size, n_full_cap=n_full_cap, n_swa_cap=n_swa_cap,
-                      validate=validate, swa_epoch=swa_epoch)
+                      validate=validate)
         rel = [i for i in range(len(release_rows)) if release_rows[i, REL_N_PAGES]]
         al = [i for i in range(len(alloc_rows))
               if alloc_rows[i, AL_N_TOKENS] or alloc_rows[i, AL_N_PAGES]]
@@ -110,7 +110,7 @@ def shuffled_programs(rng):
         for kind, i in (jobs[k] for k in rng.permutation(len(jobs))):
             if kind == "rel":
                 release_pages(release_rows[i:i + 1], r2t, f2s, full_free, swa_free, ring, err,
-                              n_lanes=n_release_lanes, **common)
+                              n_lanes=n_release_lanes, epochs=epochs, **common)
             else:
                 allocate_tokens(alloc_rows[i:i + 1], r2t, f2s, full_free, swa_free, ring,
                                 out_full, out_swa, err, n_lanes=n_alloc_lanes, **common)

@@ -8,26 +8,6 @@ descriptors of 8 release and 4 allocation rows.
 import numpy as np
 import pytest
 import torch
-from graphalloc.kernels import (
-    allocate_tokens,
-    allocate_tokens_torch,
-    get_and_clear_swa_pages,
-    new_error_word,
-    release_pages,
-    release_pages_torch,
-)
-from graphalloc.kernels.error_word import (
-    ERR_CLAIMED,
-    ERR_CODE,
-    ERR_CODES,
-    ERR_COUNT,
-    ERR_PAGE,
-    ERR_REQ,
-    ERR_ROW,
-    ERR_STAGE,
-    STAGE_ALLOC,
-    STAGE_RELEASE,
-)
 
 from graphalloc import (
     AllocatorConfig,
@@ -36,7 +16,16 @@ from graphalloc import (
     DeviceFaultError,
     HybridAllocator,
 )
-from graphalloc.descriptor import (
+from graphalloc.errors import FaultCode
+from graphalloc.kernels import (
+    allocate_tokens,
+    allocate_tokens_torch,
+    get_and_clear_swa_pages,
+    new_error_word,
+    release_pages,
+    release_pages_torch,
+)
+from graphalloc.kernels.abi import (
     AL_FLAGS,
     AL_FULL_POP,
     AL_N_PAGES,
@@ -47,6 +36,14 @@ from graphalloc.descriptor import (
     AL_RING_ADMIT,
     AL_START_POS,
     AL_SWA_POP,
+    ERR_CLAIMED,
+    ERR_CODE,
+    ERR_CODES,
+    ERR_COUNT,
+    ERR_PAGE,
+    ERR_REQ,
+    ERR_ROW,
+    ERR_STAGE,
     REL_CLEAR,
     REL_FLAGS,
     REL_FULL,
@@ -59,8 +56,9 @@ from graphalloc.descriptor import (
     REL_SWA,
     REL_SWA_PUSH,
     ROW_WIDTH,
+    STAGE_ALLOC,
+    STAGE_RELEASE,
 )
-from graphalloc.errors import FaultCode
 
 DTYPES = [torch.int32, torch.int64]
 

@@ -13,8 +13,11 @@ tiny: every Triton program costs ~2 ms in the interpreter.
 import numpy as np
 import pytest
 import torch
+
+from graphalloc import AllocatorConfig, HybridAllocator, TensorSpecError
+from graphalloc.errors import FaultCode
 from graphalloc.kernels import release_pages, release_pages_torch
-from graphalloc.kernels.error_word import (
+from graphalloc.kernels.abi import (
     ERR_CLAIMED,
     ERR_CODE,
     ERR_CODES,
@@ -23,13 +26,6 @@ from graphalloc.kernels.error_word import (
     ERR_REQ,
     ERR_ROW,
     ERR_STAGE,
-    STAGE_ALLOC,
-    STAGE_RELEASE,
-    new_error_word,
-)
-
-from graphalloc import AllocatorConfig, HybridAllocator, TensorSpecError
-from graphalloc.descriptor import (
     REL_CLEAR,
     REL_EPOCH,
     REL_FLAGS,
@@ -42,8 +38,10 @@ from graphalloc.descriptor import (
     REL_SWA,
     REL_SWA_PUSH,
     ROW_WIDTH,
+    STAGE_ALLOC,
+    STAGE_RELEASE,
 )
-from graphalloc.errors import FaultCode
+from graphalloc.kernels.error_word import new_error_word
 
 F = FaultCode
 VALIDATION_BITS = F.NOT_PAGE_DENSE | F.OUT_OF_RANGE | F.DUPLICATE_FREE
@@ -322,8 +320,9 @@ def test_hand_built_rows_every_check(ps, device):
     got = {k: v.clone() for k, v in t.items()}
     got_epochs = epochs.clone()
     kw = dict(page_size=ps, n_full_cap=n_full, n_swa_cap=n_swa, n_lanes=lane, validate=True)
-    release_pages_torch(rows, *t.values(), swa_epoch=epochs, **kw)
-    release_pages(rows, *got.values(), swa_epoch=got_epochs, **kw)
+    full_epochs = [torch.zeros(n_full + 1, dtype=torch.int64, device=device) for _ in range(2)]
+    release_pages_torch(rows, *t.values(), epochs=(full_epochs[0], epochs), **kw)
+    release_pages(rows, *got.values(), epochs=(full_epochs[1], got_epochs), **kw)
     for name in t:
         cut = slice(None) if name == "full_to_swa" else slice(0, ERR_CLAIMED) if (
             name == "err") else slice(0, -1)
@@ -354,6 +353,6 @@ def test_validate_needs_the_epoch_table(device):
     t = _tables(device, 2)
     rows = torch.zeros((1, ROW_WIDTH), dtype=torch.int64, device=device)
     for fn in (release_pages, release_pages_torch):
-        with pytest.raises(TensorSpecError, match="swa_epoch"):
+        with pytest.raises(TensorSpecError, match="epochs"):
             fn(rows, *t.values(), page_size=2, n_full_cap=20, n_swa_cap=10, n_lanes=4,
                validate=True)

@@ -1,0 +1,158 @@
+"""One exception hierarchy for graphalloc (defined at the bottom layer: the kernels raise it too).
+
+Two kinds of failure exist:
+
+* A host contract violated by the caller (an unaligned segment, an unknown
+  request, too little capacity, ...). It raises a subclass of
+  :class:`ContractError` *before* any host or device structure changes.
+* A fact only the device can see (an unmapped SWA peer, a sink page popped
+  from a free list, ...). The kernels record it in the device error word; the
+  next :meth:`HybridAllocator.check` raises :class:`DeviceFaultError` naming
+  the row, request, page and rule.
+
+Every message states the rule, the values and the fix.
+"""
+
+from __future__ import annotations
+
+from .abi import FAULT_NAMES, FaultCode
+
+__all__ = [
+    "GraphallocError",
+    "ContractError",
+    "ConfigError",
+    "UnknownRequestError",
+    "CapacityError",
+    "AlignmentError",
+    "OverlapError",
+    "PositionError",
+    "FrontierError",
+    "NestedGroupError",
+    "TensorSpecError",
+    "BatchTooLargeError",
+    "PendingStepError",
+    "RingOverflowError",
+    "StateError",
+    "IntegrityError",
+    "DeviceFaultError",
+    "ReplicaDivergenceError",
+    "FaultCode",
+    "FAULT_NAMES",
+]
+
+
+class GraphallocError(Exception):
+    """Base class of every error graphalloc raises."""
+
+
+class ContractError(GraphallocError, ValueError):
+    """A host-side contract was violated. Nothing was changed."""
+
+
+class ConfigError(ContractError):
+    """The allocator configuration is inconsistent."""
+
+
+class UnknownRequestError(ContractError):
+    """A request row is out of range, free, already released, or pending release."""
+
+
+class CapacityError(ContractError):
+    """An allocation cannot be met whole; nothing was allocated."""
+
+
+class AlignmentError(ContractError):
+    """A segment or frontier is not on a page boundary."""
+
+
+class OverlapError(ContractError):
+    """Two segments of one step share a full page, or one request appears twice."""
+
+
+class PositionError(ContractError):
+    """A position lies outside ``[0, max_context_len)`` or beyond what was allocated."""
+
+
+class FrontierError(ContractError):
+    """A sliding-window frontier would move backwards (only ``load_back`` moves it back)."""
+
+
+class NestedGroupError(ContractError):
+    """``free_group()`` blocks cannot be nested."""
+
+
+class TensorSpecError(ContractError, TypeError):
+    """A caller tensor has the wrong dtype, device or shape."""
+
+
+class BatchTooLargeError(ContractError):
+    """A step needs more descriptor rows, pages or tokens than the frozen capacity."""
+
+
+class PendingStepError(ContractError):
+    """A planned step was not executed before the next one was planned."""
+
+
+class RingOverflowError(ContractError):
+    """SWA ring mode: an allocation would reuse a ring page whose owner is still mapped."""
+
+
+class StateError(ContractError):
+    """A state dict or load-back was refused; the allocator keeps its previous state."""
+
+
+class IntegrityError(GraphallocError, AssertionError):
+    """An integrity check found a broken invariant (leak, double owner, bad mapping)."""
+
+
+class DeviceFaultError(GraphallocError, RuntimeError):
+    """The device recorded a fault; raised by ``check()``.
+
+    Attributes mirror the first-error record: ``codes`` (all bits seen),
+    ``count`` (faulting lanes), and the first fault's ``code``, ``stage``
+    (``"release"`` or ``"alloc"``), descriptor ``row``, request ``req`` and
+    ``page``. After a fault the allocator refuses further steps until
+    ``reset_faults()`` is called (or the allocator is rebuilt).
+    """
+
+    def __init__(self, codes: int, count: int, code: int, stage: str, row: int, req: int,
+                 page: int):
+        names = [name for bit, name in FAULT_NAMES.items() if codes & bit]
+        super().__init__(
+            f"device fault: {FAULT_NAMES.get(code, f'code {code}')} at {stage} row {row}, "
+            f"request {req}, page {page}; {count} faulting lane(s) in all, kinds: "
+            f"{'; '.join(names)}. The allocator refuses further steps until reset_faults(); "
+            "run audit() to see the damage."
+        )
+        self.codes, self.count, self.code = codes, count, code
+        self.stage, self.row, self.req, self.page = stage, row, req, page
+
+
+class ReplicaDivergenceError(GraphallocError, RuntimeError):
+    """Tensor-parallel replicas of one allocator no longer hold the same state.
+
+    Raised on every rank by the periodic consistency check of
+    :class:`graphalloc.replicas.ReplicatedAllocator` (all ranks see the same
+    gathered digests, so all raise together and none is left waiting in a
+    collective). Attributes: ``step`` (the first replica step whose digests
+    differ), ``rank`` (the first global rank that differs from the reference
+    there), ``ranks`` (every differing rank), ``reference_rank`` (the majority
+    value's rank, ties to the planner), ``fields`` (which parts differ:
+    ``ledger``, ``full_to_swa``, ...) and ``last_equal_step`` (the last step
+    known equal on every rank, ``-1`` if none was compared).
+    """
+
+    def __init__(self, step: int, rank: int, ranks: list, reference_rank: int, fields: list,
+                 last_equal_step: int):
+        super().__init__(
+            f"replica divergence: rank {rank} differs from rank {reference_rank} at step "
+            f"{step} in {', '.join(fields)} (differing ranks: {ranks}; all ranks agreed up to "
+            f"step {last_equal_step}). Every rank must apply the same operations in the same "
+            "order: in replicated mode the same inputs to a deterministic scheduler, in "
+            "broadcast mode one follow() per planner step. The caches are no longer "
+            "interchangeable: stop serving, then rebuild the diverged ranks from the planner's "
+            "state_dict()."
+        )
+        self.step, self.rank, self.ranks = step, rank, list(ranks)
+        self.reference_rank, self.fields = reference_rank, list(fields)
+        self.last_equal_step = last_equal_step
