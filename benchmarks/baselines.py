@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["eager_get_and_clear_swa_pages", "load_fused", "FreeTables", "DecodeTables",
-           "empty_launcher"]
+__all__ = ["eager_get_and_clear_swa_pages", "load_fused", "FreeTables", "DecodeTables"]
 
 
 def eager_get_and_clear_swa_pages(representatives: torch.Tensor, full_to_swa: torch.Tensor,
@@ -152,28 +151,3 @@ def eager_decode_alloc(t: DecodeTables):
     t.req_to_token[t.rows, pos] = full_slot                      # index_put_
     t.full_to_swa[full_slot] = swa_slot                          # index_put_
     return full_slot, swa_slot
-
-
-try:  # the floor kernel; defined at import, so TRITON_INTERPRET must be set before
-    import triton
-
-    @triton.jit
-    def _empty_kernel(x_ptr):
-        pass
-except Exception:  # no Triton: the floor falls back to a one-element fill
-    _empty_kernel = None
-
-
-def empty_launcher(device):
-    """``(fn, what)``: the floor's kernel, an empty Triton kernel on one program (a
-    one-element fill where Triton cannot launch)."""
-    buf = torch.zeros(1, dtype=torch.int32, device=device)
-    if _empty_kernel is not None and torch.device(device).type == "cuda":
-        try:
-            _empty_kernel[(1,)](buf)
-            torch.cuda.synchronize()
-            return (lambda: _empty_kernel[(1,)](buf)), "empty Triton kernel, grid (1,)"
-        except Exception as exc:
-            what = f"one-element torch fill (Triton empty kernel failed: {type(exc).__name__})"
-            return buf.zero_, what
-    return buf.zero_, "one-element torch fill"

@@ -14,8 +14,10 @@ steps, releases and admissions mid-loop. Variants, each per allocator backend:
 Measured per variant, over ``--repeats`` interleaved runs of the same workload:
 decode steps per second (wall clock, prefills included, the same for every
 variant), host time per decode step (plan + launches + replay +
-``mark_submitted``) and GPU time per decode step (CUDA events around each step),
-as median with p20/p80. The floor: one replay of an empty graph.
+``mark_submitted``) and GPU time per decode step (CUDA events around the step's
+launches: the eager allocator kernels, if any, and the replay; planning is outside),
+as p50 with p20/p80 (``timing.summarize``). The floor: one replay of an empty graph
+(``timing.measure_floor``, no L2 flush, like the steps).
 
     python benchmarks/bench_decode_loop.py --out DIR         # on a GPU: JSON, markdown, PNG
     python benchmarks/bench_decode_loop.py --device cpu --batch 4 --requests 8   # smoke test
@@ -30,47 +32,29 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from decode_loop import build_allocator, make_requests, resolve_backend  # noqa: E402
+from decode_loop import build_allocator, make_requests  # noqa: E402
 from hybrid_model import ModelConfig, TinyHybridLM, allocator_window, random_weights  # noqa: E402
 from paged_decode import DecodeLoop  # noqa: E402
+from timing import (  # noqa: E402
+    Sampler,
+    cpu_threads,
+    format_quantiles,
+    machine_info,
+    measure_floor,
+    pick_backend,
+    summarize,
+)
 
 __all__ = ["main"]
 
-
-def _q(x) -> dict:
-    x = np.asarray(x, dtype=float)
-    if x.size == 0:
-        return {}
-    return {"median": float(np.median(x)), "p20": float(np.percentile(x, 20)),
-            "p80": float(np.percentile(x, 80))}
-
-
-def empty_graph_floor_us(n: int = 2000) -> float:
-    """Median GPU time of replaying a graph holding one tiny kernel."""
-    x = torch.zeros(1, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        x.add_(1)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        x.add_(1)
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(n)]
-    for a, b in ev:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    return float(np.median([a.elapsed_time(b) * 1e3 for a, b in ev]))
+FLOOR_SAMPLES = 2000
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -104,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--device cuda but torch sees no GPU")
     if args.backends == ["auto"]:
         args.backends = ["torch"]
-        if args.device == "cuda" and resolve_backend("auto", "cuda") == "triton":
+        if args.device == "cuda" and pick_backend("auto", "cuda")[0] == "triton":
             args.backends.append("triton")
     return args
 
@@ -151,7 +135,7 @@ def run_bench(args) -> dict:
                 sm["steps_per_s"].append(len(res.steps) / res.wall_s)
                 sm["host_us"] += [t * 1e6 for t in res.host_step_s]
                 sm["launch_us"] += [t * 1e6 for t in res.host_launch_s]
-                sm["gpu_us"] += [t * 1e3 for t in (res.gpu_step_ms or [])]
+                sm["gpu_us"] += res.gpu_step_us
                 sm["steps"] = len(res.steps)
                 sm["graph_nodes"] = res.graph_nodes
                 sm["evict_steps"] = sum(s["swa_pages_evicted"] > 0 for s in res.steps)
@@ -161,66 +145,57 @@ def run_bench(args) -> dict:
             results.append({
                 "batch": batch, "backend": backend, "variant": v, "requests": n_req,
                 "steps": sm["steps"], "steps_with_evictions": sm["evict_steps"],
-                "steps_per_s": _q(sm["steps_per_s"]), "host_us_per_step": _q(sm["host_us"]),
-                "host_launch_us_per_step": _q(sm["launch_us"]),
-                "gpu_us_per_step": _q(sm["gpu_us"]) if sm["gpu_us"] else None,
+                "steps_per_s": summarize(sm["steps_per_s"]),
+                "host_us_per_step": summarize(sm["host_us"]),
+                "host_launch_us_per_step": summarize(sm["launch_us"]),
+                "gpu_us_per_step": summarize(sm["gpu_us"]),
                 "tokens_equal_across_variants": tokens[(backend, v)] == ref_tokens,
-                "graph_nodes": _node_counts(sm["graph_nodes"]),
+                "graph_nodes": sm["graph_nodes"],
             })
             r = results[-1]
-            print(f"batch {batch:>4} {backend:>6} {v:<11} {r['steps_per_s']['median']:8.0f} "
-                  f"steps/s  host {r['host_us_per_step']['median']:7.1f} us/step (launch "
-                  f"{r['host_launch_us_per_step']['median']:6.1f})"
-                  + (f"  GPU {r['gpu_us_per_step']['median']:7.1f} us/step"
+            print(f"batch {batch:>4} {backend:>6} {v:<11} {r['steps_per_s']['p50']:8.0f} "
+                  f"steps/s  host {r['host_us_per_step']['p50']:7.1f} us/step (launch "
+                  f"{r['host_launch_us_per_step']['p50']:6.1f})"
+                  + (f"  GPU {r['gpu_us_per_step']['p50']:7.1f} us/step"
                      if r["gpu_us_per_step"] else "")
                   + ("" if r["tokens_equal_across_variants"] else "  TOKENS DIFFER"))
-    meta = {"device": torch.cuda.get_device_name() if cuda else "cpu",
-            "torch": torch.__version__, "page_size": args.page_size, "window": args.window,
+    floor = measure_floor(Sampler(args.device, n_samples=FLOOR_SAMPLES, flush_mib=0))
+    meta = {"machine": machine_info(args.device), "device_clock": "cuda-events" if cuda else
+            "cpu-wall", "floor": floor, "page_size": args.page_size, "window": args.window,
             "model": {"layers": mcfg.layer_types, "hidden": mcfg.hidden_size,
                       "heads": mcfg.num_heads, "kv_heads": mcfg.num_kv_heads,
                       "vocab": mcfg.vocab_size},
             "prompt_len": args.prompt_len, "output_len": args.output_len,
             "repeats": args.repeats, "args": vars(args)}
-    try:
-        import triton
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
-    if cuda:
-        meta["empty_graph_floor_us"] = empty_graph_floor_us()
     return {"meta": meta, "results": results}
-
-
-def _node_counts(desc):
-    if not desc:
-        return None
-    return {k: v for k, v in desc.items() if k != "kernel_names"}
 
 
 def markdown(out: dict) -> str:
     m = out["meta"]
-    lines = [f"# Decode loop: allocator in the model's graph vs. launched eagerly ({m['device']})",
-             "", f"torch {m['torch']}, triton {m.get('triton', '-')}, page_size {m['page_size']},"
-             f" window {m['window']}, model {m['model']}, prompts {m['prompt_len']}, outputs "
-             f"{m['output_len']}, {m['repeats']} interleaved repeats; median (p20-p80).", "",
-             f"Arguments: `{m.get('args')}`", ""]
-    if "empty_graph_floor_us" in m:
-        lines += [f"Empty-graph replay floor: {m['empty_graph_floor_us']:.1f} us GPU.", ""]
+    machine = m["machine"]
+    lines = [f"# Decode loop: allocator in the model's graph vs. launched eagerly "
+             f"({machine['gpu'] or 'cpu'})", "",
+             f"Machine: {machine['summary']}; page_size {m['page_size']}, window {m['window']}, "
+             f"model {m['model']}, prompts {m['prompt_len']}, outputs {m['output_len']}, "
+             f"{m['repeats']} interleaved repeats; p50 (p20-p80).", "",
+             f"Arguments: `{m.get('args')}`", "",
+             f"Floor ({m['floor']['kernel']}): {format_quantiles(m['floor']['gpu_us'], 1)} us "
+             f"per replay, clock {m['device_clock']}.", ""]
     lines += ["host us/step: plan (with any wait for a free descriptor buffer, i.e. for the GPU)"
               " + launch; launch: lane inputs + eager allocator launches (eager_alloc) + replay"
-              " + mark_submitted.", "",
+              " + mark_submitted. GPU us/step: CUDA events around the eager allocator launches"
+              " (eager_alloc) and the replay only; an idle GPU's interval includes their"
+              " enqueue.", "",
               "| batch | backend | variant | steps/s | host us/step | host launch us/step "
               "| GPU us/step | tokens equal |",
               "|---|---|---|---|---|---|---|---|"]
-
-    def fmt(q, digits=1):
-        return f"{q['median']:.{digits}f} ({q['p20']:.{digits}f}-{q['p80']:.{digits}f})" \
-            if q else "-"
     for r in out["results"]:
+        q = {k: format_quantiles(r[k], 1) for k in ("host_us_per_step", "host_launch_us_per_step",
+                                                    "gpu_us_per_step")}
         lines.append(f"| {r['batch']} | {r['backend']} | {r['variant']} | "
-                     f"{fmt(r['steps_per_s'], 0)} | {fmt(r['host_us_per_step'])} | "
-                     f"{fmt(r['host_launch_us_per_step'])} | "
-                     f"{fmt(r['gpu_us_per_step'])} | {r['tokens_equal_across_variants']} |")
+                     f"{format_quantiles(r['steps_per_s'], 0)} | {q['host_us_per_step']} | "
+                     f"{q['host_launch_us_per_step']} | {q['gpu_us_per_step']} | "
+                     f"{r['tokens_equal_across_variants']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -241,9 +216,9 @@ def plot(out: dict, path: Path) -> bool:
         if any(not r[key] for r in res):
             ax.set_visible(False)
             continue
-        med = [r[key]["median"] for r in res]
-        err = [[r[key]["median"] - r[key]["p20"] for r in res],
-               [r[key]["p80"] - r[key]["median"] for r in res]]
+        med = [r[key]["p50"] for r in res]
+        err = [[r[key]["p50"] - r[key]["p20"] for r in res],
+               [r[key]["p80"] - r[key]["p50"] for r in res]]
         colors = ["C0" if r["variant"] == "in_graph" else "C1" if r["variant"] == "eager_alloc"
                   else "C2" for r in res]
         ax.bar(range(len(res)), med, yerr=err, color=colors)
@@ -257,14 +232,9 @@ def plot(out: dict, path: Path) -> bool:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    threads = torch.get_num_threads()
-    if args.device == "cpu":
-        torch.set_num_threads(1)  # tiny tensors: threads only add overhead
     t0 = time.perf_counter()
-    try:
+    with cpu_threads(args.device):
         out = run_bench(args)
-    finally:
-        torch.set_num_threads(threads)
     out["meta"]["bench_s"] = time.perf_counter() - t0
     print(markdown(out))
     if args.out:

@@ -25,25 +25,21 @@ CPU wall clock and the targets are not judged.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import platform
-import subprocess
 import sys
 import time
 import traceback
 
-import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-# None of these defines a Triton kernel at import; baselines does (the floor kernel), so it
-# is imported only after main() has settled TRITON_INTERPRET.
+# None of these defines a Triton kernel at import (graphalloc and its kernels are imported
+# inside functions, after main() has settled TRITON_INTERPRET).
 import report  # noqa: E402
+from baselines import eager_get_and_clear_swa_pages, load_fused  # noqa: E402
 from tasks import (  # noqa: E402
     task_bandwidth,
     task_floor,
@@ -52,7 +48,14 @@ from tasks import (  # noqa: E402
     task_step,
     task_traces,
 )
-from timing import Sampler, count_launches  # noqa: E402
+from timing import (  # noqa: E402
+    Sampler,
+    count_launches,
+    cpu_threads,
+    machine_info,
+    pick_backend,
+    pick_device,
+)
 from workloads import StepWorkload  # noqa: E402
 
 FULL = dict(single_ps=(1, 16, 64, 128), single_pages=(1, 8, 64, 1024),
@@ -101,8 +104,6 @@ class Context:
     """What every task needs: device, sampler, implementations, parameters, results."""
 
     def __init__(self, args, device, backend, backend_note):
-        from baselines import eager_get_and_clear_swa_pages, load_fused
-
         self.args, self.params = args, args.params
         self.device, self.is_cuda = device, device.type == "cuda"
         self.backend = backend
@@ -143,12 +144,6 @@ class Context:
                             backend=self.backend, n_steps=n_steps or self.n_steps(),
                             token_budget=self.params["token_budget"],
                             row_pages=self.params["row_pages"])
-
-    def release_memory(self) -> None:
-        gc.collect()
-        if self.is_cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
 
 
 def build_tasks(ctx, out_dir):
@@ -192,79 +187,6 @@ def build_tasks(ctx, out_dir):
 
 
 # ---- run -------------------------------------------------------------------------------
-def pick_device(requested: str) -> torch.device:
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def pick_backend(requested: str, device: torch.device):
-    """``(backend, note)``; auto: Triton on CUDA when its step kernels import, else torch."""
-    if requested != "auto":
-        return requested, None
-    if device.type != "cuda":
-        return "torch", "graphalloc backend: torch (CPU run; the Torch reference twins)"
-    try:
-        from graphalloc.kernels.allocate import allocate_tokens  # noqa: F401
-        from graphalloc.kernels.release import release_pages  # noqa: F401
-    except Exception as exc:
-        return "torch", (f"graphalloc backend: torch, because the Triton step kernels did not "
-                         f"import ({type(exc).__name__}: {exc})")
-    return "triton", "graphalloc backend: triton"
-
-
-def machine_info(device: torch.device) -> dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__,
-            "numpy": np.__version__, "platform": platform.platform(), "cpu": _cpu_model(),
-            "cpu_count": os.cpu_count(), "cuda_runtime": getattr(torch.version, "cuda", None)}
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except Exception:
-        info["triton"] = None
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(gpu=torch.cuda.get_device_name(device),
-                    gpu_capability=f"{props.major}.{props.minor}",
-                    gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                    gpu_sms=props.multi_processor_count, driver=_driver_version())
-    else:
-        info["gpu"] = None
-    info["graphalloc_commit"] = _git_commit()
-    return info
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _run_quiet(cmd, cwd=None):
-    try:
-        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() if out.returncode == 0 else None
-    except Exception:
-        return None
-
-
-def _driver_version():
-    out = _run_quiet(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-    return out.splitlines()[0] if out else None
-
-
-def _git_commit():
-    commit = _run_quiet(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO)
-    if commit and _run_quiet(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO):
-        commit += "-dirty"
-    return commit
-
-
 def _progress(tasks, enabled: bool):
     if enabled:
         try:
@@ -293,12 +215,12 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     device = pick_device(args.device)
-    if device.type != "cuda":
-        if args.backend == "triton":
-            os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is defined
-        torch.set_num_threads(1)  # tiny tensors: intra-op threads only contend
-    backend, note = pick_backend(args.backend, device)
+    backend, note = pick_backend(args.backend, device)  # first: it may set TRITON_INTERPRET
+    with cpu_threads(device):
+        return _run(args, argv, device, backend, note)
 
+
+def _run(args, argv, device, backend, note) -> int:
     t_start = time.perf_counter()
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
@@ -328,7 +250,7 @@ def main(argv=None) -> int:
                                   "traceback": tb.splitlines()[-12:]})
             print(f"\n[error] {label}: {type(exc).__name__}: {exc}\n{tb}", file=sys.stderr)
         finally:
-            ctx.release_memory()
+            ctx.sampler.release_memory()
             res["wall_s"] = time.perf_counter() - t_start
             report.write_outputs(res, out_dir, plots=False)  # partial results survive a kill
     res["wall_s"] = time.perf_counter() - t_start

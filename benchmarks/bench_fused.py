@@ -38,11 +38,8 @@ are not fusable).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -50,14 +47,22 @@ import traceback
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import summarize  # noqa: E402
-from workloads import StepWorkload  # noqa: E402
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from timing import (  # noqa: E402
+    Sampler,
+    cpu_threads,
+    format_quantiles,
+    graph_nodes,
+    machine_info,
+    measure_floor,
+    pick_backend,
+    pick_device,
+    summarize,
+)
+from workloads import StepWorkload  # noqa: E402
 
 FULL = dict(b=(1, 8, 64, 256, 1024), ps=(16, 128), pages=(1, 8), decode=(False, True),
             samples=100, warmup=10, flush_mib=256, token_budget=65536)
@@ -109,92 +114,7 @@ class FusedWorkload(StepWorkload):
         return out
 
 
-# ---- timing -------------------------------------------------------------------------------
-class Timer:
-    """Device intervals of one call per sample, an L2-evicting write queued before each."""
-
-    def __init__(self, device: torch.device, n_samples: int, n_warmup: int, flush_mib: int):
-        self.device, self.is_cuda = device, device.type == "cuda"
-        self.n_samples, self.n_warmup = n_samples, n_warmup
-        self.clock = "cuda-events" if self.is_cuda else "cpu-wall"
-        self._flush_buf = (torch.empty(flush_mib * 2**20 // 4, dtype=torch.int32, device=device)
-                           if self.is_cuda else None)
-
-    def sync(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
-
-    def alternating(self, calls: dict, before=None) -> dict:
-        """Samples of every ``calls[name](before())``, the names alternating within each
-        sample round (order reversed every other round). Returns microseconds per name."""
-        names = list(calls)
-        pending = {name: [] for name in names}
-        for i in range(self.n_warmup + self.n_samples):
-            for name in (names if i % 2 == 0 else names[::-1]):
-                value = before() if before is not None else None
-                if self.is_cuda:
-                    self._flush_buf.zero_()  # queued first: the device is busy while we enqueue
-                    start = torch.cuda.Event(enable_timing=True)
-                    end = torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    calls[name](value)
-                    end.record()
-                    if i >= self.n_warmup:
-                        pending[name].append((start, end))
-                else:
-                    t0 = time.perf_counter_ns()
-                    calls[name](value)
-                    t1 = time.perf_counter_ns()
-                    if i >= self.n_warmup:
-                        pending[name].append((t1 - t0) / 1e3)
-        self.sync()
-        if self.is_cuda:
-            return {n: [s.elapsed_time(e) * 1e3 for s, e in v] for n, v in pending.items()}
-        return pending
-
-
-try:
-    import triton
-
-    @triton.jit
-    def _empty_kernel(x_ptr):
-        pass
-except Exception:  # no Triton: the CPU run needs no floor kernel
-    _empty_kernel = None
-
-
-def floor_call(device: torch.device):
-    """``(call, what, graph)``: an empty Triton kernel captured in a graph (CUDA), else a
-    one-element fill run eagerly."""
-    buf = torch.zeros(1, dtype=torch.int32, device=device)
-    if device.type != "cuda" or _empty_kernel is None:
-        return (lambda _=None: buf.zero_()), "one-element torch fill (eager)", None
-    from graphalloc.graph import capture_graph
-
-    _empty_kernel[(1,)](buf)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = capture_graph(lambda: _empty_kernel[(1,)](buf))
-    torch.cuda.synchronize()
-    return (lambda _=None: graph.replay()), "empty Triton kernel, grid (1,), in a graph", graph
-
-
-def graph_nodes(graph) -> dict:
-    if graph is None:
-        return {"note": "no CUDA graph (CPU run)"}
-    try:
-        from graphalloc.graph import describe_graph
-        return describe_graph(graph)
-    except Exception as exc:  # cuda-python missing, or a torch without raw_cuda_graph
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
 # ---- tasks --------------------------------------------------------------------------------
-def measure_floor(ctx) -> dict:
-    call, what, graph = floor_call(ctx.device)
-    samples = ctx.timer.alternating({"floor": call})["floor"]
-    return {"kernel": what, "gpu_us": summarize(samples), "graph": graph_nodes(graph)}
-
-
 def measure_case(ctx, n_reqs: int, ps: int, n_pages: int, decode: bool) -> dict:
     p = ctx.params
     n_steps = 2 * (p["samples"] + p["warmup"]) + 2
@@ -207,15 +127,13 @@ def measure_case(ctx, n_reqs: int, ps: int, n_pages: int, decode: bool) -> dict:
                "release_rows": cfg.max_release_rows, "alloc_rows": cfg.max_alloc_rows,
                "programs": {"two": [cfg.max_release_rows, cfg.max_alloc_rows],
                             "fused": [cfg.max_release_rows + cfg.max_alloc_rows]}}
-        samples = ctx.timer.alternating({"two": wl.runner("two"), "fused": wl.runner("fused")},
-                                        before=wl.plan)
+        samples = ctx.sampler.alternating({"two": wl.runner("two"), "fused": wl.runner("fused")},
+                                          before=wl.plan)
         rec["gpu_us"] = {name: summarize(v) for name, v in samples.items()}
         sg = wl.step_graph
         rec["graph_nodes"] = {
             "two": graph_nodes(sg.graphs[0] if sg.graphs else None),
             "fused": graph_nodes(sg.fused_graphs[0] if sg.fused_graphs else None)}
-        for nodes in rec["graph_nodes"].values():
-            nodes.pop("kernel_names", None)
         rec["verify"] = wl.verify()
         rec["all_fusable"] = rec["verify"]["not_fusable_steps"] == 0
         two, fused = rec["gpu_us"]["two"]["p50"], rec["gpu_us"]["fused"]["p50"]
@@ -226,7 +144,7 @@ def measure_case(ctx, n_reqs: int, ps: int, n_pages: int, decode: bool) -> dict:
         return rec
     finally:
         wl.close()
-        ctx.release_memory()
+        ctx.sampler.release_memory()
 
 
 def verdict(cases: list, is_cuda: bool) -> dict:
@@ -244,12 +162,6 @@ def verdict(cases: list, is_cuda: bool) -> dict:
 
 
 # ---- reporting ----------------------------------------------------------------------------
-def _q(s: dict | None) -> str:
-    if not s:
-        return "-"
-    return f"{s['p50']:.2f} ({s['p20']:.2f}-{s['p80']:.2f})"
-
-
 def markdown(res: dict) -> str:
     unit = "us GPU" if res["device_clock"] == "cuda-events" else "us CPU wall (Torch twins)"
     lines = ["# Fused step vs two launches", "",
@@ -259,8 +171,8 @@ def markdown(res: dict) -> str:
              "flush before each, outside the interval.", ""]
     floor = res.get("floor") or {}
     floor_end = res.get("floor_end") or {}
-    lines.append(f"Floor ({floor.get('kernel', '-')}): {_q(floor.get('gpu_us'))} {unit} "
-                 f"(again at the end: {_q(floor_end.get('gpu_us'))}).")
+    lines.append(f"Floor ({floor.get('kernel', '-')}): {format_quantiles(floor.get('gpu_us'))} "
+                 f"{unit} (again at the end: {format_quantiles(floor_end.get('gpu_us'))}).")
     lines += ["", f"| B | ps | pages | decode | programs (two / fused) | two, {unit} | "
               f"fused, {unit} | saving | of work above floor |",
               "|---:|---:|---:|:---:|---|---|---|---:|---:|"]
@@ -271,7 +183,8 @@ def markdown(res: dict) -> str:
         lines.append(
             f"| {c['B']} | {c['page_size']} | {c['pages']} | {'yes' if c['decode'] else 'no'} | "
             f"{c['release_rows']} + {c['alloc_rows']} / {c['release_rows'] + c['alloc_rows']} | "
-            f"{_q(c['gpu_us']['two'])} | {_q(c['gpu_us']['fused'])} | {c['saving_us']:+.2f} | "
+            f"{format_quantiles(c['gpu_us']['two'])} | {format_quantiles(c['gpu_us']['fused'])} | "
+            f"{c['saving_us']:+.2f} | "
             f"{'-' if share is None else f'{100 * share:.0f}%'} |")
     v = res["verdict"]
     lines += ["", "## Verdict", "", f"Rule: {v['rule']}.", ""]
@@ -287,42 +200,14 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def machine_info(device: torch.device) -> dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__,
-            "numpy": np.__version__, "platform": platform.platform()}
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except Exception as exc:
-        info["triton"] = f"unavailable ({type(exc).__name__})"
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, text=True,
-                                        capture_output=True, timeout=10).stdout.strip()
-    except Exception:
-        info["commit"] = "unknown"
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["cuda"] = torch.version.cuda
-        info["summary"] = f"{info['gpu']}, torch {info['torch']}, Triton {info['triton']}"
-    else:
-        info["summary"] = f"CPU ({platform.processor() or 'unknown'}), torch {info['torch']}"
-    return info
-
-
 # ---- run ----------------------------------------------------------------------------------
 class Context:
     def __init__(self, args, device: torch.device, backend: str):
         self.args, self.params = args, args.params
         self.device, self.is_cuda, self.backend = device, device.type == "cuda", backend
-        self.timer = Timer(device, self.params["samples"], self.params["warmup"],
-                           self.params["flush_mib"])
+        self.sampler = Sampler(device, n_samples=self.params["samples"],
+                               n_warmup=self.params["warmup"], flush_mib=self.params["flush_mib"])
         self.results: dict = {}
-
-    def release_memory(self) -> None:
-        gc.collect()
-        if self.is_cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
 
 
 def parse_args(argv):
@@ -361,23 +246,22 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    if device.type == "cpu" and args.backend == "triton":
-        # Triton on the CPU needs its interpreter, set before any kernel is defined.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    backend = args.backend if args.backend != "auto" else (
-        "triton" if device.type == "cuda" else "torch")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    device = pick_device(args.device)
+    backend, note = pick_backend(args.backend, device)  # first: it may set TRITON_INTERPRET
+    with cpu_threads(device):
+        return _run(args, argv, device, backend, note)
+
+
+def _run(args, argv, device, backend, note) -> int:
     ctx = Context(args, device, backend)
     p = ctx.params
     res = ctx.results
     res.update({
-        "command": " ".join(["python", os.path.relpath(__file__, REPO),
-                             *(sys.argv[1:] if argv is None else argv)]),
-        "machine": machine_info(device), "device_clock": ctx.timer.clock, "backend": backend,
+        "command": " ".join(["python", os.path.relpath(__file__, REPO), *argv]),
+        "machine": machine_info(device), "device_clock": ctx.sampler.clock, "backend": backend,
+        "backend_note": note,
         "params": {k: list(v) if isinstance(v, tuple) else v for k, v in p.items()},
         "floor": None, "floor_end": None, "cases": [], "errors": [], "skipped": []})
     if device.type != "cuda":
@@ -387,7 +271,7 @@ def main(argv=None) -> int:
     cases = [(b, ps, n, d) for d in p["decode"] for b in p["b"] for ps in p["ps"]
              for n in p["pages"]]
     try:
-        res["floor"] = measure_floor(ctx)
+        res["floor"] = measure_floor(ctx.sampler)
     except Exception as exc:
         res["errors"].append({"case": "floor", "error": f"{type(exc).__name__}: {exc}",
                               "traceback": traceback.format_exc()})
@@ -401,15 +285,16 @@ def main(argv=None) -> int:
             rec = measure_case(ctx, b, ps, n, d)
             rec["wall_s"] = time.perf_counter() - t0
             res["cases"].append(rec)
-            print(f"{label}: two {_q(rec['gpu_us']['two'])}  fused {_q(rec['gpu_us']['fused'])}"
-                  f"  ({rec['wall_s']:.1f} s)", file=sys.stderr)
+            q = {name: format_quantiles(stats) for name, stats in rec["gpu_us"].items()}
+            print(f"{label}: two {q['two']}  fused {q['fused']}  ({rec['wall_s']:.1f} s)",
+                  file=sys.stderr)
         except Exception as exc:
             res["errors"].append({"case": label, "error": f"{type(exc).__name__}: {exc}",
                                   "traceback": traceback.format_exc()})
             print(f"{label}: FAILED {type(exc).__name__}: {exc}", file=sys.stderr)
-            ctx.release_memory()
+            ctx.sampler.release_memory()
     try:
-        res["floor_end"] = measure_floor(ctx)
+        res["floor_end"] = measure_floor(ctx.sampler)
     except Exception as exc:
         res["errors"].append({"case": "floor_end", "error": f"{type(exc).__name__}: {exc}"})
     res["verdict"] = verdict(res["cases"], ctx.is_cuda)

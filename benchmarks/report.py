@@ -209,10 +209,13 @@ def _profile_section(res) -> str:
 
 
 def _machine_line(res) -> str:
+    """``timing.machine_info``'s record; runs from before it recorded graphalloc's version
+    say so rather than print None."""
     m = res.get("machine") or {}
     return (f"GPU {m.get('gpu') or 'none'}, torch {m.get('torch')}, Triton {m.get('triton')}, "
             f"CUDA {m.get('cuda_runtime')}, driver {m.get('driver', '–')}, CPU {m.get('cpu')}, "
-            f"graphalloc {m.get('graphalloc_commit')}")
+            f"graphalloc {m.get('graphalloc') or 'version not recorded'} "
+            f"(commit {m.get('graphalloc_commit') or 'not recorded'})")
 
 
 METHOD = """\

@@ -12,10 +12,12 @@ import os
 import pstats
 
 import numpy as np
+from baselines import DecodeTables, FreeTables, eager_get_and_clear_swa_pages
 from timing import (
     copy_bandwidth_gbs,
     count_launches,
     graph_nodes,
+    measure_floor,
     replayable,
     summarize,
 )
@@ -58,13 +60,7 @@ def measure_graphalloc(ctx, wl, *, launches=True) -> dict:
 
 
 def task_floor(ctx, key="floor"):
-    from baselines import empty_launcher
-
-    fn, what = empty_launcher(ctx.device)
-    call, graph = replayable(fn, ctx.is_cuda)
-    s = ctx.sampler
-    ctx.results[key] = {"kernel": what, "gpu_us": summarize(s.device_us(call)),
-                        "cpu_us": summarize(s.host_us(call)), "graph": graph_nodes(graph)}
+    ctx.results[key] = measure_floor(ctx.sampler)
 
 
 def task_bandwidth(ctx):
@@ -79,8 +75,6 @@ def clear_bytes(n_pages: int, ps: int) -> int:
 
 
 def task_single(ctx, ps, n_pages):
-    from baselines import FreeTables
-
     tables = FreeTables(1, n_pages, ps, ctx.device, seed=ps * 7919 + n_pages)
     reps, f2s = tables.representatives[0], tables.full_to_swa
     for name, free in ctx.impls:
@@ -107,7 +101,7 @@ def task_step(ctx, n_reqs, ps, n_pages, decode):
     count = ps == p["step_ps"][0] and n_pages == p["step_pages"][0]  # launches: per B only
     base = {"B": n_reqs, "page_size": ps, "pages": n_pages, "decode": decode}
     _step_baselines(ctx, base, count)  # its tables are freed on return
-    ctx.release_memory()
+    ctx.sampler.release_memory()
     wl = ctx.workload(n_reqs, ps, n_pages, decode)
     try:
         rec = {"impl": "graphalloc", **base}
@@ -118,8 +112,6 @@ def task_step(ctx, n_reqs, ps, n_pages, decode):
 
 
 def _step_baselines(ctx, base, count):
-    from baselines import DecodeTables, FreeTables
-
     n_reqs, ps, n_pages = base["B"], base["page_size"], base["pages"]
     tables = FreeTables(n_reqs, n_pages, ps, ctx.device, seed=n_reqs * 31 + ps + n_pages)
     dec = DecodeTables(n_reqs, ps, ctx.device) if base["decode"] else None
@@ -168,7 +160,6 @@ def task_profile(ctx, decode):
 
 def task_traces(ctx, out_dir):
     """Perfetto (Chrome JSON) traces of eight back-to-back one-page frees."""
-    from baselines import FreeTables, eager_get_and_clear_swa_pages
     from torch.profiler import ProfilerActivity, profile, record_function
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.is_cuda else [])

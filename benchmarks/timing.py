@@ -1,6 +1,9 @@
-"""Timing primitives: quantiles, host (CPU) time, device intervals, launch counts.
+"""The one measurement module of benchmarks/ and examples/: quantiles, sample loops, per-step
+GPU intervals, the empty-graph floor, launch and graph-node counts, and the machine a run
+was taken on. Every benchmark and every example that measures imports it (examples put
+``benchmarks/`` on ``sys.path``); none keeps a copy of any of this.
 
-Two clocks, one sample loop each::
+Two clocks, one sample loop each (:class:`Sampler`)::
 
     host_stages_us     per sample: before() untimed; drain the device; then
                        perf_counter_ns around each stage (plan, run, ...):
@@ -12,52 +15,64 @@ Two clocks, one sample loop each::
                        gap falls inside the interval.
 
 Every loop runs ``n_warmup`` untimed samples first, then ``n_samples``; results
-are summarised as p20 / p50 / p80 (median = p50). Without CUDA the device loop
-falls back to wall-clock time of eager execution (``clock == "cpu-wall"``), so
-every code path still runs; those numbers are not GPU intervals.
+are summarised by :func:`summarize` as p20 / p50 / p80 (median = p50). Without
+CUDA the device loop falls back to wall-clock time of eager execution
+(``clock == "cpu-wall"``), so every code path still runs; those numbers are not
+GPU intervals.
+
+Loops whose every iteration is a different step (the examples, the decode-loop
+benchmark) cannot use a sample loop; :class:`StepEvents` records one CUDA event
+pair around the part of each iteration it names (the replay), nothing else.
+
+The floor (:func:`measure_floor`) is an empty Triton kernel captured in a CUDA
+graph, timed by the same sampler as what it is the floor of.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
+import gc
+import os
+import platform
+import subprocess
 import time
 
 import numpy as np
 import torch
 
-__all__ = ["Sampler", "summarize", "replayable", "count_launches", "graph_nodes",
-           "copy_bandwidth_gbs"]
+__all__ = ["Sampler", "StepEvents", "summarize", "format_quantiles", "replayable",
+           "empty_graph", "measure_floor", "count_launches", "graph_nodes",
+           "copy_bandwidth_gbs", "pick_device", "pick_backend", "cpu_threads",
+           "graphalloc_version", "machine_info"]
 
 QUANTILES = (20, 50, 80)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Top-level aten ops that only make views (never a kernel launch).
-_VIEW_OPS = {
-    "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::as_strided", "aten::expand",
-    "aten::unsqueeze", "aten::squeeze", "aten::slice", "aten::select", "aten::alias",
-    "aten::detach", "aten::detach_", "aten::lift_fresh", "aten::t", "aten::permute",
-    "aten::unflatten", "aten::flatten", "aten::empty", "aten::empty_strided", "aten::to",
-    "aten::_to_copy", "aten::resolve_conj", "aten::resolve_neg", "aten::result_type",
-}
-_LAUNCH_APIS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
-                "cudaLaunchCooperativeKernel")
-_GRAPH_LAUNCH_APIS = ("cudaGraphLaunch", "cuGraphLaunch")
-_COPY_APIS = ("cudaMemcpyAsync", "cudaMemsetAsync", "cuMemcpyAsync", "cuMemsetD8Async",
-              "cuMemsetD32Async")
-
-
-def summarize(samples_us) -> dict:
-    """p20 / p50 / p80 / mean / min of samples in microseconds (None for no samples)."""
+# ---- quantiles ---------------------------------------------------------------------------
+def summarize(samples_us) -> dict | None:
+    """p20 / p50 / p80 / mean / min / max / n of samples in microseconds (None for no
+    samples). The only quantile summary in benchmarks/ and examples/ (median = p50)."""
     arr = np.asarray(list(samples_us), dtype=np.float64)
     if arr.size == 0:
         return None
     p20, p50, p80 = np.percentile(arr, QUANTILES)
     return {"p20": float(p20), "p50": float(p50), "p80": float(p80), "mean": float(arr.mean()),
-            "min": float(arr.min()), "n": int(arr.size)}
+            "min": float(arr.min()), "max": float(arr.max()), "n": int(arr.size)}
 
 
+def format_quantiles(stats: dict | None, digits: int = 2) -> str:
+    """``"p50 (p20-p80)"`` of a :func:`summarize` result; ``"-"`` for None."""
+    if not stats:
+        return "-"
+    return f"{stats['p50']:.{digits}f} ({stats['p20']:.{digits}f}-{stats['p80']:.{digits}f})"
+
+
+# ---- sample loops ------------------------------------------------------------------------
 class Sampler:
-    """Sample loops for one device. ``flush_mib`` MiB are written before every device sample.
+    """Sample loops for one device. ``flush_mib`` MiB are written before every device sample
+    (0: no flush, so an idle device's interval includes the enqueue of ``fn``).
 
     ``clock`` says what ``device_us`` measures: ``"cuda-events"`` (a GPU interval)
     or ``"cpu-wall"`` (no CUDA: wall time of eager execution, meaningless as GPU time).
@@ -65,25 +80,33 @@ class Sampler:
 
     def __init__(self, device: torch.device, *, n_samples: int = 100, n_warmup: int = 10,
                  flush_mib: int = 256):
-        self.device = device
-        self.is_cuda = device.type == "cuda"
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
         self.n_samples = n_samples
         self.n_warmup = n_warmup
         self.flush_mib = flush_mib
         self.clock = "cuda-events" if self.is_cuda else "cpu-wall"
         self._flush_buf = None
-        if self.is_cuda:
+        if self.is_cuda and flush_mib > 0:
             n_words = flush_mib * 2**20 // 4
-            self._flush_buf = torch.empty(n_words, dtype=torch.int32, device=device)
+            self._flush_buf = torch.empty(n_words, dtype=torch.int32, device=self.device)
 
     def sync(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
 
     def flush(self) -> None:
-        """Evict L2: one 256 MiB write (a single kernel), queued before the timed interval."""
+        """Evict L2: one ``flush_mib`` MiB write (a single kernel), queued before the timed
+        interval."""
         if self._flush_buf is not None:
             self._flush_buf.zero_()
+
+    def release_memory(self) -> None:
+        """Between measurements: collect garbage and hand cached device memory back."""
+        gc.collect()
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def host_stages_us(self, stages, before=None) -> list[list[float]]:
         """Host time of each stage per sample; stage k gets stage k-1's return value
@@ -108,35 +131,82 @@ class Sampler:
 
     def device_us(self, fn, before=None) -> list[float]:
         """Device interval of ``fn(before())`` (``fn()`` without ``before``) per sample."""
-        pairs = []
-        wall = []
+        return self.alternating({"fn": fn}, before)["fn"]
+
+    def alternating(self, calls: dict, before=None) -> dict[str, list[float]]:
+        """Device intervals of every ``calls[name](before())`` (``calls[name]()`` without
+        ``before``), the names alternating within each sample round, the order reversed
+        every other round, so drift and state affect them alike. Microseconds per name."""
+        names = list(calls)
+        samples: dict[str, list] = {name: [] for name in names}
         for i in range(self.n_warmup + self.n_samples):
-            value = before() if before is not None else None
-            if self.is_cuda:
-                self.flush()
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn(value) if before is not None else fn()
-                end.record()
-                if i >= self.n_warmup:
-                    pairs.append((start, end))
-            else:
-                t0 = time.perf_counter_ns()
-                fn(value) if before is not None else fn()
-                t1 = time.perf_counter_ns()
-                if i >= self.n_warmup:
-                    wall.append((t1 - t0) / 1e3)
+            for name in (names if i % 2 == 0 else names[::-1]):
+                fn = calls[name]
+                value = before() if before is not None else None
+                if self.is_cuda:
+                    self.flush()  # queued first: the device is busy while we enqueue
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    fn(value) if before is not None else fn()
+                    end.record()
+                    if i >= self.n_warmup:
+                        samples[name].append((start, end))
+                else:
+                    t0 = time.perf_counter_ns()
+                    fn(value) if before is not None else fn()
+                    t1 = time.perf_counter_ns()
+                    if i >= self.n_warmup:
+                        samples[name].append((t1 - t0) / 1e3)
         self.sync()
-        return [s.elapsed_time(e) * 1e3 for s, e in pairs] if self.is_cuda else wall
+        if self.is_cuda:
+            return {n: [s.elapsed_time(e) * 1e3 for s, e in v] for n, v in samples.items()}
+        return samples
 
 
+class StepEvents:
+    """GPU intervals of one part of every iteration of a loop that cannot be sampled (each
+    iteration is a different step).
+
+    ``with events.interval(): alloc.run(p)`` records a CUDA event pair around that block
+    only: keep host work (``plan()``, bookkeeping) outside it. ``us()`` reads every
+    interval after the loop (one sync). Without CUDA it records nothing and ``us()`` is
+    ``[]``. On an idle device an interval starts when the host reaches the block, so it
+    includes the block's own enqueue (one graph launch), never host work before it.
+    """
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._pairs: list = []
+
+    @contextlib.contextmanager
+    def interval(self):
+        if not self.enabled:
+            yield
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self._pairs.append((start, end))
+
+    def us(self) -> list[float]:
+        """Every interval in microseconds, in loop order (synchronises once)."""
+        if not self._pairs:
+            return []
+        torch.cuda.synchronize()  # sync ok: after the loop
+        return [start.elapsed_time(end) * 1e3 for start, end in self._pairs]
+
+
+# ---- CUDA graphs and the floor -----------------------------------------------------------
 def replayable(fn, is_cuda: bool):
     """``(call, graph)``: ``fn`` captured into a CUDA graph and its replay, or ``(fn, None)``
     without CUDA. ``fn`` runs once on a side stream first (compiles, warms allocators)."""
     if not is_cuda:
         return fn, None
-    from graphalloc.graph import capture_graph
+    from graphalloc import capture_graph
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -146,6 +216,67 @@ def replayable(fn, is_cuda: bool):
     graph = capture_graph(fn)
     torch.cuda.synchronize()
     return graph.replay, graph
+
+
+_EMPTY_KERNEL = []  # the floor's Triton kernel, defined on first use (see _empty_kernel)
+
+
+def _empty_kernel():
+    """An empty Triton kernel. Defined on first use, not at import: ``@triton.jit`` reads
+    ``TRITON_INTERPRET`` when it runs, and scripts settle that in ``main()``."""
+    if not _EMPTY_KERNEL:
+        import triton
+
+        @triton.jit
+        def empty_kernel(x_ptr):
+            pass
+
+        _EMPTY_KERNEL.append(empty_kernel)
+    return _EMPTY_KERNEL[0]
+
+
+def empty_graph(device) -> tuple:
+    """``(call, what, graph)``: the floor every benchmark reports. On CUDA an empty Triton
+    kernel on one program (a one-element fill where Triton cannot launch), captured in a
+    CUDA graph; ``call()`` replays it. Without CUDA the fill runs eagerly (``graph`` None)."""
+    device = torch.device(device)
+    is_cuda = device.type == "cuda"
+    buf = torch.zeros(1, dtype=torch.int32, device=device)
+    fn, what = buf.zero_, "one-element torch fill"
+    if is_cuda:
+        try:
+            kernel = _empty_kernel()
+            kernel[(1,)](buf)
+            torch.cuda.synchronize(device)
+            fn, what = (lambda: kernel[(1,)](buf)), "empty Triton kernel, grid (1,)"
+        except Exception as exc:
+            what += f" (the empty Triton kernel failed: {type(exc).__name__})"
+    call, graph = replayable(fn, is_cuda)
+    return call, what + (", in a CUDA graph" if graph is not None else ", eager (no CUDA)"), graph
+
+
+def measure_floor(sampler: Sampler) -> dict:
+    """The floor, timed by ``sampler``: device interval and host enqueue time of one replay
+    of :func:`empty_graph`, and the graph's nodes."""
+    call, what, graph = empty_graph(sampler.device)
+    return {"kernel": what, "gpu_us": summarize(sampler.device_us(call)),
+            "cpu_us": summarize(sampler.host_us(call)), "graph": graph_nodes(graph)}
+
+
+# ---- launches, graph nodes, bandwidth ----------------------------------------------------
+# Top-level aten ops that only make views (never a kernel launch).
+_VIEW_OPS = {
+    "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::as_strided", "aten::expand",
+    "aten::unsqueeze", "aten::squeeze", "aten::slice", "aten::select", "aten::alias",
+    "aten::detach", "aten::detach_", "aten::lift_fresh", "aten::t", "aten::permute",
+    "aten::unflatten", "aten::flatten", "aten::empty", "aten::empty_strided", "aten::to",
+    "aten::_to_copy", "aten::resolve_conj", "aten::resolve_neg", "aten::result_type",
+}
+_LAUNCH_APIS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+                "cudaLaunchCooperativeKernel")
+_GRAPH_LAUNCH_APIS = ("cudaGraphLaunch", "cuGraphLaunch")
+_COPY_APIS = ("cudaMemcpyAsync", "cudaMemsetAsync", "cuMemcpyAsync", "cuMemsetD8Async",
+              "cuMemsetD32Async")
 
 
 def _is_device_event(event) -> bool:
@@ -198,7 +329,8 @@ def graph_nodes(graph) -> dict:
     if graph is None:
         return {"error": "no CUDA graph (CPU run)"}
     try:
-        from graphalloc.graph import describe_graph
+        from graphalloc import describe_graph
+
         info = describe_graph(graph)
         info.pop("kernel_names", None)
         info["via"] = "describe_graph"
@@ -248,3 +380,117 @@ def copy_bandwidth_gbs(sampler: Sampler, n_bytes: int) -> dict:
     stats = summarize(sampler.device_us(lambda: dst.copy_(src)))
     return {"bytes_moved": 2 * n_bytes, "interval_us": stats,
             "gb_per_s": 2 * n_bytes / (stats["p50"] * 1e3)}
+
+
+# ---- the run's environment ---------------------------------------------------------------
+def pick_device(requested: str = "auto") -> torch.device:
+    """``"auto"``: the current CUDA device when there is one, else the CPU."""
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def pick_backend(requested: str, device) -> tuple[str, str | None]:
+    """``(backend, note)``; ``"auto"``: Triton on CUDA when its step kernels import, else
+    the Torch reference twins (always on the CPU). ``note`` says why (None when asked).
+
+    Triton on a CPU runs in its interpreter, which ``@triton.jit`` picks when it runs:
+    for ``"triton"`` on a CPU this sets ``TRITON_INTERPRET=1`` (unless set), so call it
+    before graphalloc's kernels are imported."""
+    if requested == "triton" and torch.device(device).type != "cuda":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if requested != "auto":
+        return requested, None
+    if torch.device(device).type != "cuda":
+        return "torch", "graphalloc backend: torch (CPU run; the Torch reference twins)"
+    try:
+        from graphalloc.kernels.allocate import allocate_tokens  # noqa: F401
+        from graphalloc.kernels.release import release_pages  # noqa: F401
+    except Exception as exc:
+        return "torch", (f"graphalloc backend: torch, because the Triton step kernels did not "
+                         f"import ({type(exc).__name__}: {exc})")
+    return "triton", "graphalloc backend: triton"
+
+
+@contextlib.contextmanager
+def cpu_threads(device, n_threads: int = 1):
+    """On a CPU device, run the block with ``n_threads`` intra-op threads (tiny tensors:
+    more threads only contend and add noise), restored after; elsewhere a no-op."""
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def graphalloc_version() -> str:
+    """The installed package's version (``importlib.metadata``), ``"unknown"`` when
+    graphalloc is not installed (a bare source tree on ``sys.path``)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("graphalloc")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def machine_info(device) -> dict:
+    """What a result was measured on: Python, torch, numpy, Triton, CPU, GPU and driver,
+    graphalloc's version and commit, and a one-line ``summary``."""
+    device = torch.device(device)
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "numpy": np.__version__, "platform": platform.platform(), "cpu": _cpu_model(),
+            "cpu_count": os.cpu_count(), "cuda_runtime": getattr(torch.version, "cuda", None)}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except Exception as exc:
+        info["triton"] = f"unavailable ({type(exc).__name__})"
+    info["gpu"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=torch.cuda.get_device_name(device),
+                    gpu_capability=f"{props.major}.{props.minor}",
+                    gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    gpu_sms=props.multi_processor_count, driver=_driver_version())
+    info["graphalloc"] = graphalloc_version()
+    info["graphalloc_commit"] = _git_commit()
+    info["summary"] = (f"{info['gpu'] or 'CPU ' + info['cpu']}, torch {info['torch']}, "
+                       f"Triton {info['triton']}, graphalloc {info['graphalloc']} (commit "
+                       f"{info['graphalloc_commit'] or 'unknown'})")
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _run_quiet(cmd, cwd=None):
+    try:
+        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else None
+    except Exception:
+        return None
+
+
+def _driver_version():
+    out = _run_quiet(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return out.splitlines()[0] if out else None
+
+
+def _git_commit():
+    commit = _run_quiet(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO)
+    if commit and _run_quiet(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO):
+        commit += "-dirty"
+    return commit

@@ -43,6 +43,8 @@ if not torch.cuda.is_available():  # Triton kernels (if chosen) run in the inter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import timing  # noqa: E402
 from hybrid_model import (  # noqa: E402
     ModelConfig,
     TinyHybridLM,
@@ -54,7 +56,7 @@ from paged_decode import DecodeLoop, LoopResult, Request  # noqa: E402
 
 import graphalloc as ga  # noqa: E402
 
-__all__ = ["main", "make_requests", "build_allocator", "reference", "compare", "resolve_backend"]
+__all__ = ["main", "make_requests", "build_allocator", "reference", "compare"]
 
 
 def make_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
@@ -67,20 +69,6 @@ def make_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, in
         o = int(rng.integers(output_len[0], output_len[1] + 1))
         reqs.append(Request(i, rng.integers(0, vocab, size=p).astype(np.int64), o))
     return reqs
-
-
-def resolve_backend(backend: str, device: str) -> str:
-    """``auto``: Triton kernels on a GPU when this checkout has them, else the Torch twin."""
-    if backend != "auto":
-        return backend
-    if device != "cuda":
-        return "torch"
-    try:
-        from graphalloc.kernels.allocate import allocate_tokens  # noqa: F401
-        from graphalloc.kernels.release import release_pages  # noqa: F401
-    except ImportError:
-        return "torch"
-    return "triton"
 
 
 def build_allocator(*, page_size: int, max_batch: int, max_prompt: int, max_total: int,
@@ -169,13 +157,11 @@ def summarize(result: LoopResult, mcfg: ModelConfig, ps: int) -> dict:
                              "all_full": int(all_full[peak]) * token_bytes},
         "memory_saved_at_peak": float(saved[peak]),
         "memory_saved_mean": float(np.nanmean(saved)) if (all_full > 0).any() else 0.0,
-        "host_us_per_step": {"p20": float(np.percentile(host_us, 20)),
-                             "median": float(np.median(host_us)),
-                             "p80": float(np.percentile(host_us, 80))},
+        "host_us_per_step": timing.summarize(host_us),
         "wall_s": result.wall_s, "prefill_s": result.prefill_s,
         "steps_per_s": len(steps) / result.wall_s,
         "ring_stalls": result.ring_stalls,
-        "graph_nodes": _node_counts(result.graph_nodes) if result.graph_nodes else None,
+        "graph_nodes": result.graph_nodes,
         "series": {"full_used_pages": full.tolist(), "swa_used_pages": swa.tolist(),
                    "memory_saved": [None if np.isnan(x) else round(float(x), 4) for x in saved],
                    "swa_pages_evicted": evict.tolist(),
@@ -218,8 +204,8 @@ def plot(runs: list[dict], path: Path) -> bool:
 def markdown(cfg: dict, runs: list[dict]) -> str:
     lines = [f"# decode_loop: {cfg['device']}, graph={cfg['graph']}, backend={cfg['backend']}", "",
              f"Model: {cfg['model']}; {cfg['requests']} requests, {cfg['max_batch']} lanes, "
-             f"torch {cfg['torch']}, transformers {cfg.get('transformers')}, GPU {cfg['gpu']}, "
-             f"sync debug {cfg['sync_debug']}", "",
+             f"sync debug {cfg['sync_debug']}; transformers {cfg.get('transformers')}", "",
+             f"Machine: {cfg['machine']['summary']}", "",
              "| ps | steps | steps w/ evictions | SWA pages evicted | peak FULL / SWA pages "
              "| memory saved (peak, mean) | tokens equal | max logit diff | host us/step "
              "| steps/s |",
@@ -231,7 +217,7 @@ def markdown(cfg: dict, runs: list[dict]) -> str:
             f"| {s['swa_pages_evicted']} | {s['peak_full_pages']} / {s['peak_swa_pages']} "
             f"| {100 * s['memory_saved_at_peak']:.1f}%, {100 * s['memory_saved_mean']:.1f}% "
             f"| {c.get('tokens_equal', 'n/a')} | {c.get('max_logit_diff', float('nan')):.2e} "
-            f"| {s['host_us_per_step']['median']:.0f} | {s['steps_per_s']:.0f} |")
+            f"| {s['host_us_per_step']['p50']:.0f} | {s['steps_per_s']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -287,13 +273,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    threads = torch.get_num_threads()
-    if args.device == "cpu":
-        torch.set_num_threads(1)  # tiny tensors: threads only add overhead
-    try:
+    with timing.cpu_threads(args.device):
         return _main(args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _main(args: argparse.Namespace) -> dict:
@@ -309,7 +290,7 @@ def _main(args: argparse.Namespace) -> dict:
     max_prompt = max(len(r.prompt) for r in requests)
     max_out = max(r.n_out for r in requests)
     alloc_window = args.alloc_window or allocator_window(args.window)
-    backend = resolve_backend(args.backend, args.device)
+    backend, _ = timing.pick_backend(args.backend, args.device)
     show = not args.no_progress
     print(f"model: {mcfg.num_layers} layers {mcfg.layer_types}, window {mcfg.sliding_window} "
           f"(allocator {alloc_window}); {len(requests)} requests, prompts "
@@ -362,7 +343,7 @@ def _main(args: argparse.Namespace) -> dict:
               f"{summary['peak_full_pages']} SWA {summary['peak_swa_pages']}; KV memory saved "
               f"{100 * summary['memory_saved_at_peak']:.1f}% at peak "
               f"(mean {100 * summary['memory_saved_mean']:.1f}%); {verdict}")
-        print(f"        host {summary['host_us_per_step']['median']:.0f} us/step (median), "
+        print(f"        host {summary['host_us_per_step']['p50']:.0f} us/step (median), "
               f"{summary['steps_per_s']:.0f} steps/s incl. prefill, "
               f"{summary['ring_stalls']} descriptor-ring waits (for the GPU), integrity ok"
               + (", 0 host syncs (sync debug 'error')" if run["host_syncs_in_loop"] == 0 else "")
@@ -371,8 +352,8 @@ def _main(args: argparse.Namespace) -> dict:
     ok = all(r.get("comparison", {}).get("tokens_equal", True)
              and r.get("comparison", {}).get("logits_within_atol", True) for r in runs)
     cfg = {"args": vars(args), "device": args.device, "graph": args.graph,
-           "sync_debug": args.sync_debug, "backend": backend, "torch": torch.__version__,
-           "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+           "sync_debug": args.sync_debug, "backend": backend,
+           "machine": timing.machine_info(args.device),
            "model": {"layers": mcfg.layer_types, "hidden": mcfg.hidden_size,
                      "heads": mcfg.num_heads, "kv_heads": mcfg.num_kv_heads,
                      "vocab": mcfg.vocab_size, "window": mcfg.sliding_window},
@@ -393,10 +374,6 @@ def _main(args: argparse.Namespace) -> dict:
     print("MATCH: every request's tokens equal transformers'" if ok and ref is not None else
           "MISMATCH against transformers" if not ok else "done (no reference check)")
     return out
-
-
-def _node_counts(desc: dict) -> dict:
-    return {k: v for k, v in desc.items() if k != "kernel_names"}
 
 
 def _json_default(o):

@@ -37,13 +37,18 @@ On a CPU (or with ``graph=False``) the same step body runs eagerly.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from hybrid_model import PagedKV, TinyHybridLM
 
 import graphalloc as ga
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from timing import StepEvents, graph_nodes  # noqa: E402
 
 __all__ = ["Request", "DecodeLoop", "LoopResult"]
 
@@ -70,7 +75,7 @@ class LoopResult:
     prefill_s: float
     ring_stalls: int
     graph_nodes: dict | None = None
-    gpu_step_ms: list[float] | None = None  # per decode step, with time_steps on CUDA
+    gpu_step_us: list[float] = dataclasses.field(default_factory=list)  # time_steps on CUDA
     prefill_pages: dict | None = None  # pages allocated by the prefill steps
 
 
@@ -88,7 +93,9 @@ class DecodeLoop:
             graph (the point of graphalloc); ``False`` launches it eagerly before each
             replay of a model-only graph (the way engines do it today).
         keep_logits: also record every step's logits (for comparison).
-        time_steps: record CUDA events around each decode step (GPU time per step).
+        time_steps: record CUDA events around each decode step's launches (the eager
+            allocator step, if any, and the replay; not planning or lane filling): GPU time
+            per step (``timing.StepEvents``).
     """
 
     def __init__(self, model: TinyHybridLM, alloc: ga.HybridAllocator, *, max_batch: int,
@@ -172,10 +179,8 @@ class DecodeLoop:
         torch.cuda.synchronize()  # sync ok: one-time set-up
 
     def describe(self) -> dict | None:
-        try:
-            return ga.describe_graph(self.graphs[0]) if self.graphs else None
-        except Exception as exc:  # informative only (needs cuda-python)
-            return {"error": f"{type(exc).__name__}: {exc}"}
+        """Node counts of the first step graph (``timing.graph_nodes``); None before capture."""
+        return graph_nodes(self.graphs[0]) if self.graphs else None
 
     # ---- host side ----------------------------------------------------------------------
     def _fill_lanes(self, i: int, lanes: list[int], reqs: list) -> None:
@@ -259,16 +264,17 @@ class DecodeLoop:
         if self.logits_buf is not None:
             lg = self.logits_buf.cpu().numpy()
             logits = {r.serial: lg[r.serial, :r.n_out] for r in requests}
-        gpu_ms = [a.elapsed_time(b) for a, b in events] if events else None
         return LoopResult(tokens, logits, steps, wall, host_s, launch_s, prefill_s,
-                          self.alloc.ring.stalls - stalls0, self.describe(), gpu_ms,
+                          self.alloc.ring.stalls - stalls0, self.describe(), events.us(),
                           dict(self.prefill_pages))
 
-    def _loop(self, queue: list[Request], progress) -> tuple[list, list, list, float, list]:
+    def _loop(self, queue: list[Request], progress
+              ) -> tuple[list, list, list, float, StepEvents]:
         alloc, B, ps = self.alloc, self.max_batch, self.alloc.config.page_size
         state: dict[int, dict] = {}  # lane -> request state (host)
         to_release: list[int] = []
-        steps, host_s, launch_s, prefill_s, events = [], [], [], 0.0, []
+        steps, host_s, launch_s, prefill_s = [], [], [], 0.0
+        events = StepEvents(self.time_steps)
         while queue or state or to_release:
             # 1. lanes of finished requests free up; their rows are released in this step
             for lane in [b for b, st in state.items() if st["n_gen"] >= st["n_out"]]:
@@ -294,22 +300,17 @@ class DecodeLoop:
             p = alloc.plan(release=to_release, evict=True, decode=rows)
             t1 = time.perf_counter()  # plan() includes any wait for a descriptor buffer
             self._fill_lanes(p.buffer_index, lanes, reqs)
-            if self.time_steps:
-                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                ev[0].record()
-            if self.graphs:
-                if not self.alloc_in_graph:
-                    alloc.launch(p.buffer_index)  # eager allocator step, then the model graph
-                self.graphs[p.buffer_index].replay()
-            else:
-                self._body(p.buffer_index)
+            with events.interval():  # GPU time: the step's launches only
+                if self.graphs:
+                    if not self.alloc_in_graph:
+                        alloc.launch(p.buffer_index)  # eager allocator step, then the model
+                    self.graphs[p.buffer_index].replay()
+                else:
+                    self._body(p.buffer_index)
             alloc.mark_submitted(p)
             t2 = time.perf_counter()
             host_s.append(t2 - t0)
             launch_s.append(t2 - t1)
-            if self.time_steps:
-                ev[1].record()
-                events.append(ev)
             led = alloc.ledger
             evicted = np.where(led.live, led.frontier - frontier_before, 0)
             st_now = alloc.stats()

@@ -10,7 +10,9 @@ pages of every request whose window slid past a page boundary and all pages of
 every finished request are freed together: the batched frees.
 
 At the end the script drains every request and prints a summary: steps,
-segments and pages freed, pages allocated, per-step host time and GPU time,
+segments and pages freed, pages allocated, per-step host time (``plan()`` and
+the replay's launch, each timed on the host) and GPU time (CUDA events around
+the replay only, ``timing.StepEvents``: planning is never inside it),
 host synchronisations in the loop (0: on CUDA the loop runs under
 ``torch.cuda.set_sync_debug_mode("error")``; on a CPU every device read is
 counted), and the invariant checks passed (``check_integrity`` every
@@ -37,6 +39,9 @@ if not torch.cuda.is_available():  # Triton kernels (if chosen) run in the inter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import graphalloc as ga  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import timing  # noqa: E402
 
 __all__ = ["main", "Workload"]
 
@@ -185,34 +190,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", default="", help="also write the summary to this JSON file")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    if args.backend == "auto":
-        args.backend = "torch"
-        if args.device == "cuda":
-            try:
-                from graphalloc.kernels.allocate import allocate_tokens  # noqa: F401
-                from graphalloc.kernels.release import release_pages  # noqa: F401
-                args.backend = "triton"
-            except ImportError:
-                pass
+    args.backend, _ = timing.pick_backend(args.backend, args.device)
     return args
-
-
-def _quantiles(x_us: np.ndarray) -> dict:
-    if len(x_us) == 0:
-        return {}
-    return {"p20": float(np.percentile(x_us, 20)), "median": float(np.median(x_us)),
-            "p80": float(np.percentile(x_us, 80)), "max": float(x_us.max())}
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    threads = torch.get_num_threads()
-    if args.device == "cpu":
-        torch.set_num_threads(1)  # small fixed-shape ops: threads only add overhead
-    try:
+    with timing.cpu_threads(args.device):
         return _run(args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(args) -> dict:
@@ -238,7 +223,8 @@ def _run(args) -> dict:
     tot = {"release_segments": 0, "requests_released": 0, "swa_pages_evicted": 0,
            "freed_full": 0, "freed_swa": 0, "alloc_full": 0, "alloc_swa": 0,
            "tokens_allocated": 0, "steps_with_evictions": 0, "steps_with_releases": 0}
-    host_s, events, checks = [], [], 0
+    host_s, checks = [], 0
+    events = timing.StepEvents(cuda)
     max_segments = 0
     t_loop = time.perf_counter()
     sync_ctx = contextlib.ExitStack()
@@ -251,19 +237,15 @@ def _run(args) -> dict:
             drain = step == args.steps
             plan = sched.plan_step(drain=drain)
             frontier_before = alloc.ledger.frontier.copy()
-            if cuda:
-                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                ev[0].record()
             t0 = time.perf_counter()
             p = alloc.plan(release=plan["release"], evict=True, decode=plan["decode"],
                            extend=plan["extend"] if plan["extend"][0] else None)
             t1 = time.perf_counter()
-            alloc.run(p)  # one graph replay (or the eager step)
-            t2 = time.perf_counter()
-            host_s.append((t1 - t0, t2 - t1))
-            if cuda:
-                ev[1].record()
-                events.append(ev)
+            with events.interval():  # GPU time: the replay only, never plan()
+                t2 = time.perf_counter()
+                alloc.run(p)  # one graph replay (or the eager step)
+                t3 = time.perf_counter()
+            host_s.append((t1 - t0, t3 - t2))  # host: plan, replay launch (no event records)
             sched.commit(plan)
             led = alloc.ledger
             evicted = int(np.where(led.live, led.frontier - frontier_before, 0).sum())
@@ -290,13 +272,11 @@ def _run(args) -> dict:
     loop_s = time.perf_counter() - t_loop
     if bar is not None:
         bar.close()
-    if cuda:
-        torch.cuda.synchronize()
+    gpu_us = events.us()  # one sync, after the loop
     alloc.check()
     alloc.check_integrity()
     checks += 1
     st = alloc.stats()
-    gpu_us = np.array([a.elapsed_time(b) * 1e3 for a, b in events]) if events else np.array([])
     host_us = np.array(host_s).reshape(-1, 2) * 1e6
     summary = {
         "steps": args.steps + 1, "drain_segments": p.n_release_rows,
@@ -311,10 +291,10 @@ def _run(args) -> dict:
         "tokens_allocated": tot["tokens_allocated"],
         "free_pages_at_end": {"full": st["full_free_pages"], "swa": st["swa_free_pages"]},
         "pool_pages": {"full": cfg.num_full_pages, "swa": cfg.num_swa_pages},
-        "host_us_per_step": _quantiles(host_us.sum(1)),
-        "plan_us_per_step": _quantiles(host_us[:, 0]),
-        "run_us_per_step": _quantiles(host_us[:, 1]),
-        "gpu_us_per_step": _quantiles(gpu_us) if cuda else None,
+        "host_us_per_step": timing.summarize(host_us.sum(1)),
+        "plan_us_per_step": timing.summarize(host_us[:, 0]),
+        "run_us_per_step": timing.summarize(host_us[:, 1]),
+        "gpu_us_per_step": timing.summarize(gpu_us),  # None without CUDA
         "host_syncs_in_loop": 0 if cuda else reads[0],
         "sync_check": "sync debug mode 'error' (CUDA)" if cuda else "device reads counted (CPU)",
         "invariant_checks_passed": checks, "ring_stalls": alloc.ring.stalls,
@@ -330,7 +310,7 @@ def _run(args) -> dict:
 
 def _print_summary(s: dict) -> None:
     h, g = s["host_us_per_step"], s["gpu_us_per_step"]
-    pl, ru = s["plan_us_per_step"]["median"], s["run_us_per_step"]["median"]
+    pl, ru = s["plan_us_per_step"]["p50"], s["run_us_per_step"]["p50"]
     run_what = "replay launch" if g else "eager step on the CPU"
     rows = [
         ("steps", f"{s['steps']} ({s['steps'] - 1} + one that releases every running "
@@ -349,10 +329,10 @@ def _print_summary(s: dict) -> None:
                             f"({s['tokens_allocated']} tokens)"),
         ("free at end", f"FULL {s['free_pages_at_end']['full']}/{s['pool_pages']['full']}, "
                         f"SWA {s['free_pages_at_end']['swa']}/{s['pool_pages']['swa']}"),
-        ("host time/step", f"median {h['median']:.1f} us (p20 {h['p20']:.1f}, "
+        ("host time/step", f"median {h['p50']:.1f} us (p20 {h['p20']:.1f}, "
                            f"p80 {h['p80']:.1f}): plan {pl:.1f} + {run_what} {ru:.1f}"),
-        ("GPU time/step", f"median {g['median']:.1f} us (p20 {g['p20']:.1f}, p80 {g['p80']:.1f})"
-         if g else "n/a (no GPU)"),
+        ("GPU time/step", f"median {g['p50']:.1f} us (p20 {g['p20']:.1f}, p80 {g['p80']:.1f}),"
+                          " CUDA events around the replay only" if g else "n/a (no GPU)"),
         ("host syncs", f"{s['host_syncs_in_loop']} ({s['sync_check']})"),
         ("invariants", f"check_integrity + error word passed {s['invariant_checks_passed']} "
                        f"times; {s['ring_stalls']} descriptor-ring stalls"),
