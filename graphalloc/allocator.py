@@ -1,29 +1,27 @@
-"""The public allocator: host planning + device state + a backend, one step at a time.
+"""The public allocator: host planning + device state + an executor, one step at a time.
 
 Example::
 
     cfg = AllocatorConfig(page_size=16, num_full_pages=1024, num_swa_pages=256,
                           max_reqs=64, max_context_len=4096, sliding_window=512,
                           device="cuda", backend="triton")
-    alloc = HybridAllocator(cfg)
+    alloc = HybridAllocator(cfg, executor="graph")  # every step is one graph replay
     r = alloc.admit()
     out = alloc.alloc_extend([r], [100])       # prefill: out.full_slots, out.swa_slots
-    for _ in range(steps):                      # each iteration is ONE launch (or replay)
-        out = alloc.step(evict=True, decode=[r])
+    for _ in range(steps):                      # each iteration is ONE replay
+        out = alloc.step(evict_all=True, decode=[r])
     alloc.release([r])
     alloc.check()                               # where the engine synchronises anyway
 
-Every operation is planned on the host (numpy, never captured) and executed as
-one step: a release kernel then an allocation kernel, reading a fixed-shape
-descriptor. Nothing on the fast path reads the device back. To replay steps
-from CUDA graphs, wrap the allocator in :class:`graphalloc.StepGraph`.
+Every operation is planned on the host by the planner (numpy, never captured; the
+one validator) and executed as one step by the executor the allocator was built
+with. Nothing on the fast path reads the device back.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -36,127 +34,118 @@ from .errors import (
     AlignmentError,
     BatchTooLargeError,
     CapacityError,
+    ConfigError,
+    ContractError,
     DeviceFaultError,
     NestedGroupError,
     PendingStepError,
     PositionError,
+    RingOverflowError,
     TensorSpecError,
 )
+from .executor import make_executor
 from .free_group import FreeGroup
-from .kernels.abi import (
-    ERR_CODE,
-    ERR_CODES,
-    ERR_COUNT,
-    ERR_PAGE,
-    ERR_REQ,
-    ERR_ROW,
-    ERR_STAGE,
-    STAGE_NAMES,
-)
+from .inputs import as_counts, as_index, as_rows, is_empty
+from .kernels.abi import REL_EPOCH, REL_N_PAGES, ROW_WIDTH
 from .ledger import Ledger
 from .planner import StepBuilder
+from .results import AllocResult, PlannedStep
 from .sync_points import sync_allowed
 
 __all__ = ["HybridAllocator", "AllocResult", "PlannedStep"]
 
-
-def _given(rows) -> bool:
-    """True for a non-empty row list (``None``, ``()``, ``[]`` and empty arrays are 'none')."""
-    if rows is None:
-        return False
-    try:
-        return len(rows) > 0
-    except TypeError:  # a scalar row (int, numpy int, 0-d array)
-        return True
+_EMPTY_ROWS = np.zeros((0, ROW_WIDTH), dtype=np.int64)
+_SHORTAGE = (CapacityError, BatchTooLargeError, RingOverflowError)
 
 
-@dataclasses.dataclass
-class AllocResult:
-    """Slots a step allocated, for the model's KV writes.
-
-    ``full_slots`` / ``swa_slots`` are views of the allocator's static output
-    buffers (valid until the next step runs): tokens of ``rows[i]`` are at
-    ``[first_lane[i], first_lane[i] + n_tokens[i])``.
-    """
-
-    rows: np.ndarray
-    first_lane: np.ndarray
-    n_tokens: np.ndarray
-    out_full_buf: torch.Tensor  # the static output buffers (the views are made on access:
-    out_swa_buf: torch.Tensor  # slicing a tensor costs microseconds on the per-step path)
-    n_step_tokens: int
-
-    @property
-    def full_slots(self) -> torch.Tensor:
-        """``[n_step_tokens]`` full slots of this step's new tokens, in lane order."""
-        return self.out_full_buf[:self.n_step_tokens]
-
-    @property
-    def swa_slots(self) -> torch.Tensor:
-        """``[n_step_tokens]`` SWA slots of this step's new tokens, in lane order."""
-        return self.out_swa_buf[:self.n_step_tokens]
-
-    def slots_of(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        a, b = int(self.first_lane[i]), int(self.first_lane[i] + self.n_tokens[i])
-        return self.full_slots[a:b], self.swa_slots[a:b]
-
-
-@dataclasses.dataclass
-class PlannedStep:
-    """A step planned on the host and written into descriptor buffer ``buffer_index``;
-    it must be run (``HybridAllocator.run``) before the next step is planned."""
-
-    buffer_index: int
-    n_release_rows: int
-    n_alloc_rows: int
-    n_tokens: int
-    pages_freed: dict
-    pages_allocated: dict
-    result: AllocResult | None = None
-    fusable: bool = False  # release and allocation may run as one launch (StepBuilder.fusable)
+def _pair(value, what: str, second: str):
+    """``(rows, values)`` of a two-part step argument, refused unless exactly two parts."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ContractError(f"{what} takes a pair (rows, {second}); got {value!r}")
+    return value
 
 
 class HybridAllocator:
     """Paged KV-cache allocator for hybrid full-attention + sliding-window models.
 
-    Owns: the host :class:`~graphalloc.ledger.Ledger` (lengths, frontiers,
-    free-ring positions), the :class:`~graphalloc.device_state.DeviceState`
-    tables and a ring of pinned step descriptors.
+    Owns: the host :class:`~graphalloc.ledger.Ledger` (lengths, frontiers, free-ring
+    positions), the :class:`~graphalloc.device_state.DeviceState` tables, a ring of
+    pinned step descriptors and its executor.
 
-    Invariants: page 0 of each pool is never handed out; a request's frontier
-    is page-aligned and only moves forward; per pool, free + owned == pages;
-    ``full_to_swa`` is page-dense. Each public operation validates all its
-    inputs first and raises a :class:`~graphalloc.errors.ContractError` with
-    nothing changed, host or device.
+    Invariants: page 0 of each pool is never handed out; a request's frontier is
+    page-aligned and only moves forward (``load_back`` is the one backward move); per
+    pool, free + owned == pages; ``full_to_swa`` is page-dense. Each public operation
+    validates all its inputs first and raises a :class:`~graphalloc.errors.ContractError`
+    with nothing changed, host or device.
 
-    ``fused_step`` (default on): a step whose pops fit in what each free ring
-    held before the step runs as ONE kernel (release and allocation programs
-    side by side, no dependency between them); other steps run release, then
-    allocation. Measured on an H200 the fused replay saves about 2.6 us median
-    per step (``benchmarks/results/h200_fused``); ``fused_step=False`` keeps
-    every step at two launches.
+    Args:
+        config: the geometry and frozen step shape (:class:`AllocatorConfig`).
+        executor: how steps reach the device: ``"eager"`` (kernel launches, the default),
+            ``"graph"`` (one CUDA graph replay per step, :class:`graphalloc.StepGraph`), or
+            an :class:`graphalloc.executor.Executor`. Chosen once, here.
+        n_descriptor_bufs: pinned descriptor buffers in the ring (>= 1; 2 lets the host plan
+            step k+1 while the GPU runs step k).
+        fused_step: a step whose pops fit in what each free ring held before it runs as ONE
+            kernel (measured about 2.6 us less per replay on an H200); otherwise release,
+            then allocation.
 
-    Cost: each operation is O(rows) numpy on the host plus one step (one or two
-    kernel launches, or one graph replay); no host/device synchronisation
-    except ``check()``, ``stats(device=True)``, ``snapshot()`` and the integrity
-    checks, which read the device on purpose.
+    Cost: each operation is O(rows) numpy on the host plus one step (one or two kernel
+    launches, or one graph replay); the host queries (``n_free``, ``seq_len``, ...) are
+    O(1); no host/device synchronisation except ``check()``, ``snapshot()``,
+    ``state_dict()`` and the integrity checks, which read the device on purpose.
+
+    Protocol for the layers above (checkpointing, graphs, replicas use this, not
+    privates): ``ledger`` (the host state, read-only outside a step), ``state``, ``ring``,
+    ``kernels``, ``executor``, ``pending`` (the planned step not yet submitted),
+    ``faulted``, :meth:`install_ledger` and :meth:`launch`.
     """
 
-    def __init__(self, config: AllocatorConfig, *, n_descriptor_bufs: int = 2,
-                 fused_step: bool = True):
+    def __init__(self, config: AllocatorConfig, *, executor="eager",
+                 n_descriptor_bufs: int = 2, fused_step: bool = True):
+        if not isinstance(config, AllocatorConfig):
+            raise ConfigError(f"HybridAllocator takes an AllocatorConfig, got "
+                              f"{type(config).__name__}")
+        if isinstance(n_descriptor_bufs, bool) or not isinstance(n_descriptor_bufs, int) or (
+                n_descriptor_bufs < 1):
+            raise ConfigError(f"n_descriptor_bufs must be an int >= 1, got {n_descriptor_bufs!r}")
+        if not isinstance(fused_step, bool):
+            raise ConfigError(f"fused_step must be a bool, got {fused_step!r}")
         self.config = config
         self.ledger = Ledger(config)
         self.state = DeviceState(config)
         self.ring = DescriptorRing(config.max_release_rows, config.max_alloc_rows, config.device,
                                    n_bufs=n_descriptor_bufs)
         self.kernels = StepKernels(config, self.state, fused=fused_step)
-        self.step_runner: Callable[[int], None] | None = None  # set by StepGraph
         self._pending: PlannedStep | None = None
         self._group: FreeGroup | None = None  # the open free_group() block, if any
         self._faulted = False
         self.steps_run = 0
+        self.executor = make_executor(executor)
+        self.executor.bind(self)
 
-    # ---- views -----------------------------------------------------------------------
+    # ---- protocol for the layers above ---------------------------------------------------
+    @property
+    def pending(self) -> PlannedStep | None:
+        """The planned step not yet submitted (``None`` when there is none)."""
+        return self._pending
+
+    @property
+    def faulted(self) -> bool:
+        """True after ``check()`` reported a device fault, until ``reset_faults()``."""
+        return self._faulted
+
+    def install_ledger(self, ledger: Ledger, *, steps_run: int | None = None) -> None:
+        """Replace the host ledger (a checkpoint load, a broadcast follower catching up).
+        The caller guarantees the device tables match it. Refused while a step is pending
+        or a free group is open."""
+        if self._pending is not None or self._group is not None:
+            raise PendingStepError("install_ledger() while a step is planned or a "
+                                   "free_group() is open")
+        self.ledger = ledger
+        if steps_run is not None:
+            self.steps_run = int(steps_run)
+
+    # ---- views ---------------------------------------------------------------------------
     @property
     def req_to_token(self) -> torch.Tensor:
         """``[max_reqs, max_context_len]``: full slot of each (request, position)."""
@@ -167,18 +156,55 @@ class HybridAllocator:
         """``[(num_full_pages + 1) * page_size]``: SWA slot of each full slot, 0 = none."""
         return self.state.full_to_swa
 
-    # ---- request lifecycle -------------------------------------------------------------
+    # ---- cheap host queries (no device read, no dicts) -----------------------------------
+    def n_free(self, pool: str = "full") -> int:
+        """Free pages of ``pool`` (``"full"`` or ``"swa"``). O(1)."""
+        if pool == "full":
+            return self.ledger.full.n_free
+        if pool == "swa":
+            return self.ledger.swa.n_free
+        raise ContractError(f"pool must be 'full' or 'swa', got {pool!r}")
+
+    @property
+    def n_live(self) -> int:
+        """Live request rows. O(max_reqs) numpy (one reduction)."""
+        return int(np.count_nonzero(self.ledger.live))
+
+    def live_rows(self) -> np.ndarray:
+        """The live request rows, ascending (a new array). O(max_reqs)."""
+        return np.flatnonzero(self.ledger.live)
+
+    def is_live(self, row) -> bool:
+        """Whether ``row`` is live. O(1)."""
+        return bool(self.ledger.live[as_index(row, "row", self.config.max_reqs)])
+
+    def seq_len(self, row) -> int:
+        """Allocated length (positions) of ``row``. O(1)."""
+        return int(self.ledger.seq_len[as_index(row, "row", self.config.max_reqs)])
+
+    def frontier(self, row) -> int:
+        """SWA eviction frontier (a position, page-aligned) of ``row``. O(1)."""
+        return int(self.ledger.frontier[as_index(row, "row", self.config.max_reqs)])
+
+    def pages_needed(self, rows, n_tokens) -> int:
+        """New pages per pool that extending ``rows`` by ``n_tokens`` needs (the same count
+        from each pool; none from the SWA pool in ring mode). O(rows)."""
+        rows = as_rows(rows, self.config.max_reqs, "pages_needed")
+        n = as_counts(n_tokens, len(rows), "pages_needed token counts")
+        ps, length = self.config.page_size, self.ledger.seq_len[rows]
+        return int((-(-(length + n) // ps) + (length // -ps)).sum())
+
+    # ---- request lifecycle ---------------------------------------------------------------
     def admit(self, prefix_slots: torch.Tensor | None = None) -> int:
         """Take the lowest free request row; returns it.
 
-        ``prefix_slots`` (optional, 1-D, index dtype, on the allocator's device,
-        length a multiple of ``page_size``): full slots of a cached prefix the
-        request shares but does not own. They are copied into ``req_to_token``
-        and are never freed by this request; its frontier starts past them.
-        In ring mode the request's R ring pages are popped (one step).
+        ``prefix_slots`` (optional, 1-D, index dtype, on the allocator's device, length a
+        multiple of ``page_size``, every slot a FULL-pool slot): full slots of a cached prefix
+        the request shares but does not own. They are copied into ``req_to_token`` and are
+        never freed by this request; its frontier starts past them. In ring mode the
+        request's R ring pages are popped (one step); in pool mode admit is host-only.
         """
-        cfg, led = self.config, self.ledger
-        self._refuse_if_faulted()
+        cfg = self.config
         n_prefix = 0
         if prefix_slots is not None:
             self._check_tensor(prefix_slots, "prefix_slots")
@@ -190,27 +216,24 @@ class HybridAllocator:
             if n_prefix > cfg.max_context_len:
                 raise PositionError(f"prefix of {n_prefix} tokens exceeds max_context_len "
                                     f"{cfg.max_context_len}")
-        taken = led.live if self._group is None else led.live | self._group.pending
+            with sync_allowed():
+                lo, hi = cfg.page_size, cfg.num_full_slots  # off the fast path: a debug read
+                bad = bool(((prefix_slots < lo) | (prefix_slots >= hi)).any()) if n_prefix else 0
+            if bad:
+                raise PositionError(f"prefix_slots must be FULL-pool slots in [{lo}, {hi}); "
+                                    "page 0 is the sink and slots past the pool do not exist")
+        taken = self.ledger.live if self._group is None else self.ledger.live | self._group.pending
         free_rows = np.flatnonzero(~taken)
         if len(free_rows) == 0:
             raise CapacityError(f"all {cfg.max_reqs} request rows are in use; release one first")
         row = int(free_rows[0])
-        if cfg.ring_mode and led.swa.n_free < cfg.swa_ring_pages:
-            raise CapacityError(f"ring mode admit needs {cfg.swa_ring_pages} SWA pages, "
-                                f"{led.swa.n_free} are free")
-
-        def apply(b: StepBuilder) -> None:
-            b.ledger.live[row] = True
-            b.ledger.seq_len[row] = n_prefix
-            b.ledger.frontier[row] = n_prefix
-            b.ledger.protected[row] = n_prefix
-            if cfg.ring_mode:
-                b.ring_admit(row)
-
         if cfg.ring_mode:
-            self._run_step(apply)  # may refuse (a pending plan): copy the prefix only after
-        else:  # nothing for the device to do
-            apply(StepBuilder(cfg, self.ledger))
+            self._run(lambda b: b.admit(row, n_prefix))  # may refuse: copy the prefix after
+        else:  # nothing for the device to do: plan and commit on the host only
+            self._refuse_planning()
+            b = self._builder()
+            b.admit(row, n_prefix)
+            self._commit(b)
         if n_prefix:
             self.state.req_to_token_buf[row, :n_prefix].copy_(prefix_slots)
         return row
@@ -218,171 +241,221 @@ class HybridAllocator:
     def alloc_extend(self, rows, extend_lens) -> AllocResult:
         """Prefill / chunked prefill: ``extend_lens[i]`` new positions for ``rows[i]``.
 
-        Exact page estimate: a request at length L needs
-        ``ceil((L + n) / ps) - ceil(L / ps)`` new pages in each pool (none from
-        the SWA pool in ring mode). Refused whole if either pool is short.
+        Exact page estimate: a request at length L needs ``ceil((L + n) / ps) - ceil(L / ps)``
+        new pages in each pool (none from the SWA pool in ring mode). Refused whole if
+        either pool is short.
         """
         return self.step(extend=(rows, extend_lens))
 
     def alloc_decode(self, rows) -> AllocResult:
-        """One token for each request: a new page in both pools only where the
-        position starts a page."""
+        """One token for each request: a new page in both pools only where the position
+        starts a page."""
         return self.step(decode=rows)
 
     def evict_window(self, rows=None) -> None:
         """Advance frontiers by the window rule (``rows=None``: every live request)."""
         if self._group is not None:
-            self._group.evict(rows)
+            self._group.plan(lambda b: self._evict_rows(b, rows))
             return
-        self.step(evict=True if rows is None else rows)
+        self._run(lambda b: self._evict_rows(b, rows))
 
     def advance_frontier(self, rows, new_frontier_pos) -> None:
-        """Move frontiers to the given page-aligned positions, freeing the SWA pages
-        of ``[old, new)`` (the low-level form of :meth:`evict_window`)."""
-        if self._group is None:
-            self._run_step(lambda b: b.advance_frontier(b.live_rows(rows, "advance_frontier"),
-                                                        new_frontier_pos))
+        """Move frontiers to the given page-aligned positions, freeing the SWA pages of
+        ``[old, new)`` (the low-level form of :meth:`evict_window`)."""
+        def op(b):
+            arr = b.live_rows(rows, "advance_frontier")
+            b.advance_frontier(arr, new_frontier_pos)
+            return arr
+        if self._group is not None:
+            self._group.plan(op)
             return
-        self._group.advance(rows, new_frontier_pos)
+        self._run(op)
 
     def release(self, rows) -> None:
         """Free everything the requests own (finished or retracted) and return their rows.
 
-        Positions below the frontier free only FULL pages; the rest free both; a
-        partial tail page is freed whole; a protected prefix is not freed.
+        Positions below the frontier free only FULL pages; the rest free both; a partial
+        tail page is freed whole; a protected prefix is not freed.
         """
-        if self._group is None:
-            self.step(release=rows)
+        def op(b):
+            arr = b.live_rows(rows, "release")
+            b.release(arr)
+            return arr
+        if self._group is not None:
+            self._group.plan(op)
             return
-        self._group.release(rows)
+        self._run(op)
+
+    def load_back(self, row, new_frontier_pos) -> torch.Tensor:
+        """Re-pair the full pages of ``[new_frontier_pos, frontier)`` with fresh SWA pages
+        after their KV came back from host memory (pool mode); returns the ``[n * ps]`` SWA
+        slots to fill (a view of the output buffer: copy the KV in before the next step).
+        One planned step (an ``AL_SWA_ONLY`` descriptor row), refused whole on any broken
+        rule. The frontier moves back: the one backward move."""
+        if self._group is not None and self._group.touched[
+                as_index(row, "load_back row", self.config.max_reqs)]:
+            raise NestedGroupError(f"load_back: request {row} is freed or evicted in the open "
+                                   "free_group(); load it back after the block")
+        results: list = []
+
+        def op(b):
+            first = b.load_back(row, new_frontier_pos)
+            n = b.n_tokens - first
+            results.append((np.array([row], dtype=np.int64), np.array([first]), np.array([n])))
+        result = self.run(self._plan(op, results))
+        return result.swa_slots[int(result.first_lane[0]):]
 
     @contextlib.contextmanager
     def free_group(self) -> Iterator[None]:
         """Defer every free in the block to one step at its end.
 
-        Inside the block, ``release``, ``evict_window`` and ``advance_frontier``
-        are validated at once but executed at exit, in call order, as one step
-        that keeps request boundaries (rows of different requests are never
-        merged). Capacity is unchanged until then. Allocations inside the block
-        run at once and cannot use the deferred pages; a request released in
-        the block cannot allocate. Frees accepted before an exception in the
-        block are still flushed, so no page is lost. Nesting raises
-        :class:`NestedGroupError`.
+        Inside the block, ``release``, ``evict_window`` and ``advance_frontier`` are
+        validated and planned at the call (see :mod:`graphalloc.free_group`) and run at
+        exit as one step (several when they exceed the frozen shape) that keeps request
+        boundaries. Capacity is unchanged until then. Allocations inside the block run at
+        once and cannot use the deferred pages; a request released in the block cannot
+        allocate or be freed again. ``plan()`` is refused inside a block (use ``step()``,
+        which runs at once). Frees accepted before an exception in the block are still
+        flushed, so no page is lost. Nesting raises :class:`NestedGroupError`.
         """
         if self._group is not None:
             raise NestedGroupError("free_group() blocks cannot be nested; "
                                    "close the outer block first")
+        if self._pending is not None:
+            raise PendingStepError("run() the planned step before opening a free_group()")
         self._group = FreeGroup(self)
         try:
             yield
         finally:
             group, self._group = self._group, None
-            self._flush(group.intents)
+            self._flush(group)
 
-    # ---- one scheduler step ------------------------------------------------------------
-    def step(self, *, release=(), evict=None, advance=None, decode=(),
-             extend=None) -> AllocResult:
+    # ---- one scheduler step --------------------------------------------------------------
+    def step(self, *, release=None, evict=None, evict_all: bool = False, advance=None,
+             decode=None, extend=None) -> AllocResult | None:
         """One scheduler step as one launch (or one graph replay).
 
-        In this order: ``release`` (rows of finished requests), ``evict``
-        (``True`` for every live request, or rows: window-rule frontier
-        advance), ``advance`` (``(rows, new_frontier_pos)``: explicit page-aligned
-        frontier moves, the engine's own SWA segment frees), then allocation:
-        ``decode`` (rows, one token each) and ``extend`` (``(rows, n_tokens)``).
-        Pages freed by the step may be allocated by it.
+        In this order: ``release`` (rows of finished requests), ``evict`` (rows) or
+        ``evict_all=True`` (every live request): window-rule frontier advance, ``advance``
+        (``(rows, new_frontier_pos)``: explicit page-aligned frontier moves, the engine's
+        own SWA segment frees), then allocation: ``decode`` (rows, one token each) and
+        ``extend`` (``(rows, n_tokens)``). Pages freed by the step may be allocated by it.
+        Returns the allocated slots (``None`` when nothing was allocated).
         """
-        self._check_not_in_group_alloc(release, evict)
-        if self._group is not None and advance is not None:
-            raise NestedGroupError("inside free_group() call advance_frontier() (deferred)")
-        return self.run(self.plan(release=release, evict=evict, advance=advance, decode=decode,
-                                  extend=extend))
+        args = (release, evict, evict_all, advance, decode, extend)
+        if self._group is not None:
+            self._refuse_frees_in_group(release, evict, evict_all, advance)
+        results: list = []
+        return self.run(self._plan(lambda b: self._apply_step(b, *args, results), results))
 
-    def plan(self, *, release=(), evict=None, advance=None, decode=(),
-             extend=None) -> PlannedStep:
+    def try_step(self, **step_args) -> AllocResult | None:
+        """:meth:`step`, but a step that cannot be met for lack of pages returns ``None``
+        (nothing changed) instead of raising :class:`CapacityError` -- the scheduler's
+        back-pressure signal, as vLLM's ``allocate_slots`` returns ``None``. Every other
+        contract error still raises."""
+        try:
+            return self.step(**step_args)
+        except CapacityError:
+            return None
+
+    def fits(self, *, release=None, evict=None, evict_all: bool = False, advance=None,
+             decode=None, extend=None) -> bool:
+        """Whether :meth:`step` with these arguments would run (dry run on a ledger copy;
+        nothing changes). ``False`` for shortage (pages, ring space, frozen step shape);
+        other contract errors (an unknown row, ...) raise. Cost: one plan, no device work."""
+        args = (release, evict, evict_all, advance, decode, extend)
+        b = self._builder()
+        try:
+            self._apply_step(b, *args, [])
+            b.finish()
+        except _SHORTAGE:
+            return False
+        return True
+
+    def plan(self, *, release=None, evict=None, evict_all: bool = False, advance=None,
+             decode=None, extend=None) -> PlannedStep:
         """Host half of :meth:`step`: validate, update the ledger, write the next descriptor
         buffer. Pure host work, never captured, never synchronises (except to wait for a
-        descriptor buffer the GPU has not consumed, counted in ``ring.stalls``).
-        Must be followed by :meth:`run` (or the engine's replay and :meth:`mark_submitted`)."""
-
-        def apply(b: StepBuilder) -> None:
-            if _given(release):
-                b.release(b.live_rows(release, "release"))
-            if evict is not None and evict is not False:
-                rows = (np.flatnonzero(b.ledger.live) if evict is True
-                        else b.live_rows(evict, "evict"))
-                b.advance_frontier(rows, b.window_frontier(rows))
-            if advance is not None:
-                b.advance_frontier(b.live_rows(advance[0], "advance"), advance[1])
-            if _given(decode):
-                d_rows = self._refuse_group_released(b.live_rows(decode, "alloc_decode"),
-                                                  "alloc_decode")
-                first = b.extend(d_rows, np.ones(len(d_rows), dtype=np.int64))
-                results.append((d_rows, first, np.ones(len(d_rows), dtype=np.int64)))
-            if extend is not None:
-                e_rows = self._refuse_group_released(b.live_rows(extend[0], "alloc_extend"),
-                                                  "alloc_extend")
-                n = np.asarray(extend[1], dtype=np.int64).reshape(-1)
-                first = b.extend(e_rows, n)
-                results.append((e_rows, first, n))
-
+        descriptor buffer the GPU has not consumed, counted in ``ring.stalls``). Must be
+        followed by :meth:`run` (or the engine's replay and :meth:`mark_submitted`).
+        Refused inside a ``free_group()`` block (steps there run at once: use ``step()``)."""
+        if self._group is not None:
+            raise NestedGroupError("plan() inside free_group(): the block defers frees to its "
+                                   "end, a separately planned step could not keep that order; "
+                                   "use step() (it runs at once) or plan after the block")
+        args = (release, evict, evict_all, advance, decode, extend)
         results: list = []
-        return self._plan(apply, results)
+        return self._plan(lambda b: self._apply_step(b, *args, results), results)
 
     def run(self, planned: PlannedStep) -> AllocResult | None:
         """Device half of :meth:`step`: launch (or replay) the planned step. Never
         synchronises; returns before the device has finished."""
-        if planned is not self._pending:
-            raise PendingStepError("run() takes the step returned by the latest plan()")
-        if self.step_runner is not None:
-            self.step_runner(planned.buffer_index)
-        else:
-            self.launch(planned.buffer_index, fusable=planned.fusable)
+        self._check_planned(planned, "run")
+        self.executor.execute(planned)
         self.mark_submitted(planned)
         return planned.result
 
     def launch(self, buffer_index: int, fusable: bool = False) -> None:
         """Enqueue the step kernels reading descriptor buffer ``buffer_index``.
-        Capture-safe: call it inside an engine's own graph capture, one captured
-        graph per descriptor buffer (``len(alloc.ring)`` of them). ``fusable=True``
-        (only for steps whose ``PlannedStep.fusable`` is set) makes it one fused launch
-        when the allocator was built with ``fused_step=True``; see ``StepKernels``."""
-        self.kernels(self.ring.release_rows(buffer_index), self.ring.alloc_rows(buffer_index),
-                     fusable=fusable)
+
+        Capture-safe: call it inside an engine's own graph capture, one captured graph per
+        descriptor buffer (``len(alloc.ring)`` of them). Outside a capture it launches the
+        pending planned step only (``buffer_index`` must be its buffer). ``fusable=True``
+        (only for steps whose ``PlannedStep.fusable`` is set) makes it one fused launch when
+        the allocator was built with ``fused_step=True``; see ``StepKernels``."""
+        index = as_index(buffer_index, "buffer_index", len(self.ring))
+        if not isinstance(fusable, bool):
+            raise ContractError(f"fusable must be a bool, got {fusable!r}")
+        capturing = self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            pending = self._pending
+            if pending is None or pending.buffer_index != index:
+                raise PendingStepError(
+                    f"launch({index}) outside a graph capture runs only the pending planned "
+                    f"step's buffer ({'none pending' if pending is None else pending.buffer_index})"
+                    "; plan() first, and launch the buffer its PlannedStep names")
+            if fusable and not pending.fusable:
+                raise ContractError("launch(fusable=True) for a step the planner did not mark "
+                                    "fusable: its pops may read this step's pushes")
+        self.kernels(self.ring.release_rows(index), self.ring.alloc_rows(index), fusable=fusable)
 
     def mark_submitted(self, planned: PlannedStep) -> None:
         """Tell the allocator the planned step was enqueued (engines that replay their own
-        graph call this right after the replay)."""
+        graph call this right after the replay, on the stream of the replay): records the
+        event that guards the step's descriptor buffer. Once per planned step."""
+        self._check_planned(planned, "mark_submitted")
         self.ring.submitted(planned.buffer_index)
+        planned.submitted = True
         self._pending = None
         self.steps_run += 1
 
-    # ---- faults ------------------------------------------------------------------------
+    # ---- faults --------------------------------------------------------------------------
     def check(self, sync: bool = False) -> None:
         """Raise :class:`DeviceFaultError` if a kernel recorded a fault.
 
-        Reads the 8-word device error word: a device-to-host read that waits for
-        the steps already queued, so call it where the engine synchronises anyway
-        (after reading sampled tokens) and it costs no extra wait. ``sync=True``
-        synchronises the whole device first (for faults from other streams).
+        Reads the 8-word device error word: a device-to-host read that waits for the steps
+        already queued, so call it where the engine synchronises anyway (after reading
+        sampled tokens) and it costs no extra wait. ``sync=True`` synchronises the whole
+        device first (for faults from other streams).
         """
         with sync_allowed():
             if sync and self.config.device.type == "cuda":
                 torch.cuda.synchronize(self.config.device)  # sync ok: requested by the caller
-            err = self.state.err_buf.cpu().tolist()  # sync ok: the documented check point
-        if err[ERR_CODES]:
+            words = self.state.err_buf.cpu().tolist()  # sync ok: the documented check point
+        error = DeviceFaultError.from_error_word(words)
+        if error is not None:
             self._faulted = True
-            stage = STAGE_NAMES.get(err[ERR_STAGE], "?")
-            raise DeviceFaultError(err[ERR_CODES], err[ERR_COUNT], err[ERR_CODE], stage,
-                                   err[ERR_ROW], err[ERR_REQ], err[ERR_PAGE])
+            raise error
 
     def reset_faults(self) -> None:
         """Clear the error word and accept steps again (after the caller repaired or audited)."""
         self.state.err_buf.zero_()
         self._faulted = False
 
-    # ---- introspection -----------------------------------------------------------------
+    # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
-        """Host-side counts (no device read)."""
+        """Host-side counts for humans (no device read; builds dicts over the live rows: use
+        the O(1) queries on the hot path)."""
         led, cfg = self.ledger, self.config
         live = np.flatnonzero(led.live)
         return {
@@ -422,98 +495,128 @@ class HybridAllocator:
         with sync_allowed():
             load_state_dict(self, sd)
 
-    def load_back(self, row: int, new_frontier_pos: int) -> torch.Tensor:
-        """Re-pair the full pages of ``[new_frontier_pos, frontier)`` with fresh SWA pages
-        after their KV came back from host memory; returns the SWA slots to fill. See
-        :func:`graphalloc.checkpoint.load_back`."""
-        from .checkpoint import load_back
-        with sync_allowed():
-            return load_back(self, row, new_frontier_pos)
-
     def check_integrity(self) -> None:
         """Raise :class:`~graphalloc.errors.IntegrityError` on any broken invariant (reads the
         device; see ``graphalloc.integrity``)."""
         from .integrity import check_integrity
         check_integrity(self)
 
-    # ---- internals ---------------------------------------------------------------------
-    def _refuse_if_faulted(self) -> None:
+    # ---- internals -----------------------------------------------------------------------
+    def _refuse_planning(self) -> None:
+        if self._pending is not None:
+            raise PendingStepError("the previous planned step was never run(); run it first")
         if self._faulted:
             raise PendingStepError("a device fault was reported by check(); the allocator "
                                    "refuses steps until reset_faults() (or rebuild it)")
+        if not self.executor.plans_locally:
+            raise ContractError(f"this allocator's executor ({self.executor.name}) only replays "
+                                "steps planned elsewhere; call the replica layer instead")
+
+    def _builder(self) -> StepBuilder:
+        b = StepBuilder(self.config, self.ledger.copy(), epoch=self.steps_run + 1)
+        if self._group is not None:
+            b.pending = self._group.pending
+        return b
+
+    def _commit(self, b: StepBuilder) -> None:
+        touched = np.flatnonzero(b.allocated | (b.ledger.live != self.ledger.live))
+        self.ledger = b.ledger
+        if self._group is not None and len(touched):
+            self._group.sync_rows(touched)
 
     def _plan(self, apply, results: list) -> PlannedStep:
-        if self._pending is not None:
-            raise PendingStepError("the previous planned step was never run(); run it first")
-        self._refuse_if_faulted()
-        builder = StepBuilder(self.config, self.ledger.copy(), epoch=self.steps_run + 1)
-        apply(builder)  # raises with nothing committed
-        release, alloc = builder.finish()
+        self._refuse_planning()
+        b = self._builder()
+        apply(b)  # raises with nothing committed
+        release, alloc = b.finish()
         index = self.ring.acquire()
-        self.ring.write(index, release, alloc, fusable=builder.fusable)
-        self.ledger = builder.ledger  # commit
+        self.ring.write(index, release, alloc, fusable=b.fusable)
+        self._commit(b)
         result = None
         if results:
             rows = np.concatenate([r[0] for r in results])
             first = np.concatenate([r[1] for r in results])
             n_tok = np.concatenate([r[2] for r in results])
             result = AllocResult(rows, first, n_tok, self.state.out_full_buf,
-                                 self.state.out_swa_buf, builder.n_tokens)
-        self._pending = PlannedStep(index, len(release), len(alloc), builder.n_tokens,
-                                    builder.pages_freed, builder.pages_allocated, result,
-                                    builder.fusable)
+                                 self.state.out_swa_buf, b.n_tokens, self.steps_run + 1, self)
+        self._pending = PlannedStep(index, len(release), len(alloc), b.n_tokens,
+                                    b.pages_freed, b.pages_allocated, result, b.fusable,
+                                    owner=self)
         return self._pending
 
-    def _run_step(self, apply) -> AllocResult | None:
+    def _run(self, apply) -> AllocResult | None:
         return self.run(self._plan(apply, []))
 
-    def _flush(self, intents: list) -> None:
-        """Run a closed block's frees: one step, or -- when that step would exceed the
-        frozen descriptor shape -- intent by intent, an intent's rows halved until each
-        part fits, one step per part in call order (the same pages end up in the same
-        free-ring order). The split is planned on ledger copies first: if even one row
-        cannot fit a step, :class:`BatchTooLargeError` is raised before anything runs."""
-        if not intents:
-            return
-        parts: list = []
-        self._split(intents, self.ledger.copy(), parts)
+    def _apply_step(self, b: StepBuilder, release, evict, evict_all, advance, decode, extend,
+                    results: list) -> None:
+        if not is_empty(release):
+            b.release(b.live_rows(release, "release"))
+        if not isinstance(evict_all, bool):
+            raise ContractError(f"evict_all must be a bool, got {evict_all!r}")
+        if isinstance(evict, (bool, np.bool_)):
+            raise ContractError("evict takes rows; for every live request pass "
+                                "evict_all=True (evict=0 would mean row 0)")
+        if evict_all:
+            b.evict(np.flatnonzero(b.ledger.live if b.pending is None
+                                   else b.ledger.live & ~b.pending))
+        elif not is_empty(evict):
+            b.evict(b.live_rows(evict, "evict"))
+        if advance is not None:
+            rows, pos = _pair(advance, "advance", "new_frontier_pos")
+            b.advance_frontier(b.live_rows(rows, "advance"), pos, "advance")
+        if not is_empty(decode):
+            d_rows = b.live_rows(decode, "alloc_decode")
+            ones = np.ones(len(d_rows), dtype=np.int64)
+            results.append((d_rows, b.extend(d_rows, ones, "alloc_decode"), ones))
+        if extend is not None:
+            rows, n = _pair(extend, "extend", "n_tokens")
+            e_rows = b.live_rows(rows, "alloc_extend")
+            n = as_counts(n, len(e_rows), "alloc_extend token counts")
+            results.append((e_rows, b.extend(e_rows, n), n))
+
+    @staticmethod
+    def _evict_rows(b: StepBuilder, rows):
+        if rows is None:
+            live = b.ledger.live if b.pending is None else b.ledger.live & ~b.pending
+            arr = np.flatnonzero(live)
+        else:
+            arr = b.live_rows(rows, "evict_window")
+        b.evict(arr)
+        return arr
+
+    def _refuse_frees_in_group(self, release, evict, evict_all, advance) -> None:
+        if not is_empty(release) or evict_all or (evict is not None and not isinstance(
+                evict, bool) and not is_empty(evict)) or advance is not None:
+            raise NestedGroupError("inside free_group() call release() / evict_window() / "
+                                   "advance_frontier() (deferred to the block's end) instead "
+                                   "of step(release=, evict=, advance=)")
+
+    def _flush(self, group: FreeGroup) -> None:
+        """Run a closed block's frees: its planned release rows as one step, or as several
+        consecutive steps when they exceed the frozen shape (never refused: every row was
+        validated at its call, and one row always fits a step)."""
+        parts = group.flush_parts()
+        group.commit(self.ledger)  # rows released with no pages still return their row
         for part in parts:
-            self._run_step(lambda b, part=part: FreeGroup.apply_intents(b, part))
+            part[:, REL_EPOCH] = self.steps_run + 1
+            index = self.ring.acquire()
+            self.ring.write(index, part, _EMPTY_ROWS, fusable=True)
+            pages = int(part[:, REL_N_PAGES].sum())
+            self._pending = PlannedStep(index, len(part), 0, 0, {"pages": pages}, {}, None,
+                                        True, owner=self)
+            self.run(self._pending)
 
-    def _split(self, intents: list, ledger, parts: list):
-        """Append to ``parts`` the groups of intents that each fit one step, planning them on
-        ``ledger`` (a copy); returns the ledger after them."""
-        builder = StepBuilder(self.config, ledger.copy())
-        try:
-            FreeGroup.apply_intents(builder, intents)
-            builder.finish()
-        except BatchTooLargeError:
-            if len(intents) == 1 and len(intents[0][1]) <= 1:
-                raise
-            if len(intents) > 1:
-                pieces = [[intent] for intent in intents]
-            else:
-                kind, rows, pos = intents[0]
-                half = len(rows) // 2
-                pieces = [[(kind, rows[:half], None if pos is None else pos[:half])],
-                          [(kind, rows[half:], None if pos is None else pos[half:])]]
-            for piece in pieces:
-                ledger = self._split(piece, ledger, parts)
-            return ledger
-        parts.append(intents)
-        return builder.ledger
-
-    def _refuse_group_released(self, rows: np.ndarray, what: str) -> np.ndarray:
-        return rows if self._group is None else self._group.refuse_released(rows, what)
-
-    def _check_not_in_group_alloc(self, release, evict) -> None:
-        if self._group is None:
-            return
-        evicts = evict is True or (evict is not None and evict is not False
-                                   and len(np.atleast_1d(evict)) > 0)
-        if (release is not None and len(np.atleast_1d(release))) or evicts:
-            raise NestedGroupError("inside free_group() call release()/evict_window() "
-                                   "(deferred) instead of step(release=..., evict=...)")
+    def _check_planned(self, planned, what: str) -> None:
+        if not isinstance(planned, PlannedStep):
+            raise PendingStepError(f"{what}() takes the PlannedStep returned by plan(), got "
+                                   f"{type(planned).__name__}")
+        if planned.owner is not self:
+            raise PendingStepError(f"{what}(): that PlannedStep belongs to another allocator")
+        if planned.submitted:
+            raise PendingStepError(f"{what}(): this step was already submitted (a second "
+                                   "mark_submitted would count it twice)")
+        if planned is not self._pending:
+            raise PendingStepError(f"{what}() takes the step returned by the latest plan()")
 
     def _check_tensor(self, t, name: str) -> None:
         cfg = self.config

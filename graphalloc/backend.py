@@ -33,16 +33,13 @@ class StepKernels:
         fused: allow the one-launch variant. Off, every call is two launches.
 
     Never synchronises; safe to call inside CUDA graph capture. Returns before
-    the device has finished. ``n_fused`` and ``n_two`` count the calls of each
-    variant (host counters: a captured graph counts once, at capture).
+    the device has finished.
     """
 
     def __init__(self, config: AllocatorConfig, state: DeviceState, *, fused: bool = False):
         self.config = config
         self.state = state
         self.fused = bool(fused)
-        self.n_fused = 0
-        self.n_two = 0
         if config.backend == "triton":
             from .kernels.allocate import allocate_tokens
             from .kernels.release import release_pages
@@ -68,12 +65,10 @@ class StepKernels:
         tables = (st.req_to_token_buf, st.full_to_swa_buf, st.full_free_buf, st.swa_free_buf,
                   st.ring_pages_buf)
         if fusable and self.fused:
-            self.n_fused += 1
             self._step(release_rows, alloc_rows, *tables, st.out_full_buf, st.out_swa_buf,
                        st.err_buf, n_release_lanes=cfg.max_step_pages,
                        n_alloc_lanes=cfg.max_step_tokens, epochs=epochs, **common)
             return
-        self.n_two += 1
         self._release(release_rows, *tables, st.err_buf, n_lanes=cfg.max_step_pages,
                       epochs=epochs, **common)
         self._allocate(alloc_rows, *tables, st.out_full_buf, st.out_swa_buf, st.err_buf,

@@ -1,114 +1,99 @@
-"""Deferred frees: the state of one open ``HybridAllocator.free_group()`` block.
+"""Deferred frees: one open ``HybridAllocator.free_group()`` block, planned as it goes.
 
-Inside the block, ``release``, ``evict_window`` and ``advance_frontier`` are
-validated at the call (against the ledger plus what the block already
-deferred) and recorded as intents; at the block's end the allocator plans all
-of them, in call order, as ONE step. Ledger of a request inside a block::
+Inside the block, ``release``, ``evict_window`` and ``advance_frontier`` are planned at
+the call -- by the planner itself (:class:`~graphalloc.planner.StepBuilder`, the one
+validator), on the group's own copy of the ledger, which already holds the block's
+earlier frees -- and their descriptor rows are kept. At the block's end the rows are
+flushed: one step, or several consecutive steps when they exceed the frozen step shape
+(cut at row boundaries, lanes renumbered). Nothing is validated twice.
 
-    call                      now                            at the flush
-    release(r)                r marked pending (cannot       FULL [protected, f), FULL+SWA
-                              allocate, cannot be freed again) [f, ceil_page(L)), row returned
-    evict_window(r)           nothing                        frontier to the window rule
-    advance_frontier(r, p)    p checked: aligned, forward    frontier to max(p, frontier then)
+Why rows planned at the call are still right at the flush: a free pushes its pages at
+the ring's tail, ``head + n_free``; the only device work allowed inside the block is
+allocation (and ring admission, and load-back), which pops at the head, moving
+``head`` up and ``n_free`` down by the same amount: the tail does not move. So the push
+positions written at the call are the positions the flush's pushes must use, whatever
+was allocated in between.
 
-Capacity does not change until the flush; allocations made inside the block
-run at once and cannot use deferred pages.
+Ledger of a request inside a block::
+
+    call                      at the call (group copy)            live ledger
+    release(r)                r freed and marked pending:         unchanged until the
+                              cannot allocate, be freed again,    flush (capacity too)
+                              or be reused by admit()
+    evict_window(r)           frontier to the window rule (of     unchanged until the
+                              the length when the call was made)  flush
+    advance_frontier(r, p)    frontier to p (aligned, forward)    unchanged until the flush
+
+Operations that run at once inside the block (admit, allocation, load-back) update the
+live ledger, and the rows they touched are copied into the group's copy, so a later
+deferred free sees their new length. Frees accepted before an exception in the block
+are still flushed, so no page is lost.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .errors import (
-    AlignmentError,
-    FrontierError,
-    OverlapError,
-    PositionError,
-    UnknownRequestError,
-)
-from .planner import StepBuilder, as_rows
+from .planner import StepBuilder, split_release_rows
 
 __all__ = ["FreeGroup"]
 
 
 class FreeGroup:
-    """Intents of one open block over ``alloc``'s ledger (read, never written, here)."""
+    """The state of one open block over ``alloc``'s ledger.
+
+    ``builder`` plans the deferred frees on a copy of the ledger taken at the block's
+    start; ``pending`` marks the rows released in the block. Cost per deferred call: the
+    planner's cost for that call (O(rows)); the flush: one step per part.
+    """
 
     def __init__(self, alloc):
-        n = alloc.config.max_reqs
         self.alloc = alloc
-        self.intents: list[tuple[str, np.ndarray, np.ndarray | None]] = []
-        self.pending = np.zeros(n, dtype=bool)  # released inside the block
-        self.frontier = np.zeros(n, dtype=np.int64)  # highest advance requested in the block
+        self.builder = StepBuilder(alloc.config, alloc.ledger.copy())
+        self.pending = np.zeros(alloc.config.max_reqs, dtype=bool)
+        self.builder.pending = self.pending
+        self.touched = np.zeros(alloc.config.max_reqs, dtype=bool)  # rows the block froze
 
-    def rows(self, rows, what: str) -> np.ndarray:
-        """Live, not released in this block, each once (``None``: every such row)."""
-        led = self.alloc.ledger
-        if rows is None:
-            return np.flatnonzero(led.live & ~self.pending)
-        arr = as_rows(rows, self.alloc.config.max_reqs)
-        bad = ~led.live[arr] | self.pending[arr]
-        if bad.any():
-            r = int(arr[bad][0])
-            why = "released earlier in this free_group" if self.pending[r] else "not live"
-            raise UnknownRequestError(f"{what}: request row {r} is {why}")
-        if len(np.unique(arr)) != len(arr):
-            raise OverlapError(f"{what}: a request row appears twice in one call")
-        return arr
+    def plan(self, op) -> None:
+        """Apply ``op(builder)`` to the group: validated and planned now, flushed later.
+        A refused call leaves the group as it was."""
+        b = self.builder
+        saved_ledger, n_parts = b.ledger.copy(), len(b.release_parts)
+        saved = (b.n_release_pages, dict(b.pages_freed), b.released.copy(), self.pending.copy())
+        try:
+            rows = op(b)
+        except Exception:
+            b.ledger, b.release_parts[n_parts:] = saved_ledger, []
+            b.n_release_pages, b.pages_freed = saved[0], saved[1]
+            b.released[:], self.pending[:] = saved[2], saved[3]
+            raise
+        self.touched[rows] = True
+        self.pending |= b.released
 
-    def release(self, rows) -> None:
-        arr = self.rows(rows, "release")
-        self.pending[arr] = True
-        self.intents.append(("release", arr, None))
+    def sync_rows(self, rows: np.ndarray) -> None:
+        """Copy the live ledger's state of ``rows`` into the group's copy after an operation
+        that ran at once inside the block changed them: every field of a row the block has
+        not touched (an admit), only the length of one it has (its frontier is the
+        block's)."""
+        live, group = self.alloc.ledger, self.builder.ledger
+        rows = np.asarray(rows, dtype=np.int64)
+        fresh = rows[~self.touched[rows]]
+        group.assign_rows(live, fresh)
+        group.seq_len[rows] = live.seq_len[rows]
+        self.builder.len_at_start[rows] = live.seq_len[rows]
 
-    def evict(self, rows) -> None:
-        self.intents.append(("evict", self.rows(rows, "evict_window"), None))
+    def flush_parts(self) -> list[np.ndarray]:
+        """The block's release rows, cut into parts that each fit one step."""
+        cfg, parts = self.alloc.config, self.builder.release_parts
+        if not parts:
+            return []
+        return split_release_rows(np.concatenate(parts), cfg.max_release_rows,
+                                  cfg.max_step_pages)
 
-    def advance(self, rows, new_frontier_pos) -> None:
-        arr = self.rows(rows, "advance_frontier")
-        led, ps = self.alloc.ledger, self.alloc.config.page_size
-        pos = np.asarray(new_frontier_pos, dtype=np.int64).reshape(-1)
-        if len(pos) != len(arr):
-            raise PositionError(f"{len(arr)} rows but {len(pos)} frontier positions")
-        if (pos % ps).any():
-            bad = int(pos[pos % ps != 0][0])
-            raise AlignmentError(f"frontier position {bad} must be a multiple of "
-                                 f"page_size {ps}; only whole pages are freed")
-        current = np.maximum(led.frontier[arr], self.frontier[arr])
-        if (pos < current).any():
-            i = int(np.flatnonzero(pos < current)[0])
-            raise FrontierError(f"request {arr[i]}: frontier would move back from "
-                                f"{current[i]} to {pos[i]}")
-        limit = led.seq_len[arr] // ps * ps
-        if (pos > limit).any():
-            i = int(np.flatnonzero(pos > limit)[0])
-            raise PositionError(f"request {arr[i]}: frontier {pos[i]} is past the last whole "
-                                f"page ({limit[i]})")
-        self.frontier[arr] = pos
-        self.intents.append(("advance", arr, pos))
-
-    def refuse_released(self, rows: np.ndarray, what: str) -> np.ndarray:
-        """A request released inside the block cannot allocate: its release is only
-        deferred, so the ledger still shows it live."""
-        if self.pending[rows].any():
-            r = int(rows[self.pending[rows]][0])
-            raise UnknownRequestError(f"{what}: request row {r} was released earlier in this "
-                                      "free_group(); it cannot allocate")
-        return rows
-
-    def apply(self, b: StepBuilder) -> None:
-        """Plan every intent, in call order, into one step."""
-        self.apply_intents(b, self.intents)
-
-    @staticmethod
-    def apply_intents(b: StepBuilder, intents: list) -> None:
-        for kind, rows, pos in intents:
-            if kind == "release":
-                b.release(rows)
-            elif kind == "evict":
-                live = rows[b.ledger.live[rows]]
-                b.advance_frontier(live, b.window_frontier(live))
-            else:
-                # Validated at the call against the frontier then; an evict_window() earlier
-                # in the block may since have moved it past pos (pages already freed): no-op.
-                b.advance_frontier(rows, np.maximum(pos, b.ledger.frontier[rows]))
+    def commit(self, ledger) -> None:
+        """Apply the block's frees to ``ledger`` (the live one, at the flush): the state of
+        every row the block froze, and the pushed page counts."""
+        rows = np.flatnonzero(self.touched)
+        ledger.assign_rows(self.builder.ledger, rows)
+        ledger.full.n_free += self.builder.pages_freed["full"]
+        ledger.swa.n_free += self.builder.pages_freed["swa"]

@@ -1,23 +1,25 @@
 """Graph runtime: capture a padded step once per descriptor buffer, replay it every step.
 
-Lifecycle (states of a :class:`StepGraph`)::
+Lifecycle of the :class:`StepGraph` executor (``HybridAllocator(cfg, executor="graph")``)::
 
-    StepGraph(alloc)          warm-up on a side stream (compiles the kernels; all rows
-                              padded, so nothing changes), then one capture per
-                              descriptor buffer of ``alloc.ring``
-    alloc.step(...)           plan() on the host writes buffer i, run() replays graph i
-    ...                       graph i reads buffer i from pinned memory when it runs;
-                              buffer i is rewritten only after the event recorded
-                              behind that replay completed (DescriptorRing)
+    constructor of the allocator  bind(): warm-up on a side stream (compiles every kernel
+                                  variant a step can use; all rows padded, so nothing
+                                  changes), then one capture per descriptor buffer of
+                                  ``alloc.ring`` (two per buffer with ``fused_step``)
+    alloc.step(...)               plan() on the host writes buffer i, run() replays graph i
+    ...                           graph i reads buffer i from pinned memory when it runs;
+                                  buffer i is rewritten only after the event recorded
+                                  behind that replay completed (DescriptorRing)
 
 The host's only launch per step is one ``cudaGraphLaunch``. Without a GPU the
-same object runs the step eagerly (identical results), so callers need no
+same executor runs the step eagerly (identical results), so callers need no
 branch.
 
 Engines that capture their own model graph put the allocator inside it
-instead: per descriptor buffer ``i`` capture ``alloc.launch(i)`` followed by the
-model, and each step call ``p = alloc.plan(...)``, replay graph
-``p.buffer_index``, then ``alloc.mark_submitted(p)`` (see ``examples/decode_loop.py``).
+instead (with the default eager executor): per descriptor buffer ``i`` capture
+``alloc.launch(i)`` followed by the model, and each step call
+``p = alloc.plan(...)``, replay graph ``p.buffer_index``, then
+``alloc.mark_submitted(p)`` (see ``examples/decode_loop.py``).
 
 :func:`describe_graph` walks a captured graph through its raw handle with
 cuda-python and returns its nodes by type, to prove its structure (kernel
@@ -29,6 +31,9 @@ from __future__ import annotations
 import collections
 
 import torch
+
+from .executor import Executor
+from .sync_points import sync_allowed
 
 __all__ = ["StepGraph", "describe_graph", "capture_graph"]
 
@@ -50,73 +55,76 @@ def capture_graph(fn, *, pool=None, stream=None) -> torch.cuda.CUDAGraph:
     return graph
 
 
-class StepGraph:
-    """Replays ``alloc``'s steps from CUDA graphs, one per descriptor buffer.
+class StepGraph(Executor):
+    """Executor that replays each step from a CUDA graph, one per descriptor buffer.
 
-    After construction every ``alloc.step(...)``, ``alloc.run(plan)`` and every
-    single operation (``alloc_decode``, ``release``, ...) is executed as one
-    graph replay. The graphs are fixed-shape: ``max_release_rows`` release
-    programs and ``max_alloc_rows`` allocation programs; padded rows exit at
+    Built by ``HybridAllocator(cfg, executor="graph")`` (or pass ``StepGraph(warmup=...)``);
+    afterwards every step the allocator runs -- ``step()``, ``run()``, every single
+    operation -- is one graph replay. The graphs are fixed-shape: ``max_release_rows``
+    release programs and ``max_alloc_rows`` allocation programs; padded rows exit at
     once. On a CPU device nothing is captured and steps run eagerly.
 
-    With an allocator built with ``fused_step=True`` each descriptor buffer gets
-    two graphs: ``graphs[i]`` (release, then allocation: two kernel nodes) and
-    ``fused_graphs[i]`` (one fused kernel node); a step replays the fused one
-    only when its plan marked it fusable (``alloc.ring.fusable[i]``).
+    With an allocator built with ``fused_step=True`` each descriptor buffer gets two
+    graphs: ``graphs[i]`` (release, then allocation: two kernel nodes) and
+    ``fused_graphs[i]`` (one fused kernel node); a step replays the fused one only when
+    its plan marked it fusable.
 
-    ``replays`` counts graph launches, ``fused_replays`` those of fused graphs.
+    ``replays`` counts graph launches, ``fused_replays`` those of fused graphs. Capture
+    synchronises (once, at construction).
     """
 
-    def __init__(self, alloc, *, warmup: int = 2):
-        self.alloc = alloc
+    name = "graph"
+
+    def __init__(self, *, warmup: int = 2):
+        super().__init__()
+        self.warmup = warmup
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.fused_graphs: list[torch.cuda.CUDAGraph] = []
         self.replays = 0
         self.fused_replays = 0
+
+    def bind(self, alloc) -> None:
+        super().bind(alloc)
+        if alloc.config.device.type != "cuda":
+            return
         fused = alloc.kernels.fused
-        if alloc.config.device.type == "cuda":
-            if alloc._pending is not None:
-                raise RuntimeError("run() the planned step before building a StepGraph")
+        ring = alloc.ring
+        with sync_allowed():
             torch.cuda.synchronize()  # sync ok: one-time construction
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for i in range(len(alloc.ring)):
-                    alloc.ring.write(i, alloc.ring.np_bufs[i][:0], alloc.ring.np_bufs[i][:0])
-                for _ in range(warmup):
-                    alloc.launch(0)
+                for i in range(len(ring)):
+                    ring.write(i, ring.np_bufs[i][:0], ring.np_bufs[i][:0])
+                for _ in range(self.warmup):
+                    alloc.kernels(ring.release_rows(0), ring.alloc_rows(0))
                     if fused:
-                        alloc.launch(0, fusable=True)
+                        alloc.kernels(ring.release_rows(0), ring.alloc_rows(0), fusable=True)
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()  # sync ok: one-time construction
-            for i in range(len(alloc.ring)):
-                self.graphs.append(capture_graph(lambda i=i: alloc.launch(i)))
+            for i in range(len(ring)):
+                rel, al = ring.release_rows(i), ring.alloc_rows(i)
+                self.graphs.append(capture_graph(lambda rel=rel, al=al: alloc.kernels(rel, al)))
                 if fused:
-                    self.fused_graphs.append(
-                        capture_graph(lambda i=i: alloc.launch(i, fusable=True)))
+                    self.fused_graphs.append(capture_graph(
+                        lambda rel=rel, al=al: alloc.kernels(rel, al, fusable=True)))
             torch.cuda.synchronize()  # sync ok: one-time construction
-        alloc.step_runner = self._run
 
-    def _run(self, buffer_index: int) -> None:
-        fusable = self.alloc.ring.fusable[buffer_index]
+    def execute(self, planned) -> None:
+        index = planned.buffer_index
+        fused = planned.fusable and bool(self.fused_graphs)
         if self.graphs:
-            if fusable and self.fused_graphs:
-                self.fused_graphs[buffer_index].replay()
-                self.fused_replays += 1
-            else:
-                self.graphs[buffer_index].replay()
+            (self.fused_graphs if fused else self.graphs)[index].replay()
             self.replays += 1
+            self.fused_replays += fused
+            self.count(fused)
         else:
-            self.alloc.launch(buffer_index, fusable=fusable)
-
-    def close(self) -> None:
-        """Detach from the allocator (steps run eagerly again)."""
-        if self.alloc.step_runner == self._run:
-            self.alloc.step_runner = None
+            self.alloc.launch(index, fusable=planned.fusable)
+            self.count(planned.fusable and self.alloc.kernels.fused)
 
     def describe(self, fused: bool = False) -> dict:
         """:func:`describe_graph` of the first captured graph (of the fused ones with
-        ``fused=True``)."""
+        ``fused=True``); ``{}`` on a CPU device."""
         graphs = self.fused_graphs if fused else self.graphs
         if not graphs:
             return {}

@@ -58,20 +58,28 @@ class Ledger:
     """Per-request host state and the two free rings. ``copy()`` makes a working copy,
     so a step is planned on the copy and committed only when every check passed."""
 
+    ROW_ARRAYS = ("live", "admitted_once", "seq_len", "frontier", "protected")
+
     def __init__(self, config: AllocatorConfig):
         self.config = config
         n = config.max_reqs
         self.live = np.zeros(n, dtype=bool)
+        self.admitted_once = np.zeros(n, dtype=bool)  # for messages: "already released"
         self.seq_len = np.zeros(n, dtype=np.int64)
         self.frontier = np.zeros(n, dtype=np.int64)
         self.protected = np.zeros(n, dtype=np.int64)
         self.full = FreeRing(config.num_full_pages, 0, config.num_full_pages)
         self.swa = FreeRing(config.num_swa_pages, 0, config.num_swa_pages)
 
+    def assign_rows(self, other: Ledger, rows: np.ndarray) -> None:
+        """Take ``other``'s per-request state for ``rows`` (the free rings are not touched)."""
+        for name in self.ROW_ARRAYS:
+            getattr(self, name)[rows] = getattr(other, name)[rows]
+
     def copy(self) -> Ledger:
         other = Ledger.__new__(Ledger)
         other.config = self.config
-        for name in ("live", "seq_len", "frontier", "protected"):
+        for name in self.ROW_ARRAYS:
             setattr(other, name, getattr(self, name).copy())
         other.full = FreeRing(self.full.capacity, self.full.head, self.full.n_free)
         other.swa = FreeRing(self.swa.capacity, self.swa.head, self.swa.n_free)

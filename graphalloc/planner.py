@@ -13,6 +13,11 @@ Ledger of one request's positions for each operation (``ps`` = page size)::
                                 ring mode:            the R ring pages return to the SWA ring
     extend (len L -> L + n):    [L, ceil_page(L))     continues the partial page (no pop)
                                 [ceil_page(L), L+n)   new pages, popped in order from both rings
+    load_back (f -> f' < f):    [f', f)               FULL kept; fresh SWA pages popped and
+                                                      mapped (the KV comes back from the host)
+
+This module is the one validator: every operation -- run at once, deferred in a
+free group, or dry-run by ``fits()`` -- is checked here, on the builder's copy.
 
 Within one step every release row runs before every allocation row, so pages
 freed by the step may be allocated by it (after the frees, in row order).
@@ -27,12 +32,14 @@ from .errors import (
     AlignmentError,
     BatchTooLargeError,
     CapacityError,
+    ContractError,
     FrontierError,
     OverlapError,
     PositionError,
     RingOverflowError,
     UnknownRequestError,
 )
+from .inputs import as_counts, as_positions, as_rows
 from .kernels.abi import (
     AL_FLAGS,
     AL_FULL_POP,
@@ -43,6 +50,7 @@ from .kernels.abi import (
     AL_RING,
     AL_RING_ADMIT,
     AL_START_POS,
+    AL_SWA_ONLY,
     AL_SWA_POP,
     REL_CLEAR,
     REL_EPOCH,
@@ -60,33 +68,9 @@ from .kernels.abi import (
 )
 from .ledger import Ledger
 
-__all__ = ["StepBuilder", "as_rows"]
+__all__ = ["StepBuilder", "renumber_lanes", "split_release_rows"]
 
 _EMPTY = np.zeros((0, ROW_WIDTH), dtype=np.int64)
-
-
-def as_rows(rows, n_reqs: int) -> np.ndarray:
-    """Request rows as an int64 array; refuses non-integers and out-of-range values."""
-    if isinstance(rows, np.ndarray) and rows.dtype == np.int64 and rows.ndim == 1:
-        arr = rows  # fast path: already the planner's dtype
-        if len(arr) and (arr.min() < 0 or arr.max() >= n_reqs):
-            bad = arr[(arr < 0) | (arr >= n_reqs)]
-            raise UnknownRequestError(
-                f"request row {int(bad[0])} is outside [0, {n_reqs}) (max_reqs={n_reqs})")
-        return arr
-    arr = np.asarray(rows)
-    if arr.ndim == 0:
-        arr = arr.reshape(1)
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise UnknownRequestError(f"request rows must be a 1-D sequence of ints, got {rows!r}")
-    arr = arr.astype(np.int64, copy=False)
-    bad = (arr < 0) | (arr >= n_reqs)
-    if bad.any():
-        raise UnknownRequestError(
-            f"request row {int(arr[bad][0])} is outside [0, {n_reqs}) (max_reqs={n_reqs})")
-    return arr
 
 
 def _stack(parts: list[np.ndarray]) -> np.ndarray:
@@ -99,8 +83,40 @@ def _ceil_div(a, b):
     return -(-a // b)
 
 
+def renumber_lanes(release: np.ndarray) -> np.ndarray:
+    """Release rows with ``REL_LANE`` made the exclusive prefix sum of their pages (in
+    place), as a step's release rows must be."""
+    if len(release):
+        pages = release[:, REL_N_PAGES]
+        release[:, REL_LANE] = np.cumsum(pages) - pages
+    return release
+
+
+def split_release_rows(release: np.ndarray, max_rows: int, max_pages: int) -> list[np.ndarray]:
+    """Cut release rows, in order, into parts of at most ``max_rows`` rows and ``max_pages``
+    pages each (lanes renumbered per part). Every row carries absolute free-ring push
+    positions, so running the parts as consecutive steps pushes the same pages to the same
+    positions as one step would. A single row never exceeds ``max_pages``: the config
+    guarantees ``max_pages_per_row <= max_step_pages``."""
+    parts, start = [], 0
+    n = len(release)
+    pages = release[:, REL_N_PAGES]
+    while start < n:
+        ends = start + np.flatnonzero(np.cumsum(pages[start:start + max_rows]) <= max_pages)
+        stop = int(ends[-1]) + 1 if len(ends) else start + 1
+        parts.append(renumber_lanes(release[start:stop].copy()))
+        start = stop
+    return parts
+
+
 class StepBuilder:
-    """Accumulates one step's rows over a working copy of the ledger."""
+    """Accumulates one step's rows over a working copy of the ledger: the one validator.
+
+    Each operation validates all of its inputs against the copy (which already holds the
+    step's earlier operations), then updates the copy and appends rows. Nothing outside
+    the builder changes; the caller commits ``builder.ledger`` only when the whole step
+    planned. Cost: O(rows of the operation) numpy per operation.
+    """
 
     def __init__(self, config: AllocatorConfig, ledger: Ledger, epoch: int = 0):
         self.config = config
@@ -111,36 +127,51 @@ class StepBuilder:
         self.len_at_start = ledger.seq_len.copy()  # pages below this exist on the device
         self.released = np.zeros(config.max_reqs, dtype=bool)
         self.allocated = np.zeros(config.max_reqs, dtype=bool)
+        self.pending = None  # rows released in an open free group (set by FreeGroup)
         self.release_parts: list[np.ndarray] = []
         self.alloc_parts: list[np.ndarray] = []
         self.n_tokens = 0  # allocated tokens so far (the next output lane)
         self.n_release_pages = 0  # freed pages so far (the next release page lane)
-        self.n_alloc_calls = 0
         self.pages_freed = {"full": 0, "swa": 0}
         self.pages_allocated = {"full": 0, "swa": 0}
 
-    # ---- validation helpers ------------------------------------------------------------
+    # ---- validation ----------------------------------------------------------------------
     def live_rows(self, rows, what: str) -> np.ndarray:
-        arr = as_rows(rows, self.config.max_reqs)
-        dead = ~self.ledger.live[arr]
+        """``rows`` as int64: live, not released in this step or in an open free group, and
+        each once. Raises ``UnknownRequestError`` / ``OverlapError`` naming ``what``."""
+        arr = as_rows(rows, self.config.max_reqs, what)
+        led = self.ledger
+        dead = ~led.live[arr]
+        pending = self.pending
+        if pending is not None:
+            dead |= pending[arr]
         if dead.any():
             r = int(arr[dead][0])
-            state = "released earlier in this step" if self.released[r] else "not admitted"
-            raise UnknownRequestError(f"{what}: request row {r} is {state}; admit() it first")
-        counts = np.bincount(arr, minlength=1)
-        if len(arr) > 1 and counts.max() > 1:
-            raise OverlapError(
-                f"{what}: request row {int(np.argmax(counts))} appears twice in one call; "
-                "its segments would share pages. Pass each request once")
+            if pending is not None and pending[r]:
+                state = ("released earlier in this free_group(); its release runs when the "
+                         "block closes")
+            elif self.released[r]:
+                state = "released earlier in this step"
+            elif led.admitted_once[r]:
+                state = ("already released (a second release of one request?); a row is live "
+                         "again only after admit() returns it")
+            else:
+                state = "not admitted; admit() returns live rows"
+            raise UnknownRequestError(f"{what}: request row {r} is {state}")
+        if len(arr) > 1:
+            counts = np.bincount(arr)
+            if counts.max() > 1:
+                raise OverlapError(
+                    f"{what}: request row {int(np.argmax(counts))} appears twice in one call; "
+                    "its segments would share pages. Pass each request once")
         return arr
 
-    # ---- frees -------------------------------------------------------------------------
-    def advance_frontier(self, rows: np.ndarray, new_pos: np.ndarray) -> int:
+    # ---- frees ---------------------------------------------------------------------------
+    def advance_frontier(self, rows: np.ndarray, new_pos, what: str = "advance_frontier") -> int:
         """Free the SWA pages of ``[frontier, new_pos)`` (page-aligned, forward only)."""
-        led, ps = self.ledger, self.config.page_size
-        new_pos = np.asarray(new_pos, dtype=np.int64).reshape(-1)
-        if len(new_pos) != len(rows):
-            raise PositionError(f"{len(rows)} rows but {len(new_pos)} frontier positions")
+        led, cfg = self.ledger, self.config
+        ps = cfg.page_size
+        new_pos = as_positions(new_pos, len(rows), f"{what} positions")
         old = led.frontier[rows]
         limit = self.len_at_start[rows] // ps * ps
         if not ((new_pos % ps != 0) | (new_pos < old) | (new_pos > limit)).any():
@@ -148,19 +179,20 @@ class StepBuilder:
         elif (new_pos % ps != 0).any():
             i = int(np.flatnonzero(new_pos % ps)[0])
             raise AlignmentError(
-                f"request {rows[i]}: frontier {new_pos[i]} is not a multiple of page_size {ps}; "
-                "only whole pages are freed")
+                f"{what}: request {rows[i]}: frontier {new_pos[i]} is not a multiple of "
+                f"page_size {ps}; only whole pages are freed")
         elif (new_pos < old).any():
             i = int(np.flatnonzero(new_pos < old)[0])
             raise FrontierError(
-                f"request {rows[i]}: frontier would move back from {old[i]} to {new_pos[i]}")
+                f"{what}: request {rows[i]}: frontier would move back from {old[i]} to "
+                f"{new_pos[i]} (only load_back() moves it back)")
         else:
             i = int(np.flatnonzero(new_pos > limit)[0])
             raise PositionError(
-                f"request {rows[i]}: frontier {new_pos[i]} is past the last whole page "
-                f"({limit[i]}) that existed when the step began")
+                f"{what}: request {rows[i]}: frontier {new_pos[i]} is past the last whole "
+                f"page ({limit[i]}) that existed when the step began")
         n_pages = (new_pos - old) // ps
-        flags = REL_CLEAR if self.config.ring_mode else (REL_SWA | REL_CLEAR)
+        flags = REL_CLEAR if cfg.ring_mode else (REL_SWA | REL_CLEAR)
         self._add_release(rows, old, n_pages, flags)
         led.frontier[rows] = new_pos
         return int(n_pages.sum())
@@ -175,6 +207,10 @@ class StepBuilder:
         threshold = np.where(protected > 0, length - max(window, ps), length - window)
         new = np.maximum(led.frontier[rows], np.maximum(threshold, 0) // ps * ps)
         return np.maximum(new, protected)
+
+    def evict(self, rows: np.ndarray) -> int:
+        """Advance the frontiers of ``rows`` by the window rule."""
+        return self.advance_frontier(rows, self.window_frontier(rows), "evict_window")
 
     def release(self, rows: np.ndarray) -> None:
         """Free everything the requests own and return their rows."""
@@ -209,6 +245,7 @@ class StepBuilder:
             seg = np.repeat(np.arange(len(rows)), n_chunks)
             chunk = np.arange(len(seg)) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
             rows, n_pages = rows[seg], np.minimum(cap, n_pages[seg] - chunk * cap)
+            # Ring rows too: a chunk's start position s gives its first ring column s // ps.
             start_pos = start_pos[seg] + chunk * cap * self.config.page_size
         out = np.empty((len(rows), ROW_WIDTH), dtype=np.int64)
         out[:, REL_REQ] = rows
@@ -234,54 +271,61 @@ class StepBuilder:
         out[:, REL_EPOCH] = self.epoch
         self.release_parts.append(out)
 
-    # ---- allocation --------------------------------------------------------------------
-    def ring_admit(self, row: int) -> None:
-        """Ring mode: pop the request's R ring pages from the SWA ring."""
-        n_ring = self.config.swa_ring_pages
-        if self.ledger.swa.n_free < n_ring:
+    # ---- allocation ------------------------------------------------------------------------
+    def admit(self, row: int, n_prefix: int = 0) -> None:
+        """Make ``row`` live at length ``n_prefix`` (a protected prefix); in ring mode pop its
+        R ring pages from the SWA ring."""
+        cfg, led = self.config, self.ledger
+        if cfg.ring_mode and led.swa.n_free < cfg.swa_ring_pages:
             raise CapacityError(
-                f"admitting a request in ring mode needs {n_ring} SWA pages, "
-                f"{self.ledger.swa.n_free} are free")
+                f"admitting a request in ring mode needs {cfg.swa_ring_pages} SWA pages, "
+                f"{led.swa.n_free} are free")
+        led.live[row] = True
+        led.admitted_once[row] = True
+        led.seq_len[row] = n_prefix
+        led.frontier[row] = n_prefix
+        led.protected[row] = n_prefix
+        if not cfg.ring_mode:
+            return
+        n_ring = cfg.swa_ring_pages
         out = np.zeros((1, ROW_WIDTH), dtype=np.int64)
         out[0, AL_REQ] = row
-        out[0, AL_SWA_POP] = self.ledger.swa.pop(n_ring)
+        out[0, AL_SWA_POP] = led.swa.pop(n_ring)
         out[0, AL_FLAGS] = AL_RING_ADMIT
         out[0, AL_N_PAGES] = n_ring
         self.pages_allocated["swa"] += n_ring
+        self.allocated[row] = True
         self.alloc_parts.append(out)
 
-    def extend(self, rows: np.ndarray, n_tokens: np.ndarray) -> np.ndarray:
+    def extend(self, rows: np.ndarray, n_tokens, what: str = "alloc_extend") -> np.ndarray:
         """Allocate ``n_tokens[i]`` positions for ``rows[i]``; returns each row's first output
         lane. Refused whole when either pool is short."""
         cfg, led, ps = self.config, self.ledger, self.config.page_size
-        n_tokens = np.asarray(n_tokens, dtype=np.int64).reshape(-1)
-        if len(n_tokens) != len(rows):
-            raise PositionError(f"{len(rows)} rows but {len(n_tokens)} token counts")
-        if self.n_alloc_calls and self.allocated[rows].any():
+        n_tokens = as_counts(n_tokens, len(rows), f"{what} token counts")
+        if self.allocated[rows].any():
             r = int(rows[self.allocated[rows]][0])
-            raise OverlapError(f"request {r} already allocates in this step; "
+            raise OverlapError(f"{what}: request {r} already allocates in this step; "
                                "merge its tokens into one call")
         start = led.seq_len[rows]
         end = start + n_tokens
-        if len(rows) and (n_tokens.min() < 0 or end.max() > cfg.max_context_len
+        if len(rows) and (end.max() > cfg.max_context_len
                           or n_tokens.max() > cfg.max_tokens_per_alloc_row):
-            if (n_tokens < 0).any():
-                raise PositionError(f"token counts must be >= 0, got {n_tokens.min()}")
             if (end > cfg.max_context_len).any():
                 i = int(np.flatnonzero(end > cfg.max_context_len)[0])
                 raise PositionError(
-                    f"request {rows[i]}: positions up to {end[i]} exceed max_context_len "
-                    f"{cfg.max_context_len}")
+                    f"{what}: request {rows[i]}: positions up to {end[i]} exceed "
+                    f"max_context_len {cfg.max_context_len}")
             i = int(np.argmax(n_tokens))
             raise BatchTooLargeError(
-                f"request {rows[i]} allocates {n_tokens[i]} tokens in one step; the frozen "
-                f"max_tokens_per_alloc_row is {cfg.max_tokens_per_alloc_row}: split the extend")
+                f"{what}: request {rows[i]} allocates {n_tokens[i]} tokens in one step; the "
+                f"frozen max_tokens_per_alloc_row is {cfg.max_tokens_per_alloc_row}: split the "
+                "extend")
         new_pages = _ceil_div(end, ps) - _ceil_div(start, ps)
         need_full = int(new_pages.sum())
         need_swa = 0 if cfg.ring_mode else need_full
         if need_full > led.full.n_free or need_swa > led.swa.n_free:
             raise CapacityError(
-                f"allocation needs {need_full} FULL and {need_swa} SWA pages; "
+                f"{what}: allocation needs {need_full} FULL and {need_swa} SWA pages; "
                 f"{led.full.n_free} FULL and {led.swa.n_free} SWA are free. Nothing was "
                 "allocated: free or evict first, or allocate fewer tokens")
         if cfg.ring_mode:
@@ -289,7 +333,7 @@ class StepBuilder:
             if (span > cfg.swa_ring_pages).any():
                 i = int(np.argmax(span))
                 raise RingOverflowError(
-                    f"request {rows[i]}: pages [{led.frontier[rows][i] // ps}, "
+                    f"{what}: request {rows[i]}: pages [{led.frontier[rows][i] // ps}, "
                     f"{_ceil_div(end[i], ps)}) would need {span[i]} ring pages, the ring has "
                     f"{cfg.swa_ring_pages}. Evict the window first (in the same step is fine), "
                     "or extend in smaller chunks")
@@ -317,10 +361,54 @@ class StepBuilder:
             self.n_tokens = int(k_lane[-1] + k_tok[-1])
         led.seq_len[rows] = end
         self.allocated[rows] = True
-        self.n_alloc_calls += 1
         self.pages_allocated["full"] += need_full
         self.pages_allocated["swa"] += need_swa
         return first_lane
+
+    def load_back(self, row: int, new_frontier_pos) -> int:
+        """Move ``row``'s frontier back from ``f`` to ``new_frontier_pos``, re-pairing the FULL
+        pages of ``[new_frontier_pos, f)`` with fresh SWA pages (one ``AL_SWA_ONLY`` row);
+        returns the row's first output lane (its SWA slots, where the KV is copied back)."""
+        cfg, led, ps = self.config, self.ledger, self.config.page_size
+        if cfg.ring_mode:
+            raise ContractError("load_back is for pool mode; a ring request keeps its ring "
+                                "pages, there is nothing to load back")
+        rows = self.live_rows([row], "load_back")
+        r = int(rows[0])
+        if self.allocated[r]:
+            raise OverlapError(f"load_back: request {r} already allocates in this step")
+        new = int(as_positions(new_frontier_pos, 1, "load_back frontier")[0])
+        old = int(led.frontier[r])
+        if new % ps:
+            raise AlignmentError(f"load_back: frontier {new} is not a multiple of page_size "
+                                 f"{ps}")
+        if not int(led.protected[r]) <= new <= old:  # a negative target included
+            raise FrontierError(f"load_back: request {r}: the frontier must move back into "
+                                f"[protected {led.protected[r]}, frontier {old}], got {new}")
+        n_pages = (old - new) // ps
+        if n_pages > led.swa.n_free:
+            raise CapacityError(f"load_back needs {n_pages} SWA pages, {led.swa.n_free} are "
+                                "free")
+        if n_pages * ps > cfg.max_tokens_per_alloc_row:
+            raise BatchTooLargeError(
+                f"load_back of {n_pages * ps} positions exceeds the frozen "
+                f"max_tokens_per_alloc_row {cfg.max_tokens_per_alloc_row}: load back in parts")
+        first = self.n_tokens
+        if n_pages:
+            out = np.zeros((1, ROW_WIDTH), dtype=np.int64)
+            out[0, AL_REQ] = r
+            out[0, AL_START_POS] = new
+            out[0, AL_N_TOKENS] = n_pages * ps
+            out[0, AL_SWA_POP] = led.swa.pop(n_pages)
+            out[0, AL_OUT] = first
+            out[0, AL_FLAGS] = AL_SWA_ONLY
+            out[0, AL_N_PAGES] = n_pages
+            self.alloc_parts.append(out)
+            self.n_tokens += n_pages * ps
+            self.pages_allocated["swa"] += n_pages
+        led.frontier[r] = new
+        self.allocated[r] = True
+        return first
 
     @property
     def fusable(self) -> bool:
@@ -330,7 +418,7 @@ class StepBuilder:
         return (self.pages_allocated["full"] <= self.n_free_before["full"]
                 and self.pages_allocated["swa"] <= self.n_free_before["swa"])
 
-    # ---- finish ------------------------------------------------------------------------
+    # ---- finish --------------------------------------------------------------------------
     def finish(self) -> tuple[np.ndarray, np.ndarray]:
         """The step's release and allocation rows, lanes assigned; checks frozen capacities."""
         cfg = self.config

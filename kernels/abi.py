@@ -109,9 +109,10 @@ class FaultCode:
     NOT_PAGE_DENSE = 4  # validate mode: a page's slots do not map into one SWA page
     OUT_OF_RANGE = 8  # validate mode: a representative or popped page is out of range
     DUPLICATE_FREE = 16  # validate mode: one page pushed twice in one step
+    MAPPED_PEER = 32  # validate mode: a load-back onto a full page that still has an SWA peer
 
 
-N_FAULT_BITS = 5  # FaultCode bits 1 .. 16
+N_FAULT_BITS = 6  # FaultCode bits 1 .. 32
 
 FAULT_NAMES = {
     FaultCode.UNMAPPED_PEER: "unmapped SWA peer (full_to_swa == 0 for a freed page)",
@@ -119,6 +120,7 @@ FAULT_NAMES = {
     FaultCode.NOT_PAGE_DENSE: "mapping not page-dense",
     FaultCode.OUT_OF_RANGE: "page or representative out of range",
     FaultCode.DUPLICATE_FREE: "page pushed to a free ring twice in one step",
+    FaultCode.MAPPED_PEER: "load-back onto a full page whose SWA peer is still mapped",
 }
 
 

@@ -88,6 +88,7 @@ _N_PAGES = tl.constexpr(AL_N_PAGES)
 _F_RING, _F_RING_ADMIT = tl.constexpr(AL_RING), tl.constexpr(AL_RING_ADMIT)
 _F_SWA_ONLY = tl.constexpr(AL_SWA_ONLY)
 _SINK_POP = tl.constexpr(FaultCode.SINK_POP)
+_MAPPED_PEER = tl.constexpr(FaultCode.MAPPED_PEER)
 _OUT_OF_RANGE = tl.constexpr(FaultCode.OUT_OF_RANGE)
 _STAGE_ALLOC = tl.constexpr(STAGE_ALLOC)
 
@@ -155,10 +156,15 @@ def _allocate_body(
             swa_bad = tok_mask & ((swa <= 0) | (swa > n_swa_cap))
             bits = (tl.where(tok_mask & (swa == 0), _SINK_POP, 0)
                     | tl.where(swa_bad & (swa != 0), _OUT_OF_RANGE, 0))
+            map_mask = tok_mask & (full > 0) & ~swa_bad
+            if VALIDATE:  # the host says these pages have no peer; the device checks it
+                current = tl.load(f2s_ptr + full * page_size + off, mask=map_mask, other=0)
+                still = map_mask & (current != 0)
+                bits = bits | tl.where(still, _MAPPED_PEER, 0)
+                map_mask = map_mask & ~still
             record_fault_bits(err_ptr, bits.to(tl.int64), lanes_t, _STAGE_ALLOC, pid, r, swa,
                               BLOCK_TOKENS)
             swa = tl.where(swa_bad, 0, swa)
-            map_mask = tok_mask & (full > 0) & (swa > 0)
             tl.store(f2s_ptr + full * page_size + off,
                      (swa * page_size + off).to(f2s_ptr.dtype.element_ty), mask=map_mask)
             tl.store(out_full_ptr + first_out + i,
@@ -368,6 +374,11 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
                        | torch.where(back_bad & (back_swa != 0), FaultCode.OUT_OF_RANGE, 0),
                        bits)
     fault_page = torch.where(swa_only, back_swa, fault_page)
+    back_map = swa_only & (back_full > 0) & ~back_bad
+    if validate:  # the host says these pages have no peer; the device checks it
+        still = back_map & (full_to_swa[back_full * ps + off] != 0)
+        bits = bits | torch.where(still, FaultCode.MAPPED_PEER, 0)
+        back_map = back_map & ~still
     back_swa = torch.where(back_bad, 0, back_swa)
     full = torch.where(swa_only, back_full, full)
     swa = torch.where(swa_only, back_swa, swa)
@@ -389,8 +400,13 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     out_swa_slots[out_pos] = (swa * ps + off).to(out_swa_slots.dtype)
 
     # Whole-page, page-dense mapping for every new page (written at its first token).
-    writes_map = (is_new | swa_only) & (off == 0) & (full > 0) & (swa > 0)
+    writes_map = is_new & (off == 0) & (full > 0) & (swa > 0)
     offs = torch.arange(ps, device=device)
     map_slot = torch.where(writes_map[:, None], full[:, None] * ps + offs, 0)
     map_value = torch.where(writes_map[:, None], swa[:, None] * ps + offs, 0)
-    full_to_swa.index_put_((map_slot.reshape(-1),), map_value.reshape(-1).to(full_to_swa.dtype))
+    # Load-back lanes map per slot (validate mode may refuse single slots).
+    back_slot = torch.where(back_map, back_full * ps + off, 0)
+    back_value = torch.where(back_map, back_swa * ps + off, 0)
+    map_slot = torch.cat([map_slot.reshape(-1), back_slot])
+    map_value = torch.cat([map_value.reshape(-1), back_value])
+    full_to_swa.index_put_((map_slot,), map_value.to(full_to_swa.dtype))

@@ -15,7 +15,18 @@ Every message states the rule, the values and the fix.
 
 from __future__ import annotations
 
-from .abi import FAULT_NAMES, FaultCode
+from .abi import (
+    ERR_CODE,
+    ERR_CODES,
+    ERR_COUNT,
+    ERR_PAGE,
+    ERR_REQ,
+    ERR_ROW,
+    ERR_STAGE,
+    FAULT_NAMES,
+    STAGE_NAMES,
+    FaultCode,
+)
 
 __all__ = [
     "GraphallocError",
@@ -32,6 +43,7 @@ __all__ = [
     "BatchTooLargeError",
     "PendingStepError",
     "RingOverflowError",
+    "StaleResultError",
     "StateError",
     "IntegrityError",
     "DeviceFaultError",
@@ -93,6 +105,10 @@ class PendingStepError(ContractError):
     """A planned step was not executed before the next one was planned."""
 
 
+class StaleResultError(ContractError):
+    """A step's result was read after a later step overwrote its output buffers."""
+
+
 class RingOverflowError(ContractError):
     """SWA ring mode: an allocation would reuse a ring page whose owner is still mapped."""
 
@@ -126,6 +142,16 @@ class DeviceFaultError(GraphallocError, RuntimeError):
         )
         self.codes, self.count, self.code = codes, count, code
         self.stage, self.row, self.req, self.page = stage, row, req, page
+
+    @classmethod
+    def from_error_word(cls, words) -> DeviceFaultError | None:
+        """The error for an error word read back to the host (a sequence of ``ERR_WORDS``
+        ints, layout ``graphalloc.kernels.abi``), or ``None`` when it records no fault."""
+        if not words[ERR_CODES]:
+            return None
+        return cls(words[ERR_CODES], words[ERR_COUNT], words[ERR_CODE],
+                   STAGE_NAMES.get(words[ERR_STAGE], "?"), words[ERR_ROW], words[ERR_REQ],
+                   words[ERR_PAGE])
 
 
 class ReplicaDivergenceError(GraphallocError, RuntimeError):

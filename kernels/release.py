@@ -37,8 +37,9 @@ a page stamped with this step's epoch was pushed earlier in this step; rows
 with epoch 0 skip the check. Every push is stamped -- SWA peers, FULL pages
 and ring pages -- so no page can enter a free ring twice in one step unseen
 (a ring release split over rows once pushed the ring's first pages again).
-Every lane is counted once in the error word whatever it broke (``record_fault_bits``). Extra bytes per freed page: ps index
-reads of the page tile and one or two 8-byte atomic exchanges.
+Every lane is counted once in the error word whatever it broke
+(``record_fault_bits``). Extra bytes per freed page: ps index reads of the page
+tile and one or two 8-byte atomic exchanges.
 
 Bytes per freed page: one index read of req_to_token, one of full_to_swa, ps
 index writes for the clear, one or two index writes for the pushes.

@@ -29,10 +29,14 @@ Rules modelled (``ps`` page size, ``W`` window, ``R`` ring pages, L a length):
   ring pages ``ring[0..R-1]`` of each row after that.
 * a step runs release, evict, advance, decode, extend in this order: every push of a
   step precedes every pop, so pages freed by a step are reused by it.
-* free_group: releases, evictions and frontier advances are validated at the
-  call and applied at exit, in call order, as one step (an advance to ``p`` frees
-  up to ``p``: a no-op where an earlier eviction in the block already passed it).
-  Allocations in the block run at once; a request released in it cannot allocate.
+* free_group: releases, evictions and frontier advances are decided at the call,
+  by the same rules as outside a block (the window rule on the length at the call; an
+  advance validated against the frontier as the block has moved it), but the pages
+  they free reach the free queues only at exit, in call order. Allocations in the block
+  run at once and cannot use those pages; a request released in it cannot allocate and
+  its row is not reused before the exit. The exit runs the block's release segments
+  (each split every ``max_pages_per_row`` pages) as the fewest consecutive steps that
+  each fit the frozen step shape, cut greedily in order; it is never refused.
 * the frozen step shape: release segments (split every ``max_pages_per_row``
   pages), freed pages, allocating rows and tokens per step are bounded.
 
@@ -119,9 +123,10 @@ class Model:
         self.reqs: dict[int, Req] = {}
         self.steps = 0
         # free_group state
-        self.group: list | None = None
+        self.group: list | None = None  # deferred pushes, in order: ("full"|"swa", page)
+        self.group_segs: list[int] = []  # the block's release segments (pages each), in order
+        self.deferring = False
         self.pending: set[int] = set()
-        self.group_frontier: dict[int, int] = {}
 
     @classmethod
     def from_config(cls, cfg) -> Model:
@@ -145,6 +150,12 @@ class Model:
     def _pop_swa(self) -> int:
         self.swa_pops += 1
         return self.swa_q.popleft()
+
+    def _push(self, pool: str, page: int) -> None:
+        if self.deferring:
+            self.group.append((pool, page))
+        else:
+            (self.full_q if pool == "full" else self.swa_q).append(page)
 
     # ---- validation helpers --------------------------------------------------------------
     def _rows(self, rows) -> list[int]:
@@ -188,20 +199,24 @@ class Model:
         self.reqs[row] = req
         return row
 
-    def step(self, release=(), evict=None, advance=None, decode=(), extend=None):
-        """``evict``: None / True / rows; ``advance``: (rows, new frontiers) or None;
-        ``extend``: (rows, n_tokens) or None. Order: release, evict, advance, decode, extend.
-        Returns the allocation results ``[(row, full_slots, swa_slots)]`` (decode rows first)
-        or None when nothing allocates."""
-        if self.group is not None and (list(release) or evict not in (None, False)
+    def step(self, release=(), evict=None, evict_all=False, advance=None, decode=(),
+             extend=None):
+        """``evict``: None / rows; ``evict_all``: every live request; ``advance``: (rows, new
+        frontiers) or None; ``extend``: (rows, n_tokens) or None. Order: release, evict,
+        advance, decode, extend. Returns the allocation results ``[(row, full_slots,
+        swa_slots)]`` (decode rows first) or None when nothing allocates."""
+        release = [] if release is None else release
+        decode = [] if decode is None else decode
+        if self.group is not None and (list(release) or evict_all or (evict is not None and
+                                                                      list(evict))
                                        or advance is not None):
             raise Violation({NESTED})
         work = self.clone()
         rel_rows: list = []
         results = None
         rel_rows += work._release(work._rows(release))
-        if evict is not None and evict is not False:
-            rows = sorted(work.reqs) if evict is True else work._rows(evict)
+        if evict_all or evict is not None:
+            rows = sorted(work.reqs) if evict_all else work._rows(evict)
             rel_rows += work._advance(rows, [work.window_frontier(r) for r in rows])
         if advance is not None:
             rel_rows += work._advance(work._rows(advance[0]), [int(p) for p in advance[1]])
@@ -220,16 +235,20 @@ class Model:
         self.__dict__.update(work.__dict__)
         return results
 
+    def _defer(self, fn) -> None:
+        """Inside a free group: decide the frees now (on a clone, so a violation changes
+        nothing), keep their pushes for the exit."""
+        work = self.clone()
+        work.deferring = True
+        work.group_segs = work.group_segs + fn(work)
+        work.deferring = False
+        self.__dict__.update(work.__dict__)
+
     def advance_frontier(self, rows, new_pos) -> None:
         rows_v = self._rows(rows)
         new_pos = [int(p) for p in new_pos]
         if self.group is not None:
-            self._check_advance(rows_v, new_pos,
-                                [max(self.reqs[r].frontier, self.group_frontier.get(r, 0))
-                                 for r in rows_v])
-            for r, p in zip(rows_v, new_pos, strict=True):
-                self.group_frontier[r] = p
-            self.group.append(("advance", rows_v, new_pos))
+            self._defer(lambda w: w._advance(rows_v, new_pos))
             return
         work = self.clone()
         rel_rows = work._advance(rows_v, new_pos)
@@ -239,17 +258,19 @@ class Model:
 
     def evict_window(self, rows=None) -> None:
         if self.group is not None:
-            rows_v = (sorted(r for r in self.reqs if r not in self.pending) if rows is None
-                      else self._rows(rows))
-            self.group.append(("evict", rows_v, None))
+            rows_v = sorted(self.reqs) if rows is None else self._rows(rows)
+            self._defer(lambda w: w._advance(rows_v, [w.window_frontier(r) for r in rows_v]))
             return
-        self.step(evict=True if rows is None else rows)
+        if rows is None:
+            self.step(evict_all=True)
+        else:
+            self.step(evict=rows)
 
     def release(self, rows) -> None:
         if self.group is not None:
             rows_v = self._rows(rows)
+            self._defer(lambda w: w._release(rows_v))
             self.pending.update(rows_v)
-            self.group.append(("release", rows_v, None))
             return
         self.step(release=rows)
 
@@ -266,57 +287,22 @@ class Model:
         self.group = []
 
     def close_group(self) -> None:
-        """Flush the deferred frees: one step when it fits the frozen step shape; otherwise
-        intent by intent, an intent's rows halved until each part fits (each part one
-        step, in call order). Only a single row that cannot fit is refused (BATCH): its
-        frees are dropped, the rest of the model kept. The group is closed either way."""
-        intents, self.group = self.group, None
-        self.pending = set()
-        self.group_frontier = {}
-        self._flush(intents)
-
-    def _flush(self, intents: list) -> None:
-        if not intents:
-            return
-        parts = []
-        self._split(intents, self.clone(), parts)  # may raise: nothing applied then
-        for part in parts:
-            self._apply_part(part, self)
-
-    def _apply_part(self, intents: list, work) -> list:
-        rel_rows: list = []
-        for kind, rows, pos in intents:
-            if kind == "release":
-                rel_rows += work._release(rows)
-            elif kind == "evict":
-                live = [r for r in rows if r in work.reqs]
-                rel_rows += work._advance(live, [work.window_frontier(r) for r in live])
-            else:  # "free up to pos": an earlier eviction in the block may already be past it
-                pos = [max(p, work.reqs[r].frontier) for r, p in zip(rows, pos, strict=True)]
-                rel_rows += work._advance(rows, pos)
-        work.steps += 1
-        return rel_rows
-
-    def _split(self, intents: list, state, parts: list):
-        work = state.clone()
-        rel_rows = self._apply_part(intents, work)
-        try:
-            work._check_shape(rel_rows, [])
-        except Violation:
-            if len(intents) == 1 and len(intents[0][1]) <= 1:
-                raise
-            if len(intents) > 1:
-                pieces = [[intent] for intent in intents]
-            else:
-                kind, rows, pos = intents[0]
-                half = len(rows) // 2
-                pieces = [[(kind, rows[:half], None if pos is None else pos[:half])],
-                          [(kind, rows[half:], None if pos is None else pos[half:])]]
-            for piece in pieces:
-                state = self._split(piece, state, parts)
-            return state
-        parts.append(intents)
-        return work
+        """Push the block's deferred pages in order, as the fewest consecutive steps whose
+        release rows each fit the frozen shape (greedy cut, in order). Never refused."""
+        pushes, segs = self.group, self.group_segs
+        self.group, self.group_segs, self.pending = None, [], set()
+        for pool, page in pushes:
+            self._push(pool, page)
+        rows = [min(self.max_pages_per_row, n - k * self.max_pages_per_row)
+                for n in segs for k in range(self._segments(n))]
+        n_rows = n_pages = 0
+        for i, pages in enumerate(rows):
+            if i == 0 or n_rows + 1 > self.max_release_rows or (
+                    n_pages + pages > self.max_step_pages):
+                self.steps += 1
+                n_rows = n_pages = 0
+            n_rows += 1
+            n_pages += pages
 
     # ---- rules -----------------------------------------------------------------------------
     def window_frontier(self, row: int) -> int:
@@ -355,7 +341,7 @@ class Model:
             n = (new - req.frontier) // ps
             for p in range(req.frontier // ps, new // ps):
                 if not self.ring_mode:
-                    self.swa_q.append(req.swa[p])
+                    self._push("swa", req.swa[p])
                     req.swa[p] = None
             req.frontier = new
             segs.append(n)
@@ -367,18 +353,19 @@ class Model:
             req = self.reqs[r]
             segs.append(req.frontier // ps - req.protected // ps)
             for p in range(req.protected // ps, req.frontier // ps):
-                self.full_q.append(req.pages[p])
+                self._push("full", req.pages[p])
         for r in rows:  # FULL (and SWA) pages at and after the frontier
             req = self.reqs[r]
             segs.append(len(req.pages) - req.frontier // ps)
             for p in range(req.frontier // ps, len(req.pages)):
-                self.full_q.append(req.pages[p])
+                self._push("full", req.pages[p])
                 if not self.ring_mode:
-                    self.swa_q.append(req.swa[p])
+                    self._push("swa", req.swa[p])
         if self.ring_mode:
             for r in rows:
                 segs.append(self.ring_pages)
-                self.swa_q.extend(self.reqs[r].ring)
+                for page in self.reqs[r].ring:
+                    self._push("swa", page)
         for r in rows:
             del self.reqs[r]
         return segs

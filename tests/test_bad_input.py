@@ -171,7 +171,7 @@ CASES = [
     # groups
     ("nested_group", grouped(), lambda a: a.free_group().__enter__(), E.NestedGroupError),
     ("step_release_in_group", grouped(), lambda a: a.step(release=[1]), E.NestedGroupError),
-    ("step_evict_in_group", grouped(), lambda a: a.step(evict=True), E.NestedGroupError),
+    ("step_evict_in_group", grouped(), lambda a: a.step(evict_all=True), E.NestedGroupError),
     ("step_advance_in_group", grouped(), lambda a: a.step(advance=([0], [8])),
      E.NestedGroupError),
     # caller tensors
@@ -272,8 +272,8 @@ def test_bad_input_raises_typed_error_and_changes_nothing(setup, action, error):
     # still usable: close what the set-up left open, then one more step
     if getattr(a, "open_group", None) is not None:
         a.open_group.__exit__(None, None, None)
-    if a._pending is not None:
-        a.run(a._pending)
+    if a.pending is not None:
+        a.run(a.pending)
     a.check_integrity()
     a.step()
     a.check_integrity()

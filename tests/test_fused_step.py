@@ -136,12 +136,12 @@ def test_random_fusable_steps_fused_equal_two_launches(ring, validate, device):
         for other, name in ((fused, "fused"), (shuffled, "shuffled")):
             assert_same_device_state(two, other, f"op {i} ({kind}), {name}")
         assert_same_device_state(two, twin, f"op {i} ({kind}), torch fused", scratch=False)
-    assert two.kernels.n_fused == 0 and two.kernels.n_two == two.steps_run
-    assert fused.kernels.n_fused + fused.kernels.n_two == fused.steps_run
-    assert fused.kernels.n_fused >= 10, "too few fusable steps ran"
-    assert fused.kernels.n_two >= 1, "no non-fusable step ran"
-    print(f"{fused.kernels.n_fused} fused, {fused.kernels.n_two} two-launch steps")
-    assert shuffled.kernels.n_fused == fused.kernels.n_fused == twin.kernels.n_fused
+    assert two.executor.n_fused == 0 and two.executor.n_two_launch == two.steps_run
+    assert fused.executor.n_fused + fused.executor.n_two_launch == fused.steps_run
+    assert fused.executor.n_fused >= 10, "too few fusable steps ran"
+    assert fused.executor.n_two_launch >= 1, "no non-fusable step ran"
+    print(f"{fused.executor.n_fused} fused, {fused.executor.n_two_launch} two-launch steps")
+    assert shuffled.executor.n_fused == fused.executor.n_fused == twin.executor.n_fused
     for alloc in allocs:
         alloc.check()
         alloc.check_integrity()
@@ -181,10 +181,10 @@ def test_non_fusable_step_is_detected_and_runs_as_two_launches(device):
     release_pages(two.ring.release_rows(i), st["req_to_token_buf"], st["full_to_swa_buf"],
                   st["full_free_buf"], st["swa_free_buf"], st["ring_pages_buf"], st["err_buf"],
                   n_lanes=two.config.max_step_pages, **kw)
-    n_fused = allocs[1].kernels.n_fused
+    n_fused = allocs[1].executor.n_fused
     for alloc, plan in zip(allocs, plans, strict=True):
         alloc.run(plan)
-    assert allocs[1].kernels.n_fused == n_fused  # the fused allocator used two launches
+    assert allocs[1].executor.n_fused == n_fused  # the fused allocator used two launches
     assert_same_device_state(*allocs, "non-fusable step")
     wrong = tables["out_full_buf"][:2 * ps]
     right = two.state.out_full_buf[:2 * ps]
@@ -241,8 +241,8 @@ def test_padded_and_empty_descriptors(device):
 def test_stepgraph_picks_the_variant_per_step_on_cpu():
     """Without a GPU a StepGraph runs steps eagerly; the fused launch is used exactly for
     the steps planned fusable."""
-    alloc = ga.HybridAllocator(make_config("torch"), fused_step=True)
-    step_graph = ga.StepGraph(alloc)
+    alloc = ga.HybridAllocator(make_config("torch"), fused_step=True, executor="graph")
+    step_graph = alloc.executor
     rng = np.random.default_rng(3)
     fusable = []
     for _ in range(60):
@@ -250,8 +250,8 @@ def test_stepgraph_picks_the_variant_per_step_on_cpu():
         random_op([alloc], rng)
         fusable.extend(alloc.ring.fusable[(runs + k) % len(alloc.ring)]
                        for k in range(alloc.steps_run - runs))
-    assert alloc.kernels.n_fused == sum(fusable) > 0
-    assert alloc.kernels.n_two == len(fusable) - sum(fusable) > 0
+    assert alloc.executor.n_fused == sum(fusable) > 0
+    assert alloc.executor.n_two_launch == len(fusable) - sum(fusable) > 0
     assert step_graph.replays == 0 and step_graph.fused_graphs == []
 
 
@@ -283,11 +283,12 @@ def test_stepgraph_fused_replays_match_eager(ring):
     graphed = ga.HybridAllocator(make_config("triton", ring=ring, device="cuda",
                                              num_full_pages=60, num_swa_pages=40,
                                              max_reqs=6, max_release_rows=24,
-                                             max_alloc_rows=8), fused_step=True)
+                                             max_alloc_rows=8), fused_step=True,
+                                 executor="graph")
     eager = ga.HybridAllocator(make_config("torch", ring=ring, device="cuda",
                                            num_full_pages=60, num_swa_pages=40,
                                            max_reqs=6, max_release_rows=24, max_alloc_rows=8))
-    step_graph = ga.StepGraph(graphed)
+    step_graph = graphed.executor
     assert len(step_graph.fused_graphs) == len(step_graph.graphs) == len(graphed.ring)
     try:
         assert step_graph.describe()["kernel"] == 2

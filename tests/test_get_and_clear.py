@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 import torch
-from graphalloc.kernels import get_and_clear_swa_pages, get_and_clear_swa_pages_torch
 
 from graphalloc.errors import OverlapError, PositionError
+from graphalloc.kernels import get_and_clear_swa_pages, get_and_clear_swa_pages_torch
 
 IMPLS = {"triton": get_and_clear_swa_pages, "torch": get_and_clear_swa_pages_torch}
 N_FULL, N_SWA = 12, 16

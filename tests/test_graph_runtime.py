@@ -56,8 +56,8 @@ def sync_debug_error():
 def test_stepgraph_on_cpu_runs_eagerly_and_matches(ring):
     """Without a GPU a StepGraph runs the same steps eagerly with identical results."""
     plain = ga.HybridAllocator(make_config("cpu", "torch", ring))
-    graphed = ga.HybridAllocator(make_config("cpu", "torch", ring))
-    step_graph = ga.StepGraph(graphed)
+    graphed = ga.HybridAllocator(make_config("cpu", "torch", ring), executor="graph")
+    step_graph = graphed.executor
     assert step_graph.graphs == []
     rng = np.random.default_rng(7)
     for _ in range(300):
@@ -89,9 +89,10 @@ def test_graph_replay_matches_eager_torch_every_step(ring, fused):
     """N random steps replayed through graphs (Triton) equal the eager Torch backend after
     every step, with zero host syncs in the whole loop. ``fused``: fusable steps replay the
     one-kernel graph."""
-    graphed = ga.HybridAllocator(make_config("cuda", "triton", ring), fused_step=fused)
+    graphed = ga.HybridAllocator(make_config("cuda", "triton", ring), fused_step=fused,
+                                 executor="graph")
     eager = ga.HybridAllocator(make_config("cuda", "torch", ring))
-    step_graph = ga.StepGraph(graphed)
+    step_graph = graphed.executor
     rng = np.random.default_rng(11 + ring)
     mismatches = torch.zeros((), dtype=torch.int64, device="cuda")
     first_bad = torch.full((), -1, dtype=torch.int64, device="cuda")
@@ -117,9 +118,8 @@ def test_graph_replay_matches_eager_torch_every_step(ring, fused):
 def test_descriptor_ring_hazard_under_gpu_delay():
     """A spin kernel holds the GPU while the host plans ahead; the ring waits instead of
     overwriting a descriptor the GPU has not read, and results stay identical."""
-    graphed = ga.HybridAllocator(make_config("cuda", "triton", False))
+    graphed = ga.HybridAllocator(make_config("cuda", "triton", False), executor="graph")
     eager = ga.HybridAllocator(make_config("cuda", "torch", False))
-    ga.StepGraph(graphed)
     rng = np.random.default_rng(3)
     for _ in range(20):
         random_step([graphed, eager], rng)
@@ -136,9 +136,8 @@ def test_descriptor_ring_hazard_under_gpu_delay():
 
 @pytest.mark.cuda
 def test_describe_graph_only_kernel_nodes():
-    alloc = ga.HybridAllocator(make_config("cuda", "triton", False))
-    step_graph = ga.StepGraph(alloc)
-    desc = step_graph.describe()
+    alloc = ga.HybridAllocator(make_config("cuda", "triton", False), executor="graph")
+    desc = alloc.executor.describe()
     print("graph nodes:", desc)
     assert desc.get("kernel") == 2, desc
     for forbidden in ("memcpy", "memset", "host"):
@@ -148,7 +147,8 @@ def test_describe_graph_only_kernel_nodes():
 
 @pytest.mark.cuda
 def test_describe_fused_graph_one_kernel_node():
-    alloc = ga.HybridAllocator(make_config("cuda", "triton", False), fused_step=True)
-    desc = ga.StepGraph(alloc).describe(fused=True)
+    alloc = ga.HybridAllocator(make_config("cuda", "triton", False), fused_step=True,
+                               executor="graph")
+    desc = alloc.executor.describe(fused=True)
     print("fused graph nodes:", desc)
     assert desc.get("kernel") == 1 and desc["total"] == 1, desc

@@ -121,7 +121,7 @@ def random_op(rng, led, ps):
         return lambda a: a.alloc_decode(rows)
     if kind == "step":
         rows = pick()
-        return lambda a: a.step(evict=True, decode=rows)
+        return lambda a: a.step(evict_all=True, decode=rows)
     if kind == "evict":
         return lambda a: a.evict_window()
     if kind == "release":
@@ -375,7 +375,7 @@ def test_no_new_variant_mid_serving(device):
     # Warm-up: one of each kernel (validation off, as in serving).
     r = alloc.admit()
     alloc.alloc_extend([r], [3 * ps + 5])
-    alloc.step(evict=True, decode=[r])
+    alloc.step(evict_all=True, decode=[r])
     alloc.release([r])
     get_and_clear_swa_pages(reps, f2s, ps)
     torch.cuda.synchronize()
@@ -385,9 +385,9 @@ def test_no_new_variant_mid_serving(device):
     rows = [alloc.admit() for _ in range(3)]
     alloc.alloc_extend(rows, [1, ps + 3, 5 * ps])
     for _ in range(3):
-        alloc.step(evict=True, decode=rows)
+        alloc.step(evict_all=True, decode=rows)
     alloc.alloc_extend(rows[:1], [2 * ps + 7])
-    alloc.step(release=rows[1:2], evict=True, decode=rows[2:])
+    alloc.step(release=rows[1:2], evict_all=True, decode=rows[2:])
     alloc.release([rows[0], rows[2]])
     # Other counts, strides and start offsets (alignments) of the representatives.
     buf = torch.arange(1, 200, device=device) * ps

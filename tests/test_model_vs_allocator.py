@@ -233,8 +233,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         for i, r in enumerate(rows):
             req = self.model.reqs.get(r)
             cur = req.frontier if req is not None else 0
-            if self.model.group is not None:
-                cur = max(cur, self.model.group_frontier.get(r, 0))
             d = deltas[i % len(deltas)] if deltas else 0
             p = cur + d * self.ps
             if misalign and i == 0 and self.ps > 1:
@@ -318,7 +316,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         others = [r for r in live if r not in release]
         pick = lambda idx: list(dict.fromkeys(others[i % len(others)] for i in idx)) \
             if others else []
-        evict = {"none": None, "all": True, "rows": pick(ev_idx)}[ev]
+        evict = pick(ev_idx) if ev == "rows" else None
+        evict_all = ev == "all"
         advance = None
         if adv is not None:  # targets relative to the frontier before this step's eviction
             adv_rows = pick(adv[0])
@@ -335,10 +334,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         n += [1] * (len(ext_rows) - len(n))
         extend = (ext_rows, n) if ext_rows or codes else None
         self.compare_result(*self.apply(
-            lambda m: m.step(release=release, evict=evict, advance=advance, decode=decode,
-                             extend=extend),
-            lambda a: a.step(release=release, evict=evict, advance=advance, decode=decode,
-                             extend=extend)))
+            lambda m: m.step(release=release, evict=evict, evict_all=evict_all,
+                             advance=advance, decode=decode, extend=extend),
+            lambda a: a.step(release=release, evict=evict, evict_all=evict_all,
+                             advance=advance, decode=decode, extend=extend)))
 
     group_op = st.tuples(
         st.sampled_from(["release", "evict", "evict_all", "advance", "decode", "extend",
@@ -356,8 +355,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.model.reqs)
     @rule(idx=picks, deltas=st.lists(st.integers(-1, 2), max_size=3), release_other=st.booleans())
     def group_evict_then_advance(self, idx, deltas, release_other):
-        """Deferred eviction, then a deferred advance validated against the frontier before
-        it (possibly behind where the eviction will have moved it), maybe with a release."""
+        """Deferred eviction, then a deferred advance validated against the frontier as the
+        eviction moved it (a target behind it is a backward move), maybe with a release."""
         def body():
             rows = self.rows_from(idx)
             others = [r for r in self.model.reqs if r not in rows]

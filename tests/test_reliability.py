@@ -23,13 +23,13 @@ from graphalloc.errors import FaultCode
 BACKENDS = ["torch", "triton"]
 
 
-def make(backend="torch", device="cpu", ring=False, ps=4, **kw):
+def make(backend="torch", device="cpu", ring=False, ps=4, executor="eager", **kw):
     cfg = dict(page_size=ps, num_full_pages=64, num_swa_pages=32, max_reqs=4,
                max_context_len=16 * ps, sliding_window=2 * ps + 1, device=device,
                backend=backend, swa_ring_pages=4 if ring else 0, max_release_rows=12,
                max_alloc_rows=4, max_step_pages=80, max_step_tokens=16 * ps + 4)
     cfg.update(kw)
-    return ga.HybridAllocator(ga.AllocatorConfig(**cfg))
+    return ga.HybridAllocator(ga.AllocatorConfig(**cfg), executor=executor)
 
 
 def kinds(findings):
@@ -164,29 +164,41 @@ def test_bad_state_dict_is_refused_and_state_kept(corrupt):
         assert np.array_equal(np.asarray(before[k]), np.asarray(after[k])), k
 
 
-def test_load_back_repairs_and_refuses_when_mapped():
-    alloc = make()
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_load_back_repairs_and_refuses_when_mapped(backend):
+    """load_back is a planned step: host rules refused up front with nothing changed; a
+    full page that (on the device) still has a peer is a fact only the device sees: in
+    validate mode it reaches the error word and the stale peer is left alone."""
+    alloc = make(backend, validate=True)
     r = alloc.admit()
     alloc.alloc_extend([r], [40])
     alloc.evict_window()
     ps = alloc.config.page_size
-    f = int(alloc.ledger.frontier[r])
+    f = alloc.frontier(r)
     assert f >= 3 * ps
-    swa_free_before = alloc.ledger.swa.n_free
-    slots = alloc.load_back(r, f - 2 * ps)
+    swa_free_before = alloc.n_free("swa")
+    slots = alloc.load_back(r, f - 2 * ps).clone()
     assert slots.shape == (2 * ps,) and int(slots.min()) >= ps
-    assert alloc.ledger.swa.n_free == swa_free_before - 2
+    assert alloc.n_free("swa") == swa_free_before - 2
     assert alloc.audit() == []
-    below = int(alloc.req_to_token[r, f - 3 * ps]) // ps
-    alloc.full_to_swa[below * ps:(below + 1) * ps] = 5 * ps + torch.arange(ps)  # a stale peer
+    full_pages = alloc.req_to_token[r, f - 2 * ps:f:ps] // ps
+    assert torch.equal(alloc.full_to_swa[full_pages * ps], slots[::ps])  # mapped, page-dense
     before = alloc.snapshot()
-    with pytest.raises(ga.StateError):  # refuses: that full page still has a peer
-        alloc.load_back(r, f - 3 * ps)
-    with pytest.raises(ga.FrontierError):
+    with pytest.raises(ga.FrontierError):  # a host rule: refused with nothing changed
         alloc.load_back(r, f + ps)
+    with pytest.raises(ga.AlignmentError):
+        alloc.load_back(r, f - 2 * ps - 1)
     after = alloc.snapshot()
     for k in before:
         assert np.array_equal(np.asarray(before[k]), np.asarray(after[k])), k
+    below = int(alloc.req_to_token[r, f - 3 * ps]) // ps
+    stale = 5 * ps + torch.arange(ps)
+    alloc.full_to_swa[below * ps:(below + 1) * ps] = stale  # a stale peer (device-only fact)
+    alloc.load_back(r, f - 3 * ps)
+    with pytest.raises(ga.DeviceFaultError) as exc:
+        alloc.check()
+    assert exc.value.code == FaultCode.MAPPED_PEER
+    assert torch.equal(alloc.full_to_swa[below * ps:(below + 1) * ps].cpu(), stale)
 
 
 # ---- soak -----------------------------------------------------------------------------------
@@ -216,8 +228,8 @@ def test_soak_gpu_graph_replay():
     n_steps = int(os.environ.get("GRAPHALLOC_SOAK_STEPS_GPU", "100000"))
     alloc = make("triton", "cuda", ps=16, num_full_pages=512, num_swa_pages=160, max_reqs=16,
                  max_release_rows=48, max_alloc_rows=16, max_step_pages=600,
-                 max_step_tokens=16 * 16 + 16)
-    graph = ga.StepGraph(alloc)
+                 max_step_tokens=16 * 16 + 16, executor="graph")
+    graph = alloc.executor
     rng = np.random.default_rng(5)
     start = time.monotonic()
     audits = 0
@@ -236,8 +248,7 @@ def test_soak_gpu_graph_replay():
 
 @pytest.mark.cuda
 def test_fault_injection_gpu_context_survives():
-    alloc = make("triton", "cuda")
-    ga.StepGraph(alloc)
+    alloc = make("triton", "cuda", executor="graph")
     r = alloc.admit()
     alloc.alloc_extend([r], [12])
     ps = alloc.config.page_size

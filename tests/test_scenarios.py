@@ -255,7 +255,7 @@ class TestRingMode:
         a = self.make()
         r = a.admit()
         a.alloc_extend([r], [6])
-        out = a.step(evict=True, decode=[r])
+        out = a.step(evict_all=True, decode=[r])
         assert out.swa_slots.tolist() == [2]
         a.check_integrity()
 
@@ -346,13 +346,18 @@ class TestFreeGroup:
         a.check_integrity()
 
     def test_advance_behind_an_earlier_eviction_in_the_block(self):
+        """A deferred eviction is decided at its call (as outside a block), so an advance
+        behind it is a backward move, refused with nothing changed, and the block's other
+        frees are still flushed."""
         a = make(ps=2, n_full=16, n_swa=16, window=3, ctx=20)
         r, s = a.admit(), a.admit()
         a.alloc_extend([r, s], [10, 4])
         with a.free_group():
             a.release([s])
-            a.evict_window([r])  # will move r's frontier to 6
-            a.advance_frontier([r], [2])  # accepted: 2 >= 0; already passed at the flush
+            a.evict_window([r])  # moves r's frontier to 6 (at the call: window rule)
+            with pytest.raises(E.FrontierError):
+                a.advance_frontier([r], [2])  # behind the eviction: a backward move
+            a.advance_frontier([r], [6])  # where it already is: no page, allowed
         assert a.stats()["live_requests"] == 1  # the release was not lost
         assert a.stats()["frontier"] == {r: 6}
         a.check_integrity()

@@ -67,5 +67,5 @@ def random_step(allocs: list[HybridAllocator], rng: np.random.Generator) -> str:
     finished = live[rng.random(len(live)) < 0.1]
     decode = np.setdiff1d(live, finished)
     decode = decode[led.seq_len[decode] < cfg.max_context_len]
-    apply_all(allocs, lambda a: a.step(release=finished, evict=True, decode=decode))
+    apply_all(allocs, lambda a: a.step(release=finished, evict_all=True, decode=decode))
     return "step"

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, "tests")
-from graphalloc.kernels import get_and_clear_swa_pages  # noqa: E402
 from workload import random_step  # noqa: E402
 
 import graphalloc as ga  # noqa: E402
+from graphalloc.kernels import get_and_clear_swa_pages  # noqa: E402
 
 
 def config(ring: bool, ps: int, dtype) -> ga.AllocatorConfig:
@@ -43,14 +43,12 @@ def main() -> None:
                  (False, 3, torch.int64, False, True)]  # (ring, ps, dtype, fused, validate)
     for ring, ps, dtype, fused, validate in variants:
         cfg = dataclasses.replace(config(ring, ps, dtype), validate=validate)
-        alloc = ga.HybridAllocator(cfg, fused_step=fused)
-        for _ in range(steps // 2):
-            random_step([alloc], rng)
-        ga.StepGraph(alloc)
-        for _ in range(steps // 2):
-            random_step([alloc], rng)
-        alloc.check()
-        assert alloc.audit() == [], alloc.audit()
+        for executor in ("eager", "graph"):  # launched eagerly, then replayed from graphs
+            alloc = ga.HybridAllocator(cfg, fused_step=fused, executor=executor)
+            for _ in range(steps // 2):
+                random_step([alloc], rng)
+            alloc.check()
+            assert alloc.audit() == [], alloc.audit()
     # fault paths: unmapped peer pushed as sink marker, then popped
     alloc = ga.HybridAllocator(dataclasses.replace(config(False, 4, torch.int64),
                                                    num_swa_pages=8))

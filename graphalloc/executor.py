@@ -1,0 +1,87 @@
+"""How a planned step reaches the device: the executor strategy an allocator is built with.
+
+The allocator plans on the host and hands each planned step to its executor; the
+executor enqueues the device work that reads the step's descriptor buffer. The
+strategy is chosen once, at construction (``HybridAllocator(cfg, executor=...)``), and
+never replaced: layers stack (a graph executor holds captured graphs of the allocator's
+own launch; a replica layer builds its allocator with its own executor), so the order
+of construction is the only order.
+
+================  ===================================================================
+executor          what ``execute(planned)`` does
+================  ===================================================================
+``"eager"``       :class:`EagerExecutor`: launches the step kernels (one fused launch,
+                  or release then allocation)
+``"graph"``       :class:`graphalloc.graph.StepGraph`: replays the graph captured for
+                  the step's descriptor buffer (eager on a CPU device)
+replicas          ``graphalloc.replicas``: broadcast a planner's step, or replay one
+================  ===================================================================
+
+The protocol (for writing another strategy): ``bind(alloc)`` is called once by the
+allocator's constructor, after its device tables and descriptor ring exist;
+``execute(planned)`` must enqueue the step and return without synchronising;
+``plans_locally = False`` makes the allocator refuse ``plan()`` before anything changes
+(a broadcast follower replays steps planned elsewhere). ``n_fused`` / ``n_two_launch``
+count executed steps of each launch form.
+"""
+
+from __future__ import annotations
+
+from .errors import ConfigError
+
+__all__ = ["Executor", "EagerExecutor", "make_executor"]
+
+
+class Executor:
+    """Base class of the executor strategies (see the module docstring)."""
+
+    name = "executor"
+    plans_locally = True
+
+    def __init__(self) -> None:
+        self.alloc = None
+        self.n_fused = 0
+        self.n_two_launch = 0
+
+    def bind(self, alloc) -> None:
+        """Attach to ``alloc`` (once, from its constructor)."""
+        if self.alloc is not None:
+            raise ConfigError(f"this {type(self).__name__} already serves another allocator; "
+                              "build one executor per allocator")
+        self.alloc = alloc
+
+    def execute(self, planned) -> None:
+        """Enqueue the device work of ``planned`` (never synchronises)."""
+        raise NotImplementedError
+
+    def count(self, fused: bool) -> None:
+        if fused:
+            self.n_fused += 1
+        else:
+            self.n_two_launch += 1
+
+
+class EagerExecutor(Executor):
+    """Launch the step kernels directly: one fused launch where the step allows it
+    (``PlannedStep.fusable`` and an allocator built with ``fused_step=True``), otherwise
+    the release kernel then the allocation kernel. Host cost: one or two kernel launches."""
+
+    name = "eager"
+
+    def execute(self, planned) -> None:
+        fused = planned.fusable and self.alloc.kernels.fused
+        self.alloc.launch(planned.buffer_index, fusable=planned.fusable)
+        self.count(fused)
+
+
+def make_executor(executor) -> Executor:
+    """An executor from its name (``"eager"``, ``"graph"``) or an :class:`Executor`."""
+    if isinstance(executor, Executor):
+        return executor
+    if executor == "eager":
+        return EagerExecutor()
+    if executor == "graph":
+        from .graph import StepGraph
+        return StepGraph()
+    raise ConfigError(f"executor must be 'eager', 'graph' or an Executor instance, got "
+                      f"{executor!r}")

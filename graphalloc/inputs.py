@@ -1,0 +1,147 @@
+"""The one conversion path for what callers pass in: request rows, counts and positions.
+
+Every public entry point turns its arguments into int64 numpy arrays here, and
+nowhere else, so every operation accepts the same inputs and refuses the same
+garbage with the same typed error, before anything changes:
+
+=====================  ===========================================================
+accepted               Python ints, numpy integer scalars, 1-D sequences of them,
+                       1-D numpy integer arrays, 1-D (or 0-d) integer CPU tensors
+refused, typed         bools (``True`` is not row 1), floats (even ``2.0``),
+                       strings, ``None`` inside a sequence, nested sequences,
+                       2-D arrays, NaN/inf, ints outside int64, meta tensors:
+                       ``UnknownRequestError`` for rows, ``PositionError`` for
+                       counts and positions
+refused, typed         a CUDA tensor: reading it would synchronise with the GPU
+                       (``TensorSpecError``: pass the host copy, e.g. SGLang's
+                       ``req_pool_indices_cpu``)
+=====================  ===========================================================
+
+Cost: O(n) numpy, no copy when the input is already a 1-D int64 array. The
+caller's array is never written to.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+
+from .errors import ContractError, PositionError, TensorSpecError, UnknownRequestError
+
+__all__ = ["as_rows", "as_counts", "as_positions", "as_index", "is_empty"]
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _as_int64(values, what: str, error: type[ContractError]) -> np.ndarray:
+    if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
+        return values  # the fast path: the planner's own dtype
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise TensorSpecError(
+                f"{what} is a tensor on {values.device}: reading it on the host would "
+                "synchronise with the device. Pass the host copy (a CPU tensor, a numpy array "
+                "or a list), e.g. the scheduler's CPU-side request indices")
+        if values.dtype == torch.bool or values.is_floating_point() or values.is_complex():
+            raise error(f"{what} must be integers, got a {values.dtype} tensor")
+        values = values.numpy()
+    if isinstance(values, (bool, np.bool_)):
+        raise error(f"{what} must be integers, got the bool {values!r} (True is not 1)")
+    if isinstance(values, numbers.Integral):
+        if not -_INT64_MAX - 1 <= int(values) <= _INT64_MAX:
+            raise error(f"{what} {values} does not fit int64")
+        return np.array([int(values)], dtype=np.int64)
+    if isinstance(values, np.ndarray):
+        arr = values
+    elif isinstance(values, (list, tuple, range)):
+        for v in values:
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+                raise error(f"{what} must be integers, got {v!r} ({type(v).__name__}) in "
+                            f"{_short(values)}")
+            if not -_INT64_MAX - 1 <= int(v) <= _INT64_MAX:
+                raise error(f"{what}: {v} does not fit int64")
+        arr = np.asarray(values, dtype=np.int64) if len(values) else np.zeros(0, np.int64)
+    else:
+        raise error(f"{what} must be an int, a 1-D sequence or array of ints, or a CPU "
+                    f"tensor; got {type(values).__name__}")
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    if arr.ndim != 1:
+        raise error(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise error(f"{what} must be integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.max() > _INT64_MAX:
+        raise error(f"{what}: {arr.max()} does not fit int64")
+    return arr.astype(np.int64, copy=False)
+
+
+def _short(values) -> str:
+    text = repr(values)
+    return text if len(text) < 60 else text[:57] + "..."
+
+
+def as_rows(rows, n_reqs: int, what: str = "request rows") -> np.ndarray:
+    """Request rows as int64, each in ``[0, n_reqs)``; ``UnknownRequestError`` otherwise."""
+    arr = _as_int64(rows, what, UnknownRequestError)
+    if len(arr) and (arr.min() < 0 or arr.max() >= n_reqs):
+        bad = int(arr[(arr < 0) | (arr >= n_reqs)][0])
+        raise UnknownRequestError(f"{what}: request row {bad} is outside [0, {n_reqs}) "
+                                  f"(max_reqs={n_reqs})")
+    return arr
+
+
+def as_counts(counts, n: int, what: str, limit: int | None = None) -> np.ndarray:
+    """Non-negative int64 counts, one per row (a single int is broadcast to ``n`` rows);
+    ``PositionError`` for anything else or a count past ``limit``."""
+    arr = _as_int64(counts, what, PositionError)
+    if len(arr) == 1 and n != 1 and not isinstance(counts, (list, tuple, np.ndarray,
+                                                            torch.Tensor)):
+        arr = np.full(n, arr[0], dtype=np.int64)
+    if len(arr) != n:
+        raise PositionError(f"{what}: {n} rows but {len(arr)} values")
+    if n and arr.min() < 0:
+        raise PositionError(f"{what} must be >= 0, got {int(arr.min())}")
+    if limit is not None and n and arr.max() > limit:
+        raise PositionError(f"{what}: {int(arr.max())} exceeds {limit}")
+    return arr
+
+
+def as_positions(positions, n: int, what: str, limit: int | None = None) -> np.ndarray:
+    """Integer positions, one per row (``PositionError`` for non-integers, a wrong count, or
+    a value past ``limit``); the range below is the caller's rule to check (a negative
+    frontier target is a backward move, a ``FrontierError``)."""
+    arr = _as_int64(positions, what, PositionError)
+    if len(arr) == 1 and n != 1 and not isinstance(positions, (list, tuple, np.ndarray,
+                                                               torch.Tensor)):
+        arr = np.full(n, arr[0], dtype=np.int64)
+    if len(arr) != n:
+        raise PositionError(f"{what}: {n} rows but {len(arr)} values")
+    if limit is not None and n and arr.max() > limit:
+        raise PositionError(f"{what}: {int(arr.max())} exceeds {limit}")
+    return arr
+
+
+def as_index(value, what: str, limit: int) -> int:
+    """One int in ``[0, limit)`` (a row, a buffer index, a handle); refuses bools, floats and
+    negative values (``-1`` never means "the last one" here)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise PositionError(f"{what} must be an int, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if not 0 <= value < limit:
+        raise PositionError(f"{what} {value} is outside [0, {limit})")
+    return value
+
+
+def is_empty(rows) -> bool:
+    """True for ``None`` and for empty sequences, arrays and tensors."""
+    if rows is None:
+        return True
+    if isinstance(rows, (np.ndarray, torch.Tensor)):
+        return rows.numel() == 0 if isinstance(rows, torch.Tensor) else rows.size == 0
+    if isinstance(rows, (list, tuple, range)):
+        return len(rows) == 0
+    return False
