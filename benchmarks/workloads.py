@@ -45,7 +45,7 @@ class StepWorkload:
     def __init__(self, n_reqs: int, page_size: int, n_pages: int, *, decode: bool, device,
                  backend: str, n_steps: int, token_budget: int, row_pages: int,
                  window_pages: int = 4, fused_step: bool = False):
-        from graphalloc import AllocatorConfig, HybridAllocator, StepGraph
+        from graphalloc import AllocatorConfig, HybridAllocator
 
         ps = page_size
         self.n_reqs, self.page_size, self.n_pages, self.decode = n_reqs, ps, n_pages, decode
@@ -65,8 +65,8 @@ class StepWorkload:
             max_alloc_rows=n_reqs,
             max_tokens_per_alloc_row=min(context, budget // min(n_reqs, 16)),
             max_step_pages=n_reqs * n_pages, max_step_tokens=budget)
-        self.alloc = HybridAllocator(self.config, fused_step=fused_step)
-        self.step_graph = StepGraph(self.alloc)
+        self.alloc = HybridAllocator(self.config, fused_step=fused_step, executor="graph")
+        self.step_graph = self.alloc.executor  # graphalloc.StepGraph
         self.rows = np.array([self.alloc.admit() for _ in range(n_reqs)], dtype=np.int64)
         phase = np.arange(n_reqs, dtype=np.int64) % ps if decode else 0
         self._fill(np.full(n_reqs, fill, dtype=np.int64) + phase)
@@ -126,7 +126,6 @@ class StepWorkload:
                 "fill_steps": self.fill_steps, "descriptor_stalls": self.alloc.ring.stalls}
 
     def close(self) -> None:
-        self.step_graph.close()
         self.step_graph.graphs.clear()
         self.step_graph.fused_graphs.clear()
         self.alloc = None

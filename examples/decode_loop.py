@@ -323,7 +323,7 @@ def _main(args: argparse.Namespace) -> dict:
             bar.close()
         alloc.check()
         alloc.check_integrity()
-        if alloc.ledger.live.any():
+        if alloc.n_live > 0:
             raise RuntimeError("requests still live after the loop")
         summary = summarize(result, mcfg, ps)
         run = {"page_size": ps, "alloc_window": alloc_window, "summary": summary,

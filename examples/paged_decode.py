@@ -11,7 +11,7 @@ The graph of a step, captured once per descriptor buffer ``i`` of the allocator
     history_buf[SERIAL, GEN] <- tokens     (and logits_buf): read once, after the loop
 
 Per step the host, from host-side lengths only: ``p = alloc.plan(release=...,
-evict=True, decode=rows)``, fills ``lane_host_bufs[p.buffer_index]``, replays graph
+evict_all=True, decode=rows)``, fills ``lane_host_bufs[p.buffer_index]``, replays graph
 ``p.buffer_index`` and calls ``alloc.mark_submitted(p)``. The event the allocator
 records there also guards ``lane_host_bufs[i]``: ``plan()`` hands out buffer ``i``
 again only after the replay that read it has finished.
@@ -102,7 +102,7 @@ class DecodeLoop:
                  n_serials: int, max_out: int, graph: bool = False, alloc_in_graph: bool = True,
                  keep_logits: bool = True, time_steps: bool = False):
         acfg, mcfg = alloc.config, model.cfg
-        if alloc.ledger.live.any():
+        if alloc.n_live > 0:
             raise ValueError("DecodeLoop needs a fresh allocator (no live requests)")
         if graph and acfg.device.type != "cuda":
             raise ValueError("graph=True needs an allocator on a CUDA device")
@@ -270,7 +270,7 @@ class DecodeLoop:
 
     def _loop(self, queue: list[Request], progress
               ) -> tuple[list, list, list, float, StepEvents]:
-        alloc, B, ps = self.alloc, self.max_batch, self.alloc.config.page_size
+        alloc, B = self.alloc, self.max_batch
         state: dict[int, dict] = {}  # lane -> request state (host)
         to_release: list[int] = []
         steps, host_s, launch_s, prefill_s = [], [], [], 0.0
@@ -281,7 +281,7 @@ class DecodeLoop:
                 to_release.append(state.pop(lane)["row"])
             # 2. admit into free lanes while rows and pages allow (eager prefill)
             free_lanes = [b for b in range(B) if b not in state]
-            n_rows_free = alloc.config.max_reqs - int(alloc.ledger.live.sum())
+            n_rows_free = alloc.config.max_reqs - alloc.n_live
             n_new = min(len(free_lanes), len(queue), n_rows_free)
             while n_new and not self._free_pages_ok([len(r.prompt) for r in queue[:n_new]],
                                                      len(state)):
@@ -295,9 +295,8 @@ class DecodeLoop:
             lanes = sorted(b for b, st in state.items() if st["n_gen"] < st["n_out"])
             reqs = [state[b] for b in lanes]
             rows = [st["row"] for st in reqs]
-            frontier_before = alloc.ledger.frontier.copy()
             t0 = time.perf_counter()
-            p = alloc.plan(release=to_release, evict=True, decode=rows)
+            p = alloc.plan(release=to_release, evict_all=True, decode=rows)
             t1 = time.perf_counter()  # plan() includes any wait for a descriptor buffer
             self._fill_lanes(p.buffer_index, lanes, reqs)
             with events.interval():  # GPU time: the step's launches only
@@ -311,12 +310,10 @@ class DecodeLoop:
             t2 = time.perf_counter()
             host_s.append(t2 - t0)
             launch_s.append(t2 - t1)
-            led = alloc.ledger
-            evicted = np.where(led.live, led.frontier - frontier_before, 0)
             st_now = alloc.stats()
             steps.append({
                 "decode": len(rows), "released": len(to_release),
-                "swa_pages_evicted": int(evicted.sum()) // ps,
+                "swa_pages_evicted": p.pages_evicted,
                 "pages_freed": dict(p.pages_freed), "pages_allocated": dict(p.pages_allocated),
                 "full_used_pages": st_now["full_used_pages"],
                 "swa_used_pages": st_now["swa_used_pages"],

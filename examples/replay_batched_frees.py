@@ -2,7 +2,7 @@
 
 Requests with long-tailed prompt and output lengths (log-normal, like chat
 traffic) arrive as others finish, so about ``--concurrency`` run at once. Every
-scheduler step is ONE call, ``alloc.step(release=finished, evict=True,
+scheduler step is ONE call, ``alloc.step(release=finished, evict_all=True,
 decode=running, extend=prefill_chunks)``: the host plans it from host-side
 lengths (numpy) and replays the captured step graph (:class:`graphalloc.StepGraph`;
 on a CPU machine the same step runs eagerly). Inside that one replay, the SWA
@@ -97,7 +97,7 @@ def build(args) -> ga.HybridAllocator:
         num_swa_pages=n_run * swa_per_req, device=args.device, backend=args.backend,
         max_alloc_rows=n_run + 8, max_tokens_per_alloc_row=args.chunk,
         max_step_tokens=n_run + args.prefill_budget)
-    return ga.HybridAllocator(cfg)
+    return ga.HybridAllocator(cfg, executor="graph")
 
 
 class Scheduler:
@@ -127,7 +127,7 @@ class Scheduler:
                 self.waiting.append(self.workload.draw())  # keep the load steady
         if drain:
             return {"release": finished, "decode": [], "extend": ([], [])}
-        live_rows = int(self.alloc.ledger.live.sum())
+        live_rows = self.alloc.n_live
         while (self.waiting and live_rows < cfg.max_reqs
                and len(self.running) < self.args.concurrency):
             p, o = self.waiting[0]
@@ -201,9 +201,9 @@ def main(argv=None) -> dict:
 
 
 def _run(args) -> dict:
-    alloc = build(args)
+    alloc = build(args)  # executor="graph": one captured graph per descriptor buffer on CUDA
     cfg = alloc.config
-    graph = ga.StepGraph(alloc)  # captures one graph per descriptor buffer on CUDA
+    graph = alloc.executor
     sched = Scheduler(alloc, Workload(np.random.default_rng(args.seed), args.prompt_median,
                                       args.output_median, args.sigma, args.max_prompt,
                                       args.max_output), args)
@@ -236,9 +236,8 @@ def _run(args) -> dict:
         for step in range(args.steps + 1):
             drain = step == args.steps
             plan = sched.plan_step(drain=drain)
-            frontier_before = alloc.ledger.frontier.copy()
             t0 = time.perf_counter()
-            p = alloc.plan(release=plan["release"], evict=True, decode=plan["decode"],
+            p = alloc.plan(release=plan["release"], evict_all=True, decode=plan["decode"],
                            extend=plan["extend"] if plan["extend"][0] else None)
             t1 = time.perf_counter()
             with events.interval():  # GPU time: the replay only, never plan()
@@ -247,9 +246,7 @@ def _run(args) -> dict:
                 t3 = time.perf_counter()
             host_s.append((t1 - t0, t3 - t2))  # host: plan, replay launch (no event records)
             sched.commit(plan)
-            led = alloc.ledger
-            evicted = int(np.where(led.live, led.frontier - frontier_before, 0).sum())
-            evicted //= cfg.page_size
+            evicted = p.pages_evicted
             tot["release_segments"] += p.n_release_rows
             tot["requests_released"] += len(plan["release"])
             tot["swa_pages_evicted"] += evicted

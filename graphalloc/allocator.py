@@ -541,7 +541,7 @@ class HybridAllocator:
                                  self.state.out_swa_buf, b.n_tokens, self.steps_run + 1, self)
         self._pending = PlannedStep(index, len(release), len(alloc), b.n_tokens,
                                     b.pages_freed, b.pages_allocated, result, b.fusable,
-                                    owner=self)
+                                    b.pages_evicted, owner=self)
         return self._pending
 
     def _run(self, apply) -> AllocResult | None:

@@ -134,6 +134,7 @@ class StepBuilder:
         self.n_release_pages = 0  # freed pages so far (the next release page lane)
         self.pages_freed = {"full": 0, "swa": 0}
         self.pages_allocated = {"full": 0, "swa": 0}
+        self.pages_evicted = 0  # SWA pages freed by frontier moves (a part of pages_freed)
 
     # ---- validation ----------------------------------------------------------------------
     def live_rows(self, rows, what: str) -> np.ndarray:
@@ -195,7 +196,9 @@ class StepBuilder:
         flags = REL_CLEAR if cfg.ring_mode else (REL_SWA | REL_CLEAR)
         self._add_release(rows, old, n_pages, flags)
         led.frontier[rows] = new_pos
-        return int(n_pages.sum())
+        n_freed = int(n_pages.sum())
+        self.pages_evicted += n_freed
+        return n_freed
 
     def window_frontier(self, rows: np.ndarray) -> np.ndarray:
         """The chunk-cache rule: ``floor_page(max(old, L - W))``; with a protected prefix the

@@ -19,7 +19,7 @@ allocators, NCCL for CUDA ones, one process per GPU; no other transport):
     on the allocator's device::
 
         rows [0, max_release_rows)                  release rows   (the step descriptor,
-        rows [max_release_rows, + max_alloc_rows)   allocation rows  see graphalloc.descriptor)
+        rows [max_release_rows, + max_alloc_rows)   allocation rows  see graphalloc.kernels.abi)
         row  n_desc                                 meta: step, ledger digest, ring heads/counts
         rows (n_desc, n_desc + n_ledger_rows)       the planner's ledger: live, seq_len,
                                                     frontier, protected (max_reqs each)
@@ -84,6 +84,13 @@ broadcast: two async H2D copies on the planner and one broadcast of
 turns digests off (``check()`` then compares the current state only). Construction
 synchronises (it captures graphs and runs an initial check, inside ``sync_allowed``).
 
+**How the layer stacks.** The wrapper builds its rank's allocator itself, with an
+executor of its own (:class:`ReplicaExecutor`): replicated mode wraps the eager or graph
+executor and records a digest after every step; a broadcast planner's executor
+broadcasts the step's payload and replays it; a broadcast follower's executor plans
+nothing (``plans_locally = False``), so a follower's direct ``alloc.step()`` is refused
+before anything changes. Nothing is patched into an allocator after it was built.
+
 Limits: ``admit(prefix_slots=...)`` writes ``req_to_token`` outside the descriptor,
 so broadcast mode refuses it (use replicated mode for prefix sharing). The broadcast
 is eager (not captured): the planner's H2D copies would otherwise become copy nodes.
@@ -100,7 +107,9 @@ import torch
 import torch.distributed as dist
 
 from .allocator import AllocResult, HybridAllocator
+from .config import AllocatorConfig
 from .errors import ConfigError, ContractError, ReplicaDivergenceError
+from .executor import Executor, make_executor
 from .graph import capture_graph
 from .kernels.abi import ROW_WIDTH
 from .state_digest import (
@@ -116,11 +125,45 @@ from .state_digest import (
 )
 from .sync_points import sync_allowed
 
-__all__ = ["ReplicatedAllocator"]
+__all__ = ["ReplicatedAllocator", "ReplicaExecutor"]
 
 # Columns of a digest row; the table digests follow.
 COL_STEP, COL_PLANNED_STEP, COL_LEDGER = 0, 1, 2
 _N_HEAD_COLS = 3
+
+
+# ---- the executor ------------------------------------------------------------------------
+class ReplicaExecutor(Executor):
+    """The executor of a replicated rank's allocator (built by :class:`ReplicatedAllocator`).
+
+    ``role``: ``"replicated"`` (run the step through ``inner``, the eager or graph
+    executor, then record the step's digest), ``"planner"`` (broadcast the step's payload
+    and replay it from the payload) or ``"follower"`` (plans nothing: ``plan()`` is refused
+    before anything changes; steps arrive through :meth:`ReplicatedAllocator.follow`).
+    """
+
+    name = "replica"
+
+    def __init__(self, layer: ReplicatedAllocator, role: str, inner: Executor | None = None):
+        super().__init__()
+        self.layer, self.role, self.inner = layer, role, inner
+        self.plans_locally = role != "follower"
+
+    def bind(self, alloc) -> None:
+        super().bind(alloc)
+        if self.inner is not None:
+            self.inner.bind(alloc)
+
+    def execute(self, planned) -> None:
+        if self.role == "replicated":
+            self.inner.execute(planned)
+            self.count(planned.fusable and self.alloc.kernels.fused)
+        elif self.role == "planner":
+            self.layer._broadcast_planned(planned)  # the payload runs as two launches
+            self.count(False)
+        else:  # unreachable: the allocator refuses plan() first
+            raise ContractError("a broadcast follower never plans its own steps")
+        self.layer._after_step()
 
 
 # ---- the wrapper -------------------------------------------------------------------------
@@ -130,18 +173,18 @@ class ReplicatedAllocator:
     Example (every rank, one process per GPU)::
 
         dist.init_process_group("nccl", ...); torch.cuda.set_device(local_rank)
-        alloc = HybridAllocator(AllocatorConfig(..., device="cuda", backend="triton"))
-        rep = ReplicatedAllocator(alloc, mode="broadcast", check_every=64)  # collective
+        cfg = AllocatorConfig(..., device="cuda", backend="triton")
+        rep = ReplicatedAllocator(cfg, mode="broadcast", check_every=64)  # collective
+        alloc = rep.alloc                              # this rank's allocator
         for batch in scheduler_steps:                  # every rank, same sequence
             for _ in batch.new_requests:
                 row = rep.admit()                      # planner: the row; followers: None
             out = rep.step(release=..., evict=True, decode=..., extend=...)  # followers: step()
 
     Args:
-        alloc: this rank's allocator; every rank's must have the same geometry and state
-            (checked at construction). In replicated mode attach a
-            :class:`~graphalloc.StepGraph` *before* wrapping; in broadcast mode do not
-            (the wrapper captures its own graph over the payload).
+        config: this rank's allocator configuration; every rank's must have the same
+            geometry (checked at construction). The wrapper builds the allocator
+            (``rep.alloc``) with its own executor.
         group: the tensor-parallel process group (``None``: the default group).
         mode: ``"replicated"`` or ``"broadcast"`` (see the module docstring).
         src: global rank of the planner in broadcast mode (default: the group's first rank).
@@ -149,22 +192,30 @@ class ReplicatedAllocator:
             0 disables digests and periodic checks.
         digest_every: steps between recorded digests; with 1 a divergence is named to the
             exact step, with k to within k steps (``last_equal_step`` bounds it).
-        use_graph: replay the payload kernels and the digest from CUDA graphs (default: on
-            CUDA devices).
+        use_graph: replay the steps (replicated: the allocator's graph executor; broadcast:
+            the payload kernels) and the digest from CUDA graphs (default: on CUDA devices).
+        fused_step, n_descriptor_bufs: as for :class:`~graphalloc.HybridAllocator`.
 
     Construction is collective (it compares configurations and the initial state of all
     ranks) and synchronises. Every method that may run a device step is collective too.
     """
 
-    def __init__(self, alloc: HybridAllocator, group=None, *, mode: str = "replicated",
+    def __init__(self, config: AllocatorConfig, group=None, *, mode: str = "replicated",
                  src: int | None = None, check_every: int = 64, digest_every: int = 1,
-                 use_graph: bool | None = None):
-        cfg = alloc.config
+                 use_graph: bool | None = None, fused_step: bool = True,
+                 n_descriptor_bufs: int = 2):
+        if not isinstance(config, AllocatorConfig):
+            raise ConfigError(f"ReplicatedAllocator takes this rank's AllocatorConfig (it builds "
+                              f"the allocator itself), got {type(config).__name__}")
+        cfg = config
         if mode not in ("replicated", "broadcast"):
             raise ConfigError(f"mode must be 'replicated' or 'broadcast', got {mode!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call "
                               "init_process_group() on every rank first")
+        for name, value in (("check_every", check_every), ("digest_every", digest_every)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be an int, got {value!r}")
         if digest_every < 1 or check_every < 0 or (check_every and check_every % digest_every):
             raise ConfigError(f"check_every ({check_every}) must be 0 or a positive multiple of "
                               f"digest_every ({digest_every}, >= 1)")
@@ -174,12 +225,7 @@ class ReplicatedAllocator:
         if wanted not in backend:
             raise ConfigError(f"an allocator on {cfg.device} needs a process group with the "
                               f"{wanted} backend, this one is {backend!r}")
-        if alloc._pending is not None:
-            raise ConfigError("run() the planned step before wrapping the allocator")
-        if mode == "broadcast" and alloc.step_runner is not None:
-            raise ConfigError("broadcast mode replays the broadcast payload from its own graph; "
-                              "close() the StepGraph attached to this allocator first")
-        self.alloc, self.mode = alloc, mode
+        self.mode = mode
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank()
         self.global_ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
@@ -188,7 +234,7 @@ class ReplicatedAllocator:
             raise ConfigError(f"src={self.src} is not a rank of the group {self.global_ranks}")
         self.is_planner = mode == "replicated" or self.rank == self.src
         self.check_every, self.digest_every = check_every, digest_every
-        self.use_graph = cfg.device.type == "cuda" if use_graph is None else use_graph
+        self.use_graph = cfg.device.type == "cuda" if use_graph is None else bool(use_graph)
         if self.use_graph and cfg.device.type != "cuda":
             raise ConfigError("use_graph=True needs a CUDA allocator")
         self.device = cfg.device
@@ -199,8 +245,15 @@ class ReplicatedAllocator:
         self.last_equal_step = -1
         self.first_divergence: ReplicaDivergenceError | None = None
         self._error: ReplicaDivergenceError | None = None
-
         self._step_graph = self._digest_graph = None
+
+        if mode == "replicated":
+            role, inner = "replicated", make_executor("graph" if self.use_graph else "eager")
+        else:
+            role, inner = ("planner" if self.is_planner else "follower"), None
+        self.executor = ReplicaExecutor(self, role, inner)
+        self.alloc = HybridAllocator(cfg, executor=self.executor, fused_step=fused_step,
+                                     n_descriptor_bufs=n_descriptor_bufs)
         with sync_allowed():  # construction may copy weights to the device and capture graphs
             self._check_same_config()
             self._allocate_buffers()
@@ -209,15 +262,6 @@ class ReplicatedAllocator:
             self._record_digest(host_ledger=True)
             self._compare()
         self._raise_divergence()
-
-        if mode == "replicated":
-            self._prev_runner = alloc.step_runner
-            self._runner = self._run_replicated
-        elif self.is_planner:
-            self._prev_runner, self._runner = None, self._run_planner
-        else:
-            self._prev_runner, self._runner = None, self._refuse_local_step
-        alloc.step_runner = self._runner
 
     # ---- collective operations ---------------------------------------------------------
     def step(self, **step_args) -> AllocResult | None:
@@ -229,7 +273,6 @@ class ReplicatedAllocator:
         if not self.is_planner:
             self.follow()
             return None
-        self._check_runner()
         try:
             result = self.alloc.step(**step_args)
         except ContractError:
@@ -246,7 +289,6 @@ class ReplicatedAllocator:
             if self.alloc.config.ring_mode:
                 self.follow()
             return None
-        self._check_runner()
         try:
             if self.mode == "broadcast" and prefix_slots is not None:
                 raise ContractError(
@@ -290,8 +332,8 @@ class ReplicatedAllocator:
             header = self._payload_header.cpu().numpy()  # sync ok: check point / explicit
         if header[0, META_MAGIC] == 0:  # nothing but empty steps were received
             return
-        self.alloc.ledger = unpack_ledger(self.alloc.config, header)
-        self.alloc.steps_run = int(header[0, META_STEPS_RUN])
+        self.alloc.install_ledger(unpack_ledger(self.alloc.config, header),
+                                  steps_run=int(header[0, META_STEPS_RUN]))
 
     def current_digest(self) -> dict[str, int]:
         """This rank's digest of its current state (reads the device; not collective). A
@@ -305,34 +347,22 @@ class ReplicatedAllocator:
         return dict(zip(self.columns, values, strict=True))
 
     def close(self) -> None:
-        """Detach from the allocator (its previous step runner is restored). Not collective."""
-        if self.alloc.step_runner is self._runner:
-            self.alloc.step_runner = self._prev_runner
+        """Drop the wrapper's captured graphs (not collective). The allocator keeps its
+        executor: a closed wrapper's allocator is not used again."""
+        self._step_graph = self._digest_graph = None
 
-    # ---- step runners (called by HybridAllocator.run) ----------------------------------
-    def _run_replicated(self, buffer_index: int) -> None:
-        if self._prev_runner is not None:
-            self._prev_runner(buffer_index)
-        else:
-            self.alloc.launch(buffer_index)
-        self._after_step()
-
-    def _run_planner(self, buffer_index: int) -> None:
-        alloc = self.alloc
-        header = self._header_np[buffer_index]  # free: the ring waited for buffer i's event
+    # ---- the executor's work (ReplicaExecutor.execute) ---------------------------------
+    def _broadcast_planned(self, planned) -> None:
+        """Planner, broadcast mode: pack the ledger beside descriptor buffer ``i`` (free: the
+        ring waited for buffer i's event), stage both into the payload, broadcast, replay."""
+        alloc, index = self.alloc, planned.buffer_index
+        header = self._header_np[index]
         pack_ledger(alloc.ledger, header)
         header[0, META_STEP] = self.n_steps + 1
         header[0, META_STEPS_RUN] = alloc.steps_run + 1  # mark_submitted counts it next
-        self._payload_desc.copy_(alloc.ring.bufs[buffer_index], non_blocking=True)
-        self._payload_header.copy_(self._header_bufs[buffer_index], non_blocking=True)
+        self._payload_desc.copy_(alloc.ring.bufs[index], non_blocking=True)
+        self._payload_header.copy_(self._header_bufs[index], non_blocking=True)
         self._broadcast_and_launch()
-        self._after_step()
-
-    def _refuse_local_step(self, buffer_index: int) -> None:
-        raise ContractError(
-            f"rank {self.rank} is a broadcast follower: it replays the planner's steps "
-            "(ReplicatedAllocator.step()/follow()) and never plans its own; this step was not "
-            "run and the allocator is unusable until rebuilt")
 
     def _broadcast_and_launch(self) -> None:
         dist.broadcast(self.payload_buf, src=self.src, group=self.group)
@@ -518,14 +548,3 @@ class ReplicatedAllocator:
         torch.cuda.synchronize()  # sync ok: one-time construction
         self._digest_graph = graphs[-1]
         self._step_graph = graphs[0] if self.mode == "broadcast" else None
-
-    def _check_runner(self) -> None:
-        if self.alloc.step_runner is not self._runner:
-            raise ConfigError("the allocator's step runner was replaced after wrapping (a "
-                              "StepGraph attached later?); attach StepGraph before wrapping")
-
-
-if __name__ == "__main__":  # python -m graphalloc.replicas --selftest ...
-    from .replica_selftest import main
-
-    main()

@@ -88,5 +88,6 @@ class PlannedStep:
     pages_allocated: dict
     result: AllocResult | None = None
     fusable: bool = False  # release and allocation may run as one launch (StepBuilder.fusable)
+    pages_evicted: int = 0  # SWA pages freed by frontier moves (window eviction, advances)
     submitted: bool = False
     owner: object = dataclasses.field(default=None, repr=False)
