@@ -57,14 +57,20 @@ class StepWorkload:
         pages_per_req = _ceil_div(context, ps) + 1
         row_cap = max(1, min(n_pages, row_pages))
         budget = max(token_budget, n_reqs)
-        self.config = AllocatorConfig(
+        shape = dict(
             page_size=ps, num_full_pages=n_reqs * pages_per_req,
             num_swa_pages=n_reqs * pages_per_req, max_reqs=n_reqs, max_context_len=context,
             sliding_window=window, index_dtype=torch.int64, device=device, backend=backend,
-            max_release_rows=n_reqs * _ceil_div(n_pages, row_cap), max_pages_per_row=row_cap,
-            max_alloc_rows=n_reqs,
+            max_pages_per_row=row_cap, max_alloc_rows=n_reqs,
             max_tokens_per_alloc_row=min(context, budget // min(n_reqs, 16)),
-            max_step_pages=n_reqs * n_pages, max_step_tokens=budget)
+            max_step_tokens=budget)
+        # As tight as the step allows, but never below what releasing one request needs (the
+        # config refuses shapes that could leave a request unreleasable).
+        need = AllocatorConfig(**shape)
+        self.config = AllocatorConfig(
+            **shape, max_release_rows=max(n_reqs * _ceil_div(n_pages, row_cap),
+                                          need.min_release_rows),
+            max_step_pages=max(n_reqs * n_pages, need.min_step_pages))
         self.alloc = HybridAllocator(self.config, fused_step=fused_step, executor="graph")
         self.step_graph = self.alloc.executor  # graphalloc.StepGraph
         self.rows = np.array([self.alloc.admit() for _ in range(n_reqs)], dtype=np.int64)

@@ -21,6 +21,7 @@ with. Nothing on the fast path reads the device back.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
@@ -31,7 +32,6 @@ from .config import AllocatorConfig
 from .descriptor import DescriptorRing
 from .device_state import DeviceState
 from .errors import (
-    AlignmentError,
     BatchTooLargeError,
     CapacityError,
     ConfigError,
@@ -39,9 +39,7 @@ from .errors import (
     DeviceFaultError,
     NestedGroupError,
     PendingStepError,
-    PositionError,
     RingOverflowError,
-    TensorSpecError,
 )
 from .executor import make_executor
 from .free_group import FreeGroup
@@ -52,10 +50,25 @@ from .planner import StepBuilder
 from .results import AllocResult, PlannedStep
 from .sync_points import sync_allowed
 
-__all__ = ["HybridAllocator", "AllocResult", "PlannedStep"]
+__all__ = ["HybridAllocator", "AllocResult", "PlannedStep", "HandleInfo"]
 
 _EMPTY_ROWS = np.zeros((0, ROW_WIDTH), dtype=np.int64)
 _SHORTAGE = (CapacityError, BatchTooLargeError, RingOverflowError)
+
+
+@dataclasses.dataclass(frozen=True)
+class HandleInfo:
+    """What a handle holds: ``n_tokens`` (FULL ``[0, n)``), ``swa_start`` (SWA held for
+    ``[swa_start, n)``; equal to ``n_tokens`` after a tombstone), page counts, and the pages
+    dropping it would free now (those it is the last holder of)."""
+
+    handle: int
+    n_tokens: int
+    swa_start: int
+    n_full_pages: int
+    n_swa_pages: int
+    frees_full: int
+    frees_swa: int
 
 
 def _pair(value, what: str, second: str):
@@ -195,48 +208,104 @@ class HybridAllocator:
         return int((-(-(length + n) // ps) + (length // -ps)).sum())
 
     # ---- request lifecycle ---------------------------------------------------------------
-    def admit(self, prefix_slots: torch.Tensor | None = None) -> int:
+    def admit(self, handle=None) -> int:
         """Take the lowest free request row; returns it.
 
-        ``prefix_slots`` (optional, 1-D, index dtype, on the allocator's device, length a
-        multiple of ``page_size``, every slot a FULL-pool slot): full slots of a cached prefix
-        the request shares but does not own. They are copied into ``req_to_token`` and are
-        never freed by this request; its frontier starts past them. In ring mode the
-        request's R ring pages are popped (one step); in pool mode admit is host-only.
+        ``handle`` (optional, from :meth:`take_handle`): the request starts sharing the
+        handle's pages -- length n (the handle's tokens), frontier the handle's SWA start --
+        and holds references to them; its ``req_to_token`` prefix is written on the device
+        inside the step (one step, no host gather, no sync). Without a handle, admit is
+        host-only in pool mode; in ring mode the request's R ring pages are popped (one step).
         """
         cfg = self.config
-        n_prefix = 0
-        if prefix_slots is not None:
-            self._check_tensor(prefix_slots, "prefix_slots")
-            n_prefix = prefix_slots.shape[0]
-            if n_prefix % cfg.page_size:
-                raise AlignmentError(
-                    f"prefix of {n_prefix} tokens is not a whole number of pages "
-                    f"(page_size {cfg.page_size}); share whole pages only")
-            if n_prefix > cfg.max_context_len:
-                raise PositionError(f"prefix of {n_prefix} tokens exceeds max_context_len "
-                                    f"{cfg.max_context_len}")
-            with sync_allowed():
-                lo, hi = cfg.page_size, cfg.num_full_slots  # off the fast path: a debug read
-                bad = bool(((prefix_slots < lo) | (prefix_slots >= hi)).any()) if n_prefix else 0
-            if bad:
-                raise PositionError(f"prefix_slots must be FULL-pool slots in [{lo}, {hi}); "
-                                    "page 0 is the sink and slots past the pool do not exist")
         taken = self.ledger.live if self._group is None else self.ledger.live | self._group.pending
         free_rows = np.flatnonzero(~taken)
-        if len(free_rows) == 0:
-            raise CapacityError(f"all {cfg.max_reqs} request rows are in use; release one first")
-        row = int(free_rows[0])
-        if cfg.ring_mode:
-            self._run(lambda b: b.admit(row, n_prefix))  # may refuse: copy the prefix after
-        else:  # nothing for the device to do: plan and commit on the host only
+        if handle is None and not cfg.ring_mode:  # nothing for the device to do
             self._refuse_planning()
+            if len(free_rows) == 0:
+                raise CapacityError(f"all {cfg.max_reqs} request rows are in use; release one "
+                                    "first")
             b = self._builder()
-            b.admit(row, n_prefix)
+            b.admit(int(free_rows[0]))
             self._commit(b)
-        if n_prefix:
-            self.state.req_to_token_buf[row, :n_prefix].copy_(prefix_slots)
-        return row
+            return int(free_rows[0])
+
+        def op(b):
+            if len(free_rows) == 0:
+                raise CapacityError(f"all {cfg.max_reqs} request rows are in use; release "
+                                    "one first")
+            if handle is None:
+                b.admit(int(free_rows[0]))
+            else:
+                b.admit_on_handle(int(free_rows[0]), handle)
+        self._run(op)
+        return int(free_rows[0])
+
+    # ---- shared pages (pool mode) --------------------------------------------------------
+    def take_handle(self, row, n_tokens) -> int:
+        """A handle on the first ``n_tokens`` (whole pages) of live request ``row``: it holds
+        references to the FULL pages of ``[0, n)`` and the SWA pages of
+        ``[min(frontier(row), n), n)``, and keeps them after the request is released, until
+        :meth:`drop_handle`. One step (the prefix is copied into the handle's row of the
+        device table). Cost: O(n / page_size) host work. Pool mode only."""
+        led = self.ledger
+        if led.n_handles == 0:
+            raise CapacityError("take_handle: the allocator has no handle slots; build it with "
+                                "AllocatorConfig(max_handles=...)")
+        taken = led.h_live if self._group is None else led.h_live | self._group.pending_handles
+        free = np.flatnonzero(~taken)
+        if len(free) == 0:
+            raise CapacityError(f"take_handle: all {led.n_handles} handles are held; drop one "
+                                "first")
+        h = int(free[0])
+        self._run(lambda b: b.take_handle(row, n_tokens, h))
+        if self._group is not None:
+            self._group.sync_handles()
+        return h
+
+    def drop_handle(self, handle) -> None:
+        """Drop every reference ``handle`` holds: pages nobody else references return to the
+        free rings (in this step; deferred to the block's end inside ``free_group()``).
+        Dropping a reference that is not the last changes nothing on the device. A dropped
+        handle raises :class:`UnknownHandleError` with nothing changed."""
+        self._drop_handle(handle, False)
+
+    def drop_handle_swa(self, handle) -> None:
+        """An SWA tombstone: drop only the handle's SWA references (its FULL pages stay). A
+        request admitted on it afterwards starts with its frontier at the handle's end and
+        must recompute the last window. One step (deferred inside ``free_group()``)."""
+        self._drop_handle(handle, True)
+
+    def handle_info(self, handle) -> HandleInfo:
+        """What ``handle`` holds and what dropping it would free now (host only). Cost:
+        O(pages of the handle)."""
+        b = StepBuilder(self.config, self.ledger)
+        if self._group is not None:
+            b.pending_handles = self._group.pending_handles
+        h = b.live_handle(handle, "handle_info")
+        led, ps = self.ledger, self.config.page_size
+        n, start = int(led.h_len[h]), int(led.h_swa_start[h])
+        pages = led.refs.page_of[self.config.max_reqs + h, :n // ps].astype(np.int64)
+        swa = led.refs.swa_of[pages[start // ps:]].astype(np.int64)
+        return HandleInfo(h, n, start, len(pages), len(swa),
+                          int(np.count_nonzero(led.refs.full_ref[pages] == 1)),
+                          int(np.count_nonzero(led.refs.swa_ref[swa] == 1)))
+
+    def live_handles(self) -> np.ndarray:
+        """Handles currently held (a new array). O(max_handles)."""
+        return np.flatnonzero(self.ledger.h_live)
+
+    def _drop_handle(self, handle, swa_only: bool) -> None:
+        self._deferred(lambda b: b.drop_handle(handle, swa_only))
+
+    def _deferred(self, op) -> None:
+        """Run a free: into the open free group, or as a block of its own (one step; several
+        when its rows exceed the frozen step shape, so a free is never refused for size)."""
+        if self._group is not None:
+            self._group.plan(op)
+            return
+        with self.free_group():
+            self._group.plan(op)
 
     def alloc_extend(self, rows, extend_lens) -> AllocResult:
         """Prefill / chunked prefill: ``extend_lens[i]`` new positions for ``rows[i]``.
@@ -254,10 +323,7 @@ class HybridAllocator:
 
     def evict_window(self, rows=None) -> None:
         """Advance frontiers by the window rule (``rows=None``: every live request)."""
-        if self._group is not None:
-            self._group.plan(lambda b: self._evict_rows(b, rows))
-            return
-        self._run(lambda b: self._evict_rows(b, rows))
+        self._deferred(lambda b: self._evict_rows(b, rows))
 
     def advance_frontier(self, rows, new_frontier_pos) -> None:
         """Move frontiers to the given page-aligned positions, freeing the SWA pages of
@@ -266,10 +332,7 @@ class HybridAllocator:
             arr = b.live_rows(rows, "advance_frontier")
             b.advance_frontier(arr, new_frontier_pos)
             return arr
-        if self._group is not None:
-            self._group.plan(op)
-            return
-        self._run(op)
+        self._deferred(op)
 
     def release(self, rows) -> None:
         """Free everything the requests own (finished or retracted) and return their rows.
@@ -281,10 +344,7 @@ class HybridAllocator:
             arr = b.live_rows(rows, "release")
             b.release(arr)
             return arr
-        if self._group is not None:
-            self._group.plan(op)
-            return
-        self._run(op)
+        self._deferred(op)
 
     def load_back(self, row, new_frontier_pos) -> torch.Tensor:
         """Re-pair the full pages of ``[new_frontier_pos, frontier)`` with fresh SWA pages
@@ -321,8 +381,7 @@ class HybridAllocator:
         if self._group is not None:
             raise NestedGroupError("free_group() blocks cannot be nested; "
                                    "close the outer block first")
-        if self._pending is not None:
-            raise PendingStepError("run() the planned step before opening a free_group()")
+        self._refuse_planning()
         self._group = FreeGroup(self)
         try:
             yield
@@ -365,11 +424,16 @@ class HybridAllocator:
         other contract errors (an unknown row, ...) raise. Cost: one plan, no device work."""
         args = (release, evict, evict_all, advance, decode, extend)
         b = self._builder()
+        refs = b.ledger.refs
+        mark = refs.mark() if refs is not None else 0
         try:
             self._apply_step(b, *args, [])
             b.finish()
         except _SHORTAGE:
             return False
+        finally:
+            if refs is not None:
+                refs.rollback(mark)  # a dry run: nothing stays
         return True
 
     def plan(self, *, release=None, evict=None, evict_all: bool = False, advance=None,
@@ -516,6 +580,7 @@ class HybridAllocator:
         b = StepBuilder(self.config, self.ledger.copy(), epoch=self.steps_run + 1)
         if self._group is not None:
             b.pending = self._group.pending
+            b.pending_handles = self._group.pending_handles
         return b
 
     def _commit(self, b: StepBuilder) -> None:
@@ -527,8 +592,17 @@ class HybridAllocator:
     def _plan(self, apply, results: list) -> PlannedStep:
         self._refuse_planning()
         b = self._builder()
-        apply(b)  # raises with nothing committed
-        release, alloc = b.finish()
+        refs = b.ledger.refs
+        mark = refs.mark() if refs is not None else 0
+        try:
+            apply(b)  # raises with nothing committed (the shared page mirror rolled back)
+            release, alloc = b.finish()
+        except Exception:
+            if refs is not None:
+                refs.rollback(mark)
+            raise
+        if refs is not None:
+            refs.release_mark(mark)
         index = self.ring.acquire()
         self.ring.write(index, release, alloc, fusable=b.fusable)
         self._commit(b)
@@ -617,16 +691,3 @@ class HybridAllocator:
                                    "mark_submitted would count it twice)")
         if planned is not self._pending:
             raise PendingStepError(f"{what}() takes the step returned by the latest plan()")
-
-    def _check_tensor(self, t, name: str) -> None:
-        cfg = self.config
-        if not isinstance(t, torch.Tensor):
-            raise TensorSpecError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != cfg.index_dtype:
-            raise TensorSpecError(f"{name} has dtype {t.dtype}; the allocator's index_dtype "
-                                  f"is {cfg.index_dtype}")
-        if t.device != cfg.device and not (t.device.type == cfg.device.type == "cuda"
-                                           and cfg.device.index is None):
-            raise TensorSpecError(f"{name} is on {t.device}; the allocator is on {cfg.device}")
-        if t.dim() != 1:
-            raise TensorSpecError(f"{name} must be 1-D, got shape {tuple(t.shape)}")

@@ -33,7 +33,8 @@ def state_dict(alloc) -> dict:
     return {
         "geometry": {k: getattr(alloc.config, k) for k in _GEOMETRY},
         "index_dtype": str(alloc.config.index_dtype),
-        "host": {k: getattr(led, k).copy() for k in _HOST},
+        "host": {k: getattr(led, k).copy() for k in _HOST + led.HANDLE_ARRAYS},
+        "refs": None if led.refs is None else led.refs.copy_arrays(),
         "full_ring": (led.full.head, led.full.n_free),
         "swa_ring": (led.swa.head, led.swa.n_free),
         "device": {k: v.detach().cpu().clone()  # off the fast path
@@ -63,12 +64,20 @@ def load_state_dict(alloc, sd: dict) -> None:
                              f"{None if src is None else tuple(src.shape)}, expected "
                              f"{tuple(t.shape)}")
     ledger = Ledger(cfg)
-    for k in _HOST:
-        arr = np.asarray(host[k])
+    for k in _HOST + ledger.HANDLE_ARRAYS:
+        arr = np.asarray(host.get(k))
         if arr.shape != getattr(ledger, k).shape:
             raise StateError(f"host array {k!r} has shape {arr.shape}, expected "
                              f"{getattr(ledger, k).shape}")
         setattr(ledger, k, arr.astype(getattr(ledger, k).dtype).copy())
+    if ledger.refs is not None:
+        refs = sd.get("refs") or {}
+        for k in ledger.refs.NAMES:
+            arr = np.asarray(refs.get(k))
+            if arr.shape != getattr(ledger.refs, k).shape:
+                raise StateError(f"state dict refs array {k!r} has shape {arr.shape}, "
+                                 f"expected {getattr(ledger.refs, k).shape}")
+            setattr(ledger.refs, k, arr.astype(np.int32).copy())
     ledger.full = FreeRing(cfg.num_full_pages, int(full_ring[0]), int(full_ring[1]))
     ledger.swa = FreeRing(cfg.num_swa_pages, int(swa_ring[0]), int(swa_ring[1]))
     snap = {k: device[k].numpy() for k in current}

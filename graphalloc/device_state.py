@@ -9,7 +9,8 @@ write to; the public views exclude it.
 name              shape (index dtype unless noted)             meaning
 ================  ===========================================  ======================
 full_to_swa_buf   [(num_full_pages + 1) * ps]                  SWA slot of a full slot, 0 = none
-req_to_token_buf  [max_reqs + 1, max_context_len]              full slot of (request, position)
+req_to_token_buf  [max_reqs + max_handles + 1, max_context_len] full slot of (row, position):
+                                                               requests, then handles
 full_free_buf     [num_full_pages + 1]                         FULL free ring (+ scratch)
 swa_free_buf      [num_swa_pages + 1]                          SWA free ring (+ scratch)
 ring_pages_buf    [max_reqs + 1, max(1, swa_ring_pages)]       ring mode: a request's SWA pages
@@ -41,8 +42,9 @@ class DeviceState:
         dev, dt = cfg.device, cfg.index_dtype
         self.config = cfg
         self.full_to_swa_buf = torch.zeros(cfg.num_full_slots, dtype=dt, device=dev)
-        self.req_to_token_buf = torch.zeros(cfg.max_reqs + 1, cfg.max_context_len, dtype=dt,
-                                            device=dev)
+        self.n_handles = getattr(cfg, "max_handles", 0)
+        self.req_to_token_buf = torch.zeros(cfg.max_reqs + self.n_handles + 1,
+                                            cfg.max_context_len, dtype=dt, device=dev)
         self.full_free_buf = torch.zeros(cfg.num_full_pages + 1, dtype=dt, device=dev)
         self.swa_free_buf = torch.zeros(cfg.num_swa_pages + 1, dtype=dt, device=dev)
         self.ring_pages_buf = torch.zeros(cfg.max_reqs + 1, max(1, cfg.swa_ring_pages), dtype=dt,
@@ -73,7 +75,12 @@ class DeviceState:
 
     @property
     def req_to_token(self) -> torch.Tensor:
-        return self.req_to_token_buf[:-1]
+        return self.req_to_token_buf[:self.config.max_reqs]
+
+    @property
+    def handle_to_token(self) -> torch.Tensor:
+        """``[max_handles, max_context_len]``: the slots each handle holds (its row)."""
+        return self.req_to_token_buf[self.config.max_reqs:-1]
 
     @property
     def full_free(self) -> torch.Tensor:
@@ -92,6 +99,7 @@ class DeviceState:
         return {
             "full_to_swa": self.full_to_swa,
             "req_to_token": self.req_to_token,
+            "handle_to_token": self.handle_to_token,
             "full_free": self.full_free,
             "swa_free": self.swa_free,
             "ring_pages": self.ring_pages,

@@ -53,22 +53,38 @@ class FreeGroup:
         self.pending = np.zeros(alloc.config.max_reqs, dtype=bool)
         self.builder.pending = self.pending
         self.touched = np.zeros(alloc.config.max_reqs, dtype=bool)  # rows the block froze
+        n_handles = alloc.ledger.n_handles
+        self.pending_handles = np.zeros(n_handles, dtype=bool)  # handles dropped in the block
+        self.touched_handles = np.zeros(n_handles, dtype=bool)
+        self.builder.pending_handles = self.pending_handles
 
     def plan(self, op) -> None:
         """Apply ``op(builder)`` to the group: validated and planned now, flushed later.
-        A refused call leaves the group as it was."""
+        A refused call leaves the group as it was (the shared page mirror rolled back)."""
         b = self.builder
         saved_ledger, n_parts = b.ledger.copy(), len(b.release_parts)
-        saved = (b.n_release_pages, dict(b.pages_freed), b.released.copy(), self.pending.copy())
+        saved = (b.n_release_pages, dict(b.pages_freed), b.released.copy(), self.pending.copy(),
+                 set(b.dropped_handles))
+        refs = b.ledger.refs
+        mark = refs.mark() if refs is not None else 0
         try:
             rows = op(b)
         except Exception:
+            if refs is not None:
+                refs.rollback(mark)
             b.ledger, b.release_parts[n_parts:] = saved_ledger, []
             b.n_release_pages, b.pages_freed = saved[0], saved[1]
             b.released[:], self.pending[:] = saved[2], saved[3]
+            b.dropped_handles = saved[4]
             raise
-        self.touched[rows] = True
+        if refs is not None:
+            refs.release_mark(mark)
+        if rows is not None:
+            self.touched[rows] = True
         self.pending |= b.released
+        for h in b.dropped_handles:  # dropped or tombstoned: frozen until the block ends
+            self.touched_handles[h] = True
+            self.pending_handles[h] = True
 
     def sync_rows(self, rows: np.ndarray) -> None:
         """Copy the live ledger's state of ``rows`` into the group's copy after an operation
@@ -81,6 +97,14 @@ class FreeGroup:
         group.assign_rows(live, fresh)
         group.seq_len[rows] = live.seq_len[rows]
         self.builder.len_at_start[rows] = live.seq_len[rows]
+
+    def sync_handles(self) -> None:
+        """Copy the live ledger's handles the block has not touched (taken at once inside
+        the block) into the group's copy."""
+        live, group = self.alloc.ledger, self.builder.ledger
+        fresh = np.flatnonzero(~self.touched_handles)
+        for name in live.HANDLE_ARRAYS:
+            getattr(group, name)[fresh] = getattr(live, name)[fresh]
 
     def flush_parts(self) -> list[np.ndarray]:
         """The block's release rows, cut into parts that each fit one step."""
@@ -95,5 +119,8 @@ class FreeGroup:
         every row the block froze, and the pushed page counts."""
         rows = np.flatnonzero(self.touched)
         ledger.assign_rows(self.builder.ledger, rows)
+        handles = np.flatnonzero(self.touched_handles)
+        for name in ledger.HANDLE_ARRAYS:
+            getattr(ledger, name)[handles] = getattr(self.builder.ledger, name)[handles]
         ledger.full.n_free += self.builder.pages_freed["full"]
         ledger.swa.n_free += self.builder.pages_freed["swa"]

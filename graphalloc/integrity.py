@@ -50,10 +50,13 @@ def snapshot(alloc) -> dict:
     with sync_allowed():
         snap = {name: t.detach().cpu().numpy().copy()  # off the fast path
                 for name, t in alloc.state.tables().items()}
-    for name in ("live", "seq_len", "frontier", "protected"):
+    for name in ("live", "seq_len", "frontier", "protected") + led.HANDLE_ARRAYS:
         snap[f"host_{name}"] = getattr(led, name).copy()
     snap["host_full_ring"] = (led.full.head, led.full.n_free)
     snap["host_swa_ring"] = (led.swa.head, led.swa.n_free)
+    if led.refs is not None:
+        for name, arr in led.refs.copy_arrays().items():
+            snap[f"refs_{name}"] = arr
     return snap
 
 
@@ -115,6 +118,109 @@ def _audit_pool(name: str, n_pages: int, free: np.ndarray, owned: dict) -> list[
     return out
 
 
+def _holders(config, ledger):
+    """Every holder as (row of page_of / req_to_token, n_tokens, swa_start): live requests,
+    then held handles."""
+    rows = np.flatnonzero(ledger.live)
+    handles = np.flatnonzero(ledger.h_live)
+    return (np.concatenate([rows, config.max_reqs + handles]),
+            np.concatenate([ledger.seq_len[rows], ledger.h_len[handles]]),
+            np.concatenate([ledger.frontier[rows], ledger.h_swa_start[handles]]))
+
+
+def audit_references(config, ledger, snap: dict) -> list[Finding]:
+    """Pool mode, exact: the host's page mirror against the device tables, and every
+    reference count against the holders. Per pool: free + referenced == pages, page 0 never
+    referenced, no referenced page free, counts equal to the holders' references."""
+    ps, refs, out = config.page_size, ledger.refs, []
+    r2t = np.concatenate([snap["req_to_token"], snap["handle_to_token"]])
+    f2s = snap["full_to_swa"]
+    rows, lens, starts = _holders(config, ledger)
+    want_full = np.zeros(config.num_full_pages + 1, dtype=np.int64)
+    want_swa = np.zeros(config.num_swa_pages + 1, dtype=np.int64)
+    for row, length, start in zip(rows, lens, starts, strict=True):
+        n_pages = -(-int(length) // ps)
+        pages = refs.page_of[row, :n_pages].astype(np.int64)
+        who = f"request {row}" if row < config.max_reqs else f"handle {row - config.max_reqs}"
+        slots = r2t[row, :length]
+        expect = pages[np.arange(length) // ps] * ps + np.arange(length) % ps
+        if not np.array_equal(slots, expect):
+            p = int(np.flatnonzero(slots != expect)[0])
+            out.append(Finding("req_to_token", "FULL", int(expect[p] // ps), int(row),
+                               f"{who}: req_to_token at position {p} is {slots[p]}, the host "
+                               f"mirror says {expect[p]}"))
+        np.add.at(want_full, pages, 1)
+        swa = refs.swa_of[pages[int(start) // ps:]].astype(np.int64)
+        if (swa == 0).any():
+            k = int(np.flatnonzero(swa == 0)[0]) + int(start) // ps
+            out.append(Finding("missing_mapping", "SWA", int(pages[k]), int(row),
+                               f"{who} holds the SWA page of its page {k} (FULL page "
+                               f"{pages[k]}) but that page has no SWA page"))
+        np.add.at(want_swa, swa[swa > 0], 1)
+    for name, want, have, n in (("FULL", want_full, refs.full_ref, config.num_full_pages),
+                                ("SWA", want_swa, refs.swa_ref, config.num_swa_pages)):
+        bad = np.flatnonzero(want != have)
+        for page in bad[:8]:
+            out.append(Finding("bad_refcount", name, int(page), -1,
+                               f"{name} page {page}: reference count {have[page]}, but "
+                               f"{want[page]} holders reference it"))
+        if have[0] or want[0]:
+            out.append(Finding("sink_referenced", name, 0, -1,
+                               f"{name} page 0 (the sink) is referenced"))
+    # the free rings: device == mirror at the free positions; in range, unique, unreferenced
+    for name, key, ring, mirror, have, n in (
+            ("FULL", "full_free", ledger.full, refs.full_ring, refs.full_ref,
+             config.num_full_pages),
+            ("SWA", "swa_free", ledger.swa, refs.swa_ring, refs.swa_ref, config.num_swa_pages)):
+        pos = (ring.head + np.arange(ring.n_free)) % max(n, 1)
+        device, host = snap[key][pos], mirror[pos]
+        if not np.array_equal(device, host):
+            i = int(np.flatnonzero(device != host)[0])
+            out.append(Finding("free_ring", name, int(device[i]), -1,
+                               f"{name} free ring position {pos[i]} holds {device[i]} on the "
+                               f"device, {host[i]} in the host mirror"))
+        bad = device[(device < 1) | (device > n)]
+        for page in bad[:8]:
+            out.append(Finding("bad_free_entry", name, int(page), -1,
+                               f"{name} free list holds page {page}, outside [1, {n}]"))
+        good = device[(device >= 1) & (device <= n)]
+        counts = np.bincount(good, minlength=n + 1)
+        for page in np.flatnonzero(counts > 1)[:8]:
+            out.append(Finding("double_free", name, int(page), -1,
+                               f"{name} page {page} is in the free ring {counts[page]} times"))
+        for page in np.flatnonzero((counts > 0) & (have > 0))[:8]:
+            out.append(Finding("double_owner", name, int(page), -1,
+                               f"{name} page {page} is free and referenced ({have[page]})"))
+        n_ref = int(np.count_nonzero(have[1:]))
+        if ring.n_free + n_ref != n:
+            out.append(Finding("conservation", name, -1, -1,
+                               f"{name} pool: free {ring.n_free} + referenced {n_ref} != {n}"))
+        leaked = np.flatnonzero((counts[1:] == 0) & (have[1:] == 0)) + 1
+        for page in leaked[:8]:
+            out.append(Finding("leak", name, int(page), -1,
+                               f"{name} page {page} is neither free nor referenced (leaked)"))
+    # the mapping: device == mirror, page-dense; an SWA page is the peer of one FULL page
+    table = f2s.reshape(config.num_full_pages + 1, ps)
+    expect = np.where(refs.swa_of[:, None] > 0,
+                      refs.swa_of[:, None].astype(np.int64) * ps + np.arange(ps), 0)
+    for p in np.flatnonzero((table != expect).any(1))[:8]:
+        kind = "stale_mapping" if table[p, 0] else "missing_mapping"
+        out.append(Finding(kind, "FULL", int(p), -1,
+                           f"full_to_swa of full page {p} is {table[p].tolist()}, the host "
+                           f"mirror says SWA page {refs.swa_of[p]}"))  # off the fast path
+    first = table[:, 0]
+    peers = first[first > 0] // ps  # from the device table: what corruption looks like there
+    vals, counts = np.unique(peers, return_counts=True)
+    for v in vals[counts > 1][:8]:
+        out.append(Finding("double_owner", "SWA", int(v), -1,
+                           f"SWA page {v} is the peer of {counts[vals == v][0]} full pages"))
+    orphan = np.flatnonzero((refs.swa_of > 0) & (refs.full_ref == 0))
+    for p in orphan[:8]:
+        out.append(Finding("stale_mapping", "FULL", int(p), -1,
+                           f"free full page {p} still maps to SWA page {refs.swa_of[p]}"))
+    return out
+
+
 def audit_state(config, ledger, snap: dict) -> list[Finding]:
     """Every discrepancy between ``snap`` (device tables) and ``ledger`` (host)."""
     ps = config.page_size
@@ -123,6 +229,9 @@ def audit_state(config, ledger, snap: dict) -> list[Finding]:
         ledger.check_host_invariants()
     except IntegrityError as exc:
         findings.append(Finding("host_ledger", "-", -1, -1, str(exc)))
+    if ledger.refs is not None:  # pool mode: exact, against the host mirror
+        findings += audit_references(config, ledger, snap)
+        return findings + _error_word_findings(snap)
     own = ownership(config, ledger, snap)
     findings += _audit_pool("FULL", config.num_full_pages, own["full_free"], own["full"])
     findings += _audit_pool("SWA", config.num_swa_pages, own["swa_free"], own["swa"])
@@ -168,11 +277,15 @@ def audit_state(config, ledger, snap: dict) -> list[Finding]:
     for v in vals[counts > 1][:8]:
         findings.append(Finding("double_owner", "SWA", int(v), -1,
                                 f"SWA page {v} is the peer of {counts[vals == v][0]} full pages"))
+    return findings + _error_word_findings(snap)
+
+
+def _error_word_findings(snap: dict) -> list[Finding]:
     err = snap["err"]
-    if err[ERR_CODES]:
-        findings.append(Finding("device_fault", "-", int(err[ERR_PAGE]), int(err[ERR_REQ]),
-                                f"device error word: {err.tolist()}"))  # off the fast path
-    return findings
+    if not err[ERR_CODES]:
+        return []
+    return [Finding("device_fault", "-", int(err[ERR_PAGE]), int(err[ERR_REQ]),
+                    f"device error word: {err.tolist()}")]  # off the fast path
 
 
 def audit(alloc) -> list[Finding]:

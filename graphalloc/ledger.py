@@ -1,19 +1,24 @@
 """The host ledger: everything the host knows, as plain ints and numpy arrays.
 
-The host never reads the device. It knows, per request row, the allocated
-length, the SWA eviction frontier and the protected prefix; per pool, where the
-free ring's head is and how many entries it holds. Page *ids* live only on the
-device.
+The host never reads the device. It knows, per request row, the allocated length
+and the SWA eviction frontier; per handle (a shared prefix kept by a cache or an
+engine's tree), its length and SWA start; per pool, where the free ring's head is
+and how many entries it holds; and (pool mode) which page every row and handle
+holds, with a reference count per page (:mod:`graphalloc.references`).
 
 Per request r (positions, half-open ``[a, b)``)::
 
-    [0, protected)           prefix owned by someone else (a prefix cache): never freed here
-    [protected, frontier)    FULL page owned, SWA peer already freed (evicted)
-    [frontier, ceil_page(L)) FULL and SWA pages owned (pool mode; ring mode owns R SWA pages)
+    [0, frontier)            FULL pages held (referenced), SWA already dropped (evicted)
+    [frontier, ceil_page(L)) FULL and SWA pages held (pool mode; ring mode owns R SWA pages)
 
-Invariants (checked by ``check_host_invariants``): ``protected`` and
-``frontier`` are page-aligned, ``protected <= frontier <= floor_page(L)``,
-the frontier only moves forward, and per pool ``free + owned == pages``.
+Per handle h: FULL ``[0, n)``, SWA ``[swa_start, n)``. A page is free only when no
+row and no handle references it.
+
+Invariants (checked by ``check_host_invariants``): the frontier is page-aligned,
+``frontier <= floor_page(L)``, it only moves forward (``load_back`` aside), and per
+pool ``free + referenced == pages`` (ring mode: ``free + owned == pages``).
+``protected`` is always 0 (the protected-prefix form of sharing was replaced by
+handles); it stays in the wire format of replicas and checkpoints.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 
 from .config import AllocatorConfig
 from .errors import IntegrityError
+from .references import PageRefs
 
 __all__ = ["FreeRing", "Ledger"]
 
@@ -60,9 +66,21 @@ class Ledger:
 
     ROW_ARRAYS = ("live", "admitted_once", "seq_len", "frontier", "protected")
 
+    HANDLE_ARRAYS = ("h_live", "h_len", "h_swa_start")
+
     def __init__(self, config: AllocatorConfig):
         self.config = config
         n = config.max_reqs
+        n_handles = getattr(config, "max_handles", 0)
+        self.n_handles = n_handles
+        # Handles (prefix sharing): handle h is row max_reqs + h of req_to_token and page_of.
+        self.h_live = np.zeros(n_handles, dtype=bool)
+        self.h_len = np.zeros(n_handles, dtype=np.int64)  # tokens held: FULL [0, h_len)
+        self.h_swa_start = np.zeros(n_handles, dtype=np.int64)  # SWA held: [start, h_len)
+        # Page ids and reference counts (pool mode): shared by every copy of this ledger.
+        self.refs = None if config.ring_mode else PageRefs(
+            n + n_handles, config.pages_per_request, config.num_full_pages,
+            config.num_swa_pages)
         self.live = np.zeros(n, dtype=bool)
         self.admitted_once = np.zeros(n, dtype=bool)  # for messages: "already released"
         self.seq_len = np.zeros(n, dtype=np.int64)
@@ -79,8 +97,9 @@ class Ledger:
     def copy(self) -> Ledger:
         other = Ledger.__new__(Ledger)
         other.config = self.config
-        for name in self.ROW_ARRAYS:
+        for name in self.ROW_ARRAYS + self.HANDLE_ARRAYS:
             setattr(other, name, getattr(self, name).copy())
+        other.n_handles, other.refs = self.n_handles, self.refs  # shared: journaled writes
         other.full = FreeRing(self.full.capacity, self.full.head, self.full.n_free)
         other.swa = FreeRing(self.swa.capacity, self.swa.head, self.swa.n_free)
         return other
@@ -114,9 +133,15 @@ class Ledger:
                 f"request {r}: protected={self.protected[r]} frontier={self.frontier[r]} "
                 f"len={self.seq_len[r]} break 'protected <= frontier <= floor_page(len)', "
                 f"page-aligned (page_size {ps})")
+        if self.refs is not None:
+            owned_full = int(np.count_nonzero(self.refs.full_ref[1:]))
+            owned_swa = int(np.count_nonzero(self.refs.swa_ref[1:]))
+        else:
+            owned_full = self.full_pages_owned().sum()
+            owned_swa = self.swa_pages_owned().sum()
         for name, ring, owned, total in (
-            ("FULL", self.full, self.full_pages_owned().sum(), cfg.num_full_pages),
-            ("SWA", self.swa, self.swa_pages_owned().sum(), cfg.num_swa_pages),
+            ("FULL", self.full, owned_full, cfg.num_full_pages),
+            ("SWA", self.swa, owned_swa, cfg.num_swa_pages),
         ):
             if ring.n_free + owned != total or not 0 <= ring.n_free <= total:
                 raise IntegrityError(

@@ -40,9 +40,14 @@ Allocation rows, one per allocating request::
     4    AL_SWA_POP    free-ring position of the first popped SWA page
     5    AL_OUT        exclusive prefix sum of tokens: the row's first output lane
     6    AL_FLAGS      AL_RING (SWA slot from the request's ring) | AL_RING_ADMIT |
-                       AL_SWA_ONLY (re-pair existing FULL pages with popped SWA pages)
+                       AL_SWA_ONLY (re-pair existing FULL pages with popped SWA pages) |
+                       AL_COPY (copy another row's prefix: shared pages)
     7    AL_N_PAGES    new pages (informative); for AL_RING_ADMIT, ring pages to pop;
                        for AL_SWA_ONLY, the SWA pages to pop
+
+    AL_COPY (prefix sharing): req_to_token[r, t] = req_to_token[src, t] for t < n_pages*ps,
+    src = the AL_FULL_POP column (a request row or a handle row); n_tokens is 0 (no output
+    lanes, no pops): a new request or handle takes references to existing pages.
 
     AL_SWA_ONLY (load-back): for page k < n_pages of ``[s, s + n_pages*ps)`` the FULL page
     is req_to_token[r, s + k*ps] // ps (it exists), the SWA page is popped at
@@ -76,7 +81,7 @@ __all__ = [
     "REL_LANE", "REL_EPOCH",
     "REL_SWA", "REL_FULL", "REL_CLEAR", "REL_RING_RETURN",
     "AL_REQ", "AL_START_POS", "AL_N_TOKENS", "AL_FULL_POP", "AL_SWA_POP", "AL_OUT", "AL_FLAGS",
-    "AL_N_PAGES", "AL_RING", "AL_RING_ADMIT", "AL_SWA_ONLY",
+    "AL_N_PAGES", "AL_RING", "AL_RING_ADMIT", "AL_SWA_ONLY", "AL_COPY",
     "ERR_CODES", "ERR_COUNT", "ERR_CLAIMED", "ERR_CODE", "ERR_ROW", "ERR_REQ", "ERR_PAGE",
     "ERR_STAGE", "ERR_WORDS",
     "STAGE_RELEASE", "STAGE_ALLOC", "STAGE_SINGLE", "STAGE_NAMES",
@@ -92,7 +97,7 @@ REL_SWA, REL_FULL, REL_CLEAR, REL_RING_RETURN = 1, 2, 4, 8
 
 # ---- allocation rows -------------------------------------------------------------------
 AL_REQ, AL_START_POS, AL_N_TOKENS, AL_FULL_POP, AL_SWA_POP, AL_OUT, AL_FLAGS, AL_N_PAGES = range(8)
-AL_RING, AL_RING_ADMIT, AL_SWA_ONLY = 1, 2, 4
+AL_RING, AL_RING_ADMIT, AL_SWA_ONLY, AL_COPY = 1, 2, 4, 8
 
 # ---- error word ------------------------------------------------------------------------
 ERR_CODES, ERR_COUNT, ERR_CLAIMED, ERR_CODE, ERR_ROW, ERR_REQ, ERR_PAGE, ERR_STAGE = range(8)

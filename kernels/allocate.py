@@ -5,6 +5,7 @@ One program per descriptor allocation row (layout: ``graphalloc.kernels.abi``)::
     row = rows[pid]
     if row.n_tokens == 0 and row.n_pages == 0: return       # padded row
     if RING_ADMIT: ring_pages[r, q] = swa_free[(swa_pop + q) % cap] for q < n_pages; return
+    if COPY: req_to_token[r, s:s + n_pages*ps] = req_to_token[src, same]; return   # sharing
     if SWA_ONLY:                                            # load-back of [s, s + n_tokens)
         for i < n_tokens: k = i // ps; off = i % ps
             full = req_to_token[r, s + k*ps] // ps; swa = swa_free[(swa_pop + k) % cap]
@@ -65,6 +66,7 @@ from .abi import (
     AL_RING,
     AL_RING_ADMIT,
     AL_START_POS,
+    AL_COPY,
     AL_SWA_ONLY,
     AL_SWA_POP,
     STAGE_ALLOC,
@@ -87,6 +89,7 @@ _FLAGS = tl.constexpr(AL_FLAGS)
 _N_PAGES = tl.constexpr(AL_N_PAGES)
 _F_RING, _F_RING_ADMIT = tl.constexpr(AL_RING), tl.constexpr(AL_RING_ADMIT)
 _F_SWA_ONLY = tl.constexpr(AL_SWA_ONLY)
+_F_COPY = tl.constexpr(AL_COPY)
 _SINK_POP = tl.constexpr(FaultCode.SINK_POP)
 _MAPPED_PEER = tl.constexpr(FaultCode.MAPPED_PEER)
 _OUT_OF_RANGE = tl.constexpr(FaultCode.OUT_OF_RANGE)
@@ -141,6 +144,17 @@ def _allocate_body(
                 record_fault_bits(err_ptr, bits.to(tl.int64), lanes_t, _STAGE_ALLOC, pid, r,
                                   popped, BLOCK_TOKENS)
             tl.store(ring_row_ptr + q, popped.to(ring_ptr.dtype.element_ty), mask=admit_mask)
+
+    # Prefix sharing: copy the source row's slots of [s, s + n_pages*ps) (AL_FULL_POP = src).
+    if (flags & _F_COPY) != 0:
+        src_row_ptr = r2t_ptr + full_pop * stride_r2t_row
+        n_copy = n_pages * page_size
+        for start in range(0, n_copy, BLOCK_TOKENS):
+            t = start_pos + start + lanes_t
+            copy_mask = (start + lanes_t) < n_copy
+            slot = tl.load(src_row_ptr + t, mask=copy_mask, other=0)
+            tl.store(r2t_row_ptr + t, slot, mask=copy_mask)
+        return
 
     # Load-back: re-pair existing FULL pages of [s, s + n_pages*ps) with popped SWA pages.
     if (flags & _F_SWA_ONLY) != 0:
@@ -328,6 +342,19 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     ring_pages.index_put_((admit_r.reshape(-1), q.expand_as(admit_r).reshape(-1)),
                           ring_value.reshape(-1).to(ring_pages.dtype))
     row_ids = torch.arange(rows.shape[0], device=device)[:, None].expand_as(admit_lane)
+
+    # --- prefix copies: req_to_token[r, s + t] = req_to_token[src, s + t], t < n_pages*ps --
+    copy = (rows[:, AL_FLAGS] & AL_COPY) != 0
+    n_cols = req_to_token.shape[1]
+    cols = torch.arange(n_cols, device=device)
+    copy_end = rows[:, AL_START_POS, None] + rows[:, AL_N_PAGES, None] * ps
+    copy_lane = copy[:, None] & (cols[None, :] >= rows[:, AL_START_POS, None]) & (
+        cols[None, :] < copy_end)
+    src = torch.where(copy, rows[:, AL_FULL_POP], 0).clamp(0, scratch_row)
+    copied = req_to_token[src[:, None].expand_as(copy_lane), cols.expand_as(copy_lane)]
+    dst = torch.where(copy_lane, rows[:, AL_REQ, None], scratch_row)
+    req_to_token.index_put_((dst.reshape(-1), cols.expand_as(copy_lane).reshape(-1)),
+                            copied.reshape(-1))
 
     # --- token lanes ------------------------------------------------------------------
     row_of, i, valid = lanes_of_rows(rows[:, AL_N_TOKENS], n_lanes)

@@ -33,6 +33,7 @@ __all__ = [
     "ContractError",
     "ConfigError",
     "UnknownRequestError",
+    "UnknownHandleError",
     "CapacityError",
     "AlignmentError",
     "OverlapError",
@@ -67,6 +68,10 @@ class ConfigError(ContractError):
 
 class UnknownRequestError(ContractError):
     """A request row is out of range, free, already released, or pending release."""
+
+
+class UnknownHandleError(ContractError):
+    """A prefix-sharing handle is out of range, was never taken, or was dropped already."""
 
 
 class CapacityError(ContractError):

@@ -31,7 +31,7 @@ PS = 4
 def make(ring=0, dtype=torch.int64, **kw) -> HybridAllocator:
     args = dict(page_size=PS, num_full_pages=12, num_swa_pages=12, max_reqs=4,
                 max_context_len=32, sliding_window=6, swa_ring_pages=ring, index_dtype=dtype,
-                device="cpu", backend="torch")
+                device="cpu", backend="torch", max_handles=0 if ring else 2)
     args.update(kw)
     return HybridAllocator(AllocatorConfig(**args))
 
@@ -80,11 +80,28 @@ def plan_twice(a):
     return a
 
 
-def prefix(n, dtype=torch.int64, device=None, shape=None):
-    # On the allocators' device (CUDA when the suite is redirected there) unless a case
-    # names another on purpose.
-    t = torch.arange(PS, PS + n, dtype=dtype, device=device or CORE_DEVICE)
-    return t.reshape(shape) if shape else t
+def with_handle(**kw):
+    """two_requests() with handle 0 on row 0's first page; handle 1 taken and dropped."""
+    a = two_requests(**kw)
+    a.take_handle(0, PS)
+    a.drop_handle(a.take_handle(0, PS))
+    return a
+
+
+def two_long(**kw):
+    """Rows 0 and 1 with 20 tokens (5 pages) each."""
+    a = make(**kw)
+    r, s = a.admit(), a.admit()
+    a.alloc_extend([r], [20])
+    a.alloc_extend([s], [20])
+    return a
+
+
+def one_handle(**kw):
+    """two_requests() with its only handle held."""
+    a = two_requests(max_handles=1, **kw)
+    a.take_handle(0, PS)
+    return a
 
 
 # (id, set-up, bad call, exception)
@@ -96,7 +113,7 @@ CASES = [
      E.AlignmentError),
     ("unaligned_frontier_in_step", two_requests, lambda a: a.step(advance=([0], [2])),
      E.AlignmentError),
-    ("unaligned_prefix_segment", two_requests, lambda a: a.admit(prefix(PS + 1)),
+    ("unaligned_handle", two_requests, lambda a: a.take_handle(0, PS + 1),
      E.AlignmentError),
     # overlap: one request twice in one call, or allocating twice in one step
     ("release_twice_in_call", two_requests, lambda a: a.release([0, 1, 0]), E.OverlapError),
@@ -145,7 +162,8 @@ CASES = [
      E.PositionError),
     ("frontier_past_last_whole_page", two_requests, lambda a: a.advance_frontier([1], [8]),
      E.PositionError),
-    ("prefix_past_context", two_requests, lambda a: a.admit(prefix(36)), E.PositionError),
+    ("handle_past_length", two_requests, lambda a: a.take_handle(0, 12), E.PositionError),
+    ("handle_empty", two_requests, lambda a: a.take_handle(0, 0), E.PositionError),
     ("negative_tokens", two_requests, lambda a: a.alloc_extend([0, 1], [2, -1]),
      E.PositionError),
     ("rows_and_lengths_differ", two_requests, lambda a: a.alloc_extend([0, 1], [2]),
@@ -175,18 +193,21 @@ CASES = [
     ("step_advance_in_group", grouped(), lambda a: a.step(advance=([0], [8])),
      E.NestedGroupError),
     # caller tensors
-    ("prefix_wrong_dtype", two_requests, lambda a: a.admit(prefix(PS, dtype=torch.int32)),
-     E.TensorSpecError),
-    ("prefix_float", two_requests, lambda a: a.admit(prefix(PS, dtype=torch.float32)),
-     E.TensorSpecError),
-    ("prefix_wrong_device", two_requests, lambda a: a.admit(prefix(PS, device="meta")),
-     E.TensorSpecError),
-    ("prefix_wrong_shape", two_requests, lambda a: a.admit(prefix(2 * PS, shape=(2, PS))),
-     E.TensorSpecError),
-    ("prefix_not_a_tensor", two_requests, lambda a: a.admit(list(range(PS, 2 * PS))),
-     E.TensorSpecError),
-    ("prefix_wrong_dtype_int32_alloc", lambda: two_requests(dtype=torch.int32),
-     lambda a: a.admit(prefix(PS, dtype=torch.int64)), E.TensorSpecError),
+    ("rows_on_meta_device", two_requests,
+     lambda a: a.release(torch.tensor([0], device="meta")), E.TensorSpecError),
+    ("rows_as_float_tensor", two_requests, lambda a: a.release(torch.tensor([0.0])),
+     E.UnknownRequestError),
+    # handles
+    ("admit_dropped_handle", with_handle, lambda a: a.admit(handle=1), E.UnknownHandleError),
+    ("drop_handle_twice", with_handle, lambda a: a.drop_handle(1), E.UnknownHandleError),
+    ("handle_out_of_range", with_handle, lambda a: a.drop_handle_swa(7),
+     E.UnknownHandleError),
+    ("handle_not_an_int", with_handle, lambda a: a.admit(handle=0.0), E.UnknownHandleError),
+    ("handle_bool", with_handle, lambda a: a.admit(handle=True), E.UnknownHandleError),
+    ("handle_of_dead_row", two_requests, lambda a: a.take_handle(2, PS),
+     E.UnknownRequestError),
+    ("handles_all_taken", one_handle, lambda a: a.take_handle(0, PS), E.CapacityError),
+    ("handle_in_ring_mode", lambda: ring_ready(), lambda a: a.drop_handle(0), E.ContractError),
     # frozen step shape
     ("too_many_decode_rows", lambda: small_two(max_alloc_rows=1),
      lambda a: a.alloc_decode([0, 1]), E.BatchTooLargeError),
@@ -194,10 +215,11 @@ CASES = [
      lambda a: a.alloc_extend([1], [4]), E.BatchTooLargeError),
     ("too_many_tokens_in_a_step", lambda: small_two(max_step_tokens=3),
      lambda a: a.alloc_extend([0, 1], [2, 2]), E.BatchTooLargeError),
+    # (a combined step is refused; release() alone splits over steps: test_scenarios)
     ("too_many_release_rows", lambda: two_requests(max_release_rows=2),
-     lambda a: a.release([0, 1]), E.BatchTooLargeError),
-    ("too_many_freed_pages", lambda: two_requests(max_step_pages=4),
-     lambda a: a.release([0, 1]), E.BatchTooLargeError),
+     lambda a: a.step(release=[0, 1], decode=[]), E.BatchTooLargeError),
+    ("too_many_freed_pages", lambda: two_long(max_step_pages=8),
+     lambda a: a.step(release=[0, 1]), E.BatchTooLargeError),
     # pending steps
     ("plan_twice", lambda: plan_twice(two_requests()), lambda a: a.plan(decode=[1]),
      E.PendingStepError),
@@ -207,12 +229,10 @@ CASES = [
     # another allocator's handle: a plan made by a second allocator is not this one's step
     ("run_foreign_plan", two_requests,
      lambda a: a.run(two_requests().plan(decode=[0])), E.PendingStepError),
-    ("admit_foreign_int32_prefix", two_requests,
-     lambda a: a.admit(two_requests(dtype=torch.int32).req_to_token[0, :PS]), E.TensorSpecError),
     ("ring_admit_while_planned", lambda: plan_twice(ring_ready()), lambda a: a.admit(),
      E.PendingStepError),
-    ("ring_admit_prefix_while_planned", lambda: plan_twice(ring_ready()),
-     lambda a: a.admit(prefix(PS)), E.PendingStepError),
+    ("admit_on_handle_while_planned", lambda: plan_twice(with_handle()),
+     lambda a: a.admit(handle=0), E.PendingStepError),
 ]
 
 
@@ -283,5 +303,6 @@ def test_catalogue_covers_every_contract_error():
     raised = {c[3] for c in CASES}
     expected = {E.AlignmentError, E.OverlapError, E.UnknownRequestError, E.PositionError,
                 E.FrontierError, E.CapacityError, E.NestedGroupError, E.TensorSpecError,
-                E.BatchTooLargeError, E.PendingStepError, E.RingOverflowError}
+                E.BatchTooLargeError, E.PendingStepError, E.RingOverflowError,
+                E.UnknownHandleError}
     assert expected <= raised

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import assert_same_snapshot
 
 from graphalloc import AllocatorConfig, HybridAllocator
 from graphalloc import errors as E
@@ -152,45 +153,50 @@ def test_short_request_is_not_evicted():
     assert a.stats()["frontier"] == {r: 0} and a.stats()["swa_free_pages"] == 8 - 4
 
 
-def test_protected_prefix_rule():
+def test_shared_prefix_by_handle():
+    """A request admitted on a handle shares the donor's pages (same slots, same SWA pages),
+    evicts by the plain window rule, and its release frees only what nobody else holds."""
     ps, w = 4, 1
-    a = make(ps=ps, n_full=12, n_swa=12, window=w, ctx=24)
+    a = make(ps=ps, n_full=12, n_swa=12, window=w, ctx=24, max_handles=2)
     src = a.admit()
     a.alloc_extend([src], [12])  # pages 1, 2, 3
-    prefix = a.req_to_token[src, :8].clone()  # pages 1 and 2, shared
-    b = a.admit(prefix)
+    h = a.take_handle(src, 8)  # pages 1 and 2, shared
+    b = a.admit(handle=h)
     c = a.admit()
-    assert a.stats()["seq_len"][b] == 8 and a.stats()["frontier"][b] == 8
+    assert a.stats()["seq_len"][b] == 8 and a.stats()["frontier"][b] == 0
+    assert slots(a, b, 8) == slots(a, src, 8)
     a.alloc_extend([b, c], [5, 13])  # both at L = 13; b pops pages 4, 5; c pops 6..9
     assert slots(a, b, 13) == list(range(4, 12)) + [16, 17, 18, 19, 20]
-    # threshold: b (protected) L - max(W, ps) = 9 -> 8; c L - W = 12 -> 12
+    # the plain window rule for both: L - W = 12 -> 12
     a.evict_window([b, c])
-    assert a.stats()["frontier"][b] == 8 and a.stats()["frontier"][c] == 12
-    assert queue(a, "swa")[-3:] == [6, 7, 8]  # only c's pages were evicted
-    # never below the prefix, whatever the window
-    with pytest.raises(E.FrontierError):
-        a.advance_frontier([b], [4])
-    a.alloc_extend([b], [4])  # L = 17: b's threshold 13 -> 12; frees b's page at [8, 12)
-    a.evict_window([b])
-    assert a.stats()["frontier"][b] == 12
-    assert queue(a, "swa")[-1] == 4
-    # release never frees the prefix: only b's own pages, 4 (below the frontier), 5 and 10
+    assert a.stats()["frontier"][b] == 12 and a.stats()["frontier"][c] == 12
+    # b dropped its SWA refs of pages 1, 2 (src and the handle still hold them) and 4 (its
+    # own): only 4's SWA page is freed; c's pages 6, 7, 8 too
+    assert queue(a, "swa")[-4:] == [4, 6, 7, 8]
+    assert page_map(a, 1) == mapped(1, ps) and page_map(a, 2) == mapped(2, ps)
+    # release frees b's own pages (4, 5) but not the shared ones
     full_before = queue(a, "full")
     a.release([b])
-    assert queue(a, "full") == full_before + [4, 5, 10]
-    assert queue(a, "swa")[-2:] == [5, 10]
-    assert page_map(a, 1) == mapped(1, ps) and page_map(a, 2) == mapped(2, ps)  # src's intact
+    assert queue(a, "full") == full_before + [4, 5]
+    a.release([src])
+    assert queue(a, "full") == full_before + [4, 5, 3]  # pages 1, 2: the handle holds them
+    a.drop_handle(h)
+    assert queue(a, "full") == full_before + [4, 5, 3, 1, 2]
     a.check_integrity()
 
 
-def test_prefix_frontier_starts_at_prefix_even_with_huge_window():
-    a = make(ps=2, window=100, ctx=20)
+def test_handle_frontier_is_the_donors_when_taken_even_with_huge_window():
+    """A handle holds the SWA pages of [min(frontier, n), n): taken after the donor freed
+    the SWA of its first 4 positions, its sharer starts with frontier 4 and a huge window
+    never moves it back."""
+    a = make(ps=2, window=100, ctx=20, max_handles=1)
     src = a.admit()
     a.alloc_extend([src], [6])
-    b = a.admit(a.req_to_token[src, :4].clone())
+    a.advance_frontier([src], [4])
+    b = a.admit(handle=a.take_handle(src, 4))
     a.alloc_extend([b], [1])
     a.evict_window()
-    assert a.stats()["frontier"] == {src: 0, b: 4}
+    assert a.stats()["frontier"] == {src: 4, b: 4}
     a.check_integrity()
 
 
@@ -467,3 +473,24 @@ def test_step_evict_row_zero_inside_group_is_refused():
             a.step(evict=0)  # row 0, not "no eviction"
         a.step(evict=[])  # nothing to evict: allowed
     assert a.ledger.frontier[r] == 0
+
+
+def test_release_larger_than_one_step_is_split_not_refused():
+    """release() of requests whose pages exceed the frozen step shape runs as several steps
+    (every page returned once, in order); a combined step() with them is refused whole."""
+    a = make(ps=2, n_full=24, n_swa=24, max_reqs=3, ctx=20, window=3,
+             max_step_pages=10, max_release_rows=4)
+    r, s = a.admit(), a.admit()
+    a.alloc_extend([r], [20])
+    a.alloc_extend([s], [20])
+    before = a.snapshot()
+    with pytest.raises(E.BatchTooLargeError):
+        a.step(release=[r, s])
+    assert_same_snapshot(before, a.snapshot())
+    full_before, steps = queue(a, "full"), a.steps_run
+    pages = [int(a.req_to_token[q, p * 2]) // 2 for q in (r, s) for p in range(10)]
+    a.release([r, s])
+    assert a.steps_run - steps == 2  # 20 pages, 10 a step
+    assert queue(a, "full") == full_before + pages
+    assert a.n_free("full") == 24 and a.n_free("swa") == 24
+    a.check_integrity()
