@@ -157,8 +157,8 @@ def audit_references(config, ledger, snap: dict) -> list[Finding]:
                                f"{who} holds the SWA page of its page {k} (FULL page "
                                f"{pages[k]}) but that page has no SWA page"))
         np.add.at(want_swa, swa[swa > 0], 1)
-    for name, want, have, n in (("FULL", want_full, refs.full_ref, config.num_full_pages),
-                                ("SWA", want_swa, refs.swa_ref, config.num_swa_pages)):
+    for name, want, have in (("FULL", want_full, refs.full_ref),
+                             ("SWA", want_swa, refs.swa_ref)):
         bad = np.flatnonzero(want != have)
         for page in bad[:8]:
             out.append(Finding("bad_refcount", name, int(page), -1,

@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from .abi import (
+    AL_COPY,
     AL_FLAGS,
     AL_FULL_POP,
     AL_N_PAGES,
@@ -66,7 +67,6 @@ from .abi import (
     AL_RING,
     AL_RING_ADMIT,
     AL_START_POS,
-    AL_COPY,
     AL_SWA_ONLY,
     AL_SWA_POP,
     STAGE_ALLOC,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CORE_DEVICE, assert_same_snapshot
+from conftest import assert_same_snapshot
 
 from graphalloc import AllocatorConfig, HybridAllocator
 from graphalloc import errors as E
