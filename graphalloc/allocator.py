@@ -47,6 +47,7 @@ from .inputs import as_counts, as_index, as_rows, is_empty
 from .kernels.abi import REL_EPOCH, REL_N_PAGES, ROW_WIDTH
 from .ledger import Ledger
 from .planner import StepBuilder
+from .prefix_cache import PrefixCache
 from .results import AllocResult, PlannedStep
 from .sync_points import sync_allowed
 
@@ -101,6 +102,9 @@ class HybridAllocator:
         fused_step: a step whose pops fit in what each free ring held before it runs as ONE
             kernel (measured about 2.6 us less per replay on an H200); otherwise release,
             then allocation.
+        prefix_cache: own a :class:`~graphalloc.prefix_cache.PrefixCache` (``alloc.prefix_cache``)
+            on the handles; an allocation that would be refused for lack of pages first
+            reclaims cached pages (SWA by tombstoning, then FULL by evicting), in the same step.
 
     Cost: each operation is O(rows) numpy on the host plus one step (one or two kernel
     launches, or one graph replay); the host queries (``n_free``, ``seq_len``, ...) are
@@ -114,7 +118,8 @@ class HybridAllocator:
     """
 
     def __init__(self, config: AllocatorConfig, *, executor="eager",
-                 n_descriptor_bufs: int = 2, fused_step: bool = True):
+                 n_descriptor_bufs: int = 2, fused_step: bool = True,
+                 prefix_cache: bool = False):
         if not isinstance(config, AllocatorConfig):
             raise ConfigError(f"HybridAllocator takes an AllocatorConfig, got "
                               f"{type(config).__name__}")
@@ -123,6 +128,11 @@ class HybridAllocator:
             raise ConfigError(f"n_descriptor_bufs must be an int >= 1, got {n_descriptor_bufs!r}")
         if not isinstance(fused_step, bool):
             raise ConfigError(f"fused_step must be a bool, got {fused_step!r}")
+        if not isinstance(prefix_cache, bool):
+            raise ConfigError(f"prefix_cache must be a bool, got {prefix_cache!r}")
+        if prefix_cache and (config.ring_mode or config.max_handles == 0):
+            raise ConfigError("prefix_cache=True needs pool mode and max_handles > 0 (each "
+                              "cache entry is a handle)")
         self.config = config
         self.ledger = Ledger(config)
         self.state = DeviceState(config)
@@ -133,6 +143,7 @@ class HybridAllocator:
         self._group: FreeGroup | None = None  # the open free_group() block, if any
         self._faulted = False
         self.steps_run = 0
+        self.prefix_cache = PrefixCache(self) if prefix_cache else None
         self.executor = make_executor(executor)
         self.executor.bind(self)
 
@@ -208,14 +219,15 @@ class HybridAllocator:
         return int((-(-(length + n) // ps) + (length // -ps)).sum())
 
     # ---- request lifecycle ---------------------------------------------------------------
-    def admit(self, handle=None) -> int:
+    def admit(self, handle=None, n_tokens=None) -> int:
         """Take the lowest free request row; returns it.
 
         ``handle`` (optional, from :meth:`take_handle`): the request starts sharing the
         handle's pages -- length n (the handle's tokens), frontier the handle's SWA start --
         and holds references to them; its ``req_to_token`` prefix is written on the device
-        inside the step (one step, no host gather, no sync). Without a handle, admit is
-        host-only in pool mode; in ring mode the request's R ring pages are popped (one step).
+        inside the step (one step, no host gather, no sync). ``n_tokens`` (whole pages, at
+        most the handle's): share only that much of it. Without a handle, admit is host-only
+        in pool mode; in ring mode the request's R ring pages are popped (one step).
         """
         cfg = self.config
         taken = self.ledger.live if self._group is None else self.ledger.live | self._group.pending
@@ -237,7 +249,7 @@ class HybridAllocator:
             if handle is None:
                 b.admit(int(free_rows[0]))
             else:
-                b.admit_on_handle(int(free_rows[0]), handle)
+                b.admit_on_handle(int(free_rows[0]), handle, n_tokens)
         self._run(op)
         return int(free_rows[0])
 
@@ -297,6 +309,9 @@ class HybridAllocator:
 
     def _drop_handle(self, handle, swa_only: bool) -> None:
         self._deferred(lambda b: b.drop_handle(handle, swa_only))
+
+    def _cache_reclaim(self, cache, n_full: int, n_swa: int) -> None:
+        self._deferred(lambda b: cache.reclaim(b, n_full, n_swa))
 
     def _deferred(self, op) -> None:
         """Run a free: into the open free group, or as a block of its own (one step; several
@@ -532,6 +547,13 @@ class HybridAllocator:
             "frontier": {int(r): int(led.frontier[r]) for r in live},
             "steps_run": self.steps_run,
             "descriptor_stalls": self.ring.stalls,
+            "handles": int(np.count_nonzero(led.h_live)),
+            **({} if self.prefix_cache is None else {
+                "cache_entries": len(self.prefix_cache), "cache_hits": self.prefix_cache.hits,
+                "cache_misses": self.prefix_cache.misses,
+                "cache_hit_tokens": self.prefix_cache.hit_tokens,
+                "cache_evicted_pages": self.prefix_cache.evicted_pages,
+                "cache_tombstoned_pages": self.prefix_cache.tombstoned_pages}),
         }
 
     def snapshot(self) -> dict:
@@ -581,6 +603,8 @@ class HybridAllocator:
         if self._group is not None:
             b.pending = self._group.pending
             b.pending_handles = self._group.pending_handles
+        if self.prefix_cache is not None:
+            b.reclaim = self.prefix_cache.reclaim
         return b
 
     def _commit(self, b: StepBuilder) -> None:

@@ -141,6 +141,7 @@ class StepBuilder:
         self.copied_handles: set[int] = set()  # handles written (AL_COPY) in this step
         self.dropped_handles: set[int] = set()
         self.pending_handles = None  # handles dropped in an open free group (FreeGroup)
+        self.reclaim = None  # fn(builder, n_full, n_swa): frees cached pages into this step
 
     # ---- validation ----------------------------------------------------------------------
     def live_rows(self, rows, what: str) -> np.ndarray:
@@ -402,13 +403,21 @@ class StepBuilder:
         self._hold(cfg.max_reqs + handle, r, n, swa_start)
         self.copied_handles.add(handle)
 
-    def admit_on_handle(self, row: int, handle) -> None:
-        """Make ``row`` live sharing ``handle``'s pages: length n, frontier the handle's SWA
-        start (its window below that must be recomputed)."""
+    def admit_on_handle(self, row: int, handle, n_tokens=None) -> None:
+        """Make ``row`` live sharing ``handle``'s pages (its first ``n_tokens``, whole pages;
+        default all): length n, frontier ``min(swa_start, n)`` (the window below the handle's
+        SWA start must be recomputed)."""
         h = self.live_handle(handle, "admit(handle=)")
-        led = self.ledger
+        led, ps = self.ledger, self.config.page_size
+        n = int(led.h_len[h])
+        if n_tokens is not None:
+            m = int(as_counts(n_tokens, 1, "admit n_tokens")[0])
+            if m % ps or not 0 < m <= n:
+                raise AlignmentError(f"admit(handle={h}, n_tokens={m}): share whole pages of "
+                                     f"the handle's {n} tokens (page_size {ps})")
+            n = m
         self.admit(row)
-        n, swa_start = int(led.h_len[h]), int(led.h_swa_start[h])
+        swa_start = min(int(led.h_swa_start[h]), n)
         led.seq_len[row], led.frontier[row] = n, swa_start
         self._hold(row, self.config.max_reqs + h, n, swa_start)
 
@@ -456,6 +465,9 @@ class StepBuilder:
         new_pages = _ceil_div(end, ps) - _ceil_div(start, ps)
         need_full = int(new_pages.sum())
         need_swa = 0 if cfg.ring_mode else need_full
+        if (need_full > led.full.n_free or need_swa > led.swa.n_free) and (
+                self.reclaim is not None):  # a prefix cache may give pages back, this step
+            self.reclaim(self, need_full - led.full.n_free, need_swa - led.swa.n_free)
         if need_full > led.full.n_free or need_swa > led.swa.n_free:
             raise CapacityError(
                 f"{what}: allocation needs {need_full} FULL and {need_swa} SWA pages; "
