@@ -1,15 +1,91 @@
-"""The allocator's geometry and frozen capacities, in one dataclass."""
+"""The allocator's geometry and frozen step shape, in one dataclass.
+
+Build it field by field when you know the shapes (tests, benchmarks), or with
+:meth:`AllocatorConfig.for_engine` from what a serving engine knows (running
+requests, prefill budget, context length, KV memory), which derives every shape.
+Either way ``__post_init__`` checks every value before an allocator exists.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import numbers
+import weakref
 
+import numpy as np
 import torch
 
 from .errors import ConfigError
 
 __all__ = ["AllocatorConfig"]
+
+# The step descriptor's frozen shape; 0 in the constructor picks the default.
+_SHAPE_FIELDS = ("max_release_rows", "max_pages_per_row", "max_alloc_rows",
+                 "max_tokens_per_alloc_row", "max_step_pages", "max_step_tokens")
+
+
+# Where each shape of a live config came from (describe() shows it), keyed by id() and
+# dropped with the config: kept out of the instance so its __dict__ stays its fields.
+_ORIGINS: dict[int, dict[str, str]] = {}
+
+
+def _remember_origins(cfg, origins: dict[str, str]) -> None:
+    if id(cfg) not in _ORIGINS:
+        weakref.finalize(cfg, _ORIGINS.pop, id(cfg), None)
+    _ORIGINS[id(cfg)] = origins
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _as_int(where: str, name: str, value, minimum: int, meaning: str = "") -> int:
+    """``value`` as a plain int >= ``minimum``. numpy integers pass; bools and floats do not."""
+    note = f" ({meaning})" if meaning else ""
+    if isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{where}{name} must be an int >= {minimum}{note}, got {value!r}: "
+                          "a bool is not a count here; pass the number")
+    if not isinstance(value, (numbers.Integral, np.integer)):
+        raise ConfigError(f"{where}{name} must be an int >= {minimum}{note}, got {value!r} "
+                          f"({type(value).__name__}); pass a whole number")
+    if value < minimum:
+        raise ConfigError(f"{where}{name} must be an int >= {minimum}{note}, got {value}")
+    return int(value)
+
+
+def _as_device(value) -> torch.device:
+    """A CPU or an available CUDA device; anything else raises :class:`ConfigError`."""
+    if not isinstance(value, (str, torch.device)):
+        raise ConfigError(f"AllocatorConfig: device must be a str or torch.device ('cpu', "
+                          f"'cuda', 'cuda:1'), got {value!r}")
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"AllocatorConfig: device {value!r} is not a torch device; "
+                          "use 'cpu', 'cuda' or 'cuda:<index>'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"AllocatorConfig: device={value!r} needs a CUDA device, and this torch "
+                f"({torch.__version__}, CUDA build {torch.version.cuda}) sees none "
+                "(torch.cuda.is_available() is False). Use device='cpu' (backend='torch', or "
+                "'triton' under TRITON_INTERPRET=1), or install a CUDA build of torch")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"AllocatorConfig: device={value!r}, but only "
+                              f"{torch.cuda.device_count()} CUDA device(s) are visible")
+    elif dev.type != "cpu":
+        raise ConfigError(f"AllocatorConfig: device type {dev.type!r} is not supported; "
+                          "use 'cpu' or 'cuda'")
+    return dev
+
+
+def _release_need(request_pages: int, ring_pages: int, row_pages: int) -> tuple[int, int]:
+    """(release rows, page lanes) that releasing one request of ``request_pages`` FULL
+    pages can need, rows split at ``row_pages`` pages (derivation: AllocatorConfig)."""
+    rows = 1 + _ceil_div(request_pages - 1, row_pages)
+    if ring_pages:
+        rows += _ceil_div(ring_pages, row_pages)
+    return rows, request_pages + ring_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,9 +96,60 @@ class AllocatorConfig:
     ``1..num_swa_pages``; page 0 of each is a sink that is never handed out.
     A slot is ``page * page_size + offset``.
 
-    The ``max_*`` fields freeze the step descriptor's shape, so a captured
-    graph never sees a new shape: a step that needs more rows, pages or tokens
-    is refused with :class:`~graphalloc.errors.BatchTooLargeError`.
+    **Window convention.** ``sliding_window`` is the *allocator's* window: an
+    SWA layer at sequence length L reads positions ``>= L - sliding_window``,
+    and a step frees the SWA pages below ``floor_page(L - sliding_window)``,
+    L being the length when the step begins. A *model's* window W_model
+    (Hugging Face ``config.sliding_window``, transformers' mask) lets a query
+    at position t attend to keys ``t - W_model + 1 .. t``: W_model keys,
+    itself included. The newest query of a step is at position L, so the
+    oldest key it reads is ``L - W_model + 1``, and the allocator's window is
+    ``sliding_window = W_model - 1``, the smallest that never frees a key the
+    model still reads (SGLang applies the same ``- 1``). Worked example:
+    W_model = 4096 gives ``sliding_window = 4095``; at L = 10000 the query at
+    10000 reads keys 5905..10000, and the step frees only below
+    ``floor_page(10000 - 4095) = floor_page(5905)``. ``sliding_window = 4096``
+    would also be safe, but keeps one token more than needed; 4094 would (at
+    page_size 1) free key 5905 while it is read (``tests/test_examples.py`` checks that it
+    changes the model's output). :meth:`for_engine` takes W_model and converts
+    it; the constructor takes the allocator's window as it is.
+
+    **Frozen shape.** The ``max_*`` fields freeze the step descriptor, so a
+    captured graph never sees a new shape: a step that needs more rows, pages
+    or tokens is refused with :class:`~graphalloc.errors.BatchTooLargeError`.
+    A step can be split; one request's release cannot (it frees everything the
+    request owns in one step), so no config may be too small to release a
+    request that allocation let grow. With ``ps = page_size``,
+    ``c = max_pages_per_row``, ``R = swa_ring_pages`` and
+    ``P = min(ceil(max_context_len / ps), num_full_pages)`` (the most FULL
+    pages one request can own), a release (``planner.StepBuilder.release``)
+    with protected prefix p and frontier f writes::
+
+        [p, f)               FULL only       b = (f - p) / ps pages  ceil(b / c) rows
+        [f, ceil_page(L))    FULL and SWA    a pages, a + b <= P     ceil(a / c) rows
+        ring mode            ring return     R pages                 ceil(R / c) rows
+
+    Page lanes: ``a + b + R <= P + R``, reached at L = max_context_len, p = 0:
+    ``min_step_pages = P + R``. Rows: for b >= 1, ``ceil(b / c) = 1 +
+    floor((b - 1) / c)`` and ``floor(x) + ceil(y) <= ceil(x + y)``, so
+    ``ceil(b / c) + ceil((P - b) / c) <= 1 + ceil((P - 1) / c)`` (b = 0 gives
+    ``ceil(P / c)``, no more), reached with the frontier one page in:
+    ``min_release_rows = 1 + ceil((P - 1) / c) + [ring] ceil(R / c)``. A config
+    below either is refused with :class:`~graphalloc.errors.ConfigError`. Any
+    single request's window eviction (at most P pages, ``ceil(P / c)`` rows)
+    then fits too.
+
+    **Defaults** (a 0 shape field): ``max_pages_per_row = ceil(max_context_len /
+    ps)``; ``max_release_rows = max(3 * max_reqs, min_release_rows)``;
+    ``max_alloc_rows = max_reqs``; ``max_tokens_per_alloc_row = min(max_context_len,
+    max_step_tokens)`` (``max_context_len`` when ``max_step_tokens`` is 0 too);
+    ``max_step_pages = num_full_pages + num_swa_pages`` (every page a step can
+    free: a lane frees a live FULL page or evicts a live SWA page);
+    ``max_step_tokens = max_alloc_rows + max_tokens_per_alloc_row``. They come
+    from the pools and ``max_reqs``, not from a workload; :meth:`for_engine`
+    derives them from an engine's budgets instead. A ``max_tokens_per_alloc_row`` above
+    ``max_step_tokens`` is refused (such a row could never fit a step).
+    :meth:`describe` prints the shapes and where each came from.
 
     Args:
         page_size: tokens per page (any positive integer).
@@ -30,19 +157,25 @@ class AllocatorConfig:
         num_swa_pages: usable SWA pages (page 0 excluded).
         max_reqs: rows of ``req_to_token``.
         max_context_len: columns of ``req_to_token`` (positions per request).
-        sliding_window: W, in tokens: an SWA layer at length L reads positions ``>= L - W``.
+        sliding_window: the allocator's window, in tokens (convention above).
         index_dtype: ``torch.int32`` or ``torch.int64`` for slots and page ids on the device.
-        device: where the device tables live (``"cpu"`` runs everything eagerly).
+        device: where the device tables live: ``"cpu"`` (runs everything eagerly) or an
+            available CUDA device.
         backend: ``"torch"`` (reference) or ``"triton"``.
-        swa_ring_pages: 0 for pool mode; R > 0 gives each request a fixed ring of
-            R SWA pages (needs ``R >= ceil(W / page_size) + 1``).
+        swa_ring_pages: 0 for pool mode; R > 0 gives each request a fixed ring of R SWA
+            pages (needs ``ceil(sliding_window / page_size) + 1 <= R <= num_swa_pages``).
         max_release_rows: release/evict segment rows per step.
         max_pages_per_row: pages in one release row (longer segments are split).
         max_alloc_rows: allocation rows (requests allocating) per step.
         max_tokens_per_alloc_row: tokens one request may allocate in one step.
-        max_step_pages: pages freed in one step, all release rows together.
+        max_step_pages: page lanes freed in one step, all release rows together.
         max_step_tokens: tokens allocated in one step, all allocation rows together.
         validate: device-side validation inside the kernels (debug; off by default).
+
+    Every field is checked when the config is built: counts must be ints (numpy
+    integers are accepted and stored as ``int``; bools are refused), ``validate`` a
+    bool, and every rule above holds, or :class:`~graphalloc.errors.ConfigError`
+    names the rule, the value and the fix.
     """
 
     page_size: int
@@ -55,64 +188,357 @@ class AllocatorConfig:
     device: str | torch.device = "cpu"
     backend: str = "torch"
     swa_ring_pages: int = 0
-    max_release_rows: int = 0  # 0: 3 * max_reqs
+    max_release_rows: int = 0  # 0: max(3 * max_reqs, min_release_rows)
     max_pages_per_row: int = 0  # 0: pages of max_context_len
     max_alloc_rows: int = 0  # 0: max_reqs
-    max_tokens_per_alloc_row: int = 0  # 0: max_context_len
+    max_tokens_per_alloc_row: int = 0  # 0: min(max_context_len, max_step_tokens or inf)
     max_step_pages: int = 0  # 0: num_full_pages + num_swa_pages
     max_step_tokens: int = 0  # 0: max_alloc_rows + max_tokens_per_alloc_row
     validate: bool = False
+    max_handles: int = 0  # prefix-sharing handles (pool mode); 0: sharing off
 
     def __post_init__(self) -> None:
-        def fix(name: str, value: int) -> None:
+        def fix(name: str, value) -> None:
             object.__setattr__(self, name, value)
 
+        where = "AllocatorConfig: "
         for name in ("page_size", "num_full_pages", "num_swa_pages", "max_reqs",
                      "max_context_len", "sliding_window"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        if self.index_dtype not in (torch.int32, torch.int64):
-            raise ConfigError(
-                f"index_dtype must be torch.int32 or torch.int64, got {self.index_dtype}")
-        if self.backend not in ("torch", "triton"):
-            raise ConfigError(f"backend must be 'torch' or 'triton', got {self.backend!r}")
-        fix("device", torch.device(self.device))
+            fix(name, _as_int(where, name, getattr(self, name), 1))
+        fix("swa_ring_pages", _as_int(where, "swa_ring_pages", self.swa_ring_pages, 0,
+                                      "0 is pool mode"))
+        for name in _SHAPE_FIELDS:
+            fix(name, _as_int(where, name, getattr(self, name), 0, "0 picks the default"))
+        if not isinstance(self.validate, (bool, np.bool_)):
+            raise ConfigError(f"{where}validate must be a bool, got {self.validate!r}; pass "
+                              "validate=True (device-side checks, debug) or False")
+        fix("validate", bool(self.validate))
+        if not isinstance(self.index_dtype, torch.dtype) or self.index_dtype not in (
+                torch.int32, torch.int64):
+            raise ConfigError(f"{where}index_dtype must be torch.int32 or torch.int64, got "
+                              f"{self.index_dtype!r}; pass the torch dtype itself")
+        if not isinstance(self.backend, str) or self.backend not in ("torch", "triton"):
+            raise ConfigError(f"{where}backend must be 'torch' (the reference) or 'triton', "
+                              f"got {self.backend!r}; a GPU without Triton takes 'torch'")
+        fix("device", _as_device(self.device))
         max_slot = (max(self.num_full_pages, self.num_swa_pages) + 1) * self.page_size
         if self.index_dtype == torch.int32 and max_slot >= 2**31:
-            raise ConfigError(
-                f"{max_slot} slots do not fit int32 indices; use index_dtype=torch.int64")
-        if self.swa_ring_pages < 0:
-            raise ConfigError(f"swa_ring_pages must be >= 0, got {self.swa_ring_pages}")
-        if self.swa_ring_pages:
-            need = math.ceil(self.sliding_window / self.page_size) + 1
-            if self.swa_ring_pages < need:
+            raise ConfigError(f"{where}{max_slot} slots do not fit int32 indices; use "
+                              "index_dtype=torch.int64")
+        ps, ring = self.page_size, self.swa_ring_pages
+        if ring:
+            need = _ceil_div(self.sliding_window, ps) + 1
+            if ring < need:
                 raise ConfigError(
-                    f"swa_ring_pages={self.swa_ring_pages} cannot hold a window of "
-                    f"{self.sliding_window} tokens at page_size {self.page_size}: need >= {need}")
-        fix("max_release_rows", self.max_release_rows or 3 * self.max_reqs)
-        fix("max_pages_per_row", self.max_pages_per_row or self.pages_per_request)
-        fix("max_alloc_rows", self.max_alloc_rows or self.max_reqs)
-        fix("max_tokens_per_alloc_row", self.max_tokens_per_alloc_row or self.max_context_len)
-        fix("max_step_pages", self.max_step_pages or self.num_full_pages + self.num_swa_pages)
-        fix("max_step_tokens",
-            self.max_step_tokens or self.max_alloc_rows + self.max_tokens_per_alloc_row)
-        for name in ("max_release_rows", "max_pages_per_row", "max_alloc_rows",
-                     "max_tokens_per_alloc_row", "max_step_pages", "max_step_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+                    f"{where}swa_ring_pages={ring} cannot hold a window of "
+                    f"{self.sliding_window} tokens at page_size {ps}: need >= {need} "
+                    "(ceil(sliding_window / page_size) + 1); raise swa_ring_pages or use pool "
+                    "mode (0)")
+            if ring > self.num_swa_pages:
+                raise ConfigError(
+                    f"{where}swa_ring_pages={ring} exceeds num_swa_pages="
+                    f"{self.num_swa_pages}: no request could ever be admitted (each takes a "
+                    f"ring of {ring} SWA pages); use num_swa_pages >= {ring}")
+        self._resolve_shapes()
 
+    def _resolve_shapes(self) -> None:
+        """Fill the 0 (default) shape fields, then refuse shapes a step can never meet."""
+        where, origin = "AllocatorConfig: ", {}
+
+        def default(name: str, value: int, rule: str) -> None:
+            if getattr(self, name):
+                origin[name] = "given"
+            else:
+                object.__setattr__(self, name, value)
+                origin[name] = f"default: {rule}"
+
+        given_tokens = self.max_step_tokens
+        default("max_pages_per_row", self.pages_per_request, "ceil(max_context_len / page_size)")
+        need_rows, need_pages = self.min_release_rows, self.min_step_pages
+        default("max_release_rows", max(3 * self.max_reqs, need_rows),
+                "max(3 x max_reqs, min_release_rows)")
+        default("max_alloc_rows", self.max_reqs, "max_reqs")
+        default("max_tokens_per_alloc_row",
+                min(self.max_context_len, given_tokens) if given_tokens else self.max_context_len,
+                "min(max_context_len, max_step_tokens)")
+        default("max_step_pages", self.num_full_pages + self.num_swa_pages,
+                "num_full_pages + num_swa_pages")
+        default("max_step_tokens", self.max_alloc_rows + self.max_tokens_per_alloc_row,
+                "max_alloc_rows + max_tokens_per_alloc_row")
+        _remember_origins(self, origin)
+        if self.max_tokens_per_alloc_row > self.max_step_tokens:
+            raise ConfigError(
+                f"{where}max_tokens_per_alloc_row={self.max_tokens_per_alloc_row} exceeds "
+                f"max_step_tokens={self.max_step_tokens}: a row that long could never fit a "
+                "step. Lower max_tokens_per_alloc_row to at most max_step_tokens (or leave it "
+                "0 to get min(max_context_len, max_step_tokens))")
+        why = (f"one request can own {self.request_pages} FULL pages "
+               f"(min(ceil(max_context_len {self.max_context_len} / page_size "
+               f"{self.page_size}), num_full_pages {self.num_full_pages}))")
+        ring_note = f" plus its {self.swa_ring_pages} ring pages" if self.ring_mode else ""
+        if self.max_release_rows < need_rows:
+            raise ConfigError(
+                f"{where}max_release_rows={self.max_release_rows} is below the {need_rows} "
+                f"rows that releasing one request can need: {why}, split at the frontier "
+                f"into a FULL-only and a FULL+SWA segment{ring_note}, in rows of at most "
+                f"max_pages_per_row={self.max_pages_per_row} pages (1 + ceil((P - 1) / c)"
+                f"{' + ceil(R / c)' if self.ring_mode else ''}). Such a request could never "
+                f"be released. Use max_release_rows >= {need_rows}, a larger "
+                "max_pages_per_row, or a smaller max_context_len")
+        if self.max_step_pages < need_pages:
+            raise ConfigError(
+                f"{where}max_step_pages={self.max_step_pages} is below the {need_pages} page "
+                f"lanes that releasing one request can need: {why}{ring_note}, all freed in "
+                f"its one release step. Such a request could never be released. Use "
+                f"max_step_pages >= {need_pages}, or a smaller max_context_len")
+
+    # ---- derived quantities ------------------------------------------------------------
     @property
     def ring_mode(self) -> bool:
         return self.swa_ring_pages > 0
 
     @property
     def pages_per_request(self) -> int:
-        """Most pages one request can span: ``ceil(max_context_len / page_size)``."""
+        """Most pages one request's positions span: ``ceil(max_context_len / page_size)``."""
         return -(-self.max_context_len // self.page_size)
+
+    @property
+    def request_pages(self) -> int:
+        """Most FULL pages one request can own (P): ``min(pages_per_request,
+        num_full_pages)``."""
+        return min(self.pages_per_request, self.num_full_pages)
+
+    @property
+    def min_release_rows(self) -> int:
+        """Release rows one request's release can need:
+        ``1 + ceil((P - 1) / max_pages_per_row)`` (+ ``ceil(R / max_pages_per_row)`` in ring
+        mode). ``max_release_rows`` is at least this."""
+        return _release_need(self.request_pages, self.swa_ring_pages,
+                             self.max_pages_per_row or self.pages_per_request)[0]
+
+    @property
+    def min_step_pages(self) -> int:
+        """Page lanes one request's release can need: ``P + swa_ring_pages``.
+        ``max_step_pages`` is at least this."""
+        return self.request_pages + self.swa_ring_pages
 
     @property
     def num_full_slots(self) -> int:
         """Length of ``full_to_swa``: ``(num_full_pages + 1) * page_size``."""
         return (self.num_full_pages + 1) * self.page_size
 
+    def frozen_shapes(self) -> dict[str, int]:
+        """Every shape a captured step graph freezes: ``req_to_token``'s ``max_reqs`` x
+        ``max_context_len`` and the six descriptor shapes (``max_release_rows`` ...
+        ``max_step_tokens``), as plain ints."""
+        return {"max_reqs": self.max_reqs, "max_context_len": self.max_context_len,
+                **{name: getattr(self, name) for name in _SHAPE_FIELDS}}
+
+    def describe(self) -> str:
+        """A short markdown table of the pools, the window and the frozen shapes, each with
+        the rule it came from (``given``, a constructor default, or a :meth:`for_engine`
+        formula with its numbers). No side effects."""
+        origin = _ORIGINS.get(id(self), {})
+        mode = (f"ring mode, {self.swa_ring_pages} SWA pages per request" if self.ring_mode
+                else "pool mode")
+        rows = [("num_full_pages", self.num_full_pages), ("num_swa_pages", self.num_swa_pages),
+                ("sliding_window", self.sliding_window), *self.frozen_shapes().items()]
+        lines = [f"AllocatorConfig: page_size {self.page_size}, {mode}, backend {self.backend} "
+                 f"on {self.device}, {str(self.index_dtype).replace('torch.', '')} indices",
+                 "", "| shape | value | rule |", "|---|---:|---|"]
+        lines += [f"| {name} | {value} | {origin.get(name, 'given')} |" for name, value in rows]
+        lines += ["", f"Releasing one request needs at most {self.min_release_rows} release "
+                      f"rows and {self.min_step_pages} page lanes (P = {self.request_pages})."]
+        return "\n".join(lines)
+
+    # ---- the engine's constructor ------------------------------------------------------
+    @classmethod
+    def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
+                   max_context_len: int, page_size: int, model_sliding_window: int,
+                   num_full_pages: int | None = None, num_swa_pages: int | None = None,
+                   kv_bytes: int | None = None, full_bytes_per_token: int | None = None,
+                   swa_bytes_per_token: int | None = None, num_lookahead_tokens: int = 0,
+                   max_releases_per_step: int | None = None, max_reqs: int | None = None,
+                   max_pages_per_row: int | None = None, swa_ring_pages: int = 0,
+                   index_dtype: torch.dtype = torch.int64, device: str | torch.device = "cpu",
+                   backend: str = "torch", validate: bool = False) -> AllocatorConfig:
+        """A config derived from what a serving engine knows; every shape from a budget.
+
+        Example (a 4096-token window model, 256 running requests, 8192 prefill tokens
+        per step, 40 GB of KV cache)::
+
+            cfg = AllocatorConfig.for_engine(
+                max_running_requests=256, chunked_prefill_size=8192, max_context_len=131072,
+                page_size=16, model_sliding_window=4096, kv_bytes=40 << 30,
+                full_bytes_per_token=2 * 8 * 8 * 128 * 2,   # K+V, 8 full layers, 8 heads x 128
+                swa_bytes_per_token=2 * 24 * 8 * 128 * 2,   # K+V, 24 SWA layers, bf16
+                device="cuda", backend="triton")
+            print(cfg.describe())
+
+        Inputs (N = ``max_running_requests``, C = ``chunked_prefill_size``, k =
+        ``num_lookahead_tokens``, ps = ``page_size``):
+
+        * ``max_running_requests``: requests decoding or prefilling at once.
+        * ``chunked_prefill_size``: prefill tokens per step, all prefill rows together
+          (SGLang: ``min(--chunked-prefill-size, --max-prefill-tokens)``; vLLM:
+          ``max_num_batched_tokens``, an over-estimate). Without chunking: the longest prompt.
+        * ``max_context_len``, ``page_size``: as in the constructor.
+        * ``model_sliding_window``: the model's W_model (HF ``config.sliding_window``);
+          ``sliding_window = max(W_model - 1, 1)`` (the class docstring's convention).
+        * memory, either ``num_full_pages`` and ``num_swa_pages``, or ``kv_bytes`` (the KV
+          memory of all layers, both pools) with ``full_bytes_per_token`` and
+          ``swa_bytes_per_token`` (K and V bytes of one token over all full / all SWA
+          layers). Split rule, page 0 of each pool (the sink) included: in ring mode the
+          SWA pool holds every request row's ring, ``num_swa_pages = max_reqs x R``; in
+          pool mode it holds what the windows can use at once when every step evicts,
+          ``S = max_reqs x (ceil(W / ps) + 1) + floor(max_step_tokens / ps) + N`` (a
+          request holds at most ``ceil(W / ps) + 1`` window pages after a step's evict
+          plus ``ceil(n / ps)`` pages for the n tokens it allocates), but never more
+          than the FULL pool (a live SWA page is the peer of a live FULL page). The
+          FULL pool gets the rest: ``num_full_pages = floor((kv_bytes - (num_swa_pages
+          + 1) x ps x swa_bytes_per_token) / (ps x full_bytes_per_token)) - 1``; when
+          memory cannot give FULL more than S pages, both pools get
+          ``floor(kv_bytes / (ps x (full + swa bytes per token))) - 1`` pages.
+        * ``num_lookahead_tokens``: speculative tokens per decode row (default 0).
+        * ``max_releases_per_step`` (F, default N): requests released in one step.
+          Fewer gives a smaller grid; an engine then splits bursts (``free_group()``
+          splits its flush into several steps by itself).
+        * ``max_reqs`` (default N): request rows. A row is reusable once its release is
+          planned, so an engine that admits before releasing needs N + F rows.
+        * ``max_pages_per_row`` (c, default ``ceil(max_context_len / ps)``: a release is
+          two rows): fewer pages per row spread a long release over more programs.
+        * ``swa_ring_pages``, ``index_dtype``, ``device``, ``backend``, ``validate``: as in
+          the constructor. A ring must hold the window plus one row's allocation:
+          ``R >= ceil((max(W, ps) + max_tokens_per_alloc_row - 1) / ps) + 1``.
+
+        Derived shapes (P = ``min(ceil(max_context_len / ps), num_full_pages)``)::
+
+            max_alloc_rows           = N                    one row per running request
+            max_tokens_per_alloc_row = min(max_context_len, max(C, 1 + k))
+            max_step_tokens          = C + N x (1 + k)      prefill budget + decode rows
+            max_release_rows         = F x (1 + ceil((P - 1) / c) [+ ceil(R / c)])
+                                       + N x ceil(ceil(max_tokens_per_alloc_row / ps) / c)
+            max_step_pages           = min(F x P, num_full_pages) [+ min(F x R, num_swa_pages)]
+                                       + min(floor(max_step_tokens / ps) + N, num_swa_pages)
+
+        The release terms are F worst-case releases (the class docstring's per-request
+        minimum); a release frees only live FULL pages, hence the cap. The eviction
+        terms assume the engine evicts every live request every step: a window
+        frontier then moves at most ``ceil(n / ps)`` pages past the n tokens its request
+        allocated a step before, one row per request, ``sum ceil(n_i / ps) <=
+        floor(max_step_tokens / ps) + N`` lanes, never more than the live SWA pages. An
+        engine that evicts less often can need more (the step is refused with
+        :class:`~graphalloc.errors.BatchTooLargeError`, nothing changed). With these
+        shapes no step within the budgets is refused for its shape. :meth:`describe`
+        shows each value with its formula and numbers.
+        """
+        where = "AllocatorConfig.for_engine: "
+        n_run = _as_int(where, "max_running_requests", max_running_requests, 1)
+        prefill = _as_int(where, "chunked_prefill_size", chunked_prefill_size, 1)
+        ctx = _as_int(where, "max_context_len", max_context_len, 1)
+        ps = _as_int(where, "page_size", page_size, 1)
+        w_model = _as_int(where, "model_sliding_window", model_sliding_window, 1)
+        k = _as_int(where, "num_lookahead_tokens", num_lookahead_tokens, 0)
+        ring = _as_int(where, "swa_ring_pages", swa_ring_pages, 0, "0 is pool mode")
+        rows = n_run if max_reqs is None else _as_int(where, "max_reqs", max_reqs, n_run,
+                                                      "at least max_running_requests")
+        n_rel = n_run if max_releases_per_step is None else _as_int(
+            where, "max_releases_per_step", max_releases_per_step, 1)
+        c = (_ceil_div(ctx, ps) if max_pages_per_row is None
+             else _as_int(where, "max_pages_per_row", max_pages_per_row, 1))
+        window = max(w_model - 1, 1)
+        row_tokens = min(ctx, max(prefill, 1 + k))
+        step_tokens = prefill + n_run * (1 + k)
+        if ring:
+            need = _ceil_div(max(window, ps) + row_tokens - 1, ps) + 1
+            if ring < need:
+                raise ConfigError(
+                    f"{where}swa_ring_pages={ring} cannot hold the window ({window} tokens) "
+                    f"plus one row's {row_tokens} tokens at page_size {ps}: need >= {need} "
+                    "(ceil((max(W, ps) + max_tokens_per_alloc_row - 1) / ps) + 1). Raise "
+                    "swa_ring_pages or lower chunked_prefill_size")
+        n_full, n_swa, pool_rule = cls._engine_pools(
+            where, rows, n_run, ps, window, ring, step_tokens, num_full_pages, num_swa_pages,
+            kv_bytes, full_bytes_per_token, swa_bytes_per_token)
+        p_req = min(_ceil_div(ctx, ps), n_full)
+        per_release, _ = _release_need(p_req, ring, c)
+        per_evict = _ceil_div(_ceil_div(row_tokens, ps), c)
+        release_rows = n_rel * per_release + n_run * per_evict
+        evict_pages = min(step_tokens // ps + n_run, n_swa)
+        step_pages = (min(n_rel * p_req, n_full) + (min(n_rel * ring, n_swa) if ring else 0)
+                      + evict_pages)
+        cfg = cls(page_size=ps, num_full_pages=n_full, num_swa_pages=n_swa, max_reqs=rows,
+                  max_context_len=ctx, sliding_window=window, index_dtype=index_dtype,
+                  device=device, backend=backend, swa_ring_pages=ring,
+                  max_release_rows=release_rows, max_pages_per_row=c, max_alloc_rows=n_run,
+                  max_tokens_per_alloc_row=row_tokens, max_step_tokens=step_tokens,
+                  max_step_pages=step_pages, validate=validate)
+        ring_rows = " + ceil(R / c)" if ring else ""
+        ring_pages = " + min(F x R, num_swa_pages)" if ring else ""
+        _ORIGINS[id(cfg)].update({
+            "num_full_pages": pool_rule[0], "num_swa_pages": pool_rule[1],
+            "sliding_window": f"max(model window - 1, 1) = max({w_model} - 1, 1)",
+            "max_reqs": "max_running_requests" if max_reqs is None else "given",
+            "max_pages_per_row": ("ceil(max_context_len / page_size)" if max_pages_per_row
+                                  is None else "given"),
+            "max_alloc_rows": "max_running_requests",
+            "max_tokens_per_alloc_row": (f"min(max_context_len, max(chunked_prefill_size, "
+                                         f"1 + lookahead)) = min({ctx}, max({prefill}, {1 + k}))"),
+            "max_step_tokens": (f"chunked_prefill_size + max_running_requests x (1 + "
+                                f"lookahead) = {prefill} + {n_run} x {1 + k}"),
+            "max_release_rows": (f"F x (1 + ceil((P - 1) / c){ring_rows}) + N x ceil(ceil("
+                                 f"max_tokens_per_alloc_row / ps) / c) = {n_rel} x "
+                                 f"{per_release} + {n_run} x {per_evict}"),
+            "max_step_pages": (f"min(F x P, num_full_pages){ring_pages} + min(floor("
+                               f"max_step_tokens / ps) + N, num_swa_pages) = "
+                               f"{step_pages - evict_pages} + {evict_pages}"),
+        })
+        return cfg
+
+    @staticmethod
+    def _engine_pools(where, n_rows, n_run, ps, window, ring, step_tokens, num_full_pages,
+                      num_swa_pages, kv_bytes, full_bytes_per_token, swa_bytes_per_token):
+        """(num_full_pages, num_swa_pages, (rule, rule)) by the split rule of for_engine."""
+        counts = (num_full_pages, num_swa_pages)
+        sizes = (kv_bytes, full_bytes_per_token, swa_bytes_per_token)
+        if any(v is not None for v in sizes):
+            if any(v is not None for v in counts) or any(v is None for v in sizes):
+                raise ConfigError(
+                    f"{where}give the KV memory one way: num_full_pages and num_swa_pages, or "
+                    "kv_bytes with full_bytes_per_token and swa_bytes_per_token (all three)")
+        elif any(v is None for v in counts):
+            raise ConfigError(f"{where}give num_full_pages and num_swa_pages, or kv_bytes with "
+                              "full_bytes_per_token and swa_bytes_per_token")
+        else:
+            return (_as_int(where, "num_full_pages", num_full_pages, 1),
+                    _as_int(where, "num_swa_pages", num_swa_pages, 1), ("given", "given"))
+        total = _as_int(where, "kv_bytes", kv_bytes, 1)
+        full_page = ps * _as_int(where, "full_bytes_per_token", full_bytes_per_token, 1)
+        swa_page = ps * _as_int(where, "swa_bytes_per_token", swa_bytes_per_token, 1)
+        rest = "floor((kv_bytes - (num_swa_pages + 1) x swa page bytes) / full page bytes) - 1"
+
+        def full_after(n_swa: int) -> int:  # FULL pages in what the SWA pool leaves
+            return (total - (n_swa + 1) * swa_page) // full_page - 1
+
+        if ring:
+            n_swa = n_rows * ring
+            n_full, rules = full_after(n_swa), (rest, f"max_reqs x swa_ring_pages = "
+                                                      f"{n_rows} x {ring}")
+        else:
+            need = n_rows * (_ceil_div(window, ps) + 1) + step_tokens // ps + n_run
+            equal = total // (full_page + swa_page) - 1
+            if equal <= need:
+                n_full = n_swa = equal
+                rule = f"floor(kv_bytes / (full + swa page bytes)) - 1 (memory < S = {need})"
+                rules = (rule, rule)
+            else:
+                n_swa, n_full = need, full_after(need)
+                rules = (rest, "S = max_reqs x (ceil(W / ps) + 1) + floor(max_step_tokens / ps) "
+                         f"+ N = {n_rows} x {_ceil_div(window, ps) + 1} + "
+                         f"{step_tokens // ps} + {n_run}")
+        if n_full < 1 or n_swa < 1:
+            raise ConfigError(
+                f"{where}kv_bytes={total} is too small: it leaves {n_full} FULL and {n_swa} "
+                f"SWA pages (a FULL page is {full_page} bytes, an SWA page {swa_page}, and "
+                "page 0 of each pool is a sink). Give more memory or a smaller page_size")
+        return n_full, n_swa, rules
