@@ -9,6 +9,14 @@ evictions, decode allocation; model forward; greedy sampling), captured as ONE
 CUDA graph per descriptor buffer on a GPU (``--graph``) and run eagerly on a CPU
 (``paged_decode.py`` explains the loop and the lane bookkeeping).
 
+Decode attention reads K/V through the page tables written in the same step
+(``--attention tables``, the default): the graph of a step holds the allocator's step,
+the FULL and SWA CSR page tables of the step's lanes (``graphalloc.page_tables``), the
+model whose attention layers read only those tables (the paged Triton kernel on a GPU,
+its Torch twin on a CPU: ``graphalloc.kernels.paged_attention``) and the argmax.
+``--attention gather`` keeps the earlier path (every layer gathers its slots from
+``req_to_token`` / ``full_to_swa``).
+
 The same random weights are loaded into ``transformers``' ``Qwen2ForCausalLM``
 (``layer_types`` mixing sliding and full attention), which generates greedily
 with its own cache. Every request's tokens must be identical and every step's
@@ -23,7 +31,9 @@ GPU (each step one graph replay, any host sync raises)::
 
     python examples/decode_loop.py --device cuda --graph --sync-debug --out DIR
 
-Exit status 0 when every run matches transformers.
+Exit status 0 when every run matches transformers. Negative controls (must fail):
+``--alloc-window W-2`` (the allocator frees a position the SWA layers read) and, with the
+tables, ``--attention-window W-1`` (the SWA tables and mask drop one position).
 """
 
 from __future__ import annotations
@@ -147,6 +157,8 @@ def summarize(result: LoopResult, mcfg: ModelConfig, ps: int) -> dict:
     return {
         "steps": len(steps),
         "steps_with_evictions": int((evict > 0).sum()),
+        "swa_clipped_lanes": (None if not steps or steps[0]["swa_clipped_lanes"] is None
+                              else int(sum(s["swa_clipped_lanes"] for s in steps))),
         "swa_pages_evicted": int(evict.sum()),
         "requests_released": int(sum(s["released"] for s in steps)),
         "pages_allocated": {k: int(sum(s["pages_allocated"][k] for s in steps))
@@ -202,7 +214,8 @@ def plot(runs: list[dict], path: Path) -> bool:
 
 
 def markdown(cfg: dict, runs: list[dict]) -> str:
-    lines = [f"# decode_loop: {cfg['device']}, graph={cfg['graph']}, backend={cfg['backend']}", "",
+    lines = [f"# decode_loop: {cfg['device']}, graph={cfg['graph']}, backend={cfg['backend']}, "
+             f"attention={cfg['attention']}", "",
              f"Model: {cfg['model']}; {cfg['requests']} requests, {cfg['max_batch']} lanes, "
              f"sync debug {cfg['sync_debug']}; transformers {cfg.get('transformers')}", "",
              f"Machine: {cfg['machine']['summary']}", "",
@@ -251,6 +264,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--alloc-window", type=int, default=None,
                     help="the allocator's sliding_window (default W - 1, the smallest that "
                          "keeps what the model reads; smaller ones must fail the check)")
+    ap.add_argument("--attention", default="tables", choices=["tables", "gather"],
+                    help="decode attention through the page tables written in the step, or "
+                         "by gathering slots from req_to_token / full_to_swa")
+    ap.add_argument("--attention-window", type=int, default=None,
+                    help="with --attention tables: the window of the SWA tables and of the "
+                         "attention mask (default the model's; a smaller one must fail)")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
+                    help="with --attention tables: the paged Triton kernel, its Torch twin, "
+                         "or auto (Triton on CUDA, the twin on a CPU)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--layer-pattern", default="sf", help="'s' sliding, 'f' full, repeated")
     ap.add_argument("--hidden", type=int, default=64)
@@ -296,7 +318,7 @@ def _main(args: argparse.Namespace) -> dict:
           f"(allocator {alloc_window}); {len(requests)} requests, prompts "
           f"{args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-"
           f"{args.output_len[1]}, {args.max_batch} lanes; device {args.device}, "
-          f"graph={args.graph}, backend {backend}")
+          f"graph={args.graph}, backend {backend}, attention {args.attention}")
 
     ref = None
     if not args.no_reference:
@@ -314,7 +336,9 @@ def _main(args: argparse.Namespace) -> dict:
                                 device=args.device, backend=backend)
         model = TinyHybridLM(mcfg, weights, args.device)
         loop = DecodeLoop(model, alloc, max_batch=args.max_batch, n_serials=len(requests),
-                          max_out=max_out, graph=args.graph)
+                          max_out=max_out, graph=args.graph, attention=args.attention,
+                          attention_window=args.attention_window,
+                          attention_backend=args.attention_backend)
         if args.graph:
             loop.capture()
         bar = _progress(None, f"decode ps={ps}", show)
@@ -326,7 +350,10 @@ def _main(args: argparse.Namespace) -> dict:
         if alloc.n_live > 0:
             raise RuntimeError("requests still live after the loop")
         summary = summarize(result, mcfg, ps)
-        run = {"page_size": ps, "alloc_window": alloc_window, "summary": summary,
+        run = {"page_size": ps, "alloc_window": alloc_window, "attention": args.attention,
+               "attention_window": (loop.page_tables.spec.sliding_window
+                                    if loop.page_tables is not None else None),
+               "attention_backend": loop.attention_backend, "summary": summary,
                "max_saving": mcfg.n_swa_layers / mcfg.num_layers,
                "host_syncs_in_loop": 0 if (args.sync_debug and args.device == "cuda") else None,
                "tokens": {str(k): v for k, v in result.tokens.items()}}
@@ -348,11 +375,15 @@ def _main(args: argparse.Namespace) -> dict:
               f"{summary['ring_stalls']} descriptor-ring waits (for the GPU), integrity ok"
               + (", 0 host syncs (sync debug 'error')" if run["host_syncs_in_loop"] == 0 else "")
               + (f", graph nodes {summary['graph_nodes']}" if summary["graph_nodes"] else ""))
+        if run["attention"] == "tables":
+            print(f"        attention through the page tables ({run['attention_backend']}, "
+                  f"window {run['attention_window']}): {summary['swa_clipped_lanes']} lane-steps "
+                  "with the SWA range clipped at the frontier")
 
     ok = all(r.get("comparison", {}).get("tokens_equal", True)
              and r.get("comparison", {}).get("logits_within_atol", True) for r in runs)
     cfg = {"args": vars(args), "device": args.device, "graph": args.graph,
-           "sync_debug": args.sync_debug, "backend": backend,
+           "sync_debug": args.sync_debug, "backend": backend, "attention": args.attention,
            "machine": timing.machine_info(args.device),
            "model": {"layers": mcfg.layer_types, "hidden": mcfg.hidden_size,
                      "heads": mcfg.num_heads, "kv_heads": mcfg.num_kv_heads,

@@ -27,6 +27,11 @@ A full layer reads position ``t`` of request row ``r`` at full slot
 An SWA slot of 0 means "evicted" (position below the frontier) and is masked
 out; slot 0 of either cache is the sink that padded lanes write to, never read
 unmasked. Every read is a fixed-shape gather, so the forward can be captured.
+
+Slot ``page * ps + off`` of a cache is offset ``off`` of page ``page``, so one layer's
+cache viewed as ``[n_pages + 1, ps, n_kv_heads, head_dim]`` (``cache.view(-1, ps, Hkv,
+D)``, no copy) is the page-indexed layout the paged decode attention kernel reads
+(``graphalloc.kernels.paged_attention``; ``paged_decode.TableAttention``).
 """
 
 from __future__ import annotations
@@ -149,12 +154,23 @@ class PagedKV:
 class KeyTable:
     """Where each query's keys live, built once per forward and shared by every layer of a
     kind (like a FlashInfer ``plan``). ``*_slot``: ``[B, K]`` cache slots; ``*_mask``:
-    ``[B, Q, K]`` which keys each query sees."""
+    ``[B, Q, K]`` which keys each query sees.
+
+    :meth:`TinyHybridLM.forward` only calls :meth:`attend`; any object with that method
+    can stand in for a KeyTable (``paged_decode.TableAttention`` attends through the page
+    tables instead)."""
 
     full_slot: torch.Tensor
     full_mask: torch.Tensor
     swa_slot: torch.Tensor
     swa_mask: torch.Tensor
+
+    def attend(self, kind: str, q, cache_k, cache_v, n_kv_heads: int):
+        """Attention of ``q`` ``[B, Q, H, D]`` over one layer's slot-indexed caches
+        ``[n_slots, Hkv, D]`` (the new tokens' K/V already written): ``[B, Q, H * D]``."""
+        slot, mask = ((self.full_slot, self.full_mask) if kind == FULL
+                      else (self.swa_slot, self.swa_mask))
+        return _attend(q, cache_k[slot], cache_v[slot], mask, n_kv_heads)
 
 
 def _rms_norm(x, weight, eps):
@@ -219,13 +235,14 @@ class TinyHybridLM:
         return KeyTable(full_slot, full_mask, swa_slot, swa_mask)
 
     # ---- forward -----------------------------------------------------------------------
-    def forward(self, tokens, q_pos, keys: KeyTable, new_full_slot, new_swa_slot,
+    def forward(self, tokens, q_pos, keys, new_full_slot, new_swa_slot,
                 kv: PagedKV) -> torch.Tensor:
         """Logits ``[B, Q, vocab]`` for ``tokens`` ``[B, Q]`` at ``q_pos`` ``[B, Q]``.
 
         The new tokens' K/V are first written at ``new_full_slot`` / ``new_swa_slot``
         ``[B, Q]`` (0, the sink, for padded lanes), then every query attends through
-        ``keys``.
+        ``keys`` (``keys.attend(kind, q, cache_k, cache_v, n_kv_heads)``, see
+        :class:`KeyTable`).
         """
         cfg, w = self.cfg, self.w
         B, Q = tokens.shape
@@ -245,16 +262,12 @@ class TinyHybridLM:
             k = k * cos + _rotate_half(k) * sin
             j = self.kind_index[i]
             if kind == FULL:
-                cache_k, cache_v, slot, mask = kv.full_k[j], kv.full_v[j], keys.full_slot, \
-                    keys.full_mask
-                new_slot = new_full_slot
+                cache_k, cache_v, new_slot = kv.full_k[j], kv.full_v[j], new_full_slot
             else:
-                cache_k, cache_v, slot, mask = kv.swa_k[j], kv.swa_v[j], keys.swa_slot, \
-                    keys.swa_mask
-                new_slot = new_swa_slot
+                cache_k, cache_v, new_slot = kv.swa_k[j], kv.swa_v[j], new_swa_slot
             cache_k[new_slot.reshape(-1)] = k.reshape(-1, Hkv, hd)
             cache_v[new_slot.reshape(-1)] = v.reshape(-1, Hkv, hd)
-            attn = _attend(q, cache_k[slot], cache_v[slot], mask, Hkv)
+            attn = keys.attend(kind, q, cache_k, cache_v, Hkv)
             x = x + torch.nn.functional.linear(attn, w[p + "self_attn.o_proj.weight"])
             h = _rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             gate = torch.nn.functional.linear(h, w[p + "mlp.gate_proj.weight"])

@@ -32,6 +32,32 @@ at a fixed output length (known on the host); stopping on EOS would need a read
 of the sampled tokens each step.
 
 On a CPU (or with ``graph=False``) the same step body runs eagerly.
+
+Attention through the page tables (``attention="tables"``). The decode step's attention
+batch is the model's lanes in lane order (lane b: the request that holds it, or padding:
+an empty range). Right after ``alloc.plan(...)`` the host plans the FULL and SWA CSR page
+tables of those lanes (``graphalloc.page_tables.PageTables``, a ring of ``len(alloc.ring)``
+pinned row tables, from host-side lengths and frontiers only), and the graph of
+descriptor buffer ``i`` becomes::
+
+    alloc.launch(i)                        releases, window evictions, decode allocation
+    page_tables.launch(i)                  kv_indptr / kv_indices / kv_last_page_len of
+                                           every lane, FULL and SWA (same ring index i)
+    lane_buf <- lane_host_bufs[i];  new K/V slots as above
+    logits = model(tokens_buf, ...)        writes the new K/V by slot, then every attention
+                                           layer reads K/V ONLY through the CSR tables of
+                                           its kind (TableAttention): FULL layers the pages
+                                           of [0, L), SWA layers those of [S, L) with
+                                           positions below L - W masked
+    tokens_buf <- argmax(logits); history  as above
+
+then ``alloc.mark_submitted(p)`` and ``page_tables.mark_submitted(pt)``. The attention is
+the paged Triton kernel on a GPU and its Torch twin on a CPU (both read only the tables;
+``graphalloc.kernels.paged_attention``). W is the model's window: a query at ``L - 1``
+reads positions ``>= L - W``, which the allocator (window ``W - 1``, evaluated on the
+length before the step) never frees. The prefill still attends by gather
+(``attention="gather"``: every layer gathers slots from ``req_to_token`` /
+``full_to_swa`` as before).
 """
 
 from __future__ import annotations
@@ -43,14 +69,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hybrid_model import PagedKV, TinyHybridLM
+from hybrid_model import FULL, PagedKV, TinyHybridLM
 
 import graphalloc as ga
+from graphalloc.kernels import paged_decode_attention, paged_decode_attention_torch
+from graphalloc.page_tables import PageTables
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from timing import StepEvents, graph_nodes  # noqa: E402
 
-__all__ = ["Request", "DecodeLoop", "LoopResult"]
+__all__ = ["Request", "DecodeLoop", "LoopResult", "TableAttention"]
 
 # rows of the per-step lane input table [N_LANE_FIELDS, max_batch]
 ROW, POS, VALID, OUT, SERIAL, GEN = range(6)
@@ -64,13 +92,53 @@ class Request:
     n_out: int  # tokens to generate (the first one comes from the prefill)
 
 
+class TableAttention:
+    """The decode step's attention through the page tables: stands in for a
+    ``hybrid_model.KeyTable`` (``attend``), reading nothing but the CSR buffers of
+    ``tables`` (FULL layers: FULL tables, no window; SWA layers: SWA tables, window
+    ``tables.spec.sliding_window``). ``attend_fn``: ``paged_decode_attention`` (Triton) or
+    its Torch twin; the twin's fixed grid is the most pages a lane can hold per kind.
+    """
+
+    def __init__(self, tables: PageTables, attend_fn):
+        spec = tables.spec
+        if not (spec.has("csr", "full") and spec.has("csr", "swa")):
+            raise ValueError("TableAttention needs the CSR form for both layer kinds")
+        self.tables, self.attend_fn = tables, attend_fn
+        self.page_size, self.window = spec.page_size, spec.sliding_window
+        self.max_pages = {"full": spec.max_pages_per_req,
+                          "swa": min(spec.max_pages_per_req,
+                                     -(-spec.sliding_window // spec.page_size) + 1)}
+
+    def attend(self, kind: str, q, cache_k, cache_v, n_kv_heads: int):
+        """``q`` ``[B, 1, H, D]`` (the decode token of each lane) over one layer's
+        slot-indexed caches ``[n_slots, Hkv, D]``, viewed as pages: ``[B, 1, H * D]``."""
+        t = self.tables
+        B, n_q, H, D = q.shape
+        if n_q != 1:
+            raise ValueError(f"TableAttention is decode attention (one query per lane), got "
+                             f"{n_q}")
+        ps = self.page_size
+        k_pages = cache_k.view(-1, ps, n_kv_heads, D)
+        v_pages = cache_v.view(-1, ps, n_kv_heads, D)
+        if kind == FULL:
+            csr = (t.full_kv_indptr_buf, t.full_kv_indices_buf, t.full_kv_last_page_len_buf)
+            window, max_pages = 0, self.max_pages["full"]
+        else:
+            csr = (t.swa_kv_indptr_buf, t.swa_kv_indices_buf, t.swa_kv_last_page_len_buf)
+            window, max_pages = self.window, self.max_pages["swa"]
+        out = self.attend_fn(q[:, 0], k_pages, v_pages, *csr, sliding_window=window,
+                             max_pages=max_pages)
+        return out.reshape(B, 1, H * D)
+
+
 @dataclasses.dataclass
 class LoopResult:
     tokens: dict[int, list[int]]  # serial -> generated tokens
     logits: dict[int, np.ndarray] | None  # serial -> [n_out, vocab]
     steps: list[dict]  # per decode step, host-side numbers
     wall_s: float
-    host_step_s: list[float]  # plan + fill + replay + mark_submitted, per decode step
+    host_step_s: list[float]  # plan (+ table plan) + fill + replay + mark_submitted, per step
     host_launch_s: list[float]  # fill + (eager allocator launch) + replay + mark_submitted
     prefill_s: float
     ring_stalls: int
@@ -96,11 +164,21 @@ class DecodeLoop:
         time_steps: record CUDA events around each decode step's launches (the eager
             allocator step, if any, and the replay; not planning or lane filling): GPU time
             per step (``timing.StepEvents``).
+        attention: ``"gather"`` (decode attention gathers slots through ``req_to_token`` /
+            ``full_to_swa``) or ``"tables"`` (through the page tables, written in the
+            step; see the module docstring).
+        attention_window: with ``"tables"``, the window W of the SWA tables and of the
+            attention mask (a query at ``L - 1`` reads positions ``>= L - W``); default the
+            model's window (a smaller one must change tokens).
+        attention_backend: with ``"tables"``, ``"triton"`` (the paged kernel), ``"torch"``
+            (its twin) or ``"auto"``: Triton on CUDA, the twin on a CPU.
     """
 
     def __init__(self, model: TinyHybridLM, alloc: ga.HybridAllocator, *, max_batch: int,
                  n_serials: int, max_out: int, graph: bool = False, alloc_in_graph: bool = True,
-                 keep_logits: bool = True, time_steps: bool = False):
+                 keep_logits: bool = True, time_steps: bool = False,
+                 attention: str = "gather", attention_window: int | None = None,
+                 attention_backend: str = "auto"):
         acfg, mcfg = alloc.config, model.cfg
         if alloc.n_live > 0:
             raise ValueError("DecodeLoop needs a fresh allocator (no live requests)")
@@ -131,12 +209,43 @@ class DecodeLoop:
                            if keep_logits else None)
         self.arange_ctx = torch.arange(acfg.max_context_len, device=dev)
         self.graphs: list = []
+        if attention not in ("gather", "tables"):
+            raise ValueError(f"attention must be 'gather' or 'tables', got {attention!r}")
+        if attention_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"attention_backend must be 'auto', 'triton' or 'torch', got "
+                             f"{attention_backend!r}")
+        self.attention = attention
+        self.page_tables: PageTables | None = None
+        self.table_attention: TableAttention | None = None
+        if attention == "tables":
+            window = attention_window or mcfg.sliding_window
+            # one row table per descriptor buffer: graph i launches both with index i
+            self.page_tables = PageTables.for_allocator(
+                alloc, max_batch, forms=("csr",), sliding_window=window,
+                n_bufs=len(alloc.ring))
+            if attention_backend == "auto":
+                attention_backend = "triton" if dev.type == "cuda" else "torch"
+            fn = (paged_decode_attention if attention_backend == "triton"
+                  else paged_decode_attention_torch)
+            self.table_attention = TableAttention(self.page_tables, fn)
+            # host inputs of the table planner: request row per lane, and per request row
+            # the length and frontier after the step's plan (public queries, lanes only)
+            self.pt_lane_rows = np.full(max_batch, -1, dtype=np.int64)
+            self.pt_seq_len = np.zeros(acfg.max_reqs, dtype=np.int64)
+            self.pt_frontier = np.zeros(acfg.max_reqs, dtype=np.int64)
+        self.attention_backend = attention_backend if attention == "tables" else None
 
     # ---- the step body (captured) -------------------------------------------------------
     def _body(self, i: int) -> None:
         if self.alloc_in_graph:
-            self.alloc.launch(i)
+            self._launch_alloc(i)
         self._model_step(i)
+
+    def _launch_alloc(self, i: int) -> None:
+        """The allocator's step, then the page tables it leaves (same ring index)."""
+        self.alloc.launch(i)
+        if self.page_tables is not None:
+            self.page_tables.launch(i)
 
     def _model_step(self, i: int) -> None:
         alloc, model = self.alloc, self.model
@@ -146,9 +255,12 @@ class DecodeLoop:
         ok = valid != 0
         full_slot = torch.where(ok, alloc.state.out_full_buf[out].long(), 0)
         swa_slot = torch.where(ok, alloc.state.out_swa_buf[out].long(), 0)
-        r2t = alloc.req_to_token[rows].long()
-        keys = model.key_table(r2t, alloc.full_to_swa.long(), pos[:, None],
-                               alloc.config.max_context_len, swa_window_keys=True)
+        if self.table_attention is not None:
+            keys = self.table_attention  # reads only the page tables written in the step
+        else:
+            r2t = alloc.req_to_token[rows].long()
+            keys = model.key_table(r2t, alloc.full_to_swa.long(), pos[:, None],
+                                   alloc.config.max_context_len, swa_window_keys=True)
         logits = model.forward(self.tokens_buf[:, None], pos[:, None], keys, full_slot[:, None],
                                swa_slot[:, None], self.kv)[:, 0]
         nxt = torch.argmax(logits, dim=-1)
@@ -166,9 +278,10 @@ class DecodeLoop:
         with torch.cuda.stream(side):
             for _ in range(2 * len(alloc.ring)):  # empty steps: every row padded
                 p = alloc.plan()
+                pt = self._plan_tables(p.buffer_index, [], [])
                 self._fill_lanes(p.buffer_index, [], [])
                 self._body(p.buffer_index)
-                alloc.mark_submitted(p)
+                self._mark_submitted(p, pt)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()  # sync ok: one-time set-up
         pool = None
@@ -183,6 +296,36 @@ class DecodeLoop:
         return graph_nodes(self.graphs[0]) if self.graphs else None
 
     # ---- host side ----------------------------------------------------------------------
+    def _plan_tables(self, index: int, lanes: list[int], reqs: list):
+        """Plan the page tables of the step planned into descriptor buffer ``index``:
+        lane ``lanes[k]`` attends for ``reqs[k]``, every other lane is padding. Host only;
+        None without tables."""
+        tables, alloc = self.page_tables, self.alloc
+        if tables is None:
+            return None
+        rows = self.pt_lane_rows
+        rows[:] = -1
+        for b, st in zip(lanes, reqs, strict=True):
+            r = st["row"]
+            rows[b] = r
+            self.pt_seq_len[r] = alloc.seq_len(r)  # after this step's decode allocation
+            self.pt_frontier[r] = alloc.frontier(r)  # after this step's window eviction
+        # The table ring follows the descriptor ring (graph i launches both with index i).
+        # Steps planned without tables (the eager prefill) moved the allocator's ring on:
+        # empty table plans, never launched, move this one to the same index.
+        while tables.next_index != index:
+            tables.mark_submitted(tables.plan(rows[:0], self.pt_seq_len, self.pt_frontier))
+        planned = tables.plan(rows, self.pt_seq_len, self.pt_frontier)
+        if planned.buffer_index != index:
+            raise RuntimeError(f"page tables planned into buffer {planned.buffer_index}, the "
+                               f"allocator's step into {index}: the rings must move together")
+        return planned
+
+    def _mark_submitted(self, p, pt) -> None:
+        self.alloc.mark_submitted(p)
+        if pt is not None:
+            self.page_tables.mark_submitted(pt)
+
     def _fill_lanes(self, i: int, lanes: list[int], reqs: list) -> None:
         """Lane inputs of one step into pinned buffer ``i`` (host memory only)."""
         t = self.lane_np[i]
@@ -297,16 +440,17 @@ class DecodeLoop:
             rows = [st["row"] for st in reqs]
             t0 = time.perf_counter()
             p = alloc.plan(release=to_release, evict_all=True, decode=rows)
+            pt = self._plan_tables(p.buffer_index, lanes, reqs)
             t1 = time.perf_counter()  # plan() includes any wait for a descriptor buffer
             self._fill_lanes(p.buffer_index, lanes, reqs)
             with events.interval():  # GPU time: the step's launches only
                 if self.graphs:
-                    if not self.alloc_in_graph:
-                        alloc.launch(p.buffer_index)  # eager allocator step, then the model
+                    if not self.alloc_in_graph:  # eager allocator step (+ tables), then model
+                        self._launch_alloc(p.buffer_index)
                     self.graphs[p.buffer_index].replay()
                 else:
                     self._body(p.buffer_index)
-            alloc.mark_submitted(p)
+            self._mark_submitted(p, pt)
             t2 = time.perf_counter()
             host_s.append(t2 - t0)
             launch_s.append(t2 - t1)
@@ -318,6 +462,9 @@ class DecodeLoop:
                 "full_used_pages": st_now["full_used_pages"],
                 "swa_used_pages": st_now["swa_used_pages"],
                 "live_requests": st_now["live_requests"],
+                # lanes whose SWA range was clipped at the frontier (f > L - W): keys the
+                # window wants are gone (0 unless the allocator's window is too small)
+                "swa_clipped_lanes": None if pt is None else pt.n_swa_clipped,
             })
             to_release = []
             for st in reqs:

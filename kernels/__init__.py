@@ -8,6 +8,7 @@ shares the launcher's signature:
 * ``step`` -- both of them in one fused launch (for steps the planner marks fusable)
 * ``get_and_clear`` -- the single-call ``get_and_clear_swa_pages`` op
 * ``page_table`` -- the attention batch's FULL/SWA page tables (CSR and block-table forms)
+* ``paged_attention`` -- paged decode attention reading only those CSR tables
 * ``error_word`` -- the device error word both write faults to
 
 Most users want :class:`graphalloc.HybridAllocator`, not these.
@@ -17,6 +18,7 @@ from .allocate import allocate_tokens, allocate_tokens_torch
 from .error_word import new_error_word
 from .get_and_clear import get_and_clear_swa_pages, get_and_clear_swa_pages_torch
 from .page_table import write_page_tables, write_page_tables_torch
+from .paged_attention import paged_decode_attention, paged_decode_attention_torch
 from .release import release_pages, release_pages_torch
 from .step import run_step_fused, run_step_fused_torch
 
@@ -32,4 +34,6 @@ __all__ = [
     "new_error_word",
     "write_page_tables",
     "write_page_tables_torch",
+    "paged_decode_attention",
+    "paged_decode_attention_torch",
 ]
