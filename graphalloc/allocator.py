@@ -183,6 +183,8 @@ class HybridAllocator:
     # ---- cheap host queries (no device read, no dicts) -----------------------------------
     def n_free(self, pool: str = "full") -> int:
         """Free pages of ``pool`` (``"full"`` or ``"swa"``). O(1)."""
+        if not isinstance(pool, str):
+            raise ContractError(f"pool must be 'full' or 'swa', got {pool!r}")
         if pool == "full":
             return self.ledger.full.n_free
         if pool == "swa":

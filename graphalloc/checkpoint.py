@@ -47,6 +47,8 @@ def load_state_dict(alloc, sd: dict) -> None:
     changed) when the geometry differs, a table has the wrong shape, or the audit of the
     incoming state finds a discrepancy."""
     cfg = alloc.config
+    if not isinstance(sd, dict):
+        raise StateError(f"not a graphalloc state dict: a {type(sd).__name__}")
     try:
         geometry, host, device = sd["geometry"], sd["host"], sd["device"]
         full_ring, swa_ring = sd["full_ring"], sd["swa_ring"]

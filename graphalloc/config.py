@@ -207,6 +207,12 @@ class AllocatorConfig:
             fix(name, _as_int(where, name, getattr(self, name), 1))
         fix("swa_ring_pages", _as_int(where, "swa_ring_pages", self.swa_ring_pages, 0,
                                       "0 is pool mode"))
+        fix("max_handles", _as_int(where, "max_handles", self.max_handles, 0,
+                                   "0 turns prefix sharing off"))
+        if self.max_handles and self.swa_ring_pages:
+            raise ConfigError(f"{where}max_handles={self.max_handles} with swa_ring_pages="
+                              f"{self.swa_ring_pages}: prefix sharing needs pool mode (a ring "
+                              "keeps each request's window to itself); use one or the other")
         for name in _SHAPE_FIELDS:
             fix(name, _as_int(where, name, getattr(self, name), 0, "0 picks the default"))
         if not isinstance(self.validate, (bool, np.bool_)):

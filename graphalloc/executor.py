@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from .errors import ConfigError
 
-__all__ = ["Executor", "EagerExecutor", "make_executor"]
+__all__ = ["Executor", "EagerExecutor", "make_executor", "warm_up"]
 
 
 class Executor:
@@ -61,12 +61,43 @@ class Executor:
             self.n_two_launch += 1
 
 
+def warm_up(alloc, n: int = 1) -> None:
+    """Compile every kernel variant a step can use, now: launch the step kernels over an
+    all-padding descriptor (nothing changes) in both launch forms. On a CUDA device this is
+    done at construction, so no Triton compilation ever happens mid-serving (a first
+    compile costs a step seconds). Synchronises (once, at construction)."""
+    import torch
+
+    from .sync_points import sync_allowed
+
+    ring = alloc.ring
+    with sync_allowed():
+        torch.cuda.synchronize()  # sync ok: one-time construction
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(len(ring)):
+                ring.write(i, ring.np_bufs[i][:0], ring.np_bufs[i][:0])
+            for _ in range(n):
+                alloc.kernels(ring.release_rows(0), ring.alloc_rows(0))
+                if alloc.kernels.fused:
+                    alloc.kernels(ring.release_rows(0), ring.alloc_rows(0), fusable=True)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()  # sync ok: one-time construction
+
+
 class EagerExecutor(Executor):
     """Launch the step kernels directly: one fused launch where the step allows it
     (``PlannedStep.fusable`` and an allocator built with ``fused_step=True``), otherwise
-    the release kernel then the allocation kernel. Host cost: one or two kernel launches."""
+    the release kernel then the allocation kernel. Host cost: one or two kernel launches.
+    On a CUDA device every kernel variant is compiled at construction (:func:`warm_up`)."""
 
     name = "eager"
+
+    def bind(self, alloc) -> None:
+        super().bind(alloc)
+        if alloc.config.device.type == "cuda":
+            warm_up(alloc)
 
     def execute(self, planned) -> None:
         fused = planned.fusable and self.alloc.kernels.fused

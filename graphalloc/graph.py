@@ -32,7 +32,8 @@ import collections
 
 import torch
 
-from .executor import Executor
+from .errors import ConfigError
+from .executor import Executor, warm_up
 from .sync_points import sync_allowed
 
 __all__ = ["StepGraph", "describe_graph", "capture_graph"]
@@ -75,7 +76,13 @@ class StepGraph(Executor):
 
     name = "graph"
 
-    def __init__(self, *, warmup: int = 2):
+    def __init__(self, alloc=None, *, warmup: int = 2):
+        if alloc is not None:
+            raise ConfigError("StepGraph is an executor chosen when the allocator is built: "
+                              "HybridAllocator(cfg, executor='graph') (or "
+                              "executor=StepGraph(warmup=...)); it is not attached afterwards")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ConfigError(f"warmup must be an int >= 1, got {warmup!r}")
         super().__init__()
         self.warmup = warmup
         self.graphs: list[torch.cuda.CUDAGraph] = []
@@ -89,19 +96,8 @@ class StepGraph(Executor):
             return
         fused = alloc.kernels.fused
         ring = alloc.ring
+        warm_up(alloc, self.warmup)
         with sync_allowed():
-            torch.cuda.synchronize()  # sync ok: one-time construction
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for i in range(len(ring)):
-                    ring.write(i, ring.np_bufs[i][:0], ring.np_bufs[i][:0])
-                for _ in range(self.warmup):
-                    alloc.kernels(ring.release_rows(0), ring.alloc_rows(0))
-                    if fused:
-                        alloc.kernels(ring.release_rows(0), ring.alloc_rows(0), fusable=True)
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()  # sync ok: one-time construction
             for i in range(len(ring)):
                 rel, al = ring.release_rows(i), ring.alloc_rows(i)
                 self.graphs.append(capture_graph(lambda rel=rel, al=al: alloc.kernels(rel, al)))

@@ -99,8 +99,9 @@ def split_release_rows(release: np.ndarray, max_rows: int, max_pages: int) -> li
     """Cut release rows, in order, into parts of at most ``max_rows`` rows and ``max_pages``
     pages each (lanes renumbered per part). Every row carries absolute free-ring push
     positions, so running the parts as consecutive steps pushes the same pages to the same
-    positions as one step would. A single row never exceeds ``max_pages``: the config
-    guarantees ``max_pages_per_row <= max_step_pages``."""
+    positions as one step would. A single row never exceeds ``max_pages``: a row holds at
+    most one request's or handle's pages, P <= ``min_step_pages`` <= ``max_step_pages``
+    (the config guarantees it)."""
     parts, start = [], 0
     n = len(release)
     pages = release[:, REL_N_PAGES]

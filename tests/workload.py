@@ -63,9 +63,38 @@ def random_step(allocs: list[HybridAllocator], rng: np.random.Generator) -> str:
         target = (led.frontier[r] + ps * int(rng.integers(0, 3)))
         apply_all(allocs, lambda a: a.advance_frontier([r], [target]))
         return "advance_frontier"
+    if led.n_handles and not cfg.ring_mode and roll < 0.52:  # shared pages
+        return _sharing_op(allocs, rng, live)
     # a scheduler step: release some finished, evict all, decode the rest
     finished = live[rng.random(len(live)) < 0.1]
     decode = np.setdiff1d(live, finished)
     decode = decode[led.seq_len[decode] < cfg.max_context_len]
     apply_all(allocs, lambda a: a.step(release=finished, evict_all=True, decode=decode))
     return "step"
+
+
+def _sharing_op(allocs: list[HybridAllocator], rng: np.random.Generator, live) -> str:
+    """Take a handle on a live request's whole pages, admit on a held handle (and extend),
+    drop or tombstone one: the allocators must agree (their ledgers are identical)."""
+    a0 = allocs[0]
+    ps, held = a0.config.page_size, a0.live_handles()
+    roll = rng.random()
+    if roll < 0.4 or len(held) == 0:
+        r = int(rng.choice(live))
+        n = a0.seq_len(r) // ps * ps
+        if n == 0:
+            return "take_handle(skip)"
+        n = int(rng.integers(1, n // ps + 1)) * ps
+        apply_all(allocs, lambda a: a.take_handle(r, n))
+        return "take_handle"
+    h = int(rng.choice(held))
+    if roll < 0.7:
+        row = apply_all(allocs, lambda a: a.admit(handle=h))
+        if row is not None:
+            apply_all(allocs, lambda a: a.alloc_extend([row], [int(rng.integers(1, 3 * ps))]))
+        return "admit(handle)"
+    if roll < 0.85:
+        apply_all(allocs, lambda a: a.drop_handle_swa(h))
+        return "drop_handle_swa"
+    apply_all(allocs, lambda a: a.drop_handle(h))
+    return "drop_handle"
