@@ -318,6 +318,8 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     ``req_to_token`` has a scratch row past the requests and the output buffers
     a scratch entry past ``n_lanes``: padded lanes write there.
     """
+    check_rows(rows, full_to_swa, "allocation")
+    check_tables(req_to_token, ring_pages, err, False, None, (n_full_cap, n_swa_cap))
     if rows.shape[0] == 0:  # as the launcher: nothing to run
         return
     device = full_to_swa.device

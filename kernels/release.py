@@ -318,6 +318,7 @@ def release_pages_torch(rows, req_to_token, full_to_swa, full_free, swa_free, ri
     ``req_to_token`` has one scratch row past the requests, ``full_free`` and
     ``swa_free`` one scratch entry past their capacity: padded lanes write there.
     """
+    check_rows(rows, full_to_swa, "release")
     check_tables(req_to_token, ring_pages, err, validate, epochs, (n_full_cap, n_swa_cap))
     if rows.shape[0] == 0:  # as the launcher: nothing to run
         return
