@@ -22,18 +22,21 @@ Objects it reads (host values only; SGLang keeps these on the CPU too):
   token, i.e. its KV length; the engine increments it after, as SGLang does).
 
 Launches per decode iteration, B requests of which E evict, one free group of F
-finished requests, page_size > 1. Before (SGLang's ``SWATokenToKVPoolAllocator`` over
-two ``PagedTokenToKVPoolAllocator``s, counted from its public source; versions
-differ): ``alloc_decode`` is about 6-8 launches (last-location gather and its
-full-to-SWA translation, one Triton allocation kernel per pool, the mapping scatter,
-the ``req_to_token`` write); each of the E ``_evict_swa`` calls a ``free_swa`` of about
-6 launches (page expansion, mapping gather, a boolean filter, the SWA pool's free,
-the mapping clear) with data-dependent shapes (``torch.unique``, masking) that wait
-for the device; ``free_group_end`` concatenates and frees both pools, about 8-10
-launches with the same waits. About ``15 + 6 E`` launches and ``2 + 2 E``
-host/device waits per iteration. After: ONE graphalloc step, i.e. one fused kernel
-(two when the step's pops do not fit in what was free before it), or one graph
-replay under ``executor="graph"``; no host/device synchronisation.
+finished requests, page_size > 1. Before -- SGLang's ``SWATokenToKVPoolAllocator`` over
+two ``PagedTokenToKVPoolAllocator``s, counted by reading its public source (one
+version; not measured, versions differ): ``alloc_decode`` is about 7 launches (the
+last-location gather and its full-to-SWA translation, one Triton allocation kernel
+per pool, the mapping scatter, the ``req_to_token`` write); each of the E
+``_evict_swa`` calls is a ``free_swa`` of about 10 launches (page expansion, mapping
+gather, a boolean filter, the SWA pool's free, the mapping clear) of which three
+(``torch.unique`` twice, boolean masking) have data-dependent shapes and wait for the
+device; ``free_group_end`` concatenates and frees both pools, about 13 launches and 4
+waits, whatever F. About ``20 + 10 E`` launches and ``4 + 3 E`` host/device waits per
+iteration.
+After: ONE graphalloc step -- one fused kernel (two when the step's pops do not fit in
+what was free before it), or one graph replay under ``executor="graph"`` -- and no
+host/device synchronisation; an idle iteration's :meth:`SGLangAllocator.flush` is one
+release-only step.
 
 Covers: extend batches (prefill, chunked prefill, mixed chunks: any extend lengths),
 decode batches, SWA eviction by SGLang's rule (a request's SWA KV below
@@ -65,15 +68,19 @@ import contextlib
 import dataclasses
 
 import numpy as np
+import torch
 
 from ..allocator import AllocResult, HybridAllocator
-from ..errors import ConfigError, ContractError, NestedGroupError, PositionError
+from ..errors import ConfigError, ContractError, NestedGroupError, PositionError, TensorSpecError
 from .iteration import IterationStep
 
 __all__ = ["SGLangAllocator", "SGLangBatchAlloc"]
 
 
 def _host_ints(values, n: int, what: str) -> list[int]:
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+        raise TensorSpecError(f"{what} is a tensor on {values.device}: reading it would "
+                              "synchronise; pass the host copy (SGLang keeps one on the CPU)")
     out = [int(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
     if len(out) != n:
         raise ContractError(f"{what} has {len(out)} entries for {n} requests")
