@@ -311,6 +311,8 @@ def test_contracts_raise_with_nothing_changed():
         seam.prepare_for_decode(Batch([r, r], seq_lens_cpu=[8, 8]))
     with pytest.raises(ga.PositionError):
         seam.prepare_for_extend(Batch([r], [8], [0]))
+    with pytest.raises(ga.ContractError, match="flush"):
+        seam.prepare_for_decode(Batch([], seq_lens_cpu=[]))
     with pytest.raises(ga.BatchTooLargeError):
         seam.prepare_for_extend(Batch([r], [8], [alloc.config.max_tokens_per_alloc_row + 1]))
     with pytest.raises(NotImplementedError, match="not wired"):
@@ -320,6 +322,24 @@ def test_contracts_raise_with_nothing_changed():
     with pytest.raises(ga.ConfigError):
         SGLangAllocator(alloc, swa_eviction_interval=0)
     assert snapshot(alloc, seam, [r]) == state
+
+
+def test_frees_over_the_frozen_release_shape_split_into_more_steps():
+    """Recorded releases that exceed max_release_rows run through alloc.free_group()
+    (split into steps the shape allows), then the allocation: reported in n_steps."""
+    cfg = ga.AllocatorConfig(page_size=4, num_full_pages=64, num_swa_pages=64, max_reqs=8,
+                             max_context_len=32, sliding_window=8, max_release_rows=2)
+    alloc = ga.HybridAllocator(cfg)
+    seam = SGLangAllocator(alloc)
+    reqs = [Req(i, 8, 1) for i in range(4)]
+    assert seam.prepare_for_extend(Batch(reqs, [0] * 4, [8] * 4)).n_steps == 1
+    for r in reqs[:3]:
+        r.n_out = 1
+    assert seam.release_finished(reqs) == 3  # 3 release rows: one step holds 2
+    steps = alloc.steps_run
+    out = seam.prepare_for_decode(Batch([reqs[3]], seq_lens_cpu=[8]))
+    assert out.n_steps == 3 == alloc.steps_run - steps and alloc.n_live == 1
+    check_conserved(alloc)
 
 
 def test_ring_mode_is_refused():

@@ -320,6 +320,9 @@ def test_contracts():
     assert "s" not in mgr
     with pytest.raises(ga.ContractError):
         mgr.row_of("s")
+    assert mgr.allocate_slots("np", np.int64(4), num_lookahead_tokens=np.int32(1)).num_blocks == 2
+    with pytest.raises(ga.ContractError):
+        mgr.allocate_slots("f", 4.0)
 
 
 def test_example_runs():

@@ -68,6 +68,7 @@ class IterationStep:
         self.advances: dict[int, tuple[int, int]] = {}  # row -> (new frontier, SWA pages)
         self.extends: dict[int, tuple[int, int]] = {}  # row -> (tokens, pages per pool)
         self.freed_full = self.freed_swa = self.needed = self.n_tokens = 0
+        self.n_rows = 0  # rows of ``extends`` (every record allocates >= 1 token)
 
     # ---- queries ---------------------------------------------------------------------
     def __bool__(self) -> bool:
@@ -153,8 +154,7 @@ class IterationStep:
                 swa = (new_front - self.alloc.frontier(row)) // ps
                 d_swa += swa - old
             plan.append((row, n, pages, new_front, swa))
-        n_rows = sum(1 for v in self.extends.values() if v[0] > 0) + d_rows
-        for have, cap, name in ((n_rows, cfg.max_alloc_rows, "max_alloc_rows"),
+        for have, cap, name in ((self.n_rows + d_rows, cfg.max_alloc_rows, "max_alloc_rows"),
                                 (self.n_tokens + d_tokens, cfg.max_step_tokens,
                                  "max_step_tokens")):
             if have > cap:
@@ -163,7 +163,7 @@ class IterationStep:
                     "schedule less per iteration, or size the allocator with "
                     "AllocatorConfig.for_engine from the engine's budgets")
         if (self.free_pages("full") < d_need or self.free_pages("swa") + d_swa < d_need
-                or n_new > cfg.max_reqs - self.alloc.n_live):
+                or (n_new and n_new > cfg.max_reqs - self.alloc.n_live)):
             return None
         rows = []
         for row, n, pages, new_front, swa in plan:
@@ -175,6 +175,7 @@ class IterationStep:
             prior = self.extends.pop(row, (0, 0))
             self.needed += pages - prior[1]
             self.n_tokens += n - prior[0]
+            self.n_rows += (n > 0) - (prior[0] > 0)
             if n:
                 self.extends[row] = (n, pages)
             rows.append(row)
@@ -184,6 +185,7 @@ class IterationStep:
         n, pages = self.extends.pop(row, (0, 0))
         self.needed -= pages
         self.n_tokens -= n
+        self.n_rows -= n > 0
         self.freed_swa -= self.advances.pop(row, (0, 0))[1]
 
     # ---- the step ----------------------------------------------------------------------
@@ -219,5 +221,5 @@ class IterationStep:
         self.releases.clear()
         self.advances.clear()
         self.extends.clear()
-        self.freed_full = self.freed_swa = self.needed = self.n_tokens = 0
+        self.freed_full = self.freed_swa = self.needed = self.n_tokens = self.n_rows = 0
         return result, alloc.steps_run - before

@@ -293,6 +293,9 @@ class SGLangAllocator:
 
     # ---- internals ---------------------------------------------------------------------
     def _allocate(self, reqs, items) -> SGLangBatchAlloc | None:
+        if not items:
+            raise ContractError("an empty batch allocates nothing; on an idle iteration "
+                                "call flush() to run the recorded frees")
         rows = self.pending.reserve(items)
         if rows is None:
             return None

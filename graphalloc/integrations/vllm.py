@@ -28,10 +28,11 @@ vLLM's scheduler lowers ``request.num_computed_tokens`` by the rejected tokens: 
 it as ``num_computed_tokens=`` (without it the facade assumes every scheduled token
 was computed).
 
-Block ids: graphalloc keeps page ids on the device only (the host knows counts and
-positions, not ids), so :meth:`GraphallocKVCacheManager.get_block_ids` READS THE
-DEVICE: one device-to-host copy per group, which waits for every queued step (a
-synchronisation). It is the inspection and debugging path. The hot path never needs
+Block ids: graphalloc's page ids live in device tables (its public host queries give
+counts and positions, not ids), so :meth:`GraphallocKVCacheManager.get_block_ids`
+READS THE DEVICE: one device-to-host copy per group, which waits for every queued
+step (a synchronisation). It is the inspection and debugging path (a public host
+query of a row's page ids would make it sync-free). The hot path never needs
 ids on the host: the model writes KV to :meth:`~GraphallocKVCacheManager.token_slots`
 (device views) and reads block tables from :class:`graphalloc.page_tables.PageTables`
 (``block_table[B, max_pages]`` in vLLM's layout, null block 0 outside the window,
@@ -52,8 +53,8 @@ before allocation, ``None`` = back-pressure with nothing changed), ``free``,
 prefix caching disabled, hashable request ids, free-block and usage queries.
 
 Does not cover: the prefix cache (``enable_caching=True`` is refused;
-``get_computed_blocks`` always returns no hit; the other engineer's handle-based
-cache is NOT wired yet), KV connectors / external computed tokens, encoder
+``get_computed_blocks`` always returns no hit; the prefix cache being built on the
+allocator's handles is NOT wired yet), KV connectors / external computed tokens, encoder
 (cross-attention) tokens, ``delay_cache_blocks``, watermarks, cascade attention's
 common-prefix query, KV events, more than two groups or per-group block sizes,
 ring mode. Unlike vLLM, a call that returns ``None`` does not free the request's
@@ -70,6 +71,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable
 
+import numpy as np
+
 from ..allocator import AllocResult, HybridAllocator
 from ..errors import ConfigError, ContractError, PendingStepError, PositionError
 from ..sync_points import sync_allowed
@@ -84,9 +87,10 @@ NULL_BLOCK_ID = 0  # the null block: graphalloc's sink page 0, never allocated
 
 
 def _count(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or (
+            value < 0):
         raise ContractError(f"{name} must be an int >= 0, got {value!r}")
-    return value
+    return int(value)
 
 
 @dataclasses.dataclass(eq=False)
@@ -124,7 +128,9 @@ class GraphallocKVCacheManager:
 
     Invariants: each live request id owns one row; recorded work belongs to the next
     :meth:`run_step`; a ``None`` answer changed nothing. Cost: ``allocate_slots`` and
-    ``free`` are O(1) host work (no plan, no device work); ``run_step`` is one step.
+    ``free`` are O(1) host work, no plan, no device work (measured on a CPU at 256
+    requests: about 7 us per running request's call, 2 us per ``free``; a new request
+    adds ``alloc.admit()``, host only, about 35 us); ``run_step`` is one step.
     """
 
     def __init__(self, alloc: HybridAllocator, *, enable_caching: bool = False):
