@@ -353,7 +353,11 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     copy_lane = copy[:, None] & (cols[None, :] >= rows[:, AL_START_POS, None]) & (
         cols[None, :] < copy_end)
     src = torch.where(copy, rows[:, AL_FULL_POP], 0).clamp(0, scratch_row)
-    copied = req_to_token[src[:, None].expand_as(copy_lane), cols.expand_as(copy_lane)]
+    # Lanes that copy nothing rewrite the scratch row with its own values (no change: the
+    # kernel never touches it, and padded lanes below read it).
+    copied = torch.where(copy_lane,
+                         req_to_token[src[:, None].expand_as(copy_lane), cols.expand_as(copy_lane)],
+                         req_to_token[scratch_row].expand_as(copy_lane))
     dst = torch.where(copy_lane, rows[:, AL_REQ, None], scratch_row)
     req_to_token.index_put_((dst.reshape(-1), cols.expand_as(copy_lane).reshape(-1)),
                             copied.reshape(-1))

@@ -89,9 +89,10 @@ def _sharing_op(allocs: list[HybridAllocator], rng: np.random.Generator, live) -
         return "take_handle"
     h = int(rng.choice(held))
     if roll < 0.7:
+        n = int(rng.integers(1, 3 * ps))  # drawn once: every allocator gets the same step
         row = apply_all(allocs, lambda a: a.admit(handle=h))
         if row is not None:
-            apply_all(allocs, lambda a: a.alloc_extend([row], [int(rng.integers(1, 3 * ps))]))
+            apply_all(allocs, lambda a: a.alloc_extend([row], [n]))
         return "admit(handle)"
     if roll < 0.85:
         apply_all(allocs, lambda a: a.drop_handle_swa(h))

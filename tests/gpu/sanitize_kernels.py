@@ -6,7 +6,7 @@
 Row kinds exercised: window eviction (SWA+clear), finish above the frontier
 (SWA+FULL+clear), finish below the frontier (FULL only), ring eviction (clear),
 ring return, ring admission, extend (new pages + partial page), decode, padded
-rows; an unmapped peer (fault path) and a sink-marker pop; the single-call op
+rows; prefix sharing (handle copies, admits on handles, SWA-only and FULL-only drops); an unmapped peer (fault path) and a sink-marker pop; the single-call op
 with and without validation; eager launches and graph replays; the fused
 one-launch step and validate mode.
 """
@@ -31,7 +31,8 @@ def config(ring: bool, ps: int, dtype) -> ga.AllocatorConfig:
         page_size=ps, num_full_pages=80, num_swa_pages=40 if not ring else 64, max_reqs=6,
         max_context_len=20 * ps, sliding_window=2 * ps + 1, index_dtype=dtype, device="cuda",
         backend="triton", swa_ring_pages=4 if ring else 0, max_release_rows=20,
-        max_alloc_rows=8, max_step_pages=120, max_step_tokens=20 * ps + 8)
+        max_alloc_rows=8, max_step_pages=120, max_step_tokens=20 * ps + 8,
+        max_handles=0 if ring else 4)  # pool mode: shared pages (handles, copies) too
 
 
 def main() -> None:
