@@ -54,11 +54,55 @@ if CORE_DEVICE == "cuda":
                 _no_sync(getattr(_allocator.HybridAllocator, _name)))
 
 
+# Hypothesis example counts. GRAPHALLOC_HYPOTHESIS_MAX_EXAMPLES=N caps max_examples of every
+# hypothesis test at N: a settings profile (loaded below) for tests without their own
+# settings, and, since an explicit ``settings(max_examples=...)`` (test_model_vs_allocator
+# pins 50 on its TestCase classes, test_contracts pins its own) beats any profile, those
+# are capped at collection. Default: no cap on the CPU; 8 when the core suite runs on CUDA
+# (GRAPHALLOC_TEST_DEVICE=cuda), where each example costs device round trips. 0: no cap.
+HYPOTHESIS_CAP = int(os.environ.get("GRAPHALLOC_HYPOTHESIS_MAX_EXAMPLES")
+                     or (8 if CORE_DEVICE == "cuda" else 0))
+if HYPOTHESIS_CAP > 0:
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("graphalloc-capped", max_examples=HYPOTHESIS_CAP)
+    _hypothesis_settings.load_profile("graphalloc-capped")
+
+
+def _cap_hypothesis(item) -> None:
+    from hypothesis import settings
+
+    def capped(current):
+        if isinstance(current, settings) and current.max_examples > HYPOTHESIS_CAP:
+            return settings(current, max_examples=HYPOTHESIS_CAP)
+        return None
+
+    cls = getattr(item, "cls", None)  # a stateful machine's TestCase: read per run
+    new = capped(getattr(cls, "settings", None)) if cls is not None else None
+    if new is not None:
+        cls.settings = new
+    fn = getattr(item, "obj", None)  # an @given test: read per call
+    new = capped(getattr(fn, "_hypothesis_internal_use_settings", None))
+    if new is not None:
+        fn._hypothesis_internal_use_settings = new
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects on the markers added here
 def pytest_collection_modifyitems(config, items):
+    """Markers the GPU run (tests/gpu/run_gpu_suite.sh) selects on. ``soak``: every test
+    whose name contains "soak" (`make test` runs them; the default GPU run deselects them,
+    its --soak mode runs them). ``on_device``: marked ``cuda`` or asks for the ``device``
+    fixture, i.e. runs on the GPU when there is one."""
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
+        if "soak" in getattr(item, "originalname", item.name) and "soak" not in item.keywords:
+            item.add_marker(pytest.mark.soak)
+        if "cuda" in item.keywords or "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.on_device)
+        if HYPOTHESIS_CAP > 0:
+            _cap_hypothesis(item)
 
 
 @pytest.fixture

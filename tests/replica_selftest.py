@@ -1,18 +1,22 @@
 """Self-test of :mod:`graphalloc.replicas`: random multi-rank runs, a planning trace, a CLI.
 
-On a machine with N GPUs (NCCL, one process per GPU, graph replay, sync-debug "error")::
+Test tooling (it lives in ``tests/``, not in the runtime package). On a machine with N GPUs
+(NCCL, one process per GPU, graph replay, sync-debug "error"), from the repository root::
 
-    python -m graphalloc.replicas --selftest --world-size 2 --backend nccl --out DIR
+    python tests/replica_selftest.py --world-size 2 --backend nccl --steps 300 --out DIR
 
 ``--world-size 1`` is a one-GPU smoke run of the CUDA paths (graphs, NCCL calls,
 sync-debug) without the perturbation scenarios. On a CPU (gloo; what
 ``tests/test_replicas.py`` runs)::
 
-    python -m graphalloc.replica_selftest --world-size 2 --backend gloo --out DIR
+    python tests/replica_selftest.py --world-size 2 --backend gloo --out DIR
 
 Each rank writes ``DIR/rank<r>.json``; rank 0's parent then writes ``DIR/summary.json``
-and ``DIR/summary.md`` and exits non-zero if any scenario failed. Scenarios (each a few
-hundred random steps of admit / extend / decode / window eviction / release):
+and ``DIR/summary.md`` and exits non-zero if any scenario failed. A rank that fails
+writes its own traceback to ``DIR/rank<r>.error.txt`` (a native crash: every thread's
+Python stack, from :mod:`faulthandler`, to ``DIR/rank<r>.fault.txt``) and the parent
+raises :class:`SelftestWorkerError` with those texts. Scenarios (each a few hundred random
+steps of admit / extend / decode / window eviction / release):
 
 ===========================  ================================================================
 ``replicated-pool``          every rank plans; digests equal at every check and at the end
@@ -26,6 +30,10 @@ hundred random steps of admit / extend / decode / window eviction / release):
 ``--plan-trace FILE`` instead runs the workload on one CPU allocator and writes every
 planned descriptor (used rows) and ledger digest to FILE: runs with different
 ``PYTHONHASHSEED`` values must write identical bytes (the determinism test).
+
+Run as a script, this file is the ``__main__`` module: ``torch.multiprocessing.spawn``
+re-imports it by path in every child (as ``__mp_main__``) to find :func:`_worker`, so
+everything but the definitions stays under ``if __name__ == "__main__"``.
 """
 
 from __future__ import annotations
@@ -33,27 +41,32 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import faulthandler
+import gc
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
+import traceback
+import weakref
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .allocator import HybridAllocator
-from .config import AllocatorConfig
-from .errors import ContractError, ReplicaDivergenceError
-from .graph import StepGraph
-from .ledger import Ledger
-from .planner import StepBuilder
-from .replicas import ReplicatedAllocator
-from .state_digest import ledger_digest
+from graphalloc.allocator import HybridAllocator
+from graphalloc.config import AllocatorConfig
+from graphalloc.errors import ContractError, ReplicaDivergenceError
+from graphalloc.graph import StepGraph
+from graphalloc.ledger import Ledger
+from graphalloc.planner import StepBuilder
+from graphalloc.replicas import ReplicatedAllocator
+from graphalloc.state_digest import ledger_digest
 
-__all__ = ["RandomWorkload", "Scenario", "default_scenarios", "selftest_config", "plan_trace",
-           "spawn_selftest", "summarize", "main"]
+__all__ = ["RandomWorkload", "Scenario", "SelftestWorkerError", "default_scenarios",
+           "selftest_config", "plan_trace", "spawn_selftest", "summarize", "main"]
 
 
 def selftest_config(device: str | torch.device, backend: str, ring: bool) -> AllocatorConfig:
@@ -156,8 +169,10 @@ class Scenario:
     mode: str  # "replicated" | "broadcast"
     ring: bool = False
     iterations: int = 300
-    perturb: str = ""  # "" | "input" (skip one decode) | "device" (corrupt a mapping entry)
-    perturb_at: int = -1  # iteration of the perturbation
+    # "" | "input" (skip one decode) | "device" (corrupt a mapping entry) | "raise" (the last
+    # rank raises SelftestDeliberateError as the scenario starts: the failure-report test)
+    perturb: str = ""
+    perturb_at: int = -1  # iteration of the perturbation ("input", "device")
     check_every: int = 16
     digest_every: int = 1
     seed: int = 0
@@ -193,6 +208,8 @@ def _percentiles(times: list[float]) -> dict:
 def run_scenario(sc: Scenario, rank: int, device: torch.device, backend: str,
                  sync_debug: bool) -> dict:
     """One scenario on this rank (collective: every rank runs the same scenarios in order)."""
+    if sc.perturb == "raise" and rank == dist.get_world_size() - 1:  # before building anything
+        raise SelftestDeliberateError(f"deliberate failure of rank {rank} in scenario {sc.name!r}")
     cfg = selftest_config(device, backend, sc.ring)
     alloc = HybridAllocator(cfg)
     graph = StepGraph(alloc) if sc.mode == "replicated" and device.type == "cuda" else None
@@ -215,7 +232,7 @@ def run_scenario(sc: Scenario, rank: int, device: torch.device, backend: str,
                 except ContractError:
                     pass  # no free row or ring pages: the same on every rank
             step = workload.propose(alloc.ledger) if rep.is_planner else {}
-            if sc.perturb and it == sc.perturb_at:
+            if sc.perturb in ("input", "device") and it == sc.perturb_at:
                 out["expected"] = {"step": rep.n_steps + 1, "rank": skewed_rank}
                 step = {}
                 if sc.perturb == "input":  # every rank but the skewed one decodes one row
@@ -253,8 +270,59 @@ def run_scenario(sc: Scenario, rank: int, device: torch.device, backend: str,
     return out
 
 
+class SelftestDeliberateError(RuntimeError):
+    """Raised on purpose by a ``perturb="raise"`` scenario."""
+
+
+class SelftestWorkerError(RuntimeError):
+    """A rank of a spawned self-test failed. The message carries each rank's own report:
+    its traceback (``rank<r>.error.txt``) or, after a fatal signal, every thread's Python
+    stack at the signal (``rank<r>.fault.txt``)."""
+
+
+_REPORTS = {"json": "rank{}.json", "error": "rank{}.error.txt", "fault": "rank{}.fault.txt"}
+_fault_file = None  # open for the life of a worker process: faulthandler writes to its fd
+
+
+def _report_path(out_dir: str, rank: int, kind: str) -> str:
+    return os.path.join(out_dir, _REPORTS[kind].format(rank))
+
+
 def _worker(rank: int, world_size: int, backend: str, init_method: str, out_dir: str,
             scenarios: list[Scenario], sync_debug: bool, timeout_s: float) -> None:
+    """One rank (run by ``torch.multiprocessing.spawn``). A failure leaves this rank's own
+    report in ``out_dir`` for the parent; the process group is gone, and with it gloo's
+    threads, before this returns (see :func:`_destroy_group`)."""
+    global _fault_file
+    _fault_file = open(_report_path(out_dir, rank, "fault"), "w")
+    faulthandler.enable(file=_fault_file, all_threads=True)  # SIGABRT, SIGSEGV, ...
+    # the parent stops the other ranks when one fails: record where each one was
+    faulthandler.register(signal.SIGTERM, file=_fault_file, all_threads=True, chain=True)
+    error = None
+    try:
+        _run_rank(rank, world_size, backend, init_method, out_dir, scenarios, sync_debug,
+                  timeout_s)
+    except Exception:
+        error = traceback.format_exc()
+        _write_error(out_dir, rank, error)  # now: before the teardown closes connections
+    # outside the except clause: the traceback (whose frames hold the wrappers, which hold
+    # the group) is released, so the group can be destroyed now
+    try:
+        _destroy_group(backend)
+    except Exception:
+        error = (error or "") + traceback.format_exc()
+        _write_error(out_dir, rank, error)
+    if error is not None:
+        raise SelftestWorkerError(f"rank {rank} failed:\n{error}")
+
+
+def _write_error(out_dir: str, rank: int, text: str) -> None:
+    with open(_report_path(out_dir, rank, "error"), "w") as f:
+        f.write(text)
+
+
+def _run_rank(rank: int, world_size: int, backend: str, init_method: str, out_dir: str,
+              scenarios: list[Scenario], sync_debug: bool, timeout_s: float) -> None:
     if backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
@@ -265,22 +333,44 @@ def _worker(rank: int, world_size: int, backend: str, init_method: str, out_dir:
         torch.set_num_threads(1)  # the ranks share the cores; small ops hate contended pools
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **extra)
-    try:
-        results = {"rank": rank, "world_size": world_size, "backend": backend,
-                   "device": str(device), "torch": torch.__version__, "scenarios": []}
-        if device.type == "cuda":
-            results["device_name"] = torch.cuda.get_device_name(device)
-        t0 = time.perf_counter()
-        for sc in scenarios:
-            t1 = time.perf_counter()
-            res = run_scenario(sc, rank, device, kernel_backend, sync_debug)
-            res["seconds"] = time.perf_counter() - t1
-            results["scenarios"].append(res)
-        results["seconds"] = time.perf_counter() - t0
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    finally:
-        dist.destroy_process_group()
+    results = {"rank": rank, "world_size": world_size, "backend": backend,
+               "device": str(device), "torch": torch.__version__, "scenarios": []}
+    if device.type == "cuda":
+        results["device_name"] = torch.cuda.get_device_name(device)
+    t0 = time.perf_counter()
+    for sc in scenarios:
+        t1 = time.perf_counter()
+        res = run_scenario(sc, rank, device, kernel_backend, sync_debug)
+        res["seconds"] = time.perf_counter() - t1
+        results["scenarios"].append(res)
+    results["seconds"] = time.perf_counter() - t0
+    with open(_report_path(out_dir, rank, "json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def _destroy_group(backend: str) -> None:
+    """Destroy the default group *and its C++ object* while the interpreter is fully alive.
+
+    ``destroy_process_group()`` only unregisters the group; the C++ object, and with gloo
+    its worker threads, live on while any Python object refers to it, and every
+    :class:`ReplicatedAllocator` does (``.group``) from inside reference cycles that only
+    the garbage collector frees. Left to interpreter exit, a gloo worker thread that still
+    drops its reference to a finished collective (``AsyncAllgatherWork``, whose tensors'
+    Python objects it then owns) takes the GIL during ``Py_FinalizeEx``; CPython ends
+    such a thread with ``pthread_exit``, whose forced unwind through the work's
+    ``noexcept`` destructor calls ``std::terminate``: "terminate called without an active
+    exception", SIGABRT, after the rank's results were written. Collecting the cycles here
+    runs the group's destructor, which releases the GIL and joins those threads."""
+    if not dist.is_initialized():
+        return
+    group = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    gc.collect()
+    if backend == "gloo" and group() is not None:
+        raise RuntimeError(
+            "the gloo process group outlived destroy_process_group() and a garbage collection "
+            f"(referrers: {[type(r).__name__ for r in gc.get_referrers(group())]}); its worker "
+            "threads would still run at interpreter exit, where they can abort the process")
 
 
 def summarize(out_dir: str, world_size: int) -> dict:
@@ -337,18 +427,50 @@ def spawn_selftest(world_size: int, backend: str, out_dir: str,
                    scenarios: list[Scenario] | None = None, sync_debug: bool = True,
                    timeout_s: float = 120.0) -> dict:
     """Run the scenarios on ``world_size`` spawned processes (rendezvous through a file in a
-    fresh temporary directory: loopback only) and summarise them."""
+    fresh temporary directory: loopback only) and summarise them. A failed rank raises
+    :class:`SelftestWorkerError` here, with every rank's own report in the message."""
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     os.makedirs(out_dir, exist_ok=True)
     scenarios = default_scenarios() if scenarios is None else scenarios
     if world_size < 2:  # a one-rank smoke run (e.g. one GPU): nothing can diverge
         scenarios = [sc for sc in scenarios if not sc.perturb]
-    with tempfile.TemporaryDirectory() as rendezvous:
-        init_method = "file://" + os.path.join(rendezvous, "init")
-        mp.spawn(_worker, args=(world_size, backend, init_method, out_dir, scenarios,
-                                sync_debug, timeout_s), nprocs=world_size, join=True)
+    for path in [_report_path(out_dir, r, kind) for r in range(world_size) for kind in _REPORTS]:
+        if os.path.exists(path):  # an earlier run's: it must not pass for this run's
+            os.remove(path)
+    try:
+        with tempfile.TemporaryDirectory() as rendezvous:
+            init_method = "file://" + os.path.join(rendezvous, "init")
+            mp.spawn(_worker, args=(world_size, backend, init_method, out_dir, scenarios,
+                                    sync_debug, timeout_s), nprocs=world_size, join=True)
+    except ProcessException as exc:
+        raise SelftestWorkerError(_failure_report(out_dir, world_size, exc)) from exc
+    finally:
+        for r in range(world_size):
+            fault = _report_path(out_dir, r, "fault")
+            if os.path.exists(fault) and os.path.getsize(fault) == 0:
+                os.remove(fault)
     return summarize(out_dir, world_size)
+
+
+def _failure_report(out_dir: str, world_size: int, exc: Exception) -> str:
+    """The parent's message: what spawn saw, then each rank's own report (the rank spawn
+    saw fail first, then the others)."""
+    first = getattr(exc, "error_index", None)
+    said = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    parts = [f"replica self-test failed ({type(exc).__name__}: {said.strip(' -')})"]
+    for r in sorted(range(world_size), key=lambda r: r != first):
+        reports = []
+        for kind, what in (("error", "raised"), ("fault", "fatal signal or SIGTERM; Python "
+                                                         "stacks of every thread")):
+            path = _report_path(out_dir, r, kind)
+            text = open(path).read() if os.path.exists(path) else ""
+            if text.strip():
+                reports.append(f"--- rank {r}: {what} ({os.path.basename(path)}) ---\n"
+                               f"{text.rstrip()}")
+        parts += reports or [f"--- rank {r}: no report (finished, or killed before writing one)"]
+    return "\n".join(parts)
 
 
 def plan_trace(path: str, seed: int, iterations: int) -> int:
@@ -378,7 +500,6 @@ def plan_trace(path: str, seed: int, iterations: int) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--selftest", action="store_true", help="(accepted; the default action)")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
     ap.add_argument("--out", default="benchmarks/results/replicas")

@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import re
 import subprocess
 import sys
 
@@ -21,6 +23,15 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from replica_selftest import (
+    RandomWorkload,
+    Scenario,
+    SelftestWorkerError,
+    default_scenarios,
+    plan_trace,
+    selftest_config,
+    spawn_selftest,
+)
 
 from graphalloc import (
     ConfigError,
@@ -32,13 +43,6 @@ from graphalloc import (
     UnknownRequestError,
 )
 from graphalloc.ledger import Ledger
-from graphalloc.replica_selftest import (
-    RandomWorkload,
-    default_scenarios,
-    plan_trace,
-    selftest_config,
-    spawn_selftest,
-)
 from graphalloc.replicas import ReplicatedAllocator
 from graphalloc.state_digest import (
     META_LEDGER,
@@ -48,6 +52,8 @@ from graphalloc.state_digest import (
     pack_ledger,
     unpack_ledger,
 )
+
+SELFTEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replica_selftest.py")
 
 # ---- determinism -------------------------------------------------------------------------
 
@@ -59,7 +65,7 @@ def test_planning_is_identical_across_hash_seeds(tmp_path):
         path = tmp_path / f"trace_{hash_seed}.bin"
         env = dict(os.environ, PYTHONHASHSEED=hash_seed)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "graphalloc.replica_selftest", "--plan-trace", str(path),
+            [sys.executable, SELFTEST, "--plan-trace", str(path),
              "--seed", "7", "--steps", "300"], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT))
         paths.append(path)
@@ -163,6 +169,7 @@ def one_rank_group(tmp_path_factory):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+    gc.collect()  # the wrappers' cycles hold the group: join its gloo threads now, not at exit
 
 
 def test_wrapper_contracts(one_rank_group):
@@ -276,6 +283,28 @@ def test_perturbed_rank_is_named(gloo_run, name, fields):
         assert (err["step"], err["rank"]) == (expected["step"], 1)
         assert fields <= set(err["fields"])
         assert err["last_equal_step"] == expected["step"] - 1
+
+
+def test_failing_worker_reports_its_own_traceback(tmp_path):
+    """A rank that raises: the parent's error carries that rank's own traceback (not just
+    spawn's "process 1 terminated ..."), and the rank's report stays in the out dir."""
+    failing = Scenario("fails-on-purpose", "replicated", iterations=40, perturb="raise")
+    with pytest.raises(SelftestWorkerError) as info:
+        spawn_selftest(2, "gloo", str(tmp_path), [failing], timeout_s=20)
+    message = str(info.value)
+    assert message.startswith("replica self-test failed (Process")
+    sections: dict = {}  # rank -> its reports (raised, and a stack dump if it got SIGTERM)
+    for rank, text in re.findall(r"^--- rank (\d): (.*?)(?=^--- rank |\Z)", message, re.M | re.S):
+        sections.setdefault(rank, []).append(text)
+    assert sections.keys() == {"0", "1"}, message
+    own = next(t for t in sections["1"] if t.startswith("raised (rank1.error.txt) ---\n"))
+    assert "Traceback (most recent call last):" in own
+    assert "in run_scenario" in own  # the worker's own frames, not the parent's
+    assert own.rstrip().endswith("SelftestDeliberateError: deliberate failure of rank 1 in "
+                                 "scenario 'fails-on-purpose'")
+    assert "deliberate failure" not in "".join(sections["0"])  # rank 0 only lost its peer
+    assert "deliberate failure of rank 1" in (tmp_path / "rank1.error.txt").read_text()
+    assert not (tmp_path / "rank1.json").exists()
 
 
 # ---- two GPUs, NCCL ----------------------------------------------------------------------
