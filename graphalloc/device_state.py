@@ -99,9 +99,9 @@ class DeviceState:
         return {
             "full_to_swa": self.full_to_swa,
             "req_to_token": self.req_to_token,
-            "handle_to_token": self.handle_to_token,
             "full_free": self.full_free,
             "swa_free": self.swa_free,
             "ring_pages": self.ring_pages,
             "err": self.err_buf,
+            **({"handle_to_token": self.handle_to_token} if self.n_handles else {}),
         }

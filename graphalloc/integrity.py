@@ -133,7 +133,9 @@ def audit_references(config, ledger, snap: dict) -> list[Finding]:
     reference count against the holders. Per pool: free + referenced == pages, page 0 never
     referenced, no referenced page free, counts equal to the holders' references."""
     ps, refs, out = config.page_size, ledger.refs, []
-    r2t = np.concatenate([snap["req_to_token"], snap["handle_to_token"]])
+    r2t = snap["req_to_token"]
+    if "handle_to_token" in snap:
+        r2t = np.concatenate([r2t, snap["handle_to_token"]])
     f2s = snap["full_to_swa"]
     rows, lens, starts = _holders(config, ledger)
     want_full = np.zeros(config.num_full_pages + 1, dtype=np.int64)

@@ -237,6 +237,10 @@ class ReplicatedAllocator:
         self.use_graph = cfg.device.type == "cuda" if use_graph is None else bool(use_graph)
         if self.use_graph and cfg.device.type != "cuda":
             raise ConfigError("use_graph=True needs a CUDA allocator")
+        if mode == "broadcast" and cfg.max_handles:
+            raise ConfigError("broadcast mode does not replicate shared pages yet (the payload "
+                              "carries no page mirror or handles): build with max_handles=0, "
+                              "or use mode='replicated'")
         self.device = cfg.device
 
         self.n_steps = 0  # device steps run through this wrapper (equal on every rank)
@@ -281,23 +285,28 @@ class ReplicatedAllocator:
         self._raise_divergence()
         return result
 
-    def admit(self, prefix_slots: torch.Tensor | None = None) -> int | None:
-        """:meth:`HybridAllocator.admit` on every rank. Host-only in pool mode; one device
-        step in ring mode (then collective). Followers return ``None``. Broadcast mode
-        refuses ``prefix_slots`` (the prefix is written outside the descriptor)."""
+    def admit(self, handle=None) -> int | None:
+        """:meth:`HybridAllocator.admit` on every rank. Host-only in pool mode without a
+        handle; one device step in ring mode or on a handle (then collective). Followers
+        return ``None``. Broadcast mode refuses handles (the payload does not carry the
+        page mirror and the handles yet: use mode='replicated' for prefix sharing)."""
+        # A refused call keeps lockstep with an empty step where every rank expected one:
+        # ring-mode admits, and (replicated mode, every rank passing it) admits on a handle.
+        device_step = self.alloc.config.ring_mode or (
+            handle is not None and self.mode == "replicated")
         if not self.is_planner:
             if self.alloc.config.ring_mode:
                 self.follow()
             return None
         try:
-            if self.mode == "broadcast" and prefix_slots is not None:
+            if self.mode == "broadcast" and handle is not None:
                 raise ContractError(
-                    "broadcast mode cannot admit with prefix_slots: the prefix is written into "
-                    "req_to_token outside the step descriptor, so followers would miss it. "
-                    "Use mode='replicated' for prefix sharing")
-            row = self.alloc.admit(prefix_slots)
+                    "broadcast mode does not replicate shared pages yet: the followers' ledger "
+                    "(from the payload) carries no page mirror and no handles. Use "
+                    "mode='replicated' for prefix sharing")
+            row = self.alloc.admit(handle)
         except ContractError:
-            if self.alloc.config.ring_mode:
+            if device_step:
                 self._empty_step()
             raise
         self._raise_divergence()

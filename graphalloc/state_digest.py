@@ -98,6 +98,8 @@ def unpack_ledger(config: AllocatorConfig, header: np.ndarray) -> Ledger:
         raise IntegrityError("the payload's ledger does not match its digest: the payload was "
                              "not written by a planner of this geometry, or was torn")
     ledger = Ledger(config)
+    ledger.refs = None  # the wire format carries no page mirror: a follower's audit reads
+    # ownership from the device tables (broadcast mode refuses shared pages, see replicas)
     ledger.live = body[0:n] != 0
     ledger.seq_len = body[n:2 * n].copy()
     ledger.frontier = body[2 * n:3 * n].copy()

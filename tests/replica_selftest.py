@@ -59,6 +59,7 @@ import torch.distributed as dist
 from graphalloc.allocator import HybridAllocator
 from graphalloc.config import AllocatorConfig
 from graphalloc.errors import ContractError, ReplicaDivergenceError
+from graphalloc.executor import Executor
 from graphalloc.graph import StepGraph
 from graphalloc.ledger import Ledger
 from graphalloc.planner import StepBuilder
@@ -77,24 +78,37 @@ def selftest_config(device: str | torch.device, backend: str, ring: bool) -> All
                            max_step_tokens=256)
 
 
-def _fits(config: AllocatorConfig, ledger: Ledger, step: dict) -> bool:
-    """Dry run of ``HybridAllocator.plan`` on a copy of the ledger (pure host)."""
+def _dry_run(config: AllocatorConfig, ledger: Ledger, plan) -> StepBuilder | None:
+    """``plan(builder)`` on a throwaway planner over a copy of ``ledger`` (pure host); the
+    builder when it planned, ``None`` when refused. Ledger copies share the page mirror,
+    whose writes are journaled: they are rolled back here, so nothing stays."""
+    refs = ledger.refs
+    mark = refs.mark() if refs is not None else 0
     b = StepBuilder(config, ledger.copy())
     try:
+        plan(b)
+        b.finish()
+        return b
+    except ContractError:
+        return None
+    finally:
+        if refs is not None:
+            refs.rollback(mark)
+
+
+def _fits(config: AllocatorConfig, ledger: Ledger, step: dict) -> bool:
+    """Dry run of ``HybridAllocator.plan`` with ``step``'s arguments (pure host)."""
+    def plan(b):
         if len(step.get("release", ())):
             b.release(b.live_rows(step["release"], "release"))
-        if step.get("evict"):
-            rows = np.flatnonzero(b.ledger.live)
-            b.advance_frontier(rows, b.window_frontier(rows))
+        if step.get("evict_all"):
+            b.evict(np.flatnonzero(b.ledger.live))
         if len(step.get("decode", ())):
             rows = b.live_rows(step["decode"], "decode")
             b.extend(rows, np.ones(len(rows), dtype=np.int64))
         if step.get("extend") is not None:
             b.extend(b.live_rows(step["extend"][0], "extend"), step["extend"][1])
-        b.finish()
-    except ContractError:
-        return False
-    return True
+    return _dry_run(config, ledger, plan) is not None
 
 
 class RandomWorkload:
@@ -141,16 +155,15 @@ class RandomWorkload:
                               cfg.max_context_len - seq[rest])
         fresh = seq[rest] == 0
         if cfg.ring_mode:  # the new pages must fit the ring once the window moved
-            b = StepBuilder(cfg, ledger.copy())
-            b.release(release)
-            b.advance_frontier(rest, b.window_frontier(rest))
-            limit = (b.ledger.frontier[rest] // ps + cfg.swa_ring_pages) * ps - seq[rest]
+            threshold = np.maximum(seq[rest] - cfg.sliding_window, 0) // ps * ps
+            frontier = np.maximum(ledger.frontier[rest], threshold)  # the window rule
+            limit = (frontier // ps + cfg.swa_ring_pages) * ps - seq[rest]
             n_tokens = np.minimum(n_tokens, limit)
         decode = rest[(roll < 0.6) & ~fresh]
         grow = (((roll >= 0.6) & (roll < 0.85)) | fresh) & (n_tokens >= 1)
         ext_rows, ext_n = rest[grow], n_tokens[grow]
         half = len(ext_rows) // 2
-        base = {"release": release, "evict": evict}
+        base = {"release": release, "evict_all": evict}
         for step in ({**base, "decode": decode, "extend": (ext_rows, ext_n)},
                      {**base, "decode": decode, "extend": (ext_rows[:half], ext_n[:half])},
                      {**base, "decode": decode},
@@ -211,10 +224,10 @@ def run_scenario(sc: Scenario, rank: int, device: torch.device, backend: str,
     if sc.perturb == "raise" and rank == dist.get_world_size() - 1:  # before building anything
         raise SelftestDeliberateError(f"deliberate failure of rank {rank} in scenario {sc.name!r}")
     cfg = selftest_config(device, backend, sc.ring)
-    alloc = HybridAllocator(cfg)
-    graph = StepGraph(alloc) if sc.mode == "replicated" and device.type == "cuda" else None
-    rep = ReplicatedAllocator(alloc, mode=sc.mode, check_every=sc.check_every,
-                              digest_every=sc.digest_every)
+    rep = ReplicatedAllocator(cfg, mode=sc.mode, check_every=sc.check_every,
+                              digest_every=sc.digest_every)  # graphs on CUDA, eager on a CPU
+    alloc = rep.alloc
+    graph = rep.executor.inner if isinstance(rep.executor.inner, StepGraph) else None
     skewed_rank = rep.global_ranks[-1]
     workload = RandomWorkload(cfg, sc.seed)
     out: dict = {"name": sc.name, "mode": sc.mode, "ring": sc.ring, "planner": rep.is_planner,
@@ -265,8 +278,6 @@ def run_scenario(sc: Scenario, rank: int, device: torch.device, backend: str,
         out["stats"] = {k: alloc.stats()[k] for k in ("full_free_pages", "swa_free_pages",
                                                       "live_requests", "steps_run")}
     rep.close()
-    if graph is not None:
-        graph.close()
     return out
 
 
@@ -473,6 +484,26 @@ def _failure_report(out_dir: str, world_size: int, exc: Exception) -> str:
     return "\n".join(parts)
 
 
+class _TraceExecutor(Executor):
+    """An executor that runs nothing on a device: it writes each planned step's used
+    descriptor rows and the ledger digest after it (host planning only)."""
+
+    name = "trace"
+
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def execute(self, planned) -> None:
+        alloc, index = self.alloc, planned.buffer_index
+        buf, base = alloc.ring.np_bufs[index], alloc.config.max_release_rows
+        n_rel, n_al = alloc.ring.used[index]
+        self.f.write(np.int64([n_rel, n_al]).tobytes())
+        self.f.write(buf[:n_rel].tobytes())
+        self.f.write(buf[base:base + n_al].tobytes())
+        self.f.write(np.int64([ledger_digest(alloc.ledger)]).tobytes())
+
+
 def plan_trace(path: str, seed: int, iterations: int) -> int:
     """Plan the workload on CPU allocators (pool mode, then ring mode) and write every
     descriptor's used rows and the ledger digest after it to ``path``; returns the
@@ -481,18 +512,7 @@ def plan_trace(path: str, seed: int, iterations: int) -> int:
     with open(path, "wb") as f:
         for ring in (False, True):
             cfg = selftest_config("cpu", "torch", ring)
-            alloc = HybridAllocator(cfg)
-            base = cfg.max_release_rows
-
-            def record(index: int, alloc=alloc, base=base) -> None:
-                buf = alloc.ring.np_bufs[index]
-                n_rel, n_al = alloc.ring.used[index]
-                f.write(np.int64([n_rel, n_al]).tobytes())
-                f.write(buf[:n_rel].tobytes())
-                f.write(buf[base:base + n_al].tobytes())
-                f.write(np.int64([ledger_digest(alloc.ledger)]).tobytes())
-
-            alloc.step_runner = record
+            alloc = HybridAllocator(cfg, executor=_TraceExecutor(f))
             RandomWorkload(cfg, seed).drive(alloc, iterations)
             n_planned += alloc.steps_run
     return n_planned

@@ -31,7 +31,8 @@ def make_alloc(ps, dtype, backend, ring=False):
         page_size=ps, num_full_pages=MAX_REQS * context // ps,
         num_swa_pages=MAX_REQS * (window_pages + 4),
         max_reqs=MAX_REQS, max_context_len=context, sliding_window=window, index_dtype=dtype,
-        device="cpu", backend=backend, swa_ring_pages=ring_pages)
+        device="cpu", backend=backend, swa_ring_pages=ring_pages,
+        max_handles=0 if ring else 2)
     return ga.HybridAllocator(cfg)
 
 
@@ -149,20 +150,22 @@ def random_op(alloc, rng, sources, share=False):
     roll = 0.0 if share else rng.random()
     try:
         if roll < 0.2 or len(live) == 0:
-            prefix = None
+            n_shared = 0
             owners = [r for r in live if L[r] >= ps and not cfg.ring_mode]
-            if owners and (share or rng.random() < 0.3):
-                src = int(rng.choice(owners))
-                k = int(rng.integers(1, L[src] // ps + 1))
-                prefix = alloc.req_to_token[src, :k * ps].clone()
             if len(live) >= cfg.max_reqs:
                 return "full"
-            r = alloc.admit(prefix)
-            if prefix is not None:
+            if owners and (share or rng.random() < 0.3):
+                src = int(rng.choice(owners))
+                n_shared = int(rng.integers(1, L[src] // ps + 1)) * ps
+                handle = alloc.take_handle(src, n_shared)
+                r = alloc.admit(handle=handle)  # shares src's first pages (references)
+                alloc.drop_handle(handle)  # the sharer keeps its own references
                 sources[r] = src
-            room = cfg.max_context_len - (0 if prefix is None else len(prefix))
+            else:
+                r = alloc.admit()
+            room = cfg.max_context_len - n_shared
             alloc.alloc_extend([r], [int(rng.integers(0, min(room, 4 * ps) + 1))])
-            return "admit" if prefix is None else "admit+prefix"
+            return "admit" if not n_shared else "admit+prefix"
         if roll < 0.35:
             rows = rng.permutation(live)[:int(rng.integers(1, len(live) + 1))]
             room = cfg.max_context_len - L[rows]
@@ -265,7 +268,7 @@ def test_shared_prefix_pages_appear_in_both_rows():
     alloc = make_alloc(3, torch.int64, "torch")
     a = alloc.admit()
     alloc.alloc_extend([a], [14])
-    b = alloc.admit(alloc.req_to_token[a, :9].clone())
+    b = alloc.admit(handle=alloc.take_handle(a, 9))
     alloc.alloc_extend([b], [4])
     pt = PageTables.for_allocator(alloc, 4, backend="triton")
     snap = alloc.snapshot()
@@ -275,8 +278,9 @@ def test_shared_prefix_pages_appear_in_both_rows():
     assert torch.equal(bt[0, :3], bt[2, :3])  # the three shared FULL pages
     indptr, indices = pt.full_kv_indptr_buf, pt.full_kv_indices_buf
     assert torch.equal(indices[indptr[0]:indptr[0] + 3], indices[indptr[2]:indptr[2] + 3])
-    # b: L = 13, frontier 9 > L - W = 6, so its window is clipped to [9, 13)
-    assert p.swa_clipped.tolist() == [True, False, False, False] and p.window_start[0] == 9
+    # b: L = 13, it shares a's SWA pages too (a's frontier 0 when the handle was taken), so
+    # its window [L - W, L) = [6, 13) is whole
+    assert p.swa_clipped.tolist() == [False] * 4 and p.window_start[0] == 6
     check_tables(pt, p, snap, alloc.config.pages_per_request)
 
 

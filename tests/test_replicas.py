@@ -39,7 +39,6 @@ from graphalloc import (
     HybridAllocator,
     IntegrityError,
     ReplicaDivergenceError,
-    StepGraph,
     UnknownRequestError,
 )
 from graphalloc.ledger import Ledger
@@ -175,21 +174,21 @@ def one_rank_group(tmp_path_factory):
 def test_wrapper_contracts(one_rank_group):
     cfg = selftest_config("cpu", "torch", ring=False)
     with pytest.raises(ConfigError, match="mode"):
-        ReplicatedAllocator(HybridAllocator(cfg), mode="gossip")
+        ReplicatedAllocator(cfg, mode="gossip")
     with pytest.raises(ConfigError, match="multiple"):
-        ReplicatedAllocator(HybridAllocator(cfg), check_every=10, digest_every=4)
-    graphed = HybridAllocator(cfg)
-    StepGraph(graphed)  # sets the step runner (eager on a CPU)
-    with pytest.raises(ConfigError, match="StepGraph"):
-        ReplicatedAllocator(graphed, mode="broadcast")
+        ReplicatedAllocator(cfg, check_every=10, digest_every=4)
+    with pytest.raises(ConfigError, match="builds the allocator"):
+        ReplicatedAllocator(HybridAllocator(cfg))  # the layer builds its own allocator
+    with pytest.raises(ConfigError, match="use_graph"):
+        ReplicatedAllocator(cfg, use_graph=True)  # graphs need CUDA
 
-    alloc = HybridAllocator(cfg)
-    rep = ReplicatedAllocator(alloc, mode="broadcast", check_every=4)
+    rep = ReplicatedAllocator(cfg, mode="broadcast", check_every=4)
+    alloc = rep.alloc
     assert rep.is_planner and rep.n_checks == 1  # the construction check
     with pytest.raises(ContractError, match="follow"):
         rep.follow()
-    with pytest.raises(ContractError, match="prefix"):
-        rep.admit(torch.arange(3, 6, dtype=cfg.index_dtype))
+    with pytest.raises(ContractError, match="handle"):
+        rep.admit(handle=0)
     assert rep.n_steps == 0  # pool mode: a refused admit is host-only
     row = rep.admit()
     rep.step(extend=([row], [5]))
@@ -201,18 +200,16 @@ def test_wrapper_contracts(one_rank_group):
     assert rep.last_equal_step == 3
     assert rep.current_digest()["step"] == 3
     alloc.check_integrity()
-
-    StepGraph(alloc)  # replaces the step runner behind the wrapper's back
-    with pytest.raises(ConfigError, match="before wrapping"):
-        rep.step(decode=[row])
     rep.close()
 
 
-def test_replicated_wrapper_chains_a_step_graph(one_rank_group):
+def test_replicated_wrapper_stacks_on_the_allocators_executor(one_rank_group):
+    """Replicated mode: the layer's executor runs each step through the inner executor and
+    records a digest after it; nothing is patched into the allocator."""
     cfg = selftest_config("cpu", "torch", ring=True)
-    alloc = HybridAllocator(cfg)
-    graph = StepGraph(alloc)
-    rep = ReplicatedAllocator(alloc, mode="replicated", check_every=6, digest_every=3)
+    rep = ReplicatedAllocator(cfg, mode="replicated", check_every=6, digest_every=3)
+    alloc = rep.alloc
+    assert alloc.executor is rep.executor and rep.executor.inner.alloc is alloc
     workload = RandomWorkload(cfg, 9)
     for _ in range(40):
         if workload.wants_admit():
@@ -221,17 +218,15 @@ def test_replicated_wrapper_chains_a_step_graph(one_rank_group):
             except ContractError:
                 pass
         rep.step(**workload.propose(alloc.ledger))
-    assert alloc.step_runner == rep._runner and rep._prev_runner == graph._run
     assert rep.n_steps == alloc.steps_run and rep.n_checks == 1 + rep.n_steps // 6
+    assert rep.executor.n_fused + rep.executor.n_two_launch == alloc.steps_run
     rep.close()
-    assert alloc.step_runner == graph._run
     alloc.check_integrity()
 
 
 def test_divergence_names_the_majority_outlier(one_rank_group):
     """The comparator on a fabricated 3-rank history (every rank computes this)."""
-    rep = ReplicatedAllocator(HybridAllocator(selftest_config("cpu", "torch", False)),
-                              mode="broadcast")
+    rep = ReplicatedAllocator(selftest_config("cpu", "torch", False), mode="broadcast")
     rep.global_ranks, rep.src = [0, 1, 2], 0
     n_cols = len(rep.columns)
     table = np.zeros((3, 4, n_cols), dtype=np.int64)

@@ -27,7 +27,8 @@ for executor in ("eager", "graph"):
             for i in range(300):
                 kind = random_step([a, b], rng)
                 torch.cuda.synchronize()
-                for (name, x), y in zip(a.state.tables().items(), b.state.tables().values()):
+                for (name, x), y in zip(a.state.tables().items(), b.state.tables().values(),
+                                        strict=True):
                     if not torch.equal(x, y):
                         idx = torch.nonzero(x != y)[:6].tolist()
                         bad = (i, kind, name, idx, [x[tuple(j)].item() for j in idx],
@@ -40,5 +41,6 @@ for executor in ("eager", "graph"):
             print(executor, "handles", handles, "fused", fused, "->", bad or "OK")
             if bad:
                 print("  release rows", buf[:n_rel].tolist())
-                print("  alloc rows", buf[a.config.max_release_rows:a.config.max_release_rows + n_al].tolist())
+                base = a.config.max_release_rows
+                print("  alloc rows", buf[base:base + n_al].tolist())
                 print("  err", a.state.err_buf.tolist(), b.state.err_buf.tolist())
