@@ -20,10 +20,6 @@ with. Nothing on the fast path reads the device back.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from collections.abc import Iterator
-
 import numpy as np
 import torch
 
@@ -36,40 +32,26 @@ from .errors import (
     CapacityError,
     ConfigError,
     ContractError,
-    DeviceFaultError,
     NestedGroupError,
     PendingStepError,
     RingOverflowError,
 )
 from .executor import make_executor
-from .free_group import FreeGroup
-from .inputs import as_counts, as_index, as_rows, is_empty
-from .kernels.abi import REL_EPOCH, REL_N_PAGES, ROW_WIDTH
+from .free_group import FreeGroup, GroupedFrees
+from .handles import HandleInfo, HandleOps
+from .inputs import as_counts, as_index, is_empty
+from .inspection import Inspection
+from .kernels.abi import ROW_WIDTH
 from .ledger import Ledger
 from .planner import StepBuilder
 from .prefix_cache import PrefixCache
+from .queries import HostQueries
 from .results import AllocResult, PlannedStep
-from .sync_points import sync_allowed
 
 __all__ = ["HybridAllocator", "AllocResult", "PlannedStep", "HandleInfo"]
 
 _EMPTY_ROWS = np.zeros((0, ROW_WIDTH), dtype=np.int64)
 _SHORTAGE = (CapacityError, BatchTooLargeError, RingOverflowError)
-
-
-@dataclasses.dataclass(frozen=True)
-class HandleInfo:
-    """What a handle holds: ``n_tokens`` (FULL ``[0, n)``), ``swa_start`` (SWA held for
-    ``[swa_start, n)``; equal to ``n_tokens`` after a tombstone), page counts, and the pages
-    dropping it would free now (those it is the last holder of)."""
-
-    handle: int
-    n_tokens: int
-    swa_start: int
-    n_full_pages: int
-    n_swa_pages: int
-    frees_full: int
-    frees_swa: int
 
 
 def _pair(value, what: str, second: str):
@@ -79,7 +61,7 @@ def _pair(value, what: str, second: str):
     return value
 
 
-class HybridAllocator:
+class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
     """Paged KV-cache allocator for hybrid full-attention + sliding-window models.
 
     Owns: the host :class:`~graphalloc.ledger.Ledger` (lengths, frontiers, free-ring
@@ -180,46 +162,6 @@ class HybridAllocator:
         """``[(num_full_pages + 1) * page_size]``: SWA slot of each full slot, 0 = none."""
         return self.state.full_to_swa
 
-    # ---- cheap host queries (no device read, no dicts) -----------------------------------
-    def n_free(self, pool: str = "full") -> int:
-        """Free pages of ``pool`` (``"full"`` or ``"swa"``). O(1)."""
-        if not isinstance(pool, str):
-            raise ContractError(f"pool must be 'full' or 'swa', got {pool!r}")
-        if pool == "full":
-            return self.ledger.full.n_free
-        if pool == "swa":
-            return self.ledger.swa.n_free
-        raise ContractError(f"pool must be 'full' or 'swa', got {pool!r}")
-
-    @property
-    def n_live(self) -> int:
-        """Live request rows. O(max_reqs) numpy (one reduction)."""
-        return int(np.count_nonzero(self.ledger.live))
-
-    def live_rows(self) -> np.ndarray:
-        """The live request rows, ascending (a new array). O(max_reqs)."""
-        return np.flatnonzero(self.ledger.live)
-
-    def is_live(self, row) -> bool:
-        """Whether ``row`` is live. O(1)."""
-        return bool(self.ledger.live[as_index(row, "row", self.config.max_reqs)])
-
-    def seq_len(self, row) -> int:
-        """Allocated length (positions) of ``row``. O(1)."""
-        return int(self.ledger.seq_len[as_index(row, "row", self.config.max_reqs)])
-
-    def frontier(self, row) -> int:
-        """SWA eviction frontier (a position, page-aligned) of ``row``. O(1)."""
-        return int(self.ledger.frontier[as_index(row, "row", self.config.max_reqs)])
-
-    def pages_needed(self, rows, n_tokens) -> int:
-        """New pages per pool that extending ``rows`` by ``n_tokens`` needs (the same count
-        from each pool; none from the SWA pool in ring mode). O(rows)."""
-        rows = as_rows(rows, self.config.max_reqs, "pages_needed")
-        n = as_counts(n_tokens, len(rows), "pages_needed token counts")
-        ps, length = self.config.page_size, self.ledger.seq_len[rows]
-        return int((-(-(length + n) // ps) + (length // -ps)).sum())
-
     # ---- request lifecycle ---------------------------------------------------------------
     def admit(self, handle=None, n_tokens=None) -> int:
         """Take the lowest free request row; returns it.
@@ -254,75 +196,6 @@ class HybridAllocator:
                 b.admit_on_handle(int(free_rows[0]), handle, n_tokens)
         self._run(op)
         return int(free_rows[0])
-
-    # ---- shared pages (pool mode) --------------------------------------------------------
-    def take_handle(self, row, n_tokens) -> int:
-        """A handle on the first ``n_tokens`` (whole pages) of live request ``row``: it holds
-        references to the FULL pages of ``[0, n)`` and the SWA pages of
-        ``[min(frontier(row), n), n)``, and keeps them after the request is released, until
-        :meth:`drop_handle`. One step (the prefix is copied into the handle's row of the
-        device table). Cost: O(n / page_size) host work. Pool mode only."""
-        led = self.ledger
-        if led.n_handles == 0:
-            raise CapacityError("take_handle: the allocator has no handle slots; build it with "
-                                "AllocatorConfig(max_handles=...)")
-        taken = led.h_live if self._group is None else led.h_live | self._group.pending_handles
-        free = np.flatnonzero(~taken)
-        if len(free) == 0:
-            raise CapacityError(f"take_handle: all {led.n_handles} handles are held; drop one "
-                                "first")
-        h = int(free[0])
-        self._run(lambda b: b.take_handle(row, n_tokens, h))
-        if self._group is not None:
-            self._group.sync_handles()
-        return h
-
-    def drop_handle(self, handle) -> None:
-        """Drop every reference ``handle`` holds: pages nobody else references return to the
-        free rings (in this step; deferred to the block's end inside ``free_group()``).
-        Dropping a reference that is not the last changes nothing on the device. A dropped
-        handle raises :class:`UnknownHandleError` with nothing changed."""
-        self._drop_handle(handle, False)
-
-    def drop_handle_swa(self, handle) -> None:
-        """An SWA tombstone: drop only the handle's SWA references (its FULL pages stay). A
-        request admitted on it afterwards starts with its frontier at the handle's end and
-        must recompute the last window. One step (deferred inside ``free_group()``)."""
-        self._drop_handle(handle, True)
-
-    def handle_info(self, handle) -> HandleInfo:
-        """What ``handle`` holds and what dropping it would free now (host only). Cost:
-        O(pages of the handle)."""
-        b = StepBuilder(self.config, self.ledger)
-        if self._group is not None:
-            b.pending_handles = self._group.pending_handles
-        h = b.live_handle(handle, "handle_info")
-        led, ps = self.ledger, self.config.page_size
-        n, start = int(led.h_len[h]), int(led.h_swa_start[h])
-        pages = led.refs.page_of[self.config.max_reqs + h, :n // ps].astype(np.int64)
-        swa = led.refs.swa_of[pages[start // ps:]].astype(np.int64)
-        return HandleInfo(h, n, start, len(pages), len(swa),
-                          int(np.count_nonzero(led.refs.full_ref[pages] == 1)),
-                          int(np.count_nonzero(led.refs.swa_ref[swa] == 1)))
-
-    def live_handles(self) -> np.ndarray:
-        """Handles currently held (a new array). O(max_handles)."""
-        return np.flatnonzero(self.ledger.h_live)
-
-    def _drop_handle(self, handle, swa_only: bool) -> None:
-        self._deferred(lambda b: b.drop_handle(handle, swa_only))
-
-    def _cache_reclaim(self, cache, n_full: int, n_swa: int) -> None:
-        self._deferred(lambda b: cache.reclaim(b, n_full, n_swa))
-
-    def _deferred(self, op) -> None:
-        """Run a free: into the open free group, or as a block of its own (one step; several
-        when its rows exceed the frozen step shape, so a free is never refused for size)."""
-        if self._group is not None:
-            self._group.plan(op)
-            return
-        with self.free_group():
-            self._group.plan(op)
 
     def alloc_extend(self, rows, extend_lens) -> AllocResult:
         """Prefill / chunked prefill: ``extend_lens[i]`` new positions for ``rows[i]``.
@@ -381,30 +254,6 @@ class HybridAllocator:
             results.append((np.array([row], dtype=np.int64), np.array([first]), np.array([n])))
         result = self.run(self._plan(op, results))
         return result.swa_slots[int(result.first_lane[0]):]
-
-    @contextlib.contextmanager
-    def free_group(self) -> Iterator[None]:
-        """Defer every free in the block to one step at its end.
-
-        Inside the block, ``release``, ``evict_window`` and ``advance_frontier`` are
-        validated and planned at the call (see :mod:`graphalloc.free_group`) and run at
-        exit as one step (several when they exceed the frozen shape) that keeps request
-        boundaries. Capacity is unchanged until then. Allocations inside the block run at
-        once and cannot use the deferred pages; a request released in the block cannot
-        allocate or be freed again. ``plan()`` is refused inside a block (use ``step()``,
-        which runs at once). Frees accepted before an exception in the block are still
-        flushed, so no page is lost. Nesting raises :class:`NestedGroupError`.
-        """
-        if self._group is not None:
-            raise NestedGroupError("free_group() blocks cannot be nested; "
-                                   "close the outer block first")
-        self._refuse_planning()
-        self._group = FreeGroup(self)
-        try:
-            yield
-        finally:
-            group, self._group = self._group, None
-            self._flush(group)
 
     # ---- one scheduler step --------------------------------------------------------------
     def step(self, *, release=None, evict=None, evict_all: bool = False, advance=None,
@@ -510,85 +359,6 @@ class HybridAllocator:
         self._pending = None
         self.steps_run += 1
 
-    # ---- faults --------------------------------------------------------------------------
-    def check(self, sync: bool = False) -> None:
-        """Raise :class:`DeviceFaultError` if a kernel recorded a fault.
-
-        Reads the 8-word device error word: a device-to-host read that waits for the steps
-        already queued, so call it where the engine synchronises anyway (after reading
-        sampled tokens) and it costs no extra wait. ``sync=True`` synchronises the whole
-        device first (for faults from other streams).
-        """
-        with sync_allowed():
-            if sync and self.config.device.type == "cuda":
-                torch.cuda.synchronize(self.config.device)  # sync ok: requested by the caller
-            words = self.state.err_buf.cpu().tolist()  # sync ok: the documented check point
-        error = DeviceFaultError.from_error_word(words)
-        if error is not None:
-            self._faulted = True
-            raise error
-
-    def reset_faults(self) -> None:
-        """Clear the error word and accept steps again (after the caller repaired or audited)."""
-        self.state.err_buf.zero_()
-        self._faulted = False
-
-    # ---- introspection -------------------------------------------------------------------
-    def stats(self) -> dict:
-        """Host-side counts for humans (no device read; builds dicts over the live rows: use
-        the O(1) queries on the hot path)."""
-        led, cfg = self.ledger, self.config
-        live = np.flatnonzero(led.live)
-        return {
-            "full_free_pages": led.full.n_free,
-            "full_used_pages": cfg.num_full_pages - led.full.n_free,
-            "swa_free_pages": led.swa.n_free,
-            "swa_used_pages": cfg.num_swa_pages - led.swa.n_free,
-            "live_requests": len(live),
-            "seq_len": {int(r): int(led.seq_len[r]) for r in live},
-            "frontier": {int(r): int(led.frontier[r]) for r in live},
-            "steps_run": self.steps_run,
-            "descriptor_stalls": self.ring.stalls,
-            "handles": int(np.count_nonzero(led.h_live)),
-            **({} if self.prefix_cache is None else {
-                "cache_entries": len(self.prefix_cache), "cache_hits": self.prefix_cache.hits,
-                "cache_misses": self.prefix_cache.misses,
-                "cache_hit_tokens": self.prefix_cache.hit_tokens,
-                "cache_evicted_pages": self.prefix_cache.evicted_pages,
-                "cache_tombstoned_pages": self.prefix_cache.tombstoned_pages}),
-        }
-
-    def snapshot(self) -> dict:
-        """A full copy of host and device state (reads the device)."""
-        from .integrity import snapshot
-        return snapshot(self)
-
-    def audit(self) -> list:
-        """Every discrepancy between device tables and host ledger (leaked pages, pages
-        owned twice, stale mappings, ...) as :class:`~graphalloc.integrity.Finding`s; an
-        empty list when healthy. Reads the device: for tests and periodic health checks."""
-        from .integrity import audit
-        return audit(self)
-
-    def state_dict(self) -> dict:
-        """Host ledger + device tables on the CPU (PyTorch convention; reads the device)."""
-        from .checkpoint import state_dict
-        with sync_allowed():
-            return state_dict(self)
-
-    def load_state_dict(self, sd: dict) -> None:
-        """Validate ``sd`` (audit of the incoming state) and copy it in place; refuses with
-        :class:`~graphalloc.errors.StateError`, keeping the current state, when it fails."""
-        from .checkpoint import load_state_dict
-        with sync_allowed():
-            load_state_dict(self, sd)
-
-    def check_integrity(self) -> None:
-        """Raise :class:`~graphalloc.errors.IntegrityError` on any broken invariant (reads the
-        device; see ``graphalloc.integrity``)."""
-        from .integrity import check_integrity
-        check_integrity(self)
-
     # ---- internals -----------------------------------------------------------------------
     def _refuse_planning(self) -> None:
         if self._pending is not None:
@@ -690,21 +460,6 @@ class HybridAllocator:
             raise NestedGroupError("inside free_group() call release() / evict_window() / "
                                    "advance_frontier() (deferred to the block's end) instead "
                                    "of step(release=, evict=, advance=)")
-
-    def _flush(self, group: FreeGroup) -> None:
-        """Run a closed block's frees: its planned release rows as one step, or as several
-        consecutive steps when they exceed the frozen shape (never refused: every row was
-        validated at its call, and one row always fits a step)."""
-        parts = group.flush_parts()
-        group.commit(self.ledger)  # rows released with no pages still return their row
-        for part in parts:
-            part[:, REL_EPOCH] = self.steps_run + 1
-            index = self.ring.acquire()
-            self.ring.write(index, part, _EMPTY_ROWS, fusable=True)
-            pages = int(part[:, REL_N_PAGES].sum())
-            self._pending = PlannedStep(index, len(part), 0, 0, {"pages": pages}, {}, None,
-                                        True, owner=self)
-            self.run(self._pending)
 
     def _check_planned(self, planned, what: str) -> None:
         if not isinstance(planned, PlannedStep):

@@ -32,11 +32,20 @@ are still flushed, so no page is lost.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 
-from .planner import StepBuilder, split_release_rows
+from .errors import NestedGroupError
+from .kernels.abi import REL_EPOCH, REL_N_PAGES, ROW_WIDTH
+from .planner import StepBuilder
+from .release_rows import split_release_rows
+from .results import PlannedStep
 
-__all__ = ["FreeGroup"]
+__all__ = ["FreeGroup", "GroupedFrees"]
+
+_EMPTY_ROWS = np.zeros((0, ROW_WIDTH), dtype=np.int64)
 
 
 class FreeGroup:
@@ -124,3 +133,59 @@ class FreeGroup:
             getattr(ledger, name)[handles] = getattr(self.builder.ledger, name)[handles]
         ledger.full.n_free += self.builder.pages_freed["full"]
         ledger.swa.n_free += self.builder.pages_freed["swa"]
+
+
+class GroupedFrees:
+    """The allocator's free-group API and flush (a part of :class:`graphalloc.HybridAllocator`):
+    every free runs through a group, its own one-call block when none is open."""
+
+    @contextlib.contextmanager
+    def free_group(self) -> Iterator[None]:
+        """Defer every free in the block to one step at its end.
+
+        Inside the block, ``release``, ``evict_window`` and ``advance_frontier`` are
+        validated and planned at the call (see :mod:`graphalloc.free_group`) and run at
+        exit as one step (several when they exceed the frozen shape) that keeps request
+        boundaries. Capacity is unchanged until then. Allocations inside the block run at
+        once and cannot use the deferred pages; a request released in the block cannot
+        allocate or be freed again. ``plan()`` is refused inside a block (use ``step()``,
+        which runs at once). Frees accepted before an exception in the block are still
+        flushed, so no page is lost. Nesting raises :class:`NestedGroupError`.
+        """
+        if self._group is not None:
+            raise NestedGroupError("free_group() blocks cannot be nested; "
+                                   "close the outer block first")
+        self._refuse_planning()
+        self._group = FreeGroup(self)
+        try:
+            yield
+        finally:
+            group, self._group = self._group, None
+            self._flush(group)
+
+    def _deferred(self, op) -> None:
+        """Run a free: into the open free group, or as a block of its own (one step; several
+        when its rows exceed the frozen step shape, so a free is never refused for size)."""
+        if self._group is not None:
+            self._group.plan(op)
+            return
+        with self.free_group():
+            self._group.plan(op)
+
+    def _cache_reclaim(self, cache, n_full: int, n_swa: int) -> None:
+        self._deferred(lambda b: cache.reclaim(b, n_full, n_swa))
+
+    def _flush(self, group: FreeGroup) -> None:
+        """Run a closed block's frees: its planned release rows as one step, or as several
+        consecutive steps when they exceed the frozen shape (never refused: every row was
+        validated at its call, and one row always fits a step)."""
+        parts = group.flush_parts()
+        group.commit(self.ledger)  # rows released with no pages still return their row
+        for part in parts:
+            part[:, REL_EPOCH] = self.steps_run + 1
+            index = self.ring.acquire()
+            self.ring.write(index, part, _EMPTY_ROWS, fusable=True)
+            pages = int(part[:, REL_N_PAGES].sum())
+            self._pending = PlannedStep(index, len(part), 0, 0, {"pages": pages}, {}, None,
+                                        True, owner=self)
+            self.run(self._pending)
