@@ -31,6 +31,13 @@ GPU (each step one graph replay, any host sync raises)::
 
     python examples/decode_loop.py --device cuda --graph --sync-debug --out DIR
 
+``--shared-prompt N``: every request's prompt starts with the same N-token system prompt,
+served from the allocator's prefix cache (``prefix_cache=True``): the first request
+prefills it and inserts it, every later one is admitted on the cached handle and prefills
+only the rest of its prompt (``paged_decode.py``). The result states the prefill tokens
+and the KV pages saved, and ``alloc.audit()`` at the end (with the cache held, and after
+``prefix_cache.drop_all()``).
+
 Exit status 0 when every run matches transformers. Negative controls (must fail):
 ``--alloc-window W-2`` (the allocator frees a position the SWA layers read) and, with the
 tables, ``--attention-window W-1`` (the SWA tables and mask drop one position).
@@ -70,30 +77,43 @@ __all__ = ["main", "make_requests", "build_allocator", "reference", "compare"]
 
 
 def make_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
-                  seed: int) -> list[Request]:
-    """``n`` requests, prompt and output lengths uniform in the given inclusive ranges."""
+                  seed: int, prefix=None) -> list[Request]:
+    """``n`` requests, prompt and output lengths uniform in the given inclusive ranges;
+    ``prefix`` (token ids, optional) is prepended to every prompt."""
     rng = np.random.default_rng(seed)
     reqs = []
     for i in range(n):
         p = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
         o = int(rng.integers(output_len[0], output_len[1] + 1))
-        reqs.append(Request(i, rng.integers(0, vocab, size=p).astype(np.int64), o))
+        prompt = rng.integers(0, vocab, size=p).astype(np.int64)
+        if prefix is not None:
+            prompt = np.concatenate([np.asarray(prefix, dtype=np.int64), prompt])
+        reqs.append(Request(i, prompt, o))
     return reqs
 
 
+def system_prompt(n: int, vocab: int, seed: int) -> np.ndarray:
+    """The shared system prompt of ``--shared-prompt n`` (its own random stream)."""
+    return np.random.default_rng([seed, 7]).integers(0, vocab, size=n).astype(np.int64)
+
+
 def build_allocator(*, page_size: int, max_batch: int, max_prompt: int, max_total: int,
-                    alloc_window: int, device: str, backend: str) -> ga.HybridAllocator:
+                    alloc_window: int, device: str, backend: str,
+                    shared_prompt: int = 0) -> ga.HybridAllocator:
     """An allocator sized for the workload: ``2 * max_batch`` request rows (finished rows
     wait one step for their release while new requests are admitted), FULL pages for
-    every row at full length, SWA pages for every row's prompt plus its window."""
+    every row at full length, SWA pages for every row's prompt plus its window.
+    ``shared_prompt`` > 0: a prefix cache with a few handles, and room for its pages."""
     ps = page_size
     max_reqs = 2 * max_batch
+    extra = -(-shared_prompt // ps) + 1 if shared_prompt else 0  # the cached prefix's pages
     cfg = ga.AllocatorConfig(
         page_size=ps, max_reqs=max_reqs, max_context_len=max_total,
-        num_full_pages=max_reqs * -(-max_total // ps),
-        num_swa_pages=max_reqs * (-(-max_prompt // ps) + -(-alloc_window // ps) + 2),
-        sliding_window=alloc_window, device=device, backend=backend)
-    return ga.HybridAllocator(cfg)
+        num_full_pages=max_reqs * -(-max_total // ps) + extra,
+        num_swa_pages=max_reqs * (-(-max_prompt // ps) + -(-alloc_window // ps) + 2) + extra,
+        sliding_window=alloc_window, max_handles=4 if shared_prompt else 0,
+        device=device, backend=backend)
+    return ga.HybridAllocator(cfg, prefix_cache=bool(shared_prompt))
 
 
 def reference(cfg: ModelConfig, weights, requests: list[Request], progress=None):
@@ -231,6 +251,25 @@ def markdown(cfg: dict, runs: list[dict]) -> str:
             f"| {100 * s['memory_saved_at_peak']:.1f}%, {100 * s['memory_saved_mean']:.1f}% "
             f"| {c.get('tokens_equal', 'n/a')} | {c.get('max_logit_diff', float('nan')):.2e} "
             f"| {s['host_us_per_step']['p50']:.0f} | {s['steps_per_s']:.0f} |")
+    shared = [run for run in runs if run.get("sharing")]
+    if shared:
+        lines += ["", f"Shared system prompt of {shared[0]['sharing']['prefix_tokens']} tokens "
+                  "from the prefix cache (`--shared-prompt`):", "",
+                  "| ps | prefix tokens cached | requests sharing / carrying "
+                  "| prefill tokens saved / computed | KV pages saved (FULL, SWA) "
+                  "| cache hits / misses | audit (cache held, after drop_all) |",
+                  "|---|---|---|---|---|---|---|"]
+        for run in shared:
+            sh = run["sharing"]
+            audit = ("[] / []" if not sh["audit_with_cache"] and not sh["audit_after_drop"]
+                     else f"{len(sh['audit_with_cache'])} / {len(sh['audit_after_drop'])} "
+                     "findings")
+            lines.append(
+                f"| {run['page_size']} | {sh['cached_prefix_tokens']} "
+                f"| {sh['requests_sharing']} / {sh['requests_carrying']} "
+                f"| {sh['prefill_tokens_saved']} / {sh['prefill_tokens_computed']} "
+                f"| {sh['pages_saved']['full']}, {sh['pages_saved']['swa']} "
+                f"| {sh['cache_hits']} / {sh['cache_misses']} | {audit} |")
     return "\n".join(lines) + "\n"
 
 
@@ -273,6 +312,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
                     help="with --attention tables: the paged Triton kernel, its Torch twin, "
                          "or auto (Triton on CUDA, the twin on a CPU)")
+    ap.add_argument("--shared-prompt", type=int, default=0, metavar="N",
+                    help="prepend one N-token system prompt to every request and serve it "
+                         "from the allocator's prefix cache (0: off)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--layer-pattern", default="sf", help="'s' sliding, 'f' full, repeated")
     ap.add_argument("--hidden", type=int, default=64)
@@ -307,8 +349,10 @@ def _main(args: argparse.Namespace) -> dict:
                        num_heads=args.heads, num_kv_heads=args.kv_heads,
                        sliding_window=args.window, layer_pattern=args.layer_pattern)
     weights = random_weights(mcfg, args.seed)
+    prefix = (system_prompt(args.shared_prompt, args.vocab, args.seed)
+              if args.shared_prompt else None)
     requests = make_requests(args.requests, tuple(args.prompt_len), tuple(args.output_len),
-                             args.vocab, args.seed + 1)
+                             args.vocab, args.seed + 1, prefix)
     max_prompt = max(len(r.prompt) for r in requests)
     max_out = max(r.n_out for r in requests)
     alloc_window = args.alloc_window or allocator_window(args.window)
@@ -333,12 +377,13 @@ def _main(args: argparse.Namespace) -> dict:
     for ps in args.page_sizes:
         alloc = build_allocator(page_size=ps, max_batch=args.max_batch, max_prompt=max_prompt,
                                 max_total=max_prompt + max_out, alloc_window=alloc_window,
-                                device=args.device, backend=backend)
+                                device=args.device, backend=backend,
+                                shared_prompt=args.shared_prompt)
         model = TinyHybridLM(mcfg, weights, args.device)
         loop = DecodeLoop(model, alloc, max_batch=args.max_batch, n_serials=len(requests),
                           max_out=max_out, graph=args.graph, attention=args.attention,
                           attention_window=args.attention_window,
-                          attention_backend=args.attention_backend)
+                          attention_backend=args.attention_backend, shared_prefix=prefix)
         if args.graph:
             loop.capture()
         bar = _progress(None, f"decode ps={ps}", show)
@@ -349,6 +394,18 @@ def _main(args: argparse.Namespace) -> dict:
         alloc.check_integrity()
         if alloc.n_live > 0:
             raise RuntimeError("requests still live after the loop")
+        sharing = None
+        if result.sharing is not None:  # the cache still holds the prefix; then drop it
+            sharing = {**result.sharing, "cache_hits": alloc.prefix_cache.hits,
+                       "cache_misses": alloc.prefix_cache.misses,
+                       "cache_evicted_pages": alloc.prefix_cache.evicted_pages,
+                       "cache_tombstoned_pages": alloc.prefix_cache.tombstoned_pages,
+                       "audit_with_cache": [str(f) for f in alloc.audit()]}
+            alloc.prefix_cache.drop_all()
+            st = alloc.stats()
+            sharing["audit_after_drop"] = [str(f) for f in alloc.audit()]
+            sharing["pages_used_after_drop"] = {"full": st["full_used_pages"],
+                                                "swa": st["swa_used_pages"]}
         summary = summarize(result, mcfg, ps)
         run = {"page_size": ps, "alloc_window": alloc_window, "attention": args.attention,
                "attention_window": (loop.page_tables.spec.sliding_window
@@ -357,6 +414,8 @@ def _main(args: argparse.Namespace) -> dict:
                "max_saving": mcfg.n_swa_layers / mcfg.num_layers,
                "host_syncs_in_loop": 0 if (args.sync_debug and args.device == "cuda") else None,
                "tokens": {str(k): v for k, v in result.tokens.items()}}
+        if sharing is not None:
+            run["sharing"] = sharing
         if ref is not None:
             run["comparison"] = compare(result, ref[0], ref[1], args.atol)
         runs.append(run)
@@ -379,9 +438,21 @@ def _main(args: argparse.Namespace) -> dict:
             print(f"        attention through the page tables ({run['attention_backend']}, "
                   f"window {run['attention_window']}): {summary['swa_clipped_lanes']} lane-steps "
                   "with the SWA range clipped at the frontier")
+        if sharing is not None:
+            sh = sharing
+            print(f"        shared prompt {sh['prefix_tokens']} tokens "
+                  f"({sh['cached_prefix_tokens']} cached): {sh['requests_sharing']}/"
+                  f"{sh['requests_carrying']} requests "
+                  f"shared it, prefill tokens saved {sh['prefill_tokens_saved']} (computed "
+                  f"{sh['prefill_tokens_computed']}), KV pages saved FULL "
+                  f"{sh['pages_saved']['full']} SWA {sh['pages_saved']['swa']}; audit "
+                  f"{len(sh['audit_with_cache'])} findings with the cache, "
+                  f"{len(sh['audit_after_drop'])} after drop_all")
 
     ok = all(r.get("comparison", {}).get("tokens_equal", True)
-             and r.get("comparison", {}).get("logits_within_atol", True) for r in runs)
+             and r.get("comparison", {}).get("logits_within_atol", True)
+             and not (r.get("sharing") or {}).get("audit_with_cache")
+             and not (r.get("sharing") or {}).get("audit_after_drop") for r in runs)
     cfg = {"args": vars(args), "device": args.device, "graph": args.graph,
            "sync_debug": args.sync_debug, "backend": backend, "attention": args.attention,
            "machine": timing.machine_info(args.device),

@@ -58,6 +58,14 @@ reads positions ``>= L - W``, which the allocator (window ``W - 1``, evaluated o
 length before the step) never frees. The prefill still attends by gather
 (``attention="gather"``: every layer gathers slots from ``req_to_token`` /
 ``full_to_swa`` as before).
+
+A shared system prompt (``shared_prefix``, the allocator built with ``prefix_cache=True``):
+the first request carrying it prefills it and ``alloc.prefix_cache.insert(row, prefix)``
+takes a handle on its whole pages; every later carrier gets ``m = cache.match(prompt)``,
+``alloc.admit(handle=m.handle, n_tokens=m.cached_tokens)`` (its ``req_to_token`` prefix
+copied on the device) and prefills only positions ``>= m.cached_tokens``: queries over the
+new tokens, keys over ``[0, n)`` through ``req_to_token`` / ``full_to_swa``, the cached
+positions' K/V read from the shared pages.
 """
 
 from __future__ import annotations
@@ -145,6 +153,7 @@ class LoopResult:
     graph_nodes: dict | None = None
     gpu_step_us: list[float] = dataclasses.field(default_factory=list)  # time_steps on CUDA
     prefill_pages: dict | None = None  # pages allocated by the prefill steps
+    sharing: dict | None = None  # with a shared prefix: what the prefix cache saved
 
 
 class DecodeLoop:
@@ -172,14 +181,26 @@ class DecodeLoop:
             model's window (a smaller one must change tokens).
         attention_backend: with ``"tables"``, ``"triton"`` (the paged kernel), ``"torch"``
             (its twin) or ``"auto"``: Triton on CUDA, the twin on a CPU.
+        shared_prefix: token ids of a system prompt served from ``alloc.prefix_cache``
+            (the allocator built with ``prefix_cache=True``): the first request whose
+            prompt starts with it prefills it and inserts it into the cache; every later
+            one is admitted on the cached handle (``admit(handle=, n_tokens=)``) and
+            prefills only its positions ``>= cached_tokens``, attending over the shared
+            KV through ``req_to_token``. ``None``: no sharing.
     """
 
     def __init__(self, model: TinyHybridLM, alloc: ga.HybridAllocator, *, max_batch: int,
                  n_serials: int, max_out: int, graph: bool = False, alloc_in_graph: bool = True,
                  keep_logits: bool = True, time_steps: bool = False,
                  attention: str = "gather", attention_window: int | None = None,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", shared_prefix=None):
         acfg, mcfg = alloc.config, model.cfg
+        if shared_prefix is not None and alloc.prefix_cache is None:
+            raise ValueError("shared_prefix needs an allocator built with prefix_cache=True")
+        self.shared_prefix = (None if shared_prefix is None
+                              else np.asarray(shared_prefix, dtype=np.int64))
+        self._prefix_inserted = False
+        self.sharing = None
         if alloc.n_live > 0:
             raise ValueError("DecodeLoop needs a fresh allocator (no live requests)")
         if graph and acfg.device.type != "cuda":
@@ -336,7 +357,9 @@ class DecodeLoop:
             t[OUT, b], t[SERIAL, b], t[GEN, b] = k, st["serial"], st["n_gen"]
 
     def _admit(self, new: list[tuple[int, Request]], state: dict) -> None:
-        """Prefill ``(lane, request)`` pairs eagerly: one allocator step, one forward each."""
+        """Prefill ``(lane, request)`` pairs eagerly: one allocator step, one forward each.
+        The first request carrying the shared prefix ends its chunk (its prefill inserts
+        the prefix into the cache, so the requests after it can share it)."""
         cap = self.alloc.config.max_step_tokens
         chunk: list = []
         for lane, req in new:  # as few allocator steps as the frozen step size allows
@@ -344,23 +367,47 @@ class DecodeLoop:
                 self._prefill(chunk, state)
                 chunk = []
             chunk.append((lane, req))
-        self._prefill(chunk, state)
+            if not self._prefix_inserted and self._carries_prefix(req):
+                self._prefill(chunk, state)
+                chunk = []
+        if chunk:
+            self._prefill(chunk, state)
+
+    def _carries_prefix(self, req: Request) -> bool:
+        pre = self.shared_prefix
+        return (pre is not None and len(req.prompt) > len(pre)
+                and bool((req.prompt[:len(pre)] == pre).all()))
+
+    def _match(self, req: Request) -> tuple[int, int | None]:
+        """Tokens of ``req``'s prompt to share from the prefix cache, and the handle (host
+        only). At least the last prompt token is always computed (its logits)."""
+        if not (self._prefix_inserted and self._carries_prefix(req)):
+            return 0, None
+        ps = self.alloc.config.page_size
+        m = self.alloc.prefix_cache.match(req.prompt)
+        c = min(m.cached_tokens, (len(req.prompt) - 1) // ps * ps)
+        return (c, m.handle) if c > 0 else (0, None)
 
     def _prefill(self, new: list[tuple[int, Request]], state: dict) -> None:
         alloc, model = self.alloc, self.model
-        rows = [alloc.admit() for _ in new]
-        p = alloc.plan(extend=(rows, [len(r.prompt) for _, r in new]))
+        rows, cached = [], []
+        for _, req in new:  # a hit: admitted on the handle (one step), sharing c tokens
+            c, h = self._match(req)
+            rows.append(alloc.admit(handle=h, n_tokens=c) if c else alloc.admit())
+            cached.append(c)
+        p = alloc.plan(extend=(rows, [len(r.prompt) - c
+                                      for (_, r), c in zip(new, cached, strict=True)]))
         res = alloc.run(p)
         for k in self.prefill_pages:
             self.prefill_pages[k] += p.pages_allocated[k]
         for k, ((lane, req), row) in enumerate(zip(new, rows, strict=True)):
-            n = len(req.prompt)
-            full, swa = res.slots_of(k)
-            q_pos = self.arange_ctx[:n][None]
+            n, c = len(req.prompt), cached[k]
+            full, swa = res.slots_of(k)  # slots of the new positions [c, n) only
+            q_pos = self.arange_ctx[c:n][None]  # queries: the new positions; keys: [0, n)
             keys = model.key_table(alloc.req_to_token[row:row + 1].long(),
                                    alloc.full_to_swa.long(), q_pos, n, swa_window_keys=False)
-            logits = model.forward(self.prompts_dev[req.serial:req.serial + 1, :n], q_pos, keys,
-                                   full[None].long(), swa[None].long(), self.kv)[0, -1]
+            logits = model.forward(self.prompts_dev[req.serial:req.serial + 1, c:n], q_pos,
+                                   keys, full[None].long(), swa[None].long(), self.kv)[0, -1]
             nxt = torch.argmax(logits)
             self.tokens_buf[lane] = nxt
             self.history_buf[req.serial, 0] = nxt
@@ -368,6 +415,22 @@ class DecodeLoop:
                 self.logits_buf[req.serial, 0] = logits
             state[lane] = {"row": row, "len": n, "serial": req.serial, "n_gen": 1,
                            "n_out": req.n_out}
+        if self.shared_prefix is None:
+            return
+        ps, sh = alloc.config.page_size, self.sharing
+        for c in cached:
+            if c:
+                sh["requests_sharing"] += 1
+                sh["prefill_tokens_saved"] += c
+                for kind in ("full", "swa"):  # pages the sharer did not allocate
+                    sh["pages_saved"][kind] += c // ps
+        sh["prefill_tokens_computed"] += sum(len(r.prompt) - c
+                                             for (_, r), c in zip(new, cached, strict=True))
+        for (_, req), row in zip(new, rows, strict=True):
+            if not self._prefix_inserted and self._carries_prefix(req):
+                # its prompt's whole pages hold the prefix now: a handle on them (one step)
+                sh["cached_prefix_tokens"] = alloc.prefix_cache.insert(row, self.shared_prefix)
+                self._prefix_inserted = True
 
     def _free_pages_ok(self, prompts: list[int], n_active: int) -> bool:
         ps, st = self.alloc.config.page_size, self.alloc.stats()
@@ -388,6 +451,13 @@ class DecodeLoop:
         self.prompts_dev = torch.from_numpy(prompts).to(self.device)  # before the loop
         stalls0 = self.alloc.ring.stalls
         self.prefill_pages = {"full": 0, "swa": 0}
+        if self.shared_prefix is not None:
+            self._prefix_inserted = False
+            self.sharing = {"prefix_tokens": len(self.shared_prefix), "cached_prefix_tokens": 0,
+                            "requests_carrying": sum(self._carries_prefix(r) for r in requests),
+                            "requests_sharing": 0, "prefill_tokens_saved": 0,
+                            "prefill_tokens_computed": 0,
+                            "pages_saved": {"full": 0, "swa": 0}}
         debug = sync_debug and self.device.type == "cuda"
         if debug:
             old_mode = torch.cuda.get_sync_debug_mode()
@@ -409,7 +479,8 @@ class DecodeLoop:
             logits = {r.serial: lg[r.serial, :r.n_out] for r in requests}
         return LoopResult(tokens, logits, steps, wall, host_s, launch_s, prefill_s,
                           self.alloc.ring.stalls - stalls0, self.describe(), events.us(),
-                          dict(self.prefill_pages))
+                          dict(self.prefill_pages),
+                          None if self.sharing is None else dict(self.sharing))
 
     def _loop(self, queue: list[Request], progress
               ) -> tuple[list, list, list, float, StepEvents]:
