@@ -94,15 +94,21 @@ def as_rows(rows, n_reqs: int, what: str = "request rows") -> np.ndarray:
     return arr
 
 
-def as_counts(counts, n: int, what: str, limit: int | None = None) -> np.ndarray:
-    """Non-negative int64 counts, one per row (a single int is broadcast to ``n`` rows);
-    ``PositionError`` for anything else or a count past ``limit``."""
-    arr = _as_int64(counts, what, PositionError)
-    if len(arr) == 1 and n != 1 and not isinstance(counts, (list, tuple, np.ndarray,
+def _per_row(values, n: int, what: str) -> np.ndarray:
+    """One int64 per row: a single int is broadcast to ``n`` rows, a sequence must have n."""
+    arr = _as_int64(values, what, PositionError)
+    if len(arr) == 1 and n != 1 and not isinstance(values, (list, tuple, np.ndarray,
                                                             torch.Tensor)):
         arr = np.full(n, arr[0], dtype=np.int64)
     if len(arr) != n:
         raise PositionError(f"{what}: {n} rows but {len(arr)} values")
+    return arr
+
+
+def as_counts(counts, n: int, what: str, limit: int | None = None) -> np.ndarray:
+    """Non-negative int64 counts, one per row (a single int is broadcast to ``n`` rows);
+    ``PositionError`` for anything else or a count past ``limit``."""
+    arr = _per_row(counts, n, what)
     if n and arr.min() < 0:
         raise PositionError(f"{what} must be >= 0, got {int(arr.min())}")
     if limit is not None and n and arr.max() > limit:
@@ -114,12 +120,7 @@ def as_positions(positions, n: int, what: str, limit: int | None = None) -> np.n
     """Integer positions, one per row (``PositionError`` for non-integers, a wrong count, or
     a value past ``limit``); the range below is the caller's rule to check (a negative
     frontier target is a backward move, a ``FrontierError``)."""
-    arr = _as_int64(positions, what, PositionError)
-    if len(arr) == 1 and n != 1 and not isinstance(positions, (list, tuple, np.ndarray,
-                                                               torch.Tensor)):
-        arr = np.full(n, arr[0], dtype=np.int64)
-    if len(arr) != n:
-        raise PositionError(f"{what}: {n} rows but {len(arr)} values")
+    arr = _per_row(positions, n, what)
     if limit is not None and n and arr.max() > limit:
         raise PositionError(f"{what}: {int(arr.max())} exceeds {limit}")
     return arr
