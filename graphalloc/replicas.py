@@ -50,20 +50,11 @@ payload (a device read) and verifies its digest. It runs at every consistency ch
 so a follower's ledger is the planner's as of the last checked step; call it before
 promoting a follower to planner or reading its ``stats()``.
 
-**Consistency check.** Every ``digest_every`` steps each rank records a digest row:
-``step``, ``planned_step`` (broadcast: the step number the planner put in the
-payload), ``ledger`` (64-bit BLAKE2b of the host ledger arrays and ring counts) and
-one 64-bit digest per device table of ``DeviceState.tables()`` (mapping, free rings,
-``req_to_token``, ring pages, error word). A table digest is
-``sum_r w_r * sum_c w_c * x[r, c]`` in wrapping int64 arithmetic with odd pseudo-random
-position weights, computed by Torch ops into a preallocated buffer (captured as one
-CUDA graph on a GPU): no sync, and integer wrapping sums are exact and
-order-independent, so every rank computes the same bits. A change of a single entry
-changes the digest with certainty (``delta * odd * odd != 0 mod 2**64``). Every
-``check_every`` steps the rows are all-gathered (the one place that synchronises, inside
-:func:`~graphalloc.sync_points.sync_allowed`) and compared; the first differing row names
-the step, the rank (against the majority, ties to the planner) and the fields, and
-every rank raises the same :class:`~graphalloc.errors.ReplicaDivergenceError`.
+**Consistency check.** Every ``digest_every`` steps each rank records a digest row of
+its ledger and device tables; every ``check_every`` steps the rows are all-gathered and
+compared, and every rank raises the same
+:class:`~graphalloc.errors.ReplicaDivergenceError` naming the first differing step, rank
+and fields. The digest row, its history and the verdict: :mod:`graphalloc.replica_checks`.
 
 **Lockstep rule.** Collectives must pair up, so every rank issues the same sequence
 of device steps: each :meth:`~ReplicatedAllocator.step` is exactly one device step,
@@ -99,9 +90,6 @@ The digest and the ledger wire format live in :mod:`graphalloc.state_digest`.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -112,12 +100,11 @@ from .errors import ConfigError, ContractError, ReplicaDivergenceError
 from .executor import Executor, make_executor
 from .graph import capture_graph
 from .kernels.abi import ROW_WIDTH
+from .replica_checks import COL_STEP, DigestHistory, check_same_setup, first_divergence
 from .state_digest import (
-    META_LEDGER,
     META_MAGIC,
     META_STEP,
     META_STEPS_RUN,
-    StateDigest,
     ledger_digest,
     n_ledger_rows,
     pack_ledger,
@@ -126,10 +113,6 @@ from .state_digest import (
 from .sync_points import sync_allowed
 
 __all__ = ["ReplicatedAllocator", "ReplicaExecutor"]
-
-# Columns of a digest row; the table digests follow.
-COL_STEP, COL_PLANNED_STEP, COL_LEDGER = 0, 1, 2
-_N_HEAD_COLS = 3
 
 
 # ---- the executor ------------------------------------------------------------------------
@@ -326,7 +309,7 @@ class ReplicatedAllocator:
         state first if the latest step has no digest. Raises
         :class:`~graphalloc.errors.ReplicaDivergenceError` naming the first differing step."""
         with sync_allowed():
-            if self._n_hist == 0 or self._host_hist[self._n_hist - 1, COL_STEP] != self.n_steps:
+            if not self.history.covers(self.n_steps):
                 self._record_digest(host_ledger=self.mode == "replicated")
             self._compare()
         self._raise_divergence()
@@ -349,11 +332,7 @@ class ReplicatedAllocator:
         follower syncs its ledger first."""
         self.sync_ledger()
         with sync_allowed():
-            self.digest.compute(self.digest_buf[_N_HEAD_COLS:])
-            values = self.digest_buf.cpu().tolist()  # sync ok: explicit inspection
-        values[COL_STEP] = values[COL_PLANNED_STEP] = self.n_steps
-        values[COL_LEDGER] = ledger_digest(self.alloc.ledger)
-        return dict(zip(self.columns, values, strict=True))
+            return self.history.current(self.n_steps, ledger_digest(self.alloc.ledger))
 
     def close(self) -> None:
         """Drop the wrapper's captured graphs (not collective). The allocator keeps its
@@ -400,45 +379,21 @@ class ReplicatedAllocator:
             with sync_allowed():
                 self._compare()
 
-    def _digest_into_buf(self) -> None:
-        if self.mode == "broadcast":  # what the planner said: its step number and ledger
-            self.digest_buf[COL_PLANNED_STEP:COL_LEDGER + 1].copy_(
-                self._payload_meta[META_STEP:META_LEDGER + 1])
-        self.digest.compute(self.digest_buf[_N_HEAD_COLS:])
-
     def _record_digest(self, host_ledger: bool) -> None:
-        row = self._n_hist
-        self._n_hist += 1
-        self._host_hist[row, COL_STEP] = self.n_steps
-        self._host_cols[row] = False
-        self._host_cols[row, COL_STEP] = True
-        if host_ledger:
-            self._host_hist[row, COL_PLANNED_STEP] = self.n_steps
-            self._host_hist[row, COL_LEDGER] = ledger_digest(self.alloc.ledger)
-            self._host_cols[row, COL_PLANNED_STEP:COL_LEDGER + 1] = True
+        ledger = ledger_digest(self.alloc.ledger) if host_ledger else None
+        self.history.record(self.n_steps, ledger, self._digest_graph)
         if self._digest_graph is not None:
-            self._digest_graph.replay()
             self.n_replays += 1
-        else:
-            self._digest_into_buf()
-        self.hist_buf[row].copy_(self.digest_buf)
 
     def _compare(self) -> None:
         """All-gather the history rows and compare them (collective; call under
         sync_allowed). Stores the error; a follower then refreshes its ledger."""
-        n = self._n_hist
-        host = torch.from_numpy(self._host_hist[:n]).to(self.device)
-        mask = torch.from_numpy(self._host_cols[:n]).to(self.device)
-        local = torch.where(mask, host, self.hist_buf[:n])
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local, group=self.group)
-        table = torch.stack(gathered).cpu().numpy()  # sync ok: the periodic check
-        self._n_hist = 0
+        table = self.history.gather(self.group, self.world_size)
         self.n_checks += 1
         error = self._first_divergence(table)
         if error is None:
-            if n:
-                self.last_equal_step = int(table[0, n - 1, COL_STEP])
+            if table.shape[1]:
+                self.last_equal_step = int(table[0, -1, COL_STEP])
         else:
             self._error = error
             self.first_divergence = self.first_divergence or error
@@ -446,28 +401,9 @@ class ReplicatedAllocator:
             self.sync_ledger()
 
     def _first_divergence(self, table: np.ndarray) -> ReplicaDivergenceError | None:
-        """First row where ranks differ: reference = the majority value (ties: the planner,
-        then the lowest rank); every rank computes the same answer from the same table."""
-        last_equal = self.last_equal_step
-        src_index = self.global_ranks.index(self.src)
-        for j in range(table.shape[1]):
-            rows = table[:, j, :]
-            if (rows == rows[0]).all():
-                last_equal = int(rows[0, COL_STEP])
-                continue
-            same = (rows[:, None, :] == rows[None, :, :]).all(-1)  # [world, world]
-            votes = same.sum(1)
-            best = votes.max()
-            ref = src_index if votes[src_index] == best else int(np.flatnonzero(votes == best)[0])
-            diverged = np.flatnonzero(~same[ref])
-            first = int(diverged[0])
-            fields = [self.columns[c] for c in np.flatnonzero(rows[first] != rows[ref])]
-            return ReplicaDivergenceError(
-                step=int(rows[ref, COL_STEP]), rank=self.global_ranks[first],
-                ranks=[self.global_ranks[int(r)] for r in diverged],
-                reference_rank=self.global_ranks[ref], fields=fields,
-                last_equal_step=last_equal)
-        return None
+        """:func:`~graphalloc.replica_checks.first_divergence` with this wrapper's ranks."""
+        return first_divergence(table, self.columns, self.global_ranks, self.src,
+                                self.last_equal_step)
 
     def _raise_divergence(self) -> None:
         if self._error is not None:
@@ -476,29 +412,14 @@ class ReplicatedAllocator:
 
     # ---- construction helpers ----------------------------------------------------------
     def _check_same_config(self) -> None:
-        cfg = self.alloc.config
-        geometry = sorted((f.name, str(getattr(cfg, f.name))) for f in dataclasses.fields(cfg)
-                          if f.name != "device")
-        text = repr((geometry, self.mode, self.src, self.check_every, self.digest_every,
-                     len(self.alloc.ring)))
-        value = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little",
-                               signed=True)
-        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine, group=self.group)
-        values = torch.cat(gathered).cpu().tolist()  # sync ok: construction
-        bad = [self.global_ranks[r] for r, v in enumerate(values) if v != values[0]]
-        if bad:
-            raise ConfigError(
-                f"ranks {bad} wrap an allocator with a different geometry or wrapper options "
-                f"than rank {self.global_ranks[0]}; every rank needs the same AllocatorConfig "
-                "(device aside), mode, src, check_every, digest_every and descriptor ring")
+        check_same_setup(self.alloc.config, (self.mode, self.src, self.check_every,
+                                             self.digest_every, len(self.alloc.ring)),
+                         self.group, self.global_ranks, self.device)
 
     def _allocate_buffers(self) -> None:
         """Allocated once, updated in place only (graphs hold their addresses)::
 
-            digest_buf    int64 [3 + n_tables]           device  the latest digest row
-            hist_buf      int64 [n_hist, 3 + n_tables]   device  digest rows since the check
+            history       DigestHistory, n_hist rows     device  digest rows since the check
             payload_buf   int64 [n_desc + 1 + n_ledger_rows(cfg), 8]
                                                          device  broadcast mode: the payload
             _header_bufs  int64 [1 + n_ledger_rows(cfg), 8] x len(alloc.ring)
@@ -509,15 +430,6 @@ class ReplicatedAllocator:
         """
         cfg, alloc, mode = self.alloc.config, self.alloc, self.mode
         check_every, digest_every = self.check_every, self.digest_every
-        self.digest = StateDigest(alloc.state.tables())
-        self.columns = ["step", "planned_step", "ledger", *self.digest.names]
-        n_cols = len(self.columns)
-        n_hist = (check_every // digest_every if check_every else 0) + 1
-        self.digest_buf = torch.zeros(n_cols, dtype=torch.int64, device=self.device)
-        self.hist_buf = torch.zeros(n_hist, n_cols, dtype=torch.int64, device=self.device)
-        self._host_hist = np.zeros((n_hist, n_cols), dtype=np.int64)
-        self._host_cols = np.zeros((n_hist, n_cols), dtype=bool)  # which values come from host
-        self._n_hist = 0
 
         # Broadcast payload (fixed shape, allocated once; views made once).
         n_desc = cfg.max_release_rows + cfg.max_alloc_rows
@@ -538,10 +450,15 @@ class ReplicatedAllocator:
                                  for _ in range(len(alloc.ring) if self.is_planner else 0)]
             self._header_np = [b.numpy() for b in self._header_bufs]
 
+        n_hist = (check_every // digest_every if check_every else 0) + 1
+        self.history = DigestHistory(alloc.state.tables(), self.device, n_hist,
+                                     self._payload_meta if mode == "broadcast" else None)
+        self.columns = self.history.columns
+
     def _capture_graphs(self) -> None:
         """Warm up on a side stream (compiles the kernels; the zero payload is all padding,
         so nothing changes), then capture. Runs once, under sync_allowed."""
-        fns = [self._digest_into_buf]
+        fns = [self.history.compute]
         if self.mode == "broadcast":
             fns.insert(0, lambda: self.alloc.kernels(self._payload_release, self._payload_alloc))
         torch.cuda.synchronize()  # sync ok: one-time construction
