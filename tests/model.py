@@ -4,41 +4,63 @@ Plain ints, lists, dicts and deques; no numpy, no torch, nothing from graphalloc
 except (optionally) the config dataclass it is built from. It predicts, for the
 same sequence of operations, the exact page ids the device hands out (both free
 lists are FIFO queues holding pages ``1..N`` in order at start: pop from the
-front, push to the back), ``req_to_token`` on every position a live request
-holds, ``full_to_swa`` for every slot, the free queues in order, the counts,
-and which contract an invalid operation violates.
+front, push to the back), ``req_to_token`` on every position a live request or a
+handle holds, ``full_to_swa`` for every slot, the free queues in order, the
+reference counts, the counts, and which contract an invalid operation violates.
 
 Rules modelled (``ps`` page size, ``W`` window, ``R`` ring pages, L a length):
 
-* admit: lowest row that is neither live nor released in an open free group.
-  An optional protected prefix (whole pages of someone else's slots) is copied
-  into the row, never owned, never freed; length = frontier = prefix length.
-  Ring mode pops the request's R ring pages (one step).
+* references: every FULL page and every SWA page has a reference count. Holders are
+  live requests (FULL pages of ``[0, L)``, SWA pages of ``[frontier, L)``) and handles
+  (FULL ``[0, n)``, SWA ``[swa_start, n)``). A page returns to its free queue only in
+  the call where its last reference is dropped; dropping any other reference changes
+  nothing on the device. The SWA page of a full page is pushed, and the full page's
+  mapping cleared, when its last SWA reference goes (even if FULL references remain).
+  Ring mode has no sharing: every sharing call is refused (kind ``sharing``).
+* admit: lowest row that is neither live nor released in an open free group; a new
+  request is empty (length = frontier = 0). ``admit(handle=h)`` is a request sharing
+  the handle's pages: length ``n_h``, frontier the handle's SWA start, its
+  ``req_to_token`` the handle's slots, references like any request (one step). Ring
+  mode pops the request's R ring pages (one step).
+* take_handle(row, n): ``n`` a multiple of ps, ``0 < n <= L``; the lowest free handle
+  id (neither live nor dropped in an open free group); holds FULL ``[0, n)`` and SWA
+  ``[min(frontier, n), n)``; one step. drop_handle: drops all its references;
+  drop_handle_swa: only the SWA ones (its SWA start becomes n). One step each.
 * extend / decode: positions ``[L, L + n)``; a position starting a page that does
   not exist yet pops one FULL page and (pool mode) one SWA page. Rows are served
   in call order, decode rows before extend rows. Ring mode: the SWA page of page
   index p is ``ring[p % R]``.
-* window eviction: ``new = floor_page(max(old, L - W))``; with a protected prefix
-  the threshold is ``L - max(W, ps)``; never below the prefix. Advancing the
-  frontier from ``old`` to ``new`` pushes the SWA pages of ``[old, new)`` in page
-  order, rows in call order (ring mode pushes nothing); the mapping is cleared,
-  the FULL pages stay.
-* release: pushes, all rows of the call in order each time, first the FULL pages
-  of ``[prefix, frontier)``, then the FULL pages of ``[frontier, ceil_page(L))``
-  (a partial tail page whole) together with their SWA peers; ring mode pushes the
-  ring pages ``ring[0..R-1]`` of each row after that.
+* window eviction: ``new = floor_page(max(old, L - W))``. Advancing the frontier from
+  ``old`` to ``new`` drops the request's SWA references of ``[old, new)``; the FULL
+  pages stay (ring mode: the mapping of those pages is cleared, nothing is pushed).
+* release: drops FULL ``[0, L)`` (a partial tail page whole) and SWA ``[frontier, L)``;
+  ring mode pushes the ring pages ``ring[0..R-1]`` of each row after the rest.
+* push order of one call (a release, an eviction, an advance, a handle drop; a step's
+  release, eviction and advance parts are separate calls, in this order): first every
+  page whose action is "FULL only" (FULL count reached 0, no SWA page any more), then
+  every page whose action is "FULL and SWA" or "SWA only"; within a phase, rows in
+  call order, each row's pages in position order. A page several rows of one call
+  drop references to is pushed once, in the segment of the first of those rows, with
+  the action the counts give after the whole call. Without sharing this is exactly the
+  order of release: FULL of ``[0, frontier)``, then FULL + SWA of ``[frontier, L)``.
+* release segments (the frozen step shape): each row's pages of one phase are cut into
+  maximal runs of consecutive positions with the same action; each run is split every
+  ``max_pages_per_row`` pages into release rows (descriptor order: phase 1 then phase 2,
+  rows in call order). take_handle and admit(handle) use no release rows.
 * a step runs release, evict, advance, decode, extend in this order: every push of a
   step precedes every pop, so pages freed by a step are reused by it.
-* free_group: releases, evictions and frontier advances are decided at the call,
-  by the same rules as outside a block (the window rule on the length at the call; an
-  advance validated against the frontier as the block has moved it), but the pages
-  they free reach the free queues only at exit, in call order. Allocations in the block
-  run at once and cannot use those pages; a request released in it cannot allocate and
-  its row is not reused before the exit. The exit runs the block's release segments
-  (each split every ``max_pages_per_row`` pages) as the fewest consecutive steps that
-  each fit the frozen step shape, cut greedily in order; it is never refused.
-* the frozen step shape: release segments (split every ``max_pages_per_row``
-  pages), freed pages, allocating rows and tokens per step are bounded.
+* free_group: releases, handle drops (whole or SWA only), evictions and frontier
+  advances are decided at the call, by the same rules as outside a block (the window
+  rule on the length at the call; an advance validated against the frontier as the
+  block has moved it; references dropped at the call), but the pages they free reach
+  the free queues only at exit, in call order. Allocations, admits and take_handle in
+  the block run at once and cannot use those pages; a request released in it cannot
+  allocate and its row is not reused before the exit; a handle dropped in it is gone
+  at once (a second drop is refused) and its id is not reused before the exit. The
+  exit runs the block's release segments as the fewest consecutive steps that each fit
+  the frozen step shape, cut greedily in order; it is never refused.
+* the frozen step shape: release segments, freed pages, allocating rows and tokens per
+  step are bounded.
 
 Violations are reported as :class:`Violation` with a set of kinds (names of
 the rules broken by the first failing sub-operation); the model is unchanged.
@@ -52,13 +74,20 @@ from collections import deque
 # Violation kinds (the test maps them onto graphalloc.errors classes).
 UNKNOWN = "unknown"  # row out of range, not an int, not live, released in this group
 OVERLAP = "overlap"  # a row listed twice in one call / allocating twice in one step
-CAPACITY = "capacity"  # not enough free pages or rows
-ALIGNMENT = "alignment"  # frontier / prefix not page-aligned
+CAPACITY = "capacity"  # not enough free pages, rows or handle slots
+ALIGNMENT = "alignment"  # frontier / handle length not page-aligned
 POSITION = "position"  # beyond max_context_len, frontier past the last whole page, bad lengths
 FRONTIER = "frontier"  # frontier moved backwards
 BATCH = "batch"  # frozen step shape exceeded
 RING = "ring"  # ring mode: more live pages than ring pages
 NESTED = "nested"  # nested free_group / release or evict through step() inside a group
+HANDLE = "handle"  # unknown or dropped handle (UnknownHandleError)
+SHARING = "sharing"  # a sharing call in ring mode (a ContractError)
+
+# Actions of a page whose references a call drops.
+ACT_FULL = "full"  # FULL count reached 0, no SWA page any more
+ACT_BOTH = "both"  # FULL count reached 0 and the SWA page's too (ring: mapping cleared)
+ACT_SWA = "swa"  # the SWA page's count reached 0, FULL references remain
 
 
 class Violation(Exception):
@@ -80,14 +109,12 @@ def _is_int(x) -> bool:
 
 
 class Req:
-    """One live request."""
+    """One live request: its FULL page per page index, its full slot per position."""
 
-    def __init__(self, prefix_slots: list[int], ps: int):
-        self.slots = list(prefix_slots)  # full slot of each position [0, length)
-        self.pages = [prefix_slots[i * ps] // ps for i in range(len(prefix_slots) // ps)]
-        self.swa: list[int | None] = [None] * len(self.pages)  # pool mode: SWA page per page
-        self.protected = len(prefix_slots)
-        self.frontier = len(prefix_slots)
+    def __init__(self, ps: int, pages=(), frontier: int = 0):
+        self.pages = list(pages)
+        self.slots = [p * ps + o for p in self.pages for o in range(ps)]
+        self.frontier = frontier
         self.ring: list[int] = []
 
     @property
@@ -95,18 +122,46 @@ class Req:
         return len(self.slots)
 
 
+class Handle:
+    """One handle: the FULL pages of ``[0, n)``; SWA references of ``[swa_start, n)``."""
+
+    def __init__(self, ps: int, pages, swa_start: int):
+        self.ps = ps
+        self.pages = list(pages)
+        self.frontier = swa_start  # named like a request's: the start of its SWA references
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.pages) * self.ps
+
+    @property
+    def swa_start(self) -> int:
+        return self.frontier
+
+    @property
+    def slots(self) -> list[int]:
+        return [p * self.ps + o for p in self.pages for o in range(self.ps)]
+
+
 class Model:
     def __init__(self, page_size, num_full_pages, num_swa_pages, max_reqs, max_context_len,
                  sliding_window, swa_ring_pages=0, max_release_rows=0, max_pages_per_row=0,
                  max_alloc_rows=0, max_tokens_per_alloc_row=0, max_step_pages=0,
-                 max_step_tokens=0):
+                 max_step_tokens=0, max_handles=0, frees_as_groups=False):
         self.ps = page_size
+        # The rules: a free outside a free_group() (release, evict_window, advance_frontier,
+        # drop_handle, drop_handle_swa) is one step, refused whole if it exceeds the frozen
+        # shape. ``frees_as_groups=True`` is the variant the implementation chose (commit
+        # 69f9022): such a free runs as a free group of its own -- as many steps as its
+        # release rows need (none when it frees nothing), never refused for the shape.
+        self.frees_as_groups = frees_as_groups
         self.n_full = num_full_pages
         self.n_swa = num_swa_pages
         self.max_reqs = max_reqs
         self.max_ctx = max_context_len
         self.window = sliding_window
         self.ring_pages = swa_ring_pages
+        self.max_handles = max_handles
         # Frozen step shape (defaults as documented in AllocatorConfig).
         self.max_release_rows = max_release_rows or 3 * max_reqs
         self.max_pages_per_row = max_pages_per_row or ceil_div(max_context_len, page_size)
@@ -120,20 +175,38 @@ class Model:
         self.swa_q: deque[int] = deque(range(1, num_swa_pages + 1))
         self.full_pops = 0  # total pops: the FIFO ring's head is this mod N
         self.swa_pops = 0
+        self.full_ref = [0] * (num_full_pages + 1)  # per FULL page
+        self.swa_ref = [0] * (num_swa_pages + 1)  # per SWA page
+        self.f2s = [0] * (num_full_pages + 1)  # full page -> its SWA page (0: none)
         self.reqs: dict[int, Req] = {}
+        self.handles: dict[int, Handle] = {}
         self.steps = 0
         # free_group state
         self.group: list | None = None  # deferred pushes, in order: ("full"|"swa", page)
         self.group_segs: list[int] = []  # the block's release segments (pages each), in order
         self.deferring = False
-        self.pending: set[int] = set()
+        self.pending: set[int] = set()  # rows released in the open block
+        self.pending_handles: set[int] = set()  # handles dropped in the open block
 
     @classmethod
-    def from_config(cls, cfg) -> Model:
+    def from_config(cls, cfg, frees_as_groups: bool = False) -> Model:
         return cls(cfg.page_size, cfg.num_full_pages, cfg.num_swa_pages, cfg.max_reqs,
                    cfg.max_context_len, cfg.sliding_window, cfg.swa_ring_pages,
                    cfg.max_release_rows, cfg.max_pages_per_row, cfg.max_alloc_rows,
-                   cfg.max_tokens_per_alloc_row, cfg.max_step_pages, cfg.max_step_tokens)
+                   cfg.max_tokens_per_alloc_row, cfg.max_step_pages, cfg.max_step_tokens,
+                   getattr(cfg, "max_handles", 0), frees_as_groups)
+
+    def _own_group(self, fn) -> bool:
+        """``frees_as_groups``: run the free ``fn`` as a free group of its own (atomic: a
+        violation leaves the model unchanged). Returns whether it did."""
+        if not self.frees_as_groups or self.group is not None:
+            return False
+        work = self.clone()
+        work.open_group()
+        fn(work)
+        work.close_group()
+        self.__dict__.update(work.__dict__)
+        return True
 
     def clone(self) -> Model:
         return copy.deepcopy(self)
@@ -157,6 +230,66 @@ class Model:
         else:
             (self.full_q if pool == "full" else self.swa_q).append(page)
 
+    # ---- references ----------------------------------------------------------------------
+    def _hold(self, holder) -> None:
+        """Take ``holder``'s references: FULL of all its pages, SWA from its frontier."""
+        for page in holder.pages:
+            self.full_ref[page] += 1
+        for page in holder.pages[holder.frontier // self.ps:]:
+            swa = self.f2s[page]
+            assert swa > 0, f"model: SWA reference to full page {page} with no SWA page"
+            self.swa_ref[swa] += 1
+
+    def _drop(self, items) -> list[int]:
+        """Drop the references of one call's rows. ``items``: per row of the call, in call
+        order, ``(pages, full_lo, full_hi, swa_lo, swa_hi)`` (page indices, half-open). Pages
+        reaching 0 are pushed in the two-phase order; returns the release segments' page
+        counts (runs, before the ``max_pages_per_row`` split) in descriptor order."""
+        first: dict[int, tuple[int, int]] = {}  # full page -> (row of the call, page index)
+        for i, (pages, flo, fhi, slo, shi) in enumerate(items):
+            for k in sorted(set(range(flo, fhi)) | set(range(slo, shi))):
+                first.setdefault(pages[k], (i, k))
+            for k in range(flo, fhi):
+                assert self.full_ref[pages[k]] > 0, "model: FULL count below 0"
+                self.full_ref[pages[k]] -= 1
+            for k in range(slo, shi):
+                swa = self.f2s[pages[k]]
+                assert swa > 0 and self.swa_ref[swa] > 0, "model: SWA count below 0"
+                self.swa_ref[swa] -= 1
+        action: dict[int, str] = {}
+        for page in first:
+            swa = self.f2s[page]
+            full0 = self.full_ref[page] == 0
+            if self.ring_mode:
+                if full0:
+                    action[page] = ACT_BOTH if swa else ACT_FULL
+            elif full0:
+                assert swa == 0 or self.swa_ref[swa] == 0, "model: SWA held, FULL free"
+                action[page] = ACT_BOTH if swa else ACT_FULL
+            elif swa and self.swa_ref[swa] == 0:
+                action[page] = ACT_SWA
+        segs: list[int] = []
+        for phase in ((ACT_FULL,), (ACT_BOTH, ACT_SWA)):
+            for i, (pages, *_rest) in enumerate(items):
+                ks = sorted(k for page, (j, k) in first.items()
+                            if j == i and action.get(page) in phase)
+                prev = None
+                for k in ks:
+                    page = pages[k]
+                    act = action[page]
+                    if prev is not None and prev == (k - 1, act):
+                        segs[-1] += 1
+                    else:
+                        segs.append(1)
+                    prev = (k, act)
+                    if act != ACT_SWA:
+                        self._push("full", page)
+                    if act != ACT_FULL:
+                        if not self.ring_mode:
+                            self._push("swa", self.f2s[page])
+                        self.f2s[page] = 0
+        return segs
+
     # ---- validation helpers --------------------------------------------------------------
     def _rows(self, rows) -> list[int]:
         """Validate a list of rows: ints, in range, live (and not released in the open group),
@@ -175,16 +308,23 @@ class Model:
             raise Violation(kinds)
         return ints
 
+    def _handle(self, h) -> int:
+        """A live handle id (not dropped, also not in the open group), or a violation."""
+        if self.ring_mode:
+            raise Violation({SHARING})
+        if not _is_int(h) or int(h) not in self.handles:
+            raise Violation({HANDLE})
+        return int(h)
+
+    def _free_rows(self) -> list[int]:
+        return [r for r in range(self.max_reqs) if r not in self.reqs and r not in self.pending]
+
     # ---- public ops (each one is atomic: on a Violation nothing changed) ------------------
-    def admit(self, prefix_slots: list[int] | None = None) -> int:
-        prefix = list(prefix_slots or [])
+    def admit(self, handle=None) -> int:
+        if handle is not None:
+            return self.admit_handle(handle)
         kinds = set()
-        if len(prefix) % self.ps:
-            kinds.add(ALIGNMENT)
-        if len(prefix) > self.max_ctx:
-            kinds.add(POSITION)
-        free_rows = [r for r in range(self.max_reqs)
-                     if r not in self.reqs and r not in self.pending]
+        free_rows = self._free_rows()
         if not free_rows:
             kinds.add(CAPACITY)
         if self.ring_mode and len(self.swa_q) < self.ring_pages:
@@ -192,12 +332,111 @@ class Model:
         if kinds:
             raise Violation(kinds)
         row = free_rows[0]
-        req = Req(prefix, self.ps)
+        req = Req(self.ps)
         if self.ring_mode:
             req.ring = [self._pop_swa() for _ in range(self.ring_pages)]
             self.steps += 1
         self.reqs[row] = req
         return row
+
+    def admit_handle(self, handle) -> int:
+        """A new request on a handle's pages (one step)."""
+        if self.ring_mode:
+            raise Violation({SHARING})
+        kinds = set()
+        if not _is_int(handle) or int(handle) not in self.handles:
+            kinds.add(HANDLE)
+        free_rows = self._free_rows()
+        if not free_rows:
+            kinds.add(CAPACITY)
+        if kinds:
+            raise Violation(kinds)
+        h = self.handles[int(handle)]
+        row = free_rows[0]
+        req = Req(self.ps, h.pages, h.swa_start)
+        self._hold(req)
+        self.reqs[row] = req
+        self.steps += 1
+        return row
+
+    def take_handle(self, row, n_tokens) -> int:
+        """A handle on the first ``n_tokens`` of ``row`` (one step); returns its id."""
+        if self.ring_mode:
+            raise Violation({SHARING})
+        kinds = set()
+        r = None
+        try:
+            r = self._rows([row])[0]
+        except Violation as v:
+            kinds |= v.kinds
+        if not _is_int(n_tokens):
+            kinds.add(POSITION)
+        else:
+            n = int(n_tokens)
+            if n % self.ps:
+                kinds.add(ALIGNMENT)
+            if n <= 0 or (r is not None and n > self.reqs[r].length):
+                kinds.add(POSITION)
+        free = [h for h in range(self.max_handles)
+                if h not in self.handles and h not in self.pending_handles]
+        if not free:
+            kinds.add(CAPACITY)
+        if kinds:
+            raise Violation(kinds)
+        req, n = self.reqs[r], int(n_tokens)
+        handle = Handle(self.ps, req.pages[:n // self.ps], min(req.frontier, n))
+        self._hold(handle)
+        self.handles[free[0]] = handle
+        self.steps += 1
+        return free[0]
+
+    def drop_handle(self, handle) -> None:
+        self._drop_handle_op(handle, swa_only=False)
+
+    def drop_handle_swa(self, handle) -> None:
+        self._drop_handle_op(handle, swa_only=True)
+
+    def _drop_handle_op(self, handle, swa_only: bool) -> None:
+        h = self._handle(handle)
+        if self._own_group(lambda w: w._drop_handle_op(h, swa_only)):
+            return
+        if self.group is not None:
+            self._defer(lambda w: w._drop_handle(h, swa_only))
+            if not swa_only:
+                self.pending_handles.add(h)
+            return
+        work = self.clone()
+        segs = work._drop_handle(h, swa_only)
+        work._check_shape(segs, [])
+        work.steps += 1
+        self.__dict__.update(work.__dict__)
+
+    def _drop_handle(self, h: int, swa_only: bool) -> list[int]:
+        hd, ps = self.handles[h], self.ps
+        n = len(hd.pages)
+        segs = self._drop([(hd.pages, 0, 0 if swa_only else n, hd.swa_start // ps, n)])
+        if swa_only:
+            hd.frontier = hd.n_tokens
+        else:
+            del self.handles[h]
+        return segs
+
+    def handle_info(self, handle) -> dict:
+        """What a handle holds and what dropping it would free now."""
+        h = self.handles[self._handle(handle)]
+        ps = self.ps
+        swa_pages = [self.f2s[p] for p in h.pages[h.swa_start // ps:]]
+        return {
+            "n_tokens": h.n_tokens,
+            "swa_start": h.swa_start,
+            "n_full_pages": len(h.pages),
+            "n_swa_pages": len(swa_pages),
+            "frees_full": sum(1 for p in h.pages if self.full_ref[p] == 1),
+            "frees_swa": sum(1 for s in swa_pages if self.swa_ref[s] == 1),
+        }
+
+    def live_handles(self) -> list[int]:
+        return sorted(self.handles)
 
     def step(self, release=(), evict=None, evict_all=False, advance=None, decode=(),
              extend=None):
@@ -245,6 +484,8 @@ class Model:
         self.__dict__.update(work.__dict__)
 
     def advance_frontier(self, rows, new_pos) -> None:
+        if self._own_group(lambda w: w.advance_frontier(rows, new_pos)):
+            return
         rows_v = self._rows(rows)
         new_pos = [int(p) for p in new_pos]
         if self.group is not None:
@@ -257,6 +498,8 @@ class Model:
         self.__dict__.update(work.__dict__)
 
     def evict_window(self, rows=None) -> None:
+        if self._own_group(lambda w: w.evict_window(rows)):
+            return
         if self.group is not None:
             rows_v = sorted(self.reqs) if rows is None else self._rows(rows)
             self._defer(lambda w: w._advance(rows_v, [w.window_frontier(r) for r in rows_v]))
@@ -267,6 +510,8 @@ class Model:
             self.step(evict=rows)
 
     def release(self, rows) -> None:
+        if self._own_group(lambda w: w.release(rows)):
+            return
         if self.group is not None:
             rows_v = self._rows(rows)
             self._defer(lambda w: w._release(rows_v))
@@ -290,7 +535,8 @@ class Model:
         """Push the block's deferred pages in order, as the fewest consecutive steps whose
         release rows each fit the frozen shape (greedy cut, in order). Never refused."""
         pushes, segs = self.group, self.group_segs
-        self.group, self.group_segs, self.pending = None, [], set()
+        self.group, self.group_segs = None, []
+        self.pending, self.pending_handles = set(), set()
         for pool, page in pushes:
             self._push(pool, page)
         rows = [min(self.max_pages_per_row, n - k * self.max_pages_per_row)
@@ -307,13 +553,7 @@ class Model:
     # ---- rules -----------------------------------------------------------------------------
     def window_frontier(self, row: int) -> int:
         req, ps = self.reqs[row], self.ps
-        length = req.length
-        if req.protected > 0:
-            threshold = length - max(self.window, ps)
-        else:
-            threshold = length - self.window
-        new = max(req.frontier, max(threshold, 0) // ps * ps)
-        return max(new, req.protected)
+        return max(req.frontier, max(req.length - self.window, 0) // ps * ps)
 
     def _check_advance(self, rows, new_pos, current) -> None:
         kinds = set()
@@ -335,32 +575,30 @@ class Model:
     def _advance(self, rows, new_pos) -> list:
         """Frontier advance; returns the release segments' page counts (for the step shape)."""
         self._check_advance(rows, new_pos, [self.reqs[r].frontier for r in rows])
-        ps, segs = self.ps, []
+        ps = self.ps
+        if self.ring_mode:  # nothing pushed: the mapping of [old, new) is cleared
+            segs = []
+            for r, new in zip(rows, new_pos, strict=True):
+                req = self.reqs[r]
+                for k in range(req.frontier // ps, new // ps):
+                    self.f2s[req.pages[k]] = 0
+                segs.append((new - req.frontier) // ps)
+                req.frontier = new
+            return segs
+        items = [(self.reqs[r].pages, 0, 0, self.reqs[r].frontier // ps, new // ps)
+                 for r, new in zip(rows, new_pos, strict=True)]
+        segs = self._drop(items)
         for r, new in zip(rows, new_pos, strict=True):
-            req = self.reqs[r]
-            n = (new - req.frontier) // ps
-            for p in range(req.frontier // ps, new // ps):
-                if not self.ring_mode:
-                    self._push("swa", req.swa[p])
-                    req.swa[p] = None
-            req.frontier = new
-            segs.append(n)
+            self.reqs[r].frontier = new
         return segs
 
     def _release(self, rows) -> list:
-        ps, segs = self.ps, []
-        for r in rows:  # FULL pages below the frontier
+        ps, items = self.ps, []
+        for r in rows:
             req = self.reqs[r]
-            segs.append(req.frontier // ps - req.protected // ps)
-            for p in range(req.protected // ps, req.frontier // ps):
-                self._push("full", req.pages[p])
-        for r in rows:  # FULL (and SWA) pages at and after the frontier
-            req = self.reqs[r]
-            segs.append(len(req.pages) - req.frontier // ps)
-            for p in range(req.frontier // ps, len(req.pages)):
-                self._push("full", req.pages[p])
-                if not self.ring_mode:
-                    self._push("swa", req.swa[p])
+            n = len(req.pages)
+            items.append((req.pages, 0, n, n if self.ring_mode else req.frontier // ps, n))
+        segs = self._drop(items)
         if self.ring_mode:
             for r in rows:
                 segs.append(self.ring_pages)
@@ -402,9 +640,16 @@ class Model:
             for t in range(req.length, req.length + n):
                 p, off = t // ps, t % ps
                 if p == len(req.pages):  # a new page, popped in order from both queues
-                    req.pages.append(self._pop_full())
-                    req.swa.append(None if self.ring_mode else self._pop_swa())
-                swa_page = req.ring[p % self.ring_pages] if self.ring_mode else req.swa[p]
+                    full = self._pop_full()
+                    req.pages.append(full)
+                    self.full_ref[full] += 1
+                    if self.ring_mode:
+                        self.f2s[full] = req.ring[p % self.ring_pages]
+                    else:
+                        swa = self._pop_swa()
+                        self.f2s[full] = swa
+                        self.swa_ref[swa] += 1
+                swa_page = self.f2s[req.pages[p]]
                 req.slots.append(req.pages[p] * ps + off)
                 full_slots.append(req.pages[p] * ps + off)
                 swa_slots.append(swa_page * ps + off)
@@ -424,12 +669,7 @@ class Model:
     # ---- predictions -----------------------------------------------------------------------
     def mapping(self) -> dict[int, int]:
         """full page -> SWA page for every mapped full page."""
-        out = {}
-        for req in self.reqs.values():
-            for p in range(req.frontier // self.ps, len(req.pages)):
-                out[req.pages[p]] = (req.ring[p % self.ring_pages] if self.ring_mode
-                                     else req.swa[p])
-        return out
+        return {p: s for p, s in enumerate(self.f2s) if s}
 
     def full_to_swa(self) -> list[int]:
         ps = self.ps
@@ -439,13 +679,33 @@ class Model:
                 table[full * ps + o] = swa * ps + o
         return table
 
-    def owned_full(self) -> dict[int, list[int]]:
-        return {r: req.pages[req.protected // self.ps:] for r, req in self.reqs.items()}
+    def holders(self):
+        """Every holder of references: ``("req", row, Req)`` and ``("handle", id, Handle)``."""
+        return ([("req", r, q) for r, q in sorted(self.reqs.items())]
+                + [("handle", h, d) for h, d in sorted(self.handles.items())])
 
-    def owned_swa(self) -> dict[int, list[int]]:
-        if self.ring_mode:
-            return {r: list(req.ring) for r, req in self.reqs.items()}
-        return {r: req.swa[req.frontier // self.ps:] for r, req in self.reqs.items()}
+    def check_self(self) -> None:
+        """The model's own invariants (outside a free group): counts equal the holders,
+        conservation per pool, page 0 never referenced, mapping exactly where held."""
+        assert self.group is None
+        full = [0] * (self.n_full + 1)
+        swa = [0] * (self.n_swa + 1)
+        for _, _, h in self.holders():
+            for k, page in enumerate(h.pages):
+                full[page] += 1
+                if not self.ring_mode and k >= h.frontier // self.ps:
+                    swa[self.f2s[page]] += 1
+        assert full == self.full_ref and full[0] == 0
+        if not self.ring_mode:
+            assert swa == self.swa_ref and swa[0] == 0
+            held_swa = [s for s in range(1, self.n_swa + 1) if swa[s]]
+            assert sorted(held_swa + list(self.swa_q)) == list(range(1, self.n_swa + 1))
+            mapped = [s for s in self.f2s if s]
+            assert sorted(mapped) == held_swa  # mapped exactly where held, one peer each
+        for page in range(1, self.n_full + 1):
+            assert self.f2s[page] == 0 or full[page] > 0
+        held_full = [p for p in range(1, self.n_full + 1) if full[p]]
+        assert sorted(held_full + list(self.full_q)) == list(range(1, self.n_full + 1))
 
     def free_ring_head(self, pool: str) -> int:
         if pool == "full":

@@ -1,19 +1,25 @@
 """Stateful comparison of HybridAllocator (Torch backend, CPU) against tests/model.py.
 
-A hypothesis state machine drives both with random admits (with and without a
-shared prefix), extends (zero tokens and zero new pages included), decodes,
-window evictions, frontier advances, releases, free groups and combined
-steps, valid and invalid. After every rule it checks the allocator's integrity
-checker, and then independently: exact equality with the model (free queues in
-order, ``full_to_swa``, ``req_to_token`` on held positions, ring pages, counts,
-step count, the slots each allocation returned), per-pool conservation rebuilt
-from the device tables (no page owned twice, none lost, page 0 never handed
-out), page density of the mapping, and page-aligned monotone frontiers. An
-operation the model refuses must raise the matching typed error with the
-snapshot and stats unchanged.
+A hypothesis state machine drives both with random admits (plain, and on a handle),
+handles taken on live requests, handle drops and SWA tombstones, extends (zero
+tokens and zero new pages included), decodes, window evictions, frontier advances,
+releases, free groups (with deferred handle drops) and combined steps, valid and
+invalid. After every rule it checks the allocator's integrity checker, and then
+independently: exact equality with the model (free queues in order, ``full_to_swa``,
+``req_to_token`` on held positions, ring pages, counts, step count, the slots each
+allocation returned, the live handles and what each one holds and would free), per-pool
+conservation with references rebuilt from the device tables (every held page counted
+once per holder and equal to the model's counts, none both held and free, none lost,
+page 0 never handed out), page density of the mapping, and page-aligned monotone
+frontiers. An operation the model refuses must raise the matching typed error with the
+snapshot and stats unchanged. Ring-mode configurations refuse every sharing call with
+a ContractError, nothing changed.
 """
 
 from __future__ import annotations
+
+import os
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -33,10 +39,12 @@ from model import (
     BATCH,
     CAPACITY,
     FRONTIER,
+    HANDLE,
     NESTED,
     OVERLAP,
     POSITION,
     RING,
+    SHARING,
     UNKNOWN,
     Model,
     Violation,
@@ -56,15 +64,25 @@ ERRORS = {
     BATCH: E.BatchTooLargeError,
     RING: E.RingOverflowError,
     NESTED: E.NestedGroupError,
+    HANDLE: E.UnknownHandleError,
+    SHARING: E.ContractError,  # ring mode: every sharing call is refused
 }
 
 I32, I64 = torch.int32, torch.int64
 
+# GRAPHALLOC_MODEL_FREES_AS_GROUPS=1 runs the model in the variant the implementation chose
+# for frees outside a free_group() (each one a free group of its own: steps as its rows
+# need, never refused for the shape) instead of the rules' "one step" (see tests/model.py).
+FREES_AS_GROUPS = os.environ.get("GRAPHALLOC_MODEL_FREES_AS_GROUPS") == "1"
+
 # name: AllocatorConfig kwargs (+ the allocator's fused_step: one fused release+allocation
-# launch where the step allows it, or always two). Small pools so capacity is hit often.
+# launch where the step allows it, or always two). Small pools so capacity is hit often;
+# few handle slots so CapacityError for handles is hit too. Ring mode has no handle slots
+# (the config refuses max_handles > 0 with a ring): its sharing calls must be refused.
 CONFIGS = {
     "ps1": dict(page_size=1, num_full_pages=14, num_swa_pages=8, max_reqs=4,
-                max_context_len=10, sliding_window=3, index_dtype=I64, fused_step=False),
+                max_context_len=10, sliding_window=3, index_dtype=I64, max_handles=3,
+                fused_step=False),
     "ps1_ring": dict(page_size=1, num_full_pages=10, num_swa_pages=14, max_reqs=4,
                      max_context_len=10, sliding_window=3, swa_ring_pages=4, index_dtype=I32,
                      fused_step=True),
@@ -72,20 +90,22 @@ CONFIGS = {
                       max_context_len=14, sliding_window=5, index_dtype=I32,
                       max_release_rows=4, max_pages_per_row=2, max_alloc_rows=2,
                       max_tokens_per_alloc_row=6, max_step_tokens=8, max_step_pages=9,
-                      fused_step=True),
+                      max_handles=2, fused_step=True),
     "ps3_ring": dict(page_size=3, num_full_pages=10, num_swa_pages=11, max_reqs=4,
                      max_context_len=18, sliding_window=2, swa_ring_pages=3, index_dtype=I64,
                      fused_step=False),
     "ps4": dict(page_size=4, num_full_pages=10, num_swa_pages=6, max_reqs=4,
                 max_context_len=24, sliding_window=1, index_dtype=I32,  # W < ps
-                fused_step=True),
+                max_handles=3, fused_step=True),
     "ps16_ring": dict(page_size=16, num_full_pages=10, num_swa_pages=10, max_reqs=3,
                       max_context_len=80, sliding_window=20, swa_ring_pages=3, index_dtype=I32,
                       fused_step=False),
     "ps64": dict(page_size=64, num_full_pages=8, num_swa_pages=5, max_reqs=3,
-                 max_context_len=256, sliding_window=40, index_dtype=I64, fused_step=True),
+                 max_context_len=256, sliding_window=40, index_dtype=I64, max_handles=2,
+                 fused_step=True),
     "ps128": dict(page_size=128, num_full_pages=5, num_swa_pages=4, max_reqs=2,
-                  max_context_len=384, sliding_window=130, index_dtype=I32, fused_step=False),
+                  max_context_len=384, sliding_window=130, index_dtype=I32, max_handles=2,
+                  fused_step=False),
 }
 
 
@@ -106,12 +126,15 @@ def expected_error(kinds):
     return tuple(ERRORS[k] for k in sorted(kinds))
 
 
-
+INFO_FIELDS = ("n_tokens", "swa_start", "n_full_pages", "n_swa_pages", "frees_full",
+               "frees_swa")
 
 # ---- strategies (indices into the live rows, resolved when the rule runs) ----------------
 picks = st.lists(st.integers(0, 7), max_size=4)
 codes = st.tuples(st.integers(0, 3), st.integers(0, 2**20))  # token counts, see tokens_value
 badness = st.sampled_from([None] * 8 + ["dead", "range", "dup"])
+hbadness = st.sampled_from([None] * 7 + ["dropped", "range", "neg"])  # handle picks
+hcodes = st.tuples(st.sampled_from([0] * 5 + [1, 2, 3]), st.integers(0, 2**20))
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -123,7 +146,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         fused = config.pop("fused_step")
         self.cfg = AllocatorConfig(device="cpu", backend="torch", **config)
         self.alloc = HybridAllocator(self.cfg, fused_step=fused)
-        self.model = Model.from_config(self.cfg)
+        self.model = Model.from_config(self.cfg, FREES_AS_GROUPS)
+        assert self.model.max_handles == config.get("max_handles", 0)
         self.ps = self.cfg.page_size
         self.prev_frontier: dict[int, int] = {}
 
@@ -146,10 +170,29 @@ class AllocatorMachine(RuleBasedStateMachine):
             rows.append(rows[0])
         return rows
 
+    def handle_from(self, i: int, bad=None) -> int:
+        """A live handle id, or (``bad``) a dropped / never-taken one, one past the slots,
+        or -1."""
+        live = sorted(self.model.handles)
+        n = self.model.max_handles
+        if bad is None and live:
+            return live[i % len(live)]
+        if bad == "neg":
+            return -1
+        dead = [h for h in range(n) if h not in self.model.handles]
+        if bad in (None, "dropped") and dead:
+            return dead[i % len(dead)]
+        return n
+
     @staticmethod
     def form(rows: list[int], k: int):
         """The same rows as a list, an int64 array or an int32 array (the model gets the list)."""
         return [rows, np.asarray(rows, dtype=np.int64), np.asarray(rows, dtype=np.int32)][k % 3]
+
+    @staticmethod
+    def hform(h: int, k: int):
+        """One id as a Python int, a numpy int64 or a numpy int32."""
+        return [int, np.int64, np.int32][k % 3](h)
 
     def tokens_value(self, n_code) -> int:
         """Map a drawn (kind, value) onto a token count: small counts, whole pages, up to two
@@ -163,6 +206,21 @@ class AllocatorMachine(RuleBasedStateMachine):
         if kind == 2:
             return v % (2 * ps + 2)
         return v % (self.cfg.max_context_len + 2)  # large: capacity and context limits
+
+    def handle_tokens(self, row, h_code) -> int:
+        """A handle length for ``row``: whole pages within its length (mostly), one token
+        off a page boundary, 0, or one page past its whole pages."""
+        ps = self.ps
+        q = self.model.reqs.get(row) if isinstance(row, int) else None
+        whole = q.length // ps if q is not None else 1
+        kind, v = h_code
+        if kind == 0:
+            return (1 + v % max(whole, 1)) * ps
+        if kind == 1:
+            return (1 + v % max(whole, 1)) * ps + (1 if ps > 1 else whole + 1)
+        if kind == 2:
+            return 0
+        return (whole + 1) * ps
 
     def apply(self, model_op, alloc_op):
         """Run an operation on both; compare outcome. Returns (model result, alloc result)."""
@@ -192,21 +250,41 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert s.tolist() == swa
 
     # ---- operations --------------------------------------------------------------------------
-    def do_admit(self, src_pick, n_pages, misalign):
-        prefix = None
-        if n_pages and self.model.reqs:
-            live = sorted(self.model.reqs)
-            src = self.model.reqs[live[src_pick % len(live)]]
-            n_tok = min(n_pages * self.ps, src.length // self.ps * self.ps)
-            if misalign and self.ps > 1:
-                n_tok += 1
-            if 0 < n_tok <= src.length:
-                prefix = list(src.slots[:n_tok])
-        tensor = None if prefix is None else torch.tensor(prefix, dtype=self.cfg.index_dtype)
-        expected, got = self.apply(lambda m: m.admit(prefix), lambda a: a.admit(tensor))
+    def do_admit(self):
+        expected, got = self.apply(lambda m: m.admit(), lambda a: a.admit())
         if expected is not None:
             assert got == expected
         return expected
+
+    def do_take_handle(self, i, h_code, bad, k=0):
+        rows = self.rows_from([i], bad)
+        row = rows[-1] if rows else 0  # no live row: row 0 is not live either
+        n = self.handle_tokens(row, h_code)
+        row_in = self.hform(row, k)
+        expected, got = self.apply(lambda m: m.take_handle(row, n),
+                                   lambda a: a.take_handle(row_in, n))
+        if expected is not None:
+            assert isinstance(got, (int, np.integer)) and int(got) == expected
+        return expected
+
+    def do_admit_handle(self, i, bad, k=0):
+        h = self.handle_from(i, bad)
+        h_in = self.hform(h, k)
+        expected, got = self.apply(lambda m: m.admit(handle=h), lambda a: a.admit(handle=h_in))
+        if expected is not None:
+            assert got == expected
+            q = self.model.reqs[expected]
+            assert self.alloc.seq_len(expected) == q.length
+            assert self.alloc.frontier(expected) == q.frontier
+        return expected
+
+    def do_drop_handle(self, i, bad, swa_only, k=0):
+        h = self.handle_from(i, bad)
+        h_in = self.hform(h, k)
+        if swa_only:
+            self.apply(lambda m: m.drop_handle_swa(h), lambda a: a.drop_handle_swa(h_in))
+        else:
+            self.apply(lambda m: m.drop_handle(h), lambda a: a.drop_handle(h_in))
 
     def do_extend(self, idx, codes, bad):
         rows = self.rows_from(idx, bad)
@@ -256,24 +334,50 @@ class AllocatorMachine(RuleBasedStateMachine):
     @initialize(n=st.integers(0, 4), codes=st.lists(codes, min_size=4, max_size=4))
     def start(self, n, codes):
         for _ in range(min(n, self.cfg.max_reqs)):
-            self.do_admit(0, 0, False)
+            self.do_admit()
         for i in range(min(n, self.cfg.max_reqs)):
             self.do_extend([i], codes[i:i + 1], None)
 
-    @rule(src=st.integers(0, 7), n_pages=st.integers(0, 2),
-          misalign=st.sampled_from([False] * 4 + [True]))
-    def admit(self, src, n_pages, misalign):
-        self.do_admit(src, n_pages, misalign)
+    @rule()
+    def admit(self):
+        self.do_admit()
 
-    @precondition(lambda self: any(q.length >= self.ps for q in self.model.reqs.values()))
-    @rule(src=st.integers(0, 7), n_pages=st.integers(1, 2), code=codes)
-    def admit_prefixed_and_extend(self, src, n_pages, code):
-        """A request sharing whole pages of another one's, then its own tokens."""
-        live = sorted(self.model.reqs)
-        sources = [r for r in live if self.model.reqs[r].length >= self.ps]
-        row = self.do_admit(live.index(sources[src % len(sources)]), n_pages, False)
+    @rule(i=st.integers(0, 7), h_code=hcodes, bad=badness, k=st.integers(0, 2))
+    def take_handle(self, i, h_code, bad, k):
+        self.do_take_handle(i, h_code, None if bad == "dup" else bad, k)
+
+    @rule(i=st.integers(0, 7), bad=hbadness, code=codes, k=st.integers(0, 2))
+    def admit_on_handle_and_extend(self, i, bad, code, k):
+        row = self.do_admit_handle(i, bad, k)
         if row is not None:
             self.do_extend([sorted(self.model.reqs).index(row)], [code], None)
+
+    @precondition(lambda self: any(q.length >= self.ps for q in self.model.reqs.values()))
+    @rule(src=st.integers(0, 7), h_code=hcodes, code=codes, then=st.sampled_from(
+        ["keep", "drop", "drop_swa", "release_donor"]))
+    def share_and_extend(self, src, h_code, code, then):
+        """A handle on whole pages of a live request, a request admitted on it that then
+        extends with its own tokens, and the handle kept, dropped or tombstoned, or the
+        donor released (the sharer and the handle keep the pages)."""
+        live = sorted(self.model.reqs)
+        sources = [r for r in live if self.model.reqs[r].length >= self.ps]
+        donor = sources[src % len(sources)]
+        h = self.do_take_handle(live.index(donor), (0, h_code[1]), None)
+        if h is None:
+            return
+        row = self.do_admit_handle(sorted(self.model.handles).index(h), None)
+        if row is not None:
+            self.do_extend([sorted(self.model.reqs).index(row)], [code], None)
+        if then == "drop":
+            self.do_drop_handle(sorted(self.model.handles).index(h), None, False)
+        elif then == "drop_swa":
+            self.do_drop_handle(sorted(self.model.handles).index(h), None, True)
+        elif then == "release_donor":
+            self.do_release([sorted(self.model.reqs).index(donor)], None)
+
+    @rule(i=st.integers(0, 7), bad=hbadness, swa_only=st.booleans(), k=st.integers(0, 2))
+    def drop_handle(self, i, bad, swa_only, k):
+        self.do_drop_handle(i, bad, swa_only, k)
 
     @rule(idx=picks, codes=st.lists(codes, max_size=4), bad=badness)
     def extend(self, idx, codes, bad):
@@ -341,7 +445,8 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     group_op = st.tuples(
         st.sampled_from(["release", "evict", "evict_all", "advance", "decode", "extend",
-                         "admit", "nested", "step_release", "step_advance"]),
+                         "admit", "nested", "step_release", "step_advance", "take_handle",
+                         "admit_handle", "drop_handle", "drop_handle_swa"]),
         picks, st.lists(st.integers(-1, 2), max_size=3), st.booleans(), badness)
 
     @precondition(lambda self: self.busy())
@@ -364,6 +469,30 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self.do_release(others[:1], None)
             self.do_evict(idx, False, None)
             self.do_advance(idx, deltas, False, None)
+        self.run_group(body, False)
+
+    @precondition(lambda self: self.model.handles or self.model.ring_mode)
+    @rule(i=st.integers(0, 7), release_all=st.booleans(), evict_first=st.booleans(),
+          swa_first=st.booleans())
+    def group_drop_handle_with_releases(self, i, release_all, evict_first, swa_first):
+        """In one block: maybe an eviction, a tombstone and then the drop of a handle (the
+        second call on a handle dropped in the block is refused), and the release of the
+        requests that share its pages: the pages reach the queues at the exit, once."""
+        def body():
+            h = self.handle_from(i)
+            if evict_first:
+                self.do_evict([], True, None)
+            if swa_first:
+                self.do_drop_handle(i, None, True)
+            self.do_drop_handle(i, None, False)
+            # the handle is gone: its info, and a tombstone of it, are refused
+            self.apply(lambda m: m.handle_info(h), lambda a: a.handle_info(h))
+            self.apply(lambda m: m.drop_handle_swa(h), lambda a: a.drop_handle_swa(h))
+            if release_all:
+                rows = sorted(self.model.reqs)
+                self.do_release(list(range(len(rows))), None)
+            else:
+                self.do_release([i], None)
         self.run_group(body, False)
 
     def run_group(self, body, raise_inside):
@@ -402,6 +531,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert model.group is None
 
     def group_op(self, kind, idx, deltas, flag, bad):
+        i = idx[0] if idx else 0
+        hbad = {"dead": "dropped", "range": "range"}.get(bad)
         if kind == "release":
             self.do_release(idx, bad)
         elif kind == "evict":
@@ -416,7 +547,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         elif kind == "extend":
             self.do_extend(idx, [(i % 4, i * 7) for i in idx], bad)
         elif kind == "admit":
-            self.do_admit(idx[0] if idx else 0, 1 if flag else 0, False)
+            self.do_admit()
+        elif kind == "take_handle":
+            self.do_take_handle(i, (0, len(deltas)), None if bad == "dup" else bad, len(idx))
+        elif kind == "admit_handle":
+            self.do_admit_handle(i, hbad, len(idx))
+        elif kind in ("drop_handle", "drop_handle_swa"):
+            self.do_drop_handle(i, hbad, kind == "drop_handle_swa", len(idx))
         elif kind == "nested":
             before = self.alloc.snapshot()
             with pytest.raises(E.NestedGroupError):
@@ -436,6 +573,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def matches_model(self):
         a, m, cfg, ps = self.alloc, self.model, self.cfg, self.ps
         a.check_integrity()
+        m.check_self()
         stats = a.stats()
         assert stats["full_free_pages"] == len(m.full_q)
         assert stats["swa_free_pages"] == len(m.swa_q)
@@ -473,24 +611,41 @@ class AllocatorMachine(RuleBasedStateMachine):
             if cfg.ring_mode:
                 assert a.state.ring_pages[r, :cfg.swa_ring_pages].tolist() == q.ring
 
-        # conservation, rebuilt from the device tables: owned + free == 1..N exactly once
-        owned_full, owned_swa = [], []
-        for r, q in m.reqs.items():
-            pages = [int(r2t[r, p * ps]) // ps
-                     for p in range(q.protected // ps, ceil_div(q.length, ps))]
-            owned_full += pages
-            if cfg.ring_mode:
-                owned_swa += a.state.ring_pages[r, :cfg.swa_ring_pages].tolist()
-            else:
-                owned_swa += [f2s[pg * ps] // ps for pg in pages[(q.frontier - q.protected)
-                                                                  // ps:]]
-        assert sorted(owned_full + got_full) == list(range(1, cfg.num_full_pages + 1))
-        assert sorted(owned_swa + got_swa) == list(range(1, cfg.num_swa_pages + 1))
+        # handles: the live ids, and what each holds and would free (the model's counts)
+        if not cfg.ring_mode:
+            assert sorted(int(h) for h in a.live_handles()) == m.live_handles()
+            for h in m.handles:
+                info, want = a.handle_info(h), m.handle_info(h)
+                assert {f: int(getattr(info, f)) for f in INFO_FIELDS} == want, h
 
-        # frontiers: page-aligned, at or past the prefix, monotone while the row lives
+        # conservation with references, rebuilt from the device tables (a handle's pages from
+        # the model: the device names them through the rows admitted on it): every held page
+        # counted once per holder, the counts equal the model's, held and free disjoint and
+        # together exactly 1..N
+        full_refs, swa_refs = Counter(), Counter()
+        for r, q in m.reqs.items():
+            pages = [int(r2t[r, p * ps]) // ps for p in range(ceil_div(q.length, ps))]
+            full_refs.update(pages)
+            if cfg.ring_mode:
+                swa_refs.update(a.state.ring_pages[r, :cfg.swa_ring_pages].tolist())
+            else:
+                swa_refs.update(f2s[pg * ps] // ps for pg in pages[q.frontier // ps:])
+        for h in m.handles.values():
+            full_refs.update(h.pages)
+            swa_refs.update(f2s[pg * ps] // ps for pg in h.pages[h.swa_start // ps:])
+        assert 0 not in full_refs and 0 not in swa_refs, "page 0 (or an unmapped page) held"
+        assert {p: full_refs[p] for p in full_refs} == {
+            p: c for p, c in enumerate(m.full_ref) if c}
+        if not cfg.ring_mode:
+            assert {p: swa_refs[p] for p in swa_refs} == {
+                p: c for p, c in enumerate(m.swa_ref) if c}
+        assert sorted(list(full_refs) + got_full) == list(range(1, cfg.num_full_pages + 1))
+        assert sorted(list(swa_refs) + got_swa) == list(range(1, cfg.num_swa_pages + 1))
+
+        # frontiers: page-aligned, within the whole pages, monotone while the row lives
         for r, q in m.reqs.items():
             f = stats["frontier"][r]
-            assert f % ps == 0 and q.protected <= f <= q.length // ps * ps
+            assert f % ps == 0 and 0 <= f <= q.length // ps * ps
             assert f >= self.prev_frontier.get(r, 0)
         self.prev_frontier = {r: q.frontier for r, q in m.reqs.items()}
 
