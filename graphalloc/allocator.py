@@ -372,9 +372,15 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
 
     def _builder(self) -> StepBuilder:
         b = StepBuilder(self.config, self.ledger.copy(), epoch=self.steps_run + 1)
-        if self._group is not None:
-            b.pending = self._group.pending
-            b.pending_handles = self._group.pending_handles
+        group = self._group
+        if group is not None:  # see what the open block decided (the page mirror already does)
+            g, rows = group.builder.ledger, np.flatnonzero(group.touched)
+            b.ledger.frontier[rows] = g.frontier[rows]
+            handles = np.flatnonzero(group.touched_handles)
+            for name in g.HANDLE_ARRAYS:
+                getattr(b.ledger, name)[handles] = getattr(g, name)[handles]
+            b.pending = group.pending
+            b.pending_handles = group.pending_handles
         if self.prefix_cache is not None:
             b.reclaim = self.prefix_cache.reclaim
         return b

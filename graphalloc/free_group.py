@@ -91,9 +91,10 @@ class FreeGroup:
         if rows is not None:
             self.touched[rows] = True
         self.pending |= b.released
-        for h in b.dropped_handles:  # dropped or tombstoned: frozen until the block ends
+        for h in b.dropped_handles:  # a dropped handle is gone until the block ends
             self.touched_handles[h] = True
-            self.pending_handles[h] = True
+            if not b.ledger.h_live[h]:
+                self.pending_handles[h] = True
 
     def sync_rows(self, rows: np.ndarray) -> None:
         """Copy the live ledger's state of ``rows`` into the group's copy after an operation

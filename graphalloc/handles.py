@@ -79,7 +79,7 @@ class HandlePlanning:
         pending = self.pending_handles
         if not 0 <= h < n or not led.h_live[h] or (pending is not None and pending[h]):
             state = ("outside [0, max_handles)" if not 0 <= h < n else
-                     "dropped or tombstoned in the open free_group()" if led.h_live[h] else
+                     "dropped in the open free_group()" if led.h_live[h] else
                      "not held (never taken, or dropped already)")
             raise UnknownHandleError(f"{what}: handle {h} is {state}")
         if h in self.copied_handles:
@@ -200,13 +200,9 @@ class HandleOps:
     def handle_info(self, handle) -> HandleInfo:
         """What ``handle`` holds and what dropping it would free now (host only). Cost:
         O(pages of the handle)."""
-        from .planner import StepBuilder  # the planner builds on this module
-
-        b = StepBuilder(self.config, self.ledger)
-        if self._group is not None:
-            b.pending_handles = self._group.pending_handles
+        b = self._builder()  # the ledger as the open block (if any) has decided it
         h = b.live_handle(handle, "handle_info")
-        led, ps = self.ledger, self.config.page_size
+        led, ps = b.ledger, self.config.page_size
         n, start = int(led.h_len[h]), int(led.h_swa_start[h])
         pages = led.refs.page_of[self.config.max_reqs + h, :n // ps].astype(np.int64)
         swa = led.refs.swa_of[pages[start // ps:]].astype(np.int64)

@@ -89,6 +89,16 @@ class Ledger:
         self.full = FreeRing(config.num_full_pages, 0, config.num_full_pages)
         self.swa = FreeRing(config.num_swa_pages, 0, config.num_swa_pages)
 
+    @property
+    def full_ref(self) -> np.ndarray:
+        """Pool mode: the FULL pages' reference counts (``refs.full_ref``, the same array)."""
+        return self.refs.full_ref
+
+    @property
+    def swa_ref(self) -> np.ndarray:
+        """Pool mode: the SWA pages' reference counts (``refs.swa_ref``, the same array)."""
+        return self.refs.swa_ref
+
     def assign_rows(self, other: Ledger, rows: np.ndarray) -> None:
         """Take ``other``'s per-request state for ``rows`` (the free rings are not touched)."""
         for name in self.ROW_ARRAYS:

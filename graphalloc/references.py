@@ -135,14 +135,14 @@ def drop_actions(refs: PageRefs, rows: np.ndarray, full_lo: np.ndarray, full_hi:
     refs.add("full_ref", page[drops_full], -1)
     swa_page = refs.swa_of[page].astype(np.int64)
     refs.add("swa_ref", swa_page[drops_swa], -1)
-    full_zero = drops_full & (refs.full_ref[page] == 0)
-    swa_zero = (swa_page > 0) & (refs.swa_ref[swa_page] == 0) & drops_swa
+    # The action of a page, from its counts after the whole call (a page only this call
+    # dropped to 0 can have count 0 here: a mapped SWA page always has a holder).
+    full_zero = refs.full_ref[page] == 0
+    swa_zero = (swa_page > 0) & (refs.swa_ref[swa_page] == 0)
     action = np.where(full_zero, np.where(swa_page > 0, ACT_BOTH, ACT_FULL),
                       np.where(swa_zero, ACT_SWA, ACT_NONE))
-    # A page freed by several rows: only its first occurrence (call order) frees it. Every
-    # row of one call drops the same kind (all FULL ranges, or all SWA-only), and the
-    # action is read from the counts after the whole call, so every occurrence of a page
-    # carries the same action.
+    # A page freed by several rows: only its first occurrence (the first row of the call
+    # that held it) frees it, with the page's action; every occurrence carries the same.
     hit = np.flatnonzero(action != ACT_NONE)
     _, first = np.unique(page[hit], return_index=True)
     keep = np.sort(hit[first])
