@@ -170,8 +170,11 @@ class GroupedFrees:
         if self._group is not None:
             self._group.plan(op)
             return
+        steps = self.steps_run
         with self.free_group():
             self._group.plan(op)
+        if self.steps_run == steps:  # nothing to push: still this operation's one step
+            self._run(lambda b: None)
 
     def _cache_reclaim(self, cache, n_full: int, n_swa: int) -> None:
         self._deferred(lambda b: cache.reclaim(b, n_full, n_swa))
