@@ -128,7 +128,10 @@ def test_sharing_graph_replay_matches_eager_every_step():
     finally:
         torch.cuda.set_sync_debug_mode(old)
     assert int(bad) == 0, f"first mismatching operation {int(first)}"
-    assert kinds.get("admit(handle)", 0) > 100 and kinds.get("drop_handle", 0) > 50, kinds
+    # every sharing operation ran (about 2.8% and 1.3% of the operations at 10,000)
+    n = N_SHARING_STEPS
+    assert kinds.get("admit(handle)", 0) > n // 100 and kinds.get("drop_handle", 0) > n // 400, \
+        kinds
     graphed.check()
     assert graphed.audit() == [] and eager.audit() == []
     print(f"{N_SHARING_STEPS} operations, {graphed.executor.replays} replays, kinds {kinds}")
