@@ -88,6 +88,7 @@ class PrefixCache:
         self.window = alloc.config.sliding_window
         self._by_key: dict[bytes, tuple[_Entry, int]] = {}  # page key -> (entry, page index)
         self._by_handle: dict[int, _Entry] = {}
+        self._ends: dict[bytes, _Entry] = {}  # an entry's last page key -> the entry
         self._clock = 0
         self.hits = self.misses = self.hit_tokens = 0
         self.evicted_pages = self.tombstoned_pages = 0
@@ -107,8 +108,10 @@ class PrefixCache:
             entry, _ = hit
             m = (j + 1) * ps
             best_full = (entry, m)
-            if self._window_present(entry, m):
-                best = (entry, m)
+            for cand in (entry, self._ends.get(key)):  # the longest holder, the one ending here
+                if cand is not None and self._window_present(cand, m):
+                    best = (cand, m)
+                    break
         if best_full is None:
             self.misses += 1
             return CacheMatch()
@@ -161,6 +164,7 @@ class PrefixCache:
             parent.n_children += 1
         self._register(entry)
         self._by_handle[handle] = entry
+        self._ends[keys[-1]] = entry
         return n
 
     def _register(self, entry: _Entry) -> None:
@@ -206,9 +210,9 @@ class PrefixCache:
         led, best = builder.ledger, None
         pending = builder.pending_handles
         for entry in self._by_handle.values():
-            if entry.n_children or entry.handle in builder.dropped_handles or (
+            if entry.n_children or not led.h_live[entry.handle] or (
                     pending is not None and pending[entry.handle]):
-                continue
+                continue  # (a handle tombstoned in this step may still be evicted in it)
             h = entry.handle
             if tombstone and led.h_swa_start[h] >= led.h_len[h]:
                 continue  # tombstoned already
@@ -224,6 +228,8 @@ class PrefixCache:
     def _forget(self, entry: _Entry) -> None:
         """Remove an evicted entry; its keys fall back to the other entries holding them."""
         del self._by_handle[entry.handle]
+        if self._ends.get(entry.keys[-1]) is entry:
+            del self._ends[entry.keys[-1]]
         if entry.parent is not None:
             entry.parent.n_children -= 1
         for other in self._by_handle.values():
