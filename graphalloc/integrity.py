@@ -208,8 +208,8 @@ def audit_references(config, ledger, snap: dict) -> list[Finding]:
     for p in np.flatnonzero((table != expect).any(1))[:8]:
         kind = "stale_mapping" if table[p, 0] else "missing_mapping"
         out.append(Finding(kind, "FULL", int(p), -1,
-                           f"full_to_swa of full page {p} is {table[p].tolist()}, the host "
-                           f"mirror says SWA page {refs.swa_of[p]}"))  # off the fast path
+                           f"full_to_swa of full page {p} is {list(table[p])}, the host "
+                           f"mirror says SWA page {refs.swa_of[p]}"))
     first = table[:, 0]
     peers = first[first > 0] // ps  # from the device table: what corruption looks like there
     vals, counts = np.unique(peers, return_counts=True)

@@ -70,8 +70,9 @@ class AllocResult:
         return self.full_slots[a:b], self.swa_slots[a:b]
 
     def __repr__(self) -> str:
-        return (f"AllocResult(step={self.step_index}, rows={self.rows.tolist()}, "
-                f"n_tokens={self.n_tokens.tolist()}, n_step_tokens={self.n_step_tokens})")
+        rows, n_tok = list(map(int, self.rows)), list(map(int, self.n_tokens))  # host numpy
+        return (f"AllocResult(step={self.step_index}, rows={rows}, n_tokens={n_tok}, "
+                f"n_step_tokens={self.n_step_tokens})")
 
 
 @dataclasses.dataclass(eq=False)

@@ -81,7 +81,8 @@ def _host_ints(values, n: int, what: str) -> list[int]:
     if isinstance(values, torch.Tensor) and values.device.type != "cpu":
         raise TensorSpecError(f"{what} is a tensor on {values.device}: reading it would "
                               "synchronise; pass the host copy (SGLang keeps one on the CPU)")
-    out = [int(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
+    host = values.tolist() if hasattr(values, "tolist") else values  # host: off the fast path
+    out = [int(v) for v in host]
     if len(out) != n:
         raise ContractError(f"{what} has {len(out)} entries for {n} requests")
     return out

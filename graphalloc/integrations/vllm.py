@@ -235,8 +235,9 @@ class GraphallocKVCacheManager:
         n_blocks = -(-self.alloc.seq_len(row) // ps)
         with sync_allowed():  # the documented debug read
             first_slots = self.alloc.req_to_token[row, 0:n_blocks * ps:ps]
-            full = (first_slots // ps).tolist()
-            swa = (self.alloc.full_to_swa[first_slots] // ps).tolist()
+            full = (first_slots // ps).tolist()  # sync ok: the documented inspection read
+            swa_slots = self.alloc.full_to_swa[first_slots]
+            swa = (swa_slots // ps).tolist()  # sync ok: the documented inspection read
         return full, swa
 
     def token_slots(self, request_id: Hashable, start_pos: int, n_tokens: int):
