@@ -20,6 +20,9 @@ with. Nothing on the fast path reads the device back.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -47,6 +50,7 @@ from .planner import StepBuilder
 from .prefix_cache import PrefixCache
 from .queries import HostQueries
 from .results import AllocResult, PlannedStep
+from .step_context import StepContext, run_context
 
 __all__ = ["HybridAllocator", "AllocResult", "PlannedStep", "HandleInfo"]
 
@@ -272,6 +276,18 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
             self._refuse_frees_in_group(release, evict, evict_all, advance)
         results: list = []
         return self.run(self._plan(lambda b: self._apply_step(b, *args, results), results))
+
+    @contextlib.contextmanager
+    def scheduler_step(self) -> Iterator[StepContext]:
+        """Record one scheduler iteration -- releases, evictions, frontier moves, handle
+        drops, admits, prefill chunks, decodes -- as ordinary calls on the yielded
+        :class:`~graphalloc.step_context.StepContext`, and run them as ONE step at the
+        block's end (frees, then admits, then allocations; refused whole with nothing
+        changed). An exception inside the block runs nothing. See
+        :mod:`graphalloc.step_context`."""
+        ctx = StepContext(self)
+        yield ctx
+        run_context(self, ctx)
 
     def try_step(self, **step_args) -> AllocResult | None:
         """:meth:`step`, but a step that cannot be met for lack of pages returns ``None``

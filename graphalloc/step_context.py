@@ -1,0 +1,157 @@
+"""One scheduler iteration as one step: record ordinary calls in a block, run them at its end.
+
+::
+
+    with alloc.scheduler_step() as it:
+        it.release(finished_rows)             # frees, in call order ...
+        it.evict(decoding_rows)               # (window rule; it.evict_all(), it.advance(...))
+        it.drop_handle(h)                     # (it.drop_handle_swa(h))
+        r = it.admit(handle=cached)           # ... admits (rows reserved at the call) ...
+        d = it.decode(decoding_rows)          # ... allocations, in call order
+        e = it.extend([r], [chunk])
+    kv_full, kv_swa = d.full_slots, d.swa_slots   # valid once the step ran
+
+At the block's end everything recorded is planned by the planner as ONE step (one launch or
+one graph replay) in this order: the frees in call order, then the admits, then the
+allocations in call order (lane order of the outputs: the allocation calls in call order,
+each call's rows as given). The step is refused whole -- nothing changes, no row stays
+admitted -- if any part breaks a rule; an exception inside the block runs nothing. The
+results (:class:`StepSlots`) refuse access before the step ran and after a later step
+overwrote the outputs (``StaleResultError``).
+
+Cost: recording is O(1) per call (the arguments are kept); the step at the end costs what
+:meth:`HybridAllocator.step` with the same work costs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import CapacityError, NestedGroupError, PendingStepError
+from .inputs import as_counts, is_empty
+
+__all__ = ["StepContext", "StepSlots"]
+
+
+class StepSlots:
+    """The slots one allocation call of a :class:`StepContext` got (its rows' lanes)."""
+
+    def __init__(self, ctx: StepContext, index: int):
+        self._ctx, self._index = ctx, index
+
+    def _part(self):
+        ctx = self._ctx
+        if ctx.result is None:
+            raise PendingStepError("the step of this scheduler_step() block has not run yet: "
+                                   "read its slots after the block")
+        return ctx.result, ctx.parts[self._index]
+
+    @property
+    def rows(self) -> np.ndarray:
+        result, (a, b) = self._part()
+        return result.rows[a:b]
+
+    @property
+    def n_tokens(self) -> np.ndarray:
+        result, (a, b) = self._part()
+        return result.n_tokens[a:b]
+
+    @property
+    def full_slots(self):
+        """The call's new tokens' full slots, rows in the order given (a device view)."""
+        result, (a, b) = self._part()
+        lo = int(result.first_lane[a]) if b > a else 0
+        hi = int(result.first_lane[b - 1] + result.n_tokens[b - 1]) if b > a else 0
+        return result.full_slots[lo:hi]
+
+    @property
+    def swa_slots(self):
+        """The call's new tokens' SWA slots (a device view)."""
+        result, (a, b) = self._part()
+        lo = int(result.first_lane[a]) if b > a else 0
+        hi = int(result.first_lane[b - 1] + result.n_tokens[b - 1]) if b > a else 0
+        return result.swa_slots[lo:hi]
+
+
+class StepContext:
+    """The calls of one ``alloc.scheduler_step()`` block (see the module docstring)."""
+
+    def __init__(self, alloc):
+        self.alloc = alloc
+        self.frees: list = []
+        self.admits: list = []  # (row, handle, n_tokens)
+        self.allocs: list = []  # ("decode", rows) | ("extend", rows, n)
+        self.result = None
+        self.parts: list = []  # per allocation call: its [a, b) in the result's rows
+
+    # ---- frees -------------------------------------------------------------------------
+    def release(self, rows) -> None:
+        self.frees.append(lambda b, rows=rows: b.release(b.live_rows(rows, "release")))
+
+    def evict(self, rows) -> None:
+        self.frees.append(lambda b, rows=rows: b.evict(b.live_rows(rows, "evict")))
+
+    def evict_all(self) -> None:
+        self.frees.append(lambda b: b.evict(np.flatnonzero(b.ledger.live)))
+
+    def advance(self, rows, new_frontier_pos) -> None:
+        self.frees.append(lambda b, rows=rows, pos=new_frontier_pos: b.advance_frontier(
+            b.live_rows(rows, "advance"), pos, "advance"))
+
+    def drop_handle(self, handle) -> None:
+        self.frees.append(lambda b, h=handle: b.drop_handle(h))
+
+    def drop_handle_swa(self, handle) -> None:
+        self.frees.append(lambda b, h=handle: b.drop_handle(h, swa_only=True))
+
+    # ---- admits and allocations ----------------------------------------------------------
+    def admit(self, handle=None, n_tokens=None) -> int:
+        """Reserve the lowest free row (the step admits it); returns it."""
+        led = self.alloc.ledger
+        taken = led.live.copy()
+        taken[[row for row, _, _ in self.admits]] = True
+        free = np.flatnonzero(~taken)
+        if len(free) == 0:
+            raise CapacityError(f"all {self.alloc.config.max_reqs} request rows are in use or "
+                                "reserved in this block")
+        row = int(free[0])
+        self.admits.append((row, handle, n_tokens))
+        return row
+
+    def decode(self, rows) -> StepSlots:
+        self.allocs.append(("decode", rows, None))
+        return StepSlots(self, len(self.allocs) - 1)
+
+    def extend(self, rows, n_tokens) -> StepSlots:
+        self.allocs.append(("extend", rows, n_tokens))
+        return StepSlots(self, len(self.allocs) - 1)
+
+    # ---- the step ------------------------------------------------------------------------
+    def plan_into(self, b, results: list) -> None:
+        """Apply every recorded call to the planner ``b`` (frees, admits, allocations)."""
+        for free in self.frees:
+            free(b)
+        for row, handle, n_tokens in self.admits:
+            if handle is None:
+                b.admit(row)
+            else:
+                b.admit_on_handle(row, handle, n_tokens)
+        start = 0
+        for kind, rows, n in self.allocs:
+            what = "alloc_decode" if kind == "decode" else "alloc_extend"
+            arr = b.live_rows(rows, what) if not is_empty(rows) else np.zeros(0, np.int64)
+            n = np.ones(len(arr), dtype=np.int64) if kind == "decode" else as_counts(
+                n, len(arr), f"{what} token counts")
+            results.append((arr, b.extend(arr, n, what), n))
+            self.parts.append((start, start + len(arr)))
+            start += len(arr)
+
+
+def run_context(alloc, ctx: StepContext) -> None:
+    """The block's end: one planned step (refused whole with nothing changed)."""
+    if alloc._group is not None:
+        raise NestedGroupError("scheduler_step() inside free_group(): the block is one step of "
+                               "its own; close the free group first")
+    results: list = []
+    planned = alloc._plan(lambda b: ctx.plan_into(b, results), results)
+    ctx.result = alloc.run(planned)
