@@ -553,6 +553,30 @@ def test_free_group_tombstone_then_drop_of_one_handle():
     healthy(a)
 
 
+def test_a_free_exceeding_the_step_shape_is_split_not_refused():
+    """Rule 4 / the API: a release (like drop_handle) outside a free_group() runs as a block of
+    its own: one step when it fits, several consecutive steps when it needs more release rows
+    than the frozen shape holds -- never refused for size (no request can be stranded). A
+    combined step() with the same frees is refused whole (BatchTooLargeError, nothing
+    changed)."""
+    a = make(ps=2, n_full=12, n_swa=12, max_reqs=3, ctx=14, window=5, handles=2,
+             max_release_rows=4, max_pages_per_row=2, max_alloc_rows=2,
+             max_tokens_per_alloc_row=6, max_step_tokens=8, max_step_pages=9)
+    r, s = a.admit(), a.admit()
+    for row, n in ((r, 5), (s, 5), (r, 5), (s, 1)):
+        a.alloc_extend([row], [n])  # r: 10 tokens (pages 1..5), s: 6 tokens (3 pages)
+    a.advance_frontier([r, s], [6, 4])
+    # rows: r FULL only 3 pages (2 rows) + FULL and SWA 2 (1); s 2 (1) + 1 (1): 5 > 4
+    before = a.snapshot()
+    with pytest.raises(E.BatchTooLargeError):
+        a.step(release=[r, s])
+    assert_same_snapshot(before, a.snapshot())
+    steps = a.steps_run
+    a.release([r, s])
+    assert a.steps_run == steps + 2 and a.stats()["live_requests"] == 0
+    healthy(a)
+
+
 # ---- refusals: ring mode, no handle slots ---------------------------------------------------
 @pytest.mark.parametrize("handles", [0, 2])
 def test_ring_mode_refuses_every_sharing_call(handles):
