@@ -480,7 +480,14 @@ def _failure_report(out_dir: str, world_size: int, exc: Exception) -> str:
             if text.strip():
                 reports.append(f"--- rank {r}: {what} ({os.path.basename(path)}) ---\n"
                                f"{text.rstrip()}")
-        parts += reports or [f"--- rank {r}: no report (finished, or killed before writing one)"]
+        if not reports and os.path.exists(_report_path(out_dir, r, "fault")):
+            reports = [f"--- rank {r}: no report (its worker ran; it finished, or was stopped "
+                       "without a Python error)"]
+        elif not reports:  # the worker opens its fault file first thing
+            reports = [f"--- rank {r}: no report: it never reached the worker function (it "
+                       "failed while starting, e.g. importing or unpickling in the spawned "
+                       "child: that traceback is on stderr; or it was stopped before)"]
+        parts += reports
     return "\n".join(parts)
 
 

@@ -302,6 +302,23 @@ def test_failing_worker_reports_its_own_traceback(tmp_path):
     assert not (tmp_path / "rank1.json").exists()
 
 
+def test_failure_report_tells_a_rank_that_never_started(tmp_path):
+    """No report from a rank: the parent says whether its worker function ever ran (the
+    worker opens its fault file first thing), e.g. a child that failed importing."""
+    from replica_selftest import _failure_report
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    (tmp_path / "rank0.fault.txt").write_text("")
+    exc = ProcessExitedException("process 1 terminated with exit code 1", error_index=1,
+                                 error_pid=0, exit_code=1)
+    message = _failure_report(str(tmp_path), 2, exc)
+    assert message.splitlines()[0] == ("replica self-test failed (ProcessExitedException: "
+                                       "process 1 terminated with exit code 1)")
+    assert "--- rank 1: no report: it never reached the worker function" in message
+    assert "--- rank 0: no report (its worker ran;" in message
+    assert message.index("--- rank 1") < message.index("--- rank 0")
+
+
 # ---- two GPUs, NCCL ----------------------------------------------------------------------
 
 
