@@ -48,6 +48,15 @@ class HostQueries:
         """SWA eviction frontier (a position, page-aligned) of ``row``. O(1)."""
         return int(self.ledger.frontier[as_index(row, "row", self.config.max_reqs)])
 
+    def seq_lens(self) -> np.ndarray:
+        """Every row's allocated length, indexed by row (a copy; 0 for free rows), e.g. for
+        :meth:`graphalloc.page_tables.PageTables.plan`. O(max_reqs)."""
+        return self.ledger.seq_len.copy()
+
+    def frontiers(self) -> np.ndarray:
+        """Every row's SWA frontier, indexed by row (a copy). O(max_reqs)."""
+        return self.ledger.frontier.copy()
+
     def pages_needed(self, rows, n_tokens) -> int:
         """New pages per pool that extending ``rows`` by ``n_tokens`` needs (the same count
         from each pool; none from the SWA pool in ring mode). O(rows)."""
