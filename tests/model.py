@@ -151,9 +151,9 @@ class Model:
         self.ps = page_size
         # The rules: a free outside a free_group() (release, evict_window, advance_frontier,
         # drop_handle, drop_handle_swa) is one step, refused whole if it exceeds the frozen
-        # shape. ``frees_as_groups=True`` is the variant the implementation chose (commit
-        # 69f9022): such a free runs as a free group of its own -- as many steps as its
-        # release rows need (none when it frees nothing), never refused for the shape.
+        # shape. ``frees_as_groups=True`` is the variant the implementation chose (commits
+        # 69f9022, 8b2d68f): one step when it fits, and when it exceeds the shape it is split
+        # like a free group's flush (consecutive steps, greedy cut) instead of refused.
         self.frees_as_groups = frees_as_groups
         self.n_full = num_full_pages
         self.n_swa = num_swa_pages
@@ -197,14 +197,17 @@ class Model:
                    getattr(cfg, "max_handles", 0), frees_as_groups)
 
     def _own_group(self, fn) -> bool:
-        """``frees_as_groups``: run the free ``fn`` as a free group of its own (atomic: a
-        violation leaves the model unchanged). Returns whether it did."""
+        """``frees_as_groups``: run the free ``fn`` like a free group of its own (atomic: a
+        violation leaves the model unchanged), but as one step when it needs none or one.
+        Returns whether it did."""
         if not self.frees_as_groups or self.group is not None:
             return False
         work = self.clone()
         work.open_group()
         fn(work)
+        steps = work.steps
         work.close_group()
+        work.steps = max(work.steps, steps + 1)
         self.__dict__.update(work.__dict__)
         return True
 

@@ -71,8 +71,9 @@ ERRORS = {
 I32, I64 = torch.int32, torch.int64
 
 # GRAPHALLOC_MODEL_FREES_AS_GROUPS=1 runs the model in the variant the implementation chose
-# for frees outside a free_group() (each one a free group of its own: steps as its rows
-# need, never refused for the shape) instead of the rules' "one step" (see tests/model.py).
+# for a free outside a free_group() that exceeds the frozen step shape (split into several
+# steps like a block's flush, never refused) instead of the rules' "one step, refused whole"
+# (see tests/model.py and test_sharing.py::test_a_free_exceeding_the_step_shape_is_refused).
 FREES_AS_GROUPS = os.environ.get("GRAPHALLOC_MODEL_FREES_AS_GROUPS") == "1"
 
 # name: AllocatorConfig kwargs (+ the allocator's fused_step: one fused release+allocation
