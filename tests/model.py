@@ -60,7 +60,10 @@ Rules modelled (``ps`` page size, ``W`` window, ``R`` ring pages, L a length):
   exit runs the block's release segments as the fewest consecutive steps that each fit
   the frozen step shape, cut greedily in order; it is never refused.
 * the frozen step shape: release segments, freed pages, allocating rows and tokens per
-  step are bounded.
+  step are bounded. A combined ``step()`` beyond it is refused whole; a free called on its
+  own outside a block (release, evict_window, advance_frontier, drop_handle,
+  drop_handle_swa) is one step when it fits and is otherwise split into consecutive steps
+  like a block's flush, never refused (issue 17, defect 3: nothing may be stranded).
 
 Violations are reported as :class:`Violation` with a set of kinds (names of
 the rules broken by the first failing sub-operation); the model is unchanged.
@@ -147,14 +150,8 @@ class Model:
     def __init__(self, page_size, num_full_pages, num_swa_pages, max_reqs, max_context_len,
                  sliding_window, swa_ring_pages=0, max_release_rows=0, max_pages_per_row=0,
                  max_alloc_rows=0, max_tokens_per_alloc_row=0, max_step_pages=0,
-                 max_step_tokens=0, max_handles=0, frees_as_groups=False):
+                 max_step_tokens=0, max_handles=0):
         self.ps = page_size
-        # The rules: a free outside a free_group() (release, evict_window, advance_frontier,
-        # drop_handle, drop_handle_swa) is one step, refused whole if it exceeds the frozen
-        # shape. ``frees_as_groups=True`` is the variant the implementation chose (commits
-        # 69f9022, 8b2d68f): one step when it fits, and when it exceeds the shape it is split
-        # like a free group's flush (consecutive steps, greedy cut) instead of refused.
-        self.frees_as_groups = frees_as_groups
         self.n_full = num_full_pages
         self.n_swa = num_swa_pages
         self.max_reqs = max_reqs
@@ -189,18 +186,21 @@ class Model:
         self.pending_handles: set[int] = set()  # handles dropped in the open block
 
     @classmethod
-    def from_config(cls, cfg, frees_as_groups: bool = False) -> Model:
+    def from_config(cls, cfg) -> Model:
         return cls(cfg.page_size, cfg.num_full_pages, cfg.num_swa_pages, cfg.max_reqs,
                    cfg.max_context_len, cfg.sliding_window, cfg.swa_ring_pages,
                    cfg.max_release_rows, cfg.max_pages_per_row, cfg.max_alloc_rows,
                    cfg.max_tokens_per_alloc_row, cfg.max_step_pages, cfg.max_step_tokens,
-                   getattr(cfg, "max_handles", 0), frees_as_groups)
+                   getattr(cfg, "max_handles", 0))
 
     def _own_group(self, fn) -> bool:
-        """``frees_as_groups``: run the free ``fn`` like a free group of its own (atomic: a
-        violation leaves the model unchanged), but as one step when it needs none or one.
-        Returns whether it did."""
-        if not self.frees_as_groups or self.group is not None:
+        """A free outside a block (release, evict_window, advance_frontier, drop_handle,
+        drop_handle_swa) runs like a block of its own: decided at once (atomic: a violation
+        leaves the model unchanged), one step when its release rows fit one step (also when it
+        frees nothing), several consecutive steps (the flush's greedy cut) when they do not:
+        never refused for the frozen shape, so no request or handle can be stranded (issue 17,
+        defect 3). A combined step() is still refused whole. Returns whether it ran."""
+        if self.group is not None:
             return False
         work = self.clone()
         work.open_group()
@@ -403,16 +403,9 @@ class Model:
         h = self._handle(handle)
         if self._own_group(lambda w: w._drop_handle_op(h, swa_only)):
             return
-        if self.group is not None:
-            self._defer(lambda w: w._drop_handle(h, swa_only))
-            if not swa_only:
-                self.pending_handles.add(h)
-            return
-        work = self.clone()
-        segs = work._drop_handle(h, swa_only)
-        work._check_shape(segs, [])
-        work.steps += 1
-        self.__dict__.update(work.__dict__)
+        self._defer(lambda w: w._drop_handle(h, swa_only))  # inside a block
+        if not swa_only:
+            self.pending_handles.add(h)
 
     def _drop_handle(self, h: int, swa_only: bool) -> list[int]:
         hd, ps = self.handles[h], self.ps
@@ -491,36 +484,20 @@ class Model:
             return
         rows_v = self._rows(rows)
         new_pos = [int(p) for p in new_pos]
-        if self.group is not None:
-            self._defer(lambda w: w._advance(rows_v, new_pos))
-            return
-        work = self.clone()
-        rel_rows = work._advance(rows_v, new_pos)
-        work._check_shape(rel_rows, [])
-        work.steps += 1
-        self.__dict__.update(work.__dict__)
+        self._defer(lambda w: w._advance(rows_v, new_pos))  # inside a block
 
     def evict_window(self, rows=None) -> None:
         if self._own_group(lambda w: w.evict_window(rows)):
             return
-        if self.group is not None:
-            rows_v = sorted(self.reqs) if rows is None else self._rows(rows)
-            self._defer(lambda w: w._advance(rows_v, [w.window_frontier(r) for r in rows_v]))
-            return
-        if rows is None:
-            self.step(evict_all=True)
-        else:
-            self.step(evict=rows)
+        rows_v = sorted(self.reqs) if rows is None else self._rows(rows)  # inside a block
+        self._defer(lambda w: w._advance(rows_v, [w.window_frontier(r) for r in rows_v]))
 
     def release(self, rows) -> None:
         if self._own_group(lambda w: w.release(rows)):
             return
-        if self.group is not None:
-            rows_v = self._rows(rows)
-            self._defer(lambda w: w._release(rows_v))
-            self.pending.update(rows_v)
-            return
-        self.step(release=rows)
+        rows_v = self._rows(rows)  # inside a block
+        self._defer(lambda w: w._release(rows_v))
+        self.pending.update(rows_v)
 
     def alloc_extend(self, rows, n_tokens):
         return self.step(extend=(rows, n_tokens))

@@ -18,7 +18,6 @@ a ContractError, nothing changed.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 import numpy as np
@@ -70,11 +69,6 @@ ERRORS = {
 
 I32, I64 = torch.int32, torch.int64
 
-# GRAPHALLOC_MODEL_FREES_AS_GROUPS=1 runs the model in the variant the implementation chose
-# for a free outside a free_group() that exceeds the frozen step shape (split into several
-# steps like a block's flush, never refused) instead of the rules' "one step, refused whole"
-# (see tests/model.py and test_sharing.py::test_a_free_exceeding_the_step_shape_is_refused).
-FREES_AS_GROUPS = os.environ.get("GRAPHALLOC_MODEL_FREES_AS_GROUPS") == "1"
 
 # name: AllocatorConfig kwargs (+ the allocator's fused_step: one fused release+allocation
 # launch where the step allows it, or always two). Small pools so capacity is hit often;
@@ -147,7 +141,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         fused = config.pop("fused_step")
         self.cfg = AllocatorConfig(device="cpu", backend="torch", **config)
         self.alloc = HybridAllocator(self.cfg, fused_step=fused)
-        self.model = Model.from_config(self.cfg, FREES_AS_GROUPS)
+        self.model = Model.from_config(self.cfg)
         assert self.model.max_handles == config.get("max_handles", 0)
         self.ps = self.cfg.page_size
         self.prev_frontier: dict[int, int] = {}
