@@ -82,8 +82,9 @@ broadcasts the step's payload and replays it; a broadcast follower's executor pl
 nothing (``plans_locally = False``), so a follower's direct ``alloc.step()`` is refused
 before anything changes. Nothing is patched into an allocator after it was built.
 
-Limits: ``admit(prefix_slots=...)`` writes ``req_to_token`` outside the descriptor,
-so broadcast mode refuses it (use replicated mode for prefix sharing). The broadcast
+Limits: broadcast mode refuses shared pages (``max_handles > 0``, ``admit(handle=)``): the
+payload carries the ledger but not the page mirror or the handles yet, so a follower could
+not audit or plan them (use replicated mode for prefix sharing). The broadcast
 is eager (not captured): the planner's H2D copies would otherwise become copy nodes.
 The digest and the ledger wire format live in :mod:`graphalloc.state_digest`.
 """
