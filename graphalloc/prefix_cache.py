@@ -139,18 +139,25 @@ class PrefixCache:
         """Cache the whole pages of ``token_ids`` that live request ``row`` holds (its first
         ``len(token_ids)`` positions hold these tokens): at a request's end or a
         chunked-prefill boundary. Takes a handle (one step) unless the prefix is cached
-        already; returns the tokens cached. Never evicts by itself."""
+        already; when every handle is an entry's, the LRU leaf entry is dropped first (one
+        more step); returns the tokens cached (0 when nothing could be)."""
         ps = self.page_size
         keys = page_keys(token_ids, ps)
         n = min(len(keys), self.alloc.seq_len(row) // ps) * ps
         if n == 0:
             return 0
         keys = keys[:n // ps]
-        existing = self._by_key.get(keys[-1])
-        if existing is not None and existing[0].n_tokens == n:
+        existing = self._ends.get(keys[-1])
+        if existing is not None:  # this prefix is cached already
             self._clock += 1
-            self._touch(existing[0])
+            self._touch(existing)
             return n
+        if len(self.alloc.live_handles()) >= self.alloc.ledger.n_handles:
+            victim = self._lru_leaf()  # every handle is an entry's: give the oldest one up
+            if victim is None:
+                return 0
+            self.alloc.drop_handle(victim.handle)
+            self._forget(victim)
         handle = self.alloc.take_handle(row, n)
         self._clock += 1
         parent = None
@@ -219,6 +226,10 @@ class PrefixCache:
             if best is None or entry.last_used < best.last_used:
                 best = entry
         return best
+
+    def _lru_leaf(self) -> _Entry | None:
+        leaves = [e for e in self._by_handle.values() if not e.n_children]
+        return min(leaves, key=lambda e: e.last_used) if leaves else None
 
     def _touch(self, entry: _Entry) -> None:
         while entry is not None:

@@ -87,7 +87,7 @@ ENTRY_POINTS = {
 
 
 @pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
-@settings(max_examples=25, deadline=None, database=None,
+@settings(max_examples=25, deadline=None, database=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(x=garbage, y=garbage)
 def test_garbage_raises_typed_errors_and_changes_nothing(name, x, y):
@@ -104,7 +104,7 @@ def test_garbage_raises_typed_errors_and_changes_nothing(name, x, y):
     a.check_integrity()
 
 
-@settings(max_examples=60, deadline=None, database=None,
+@settings(max_examples=60, deadline=None, database=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(field=st.sampled_from(["page_size", "num_full_pages", "num_swa_pages", "max_reqs",
                               "max_context_len", "sliding_window", "swa_ring_pages",
@@ -137,7 +137,7 @@ def test_constructors_refuse_non_configs(value):
                            executor=value)
 
 
-@settings(max_examples=40, deadline=None, database=None,
+@settings(max_examples=40, deadline=None, database=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(x=garbage)
 def test_kernel_ops_refuse_garbage_with_typed_errors(x):

@@ -116,7 +116,7 @@ def test_an_entry_held_by_a_running_request_frees_nothing_when_evicted():
     a.check_integrity()
 
 
-@settings(max_examples=25, deadline=None, database=None,
+@settings(max_examples=150, deadline=None, database=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(ops=st.lists(st.tuples(st.sampled_from(["serve", "hit", "release", "grow"]),
                               st.integers(0, 3), st.integers(1, 40)), min_size=5, max_size=40))

@@ -105,7 +105,7 @@ def test_inside_a_free_group_is_refused():
                 it.admit()
 
 
-@settings(max_examples=30, deadline=None, database=None,
+@settings(max_examples=30, deadline=None, database=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(ops=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 12), st.booleans(),
                               st.booleans()), min_size=1, max_size=12))
