@@ -27,6 +27,8 @@ count executed steps of each launch form.
 
 from __future__ import annotations
 
+import weakref
+
 from .errors import ConfigError
 
 __all__ = ["Executor", "EagerExecutor", "make_executor", "warm_up"]
@@ -39,16 +41,22 @@ class Executor:
     plans_locally = True
 
     def __init__(self) -> None:
-        self.alloc = None
+        self._alloc = None
         self.n_fused = 0
         self.n_two_launch = 0
 
+    @property
+    def alloc(self):
+        """The allocator served (held weakly: the allocator holds its executor, so no
+        reference cycle keeps either alive -- or, for replicas, a process group)."""
+        return None if self._alloc is None else self._alloc()
+
     def bind(self, alloc) -> None:
         """Attach to ``alloc`` (once, from its constructor)."""
-        if self.alloc is not None:
+        if self._alloc is not None:
             raise ConfigError(f"this {type(self).__name__} already serves another allocator; "
                               "build one executor per allocator")
-        self.alloc = alloc
+        self._alloc = weakref.ref(alloc)
 
     def execute(self, planned) -> None:
         """Enqueue the device work of ``planned`` (never synchronises)."""

@@ -91,6 +91,8 @@ The digest and the ledger wire format live in :mod:`graphalloc.state_digest`.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -130,7 +132,9 @@ class ReplicaExecutor(Executor):
 
     def __init__(self, layer: ReplicatedAllocator, role: str, inner: Executor | None = None):
         super().__init__()
-        self.layer, self.role, self.inner = layer, role, inner
+        # The layer holds its allocator, which holds this executor: the layer is held
+        # weakly, so nothing cyclic keeps the wrapper (and its process group) alive.
+        self.layer, self.role, self.inner = weakref.proxy(layer), role, inner
         self.plans_locally = role != "follower"
 
     def bind(self, alloc) -> None:

@@ -224,6 +224,24 @@ def test_replicated_wrapper_stacks_on_the_allocators_executor(one_rank_group):
     alloc.check_integrity()
 
 
+def test_the_wrapper_is_freed_without_a_garbage_collection(one_rank_group):
+    """No reference cycle keeps a wrapper, its allocator or its process group alive: dropping
+    the last reference frees them at once (a gloo group kept alive to interpreter exit is
+    how a rank once aborted there)."""
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        rep = ReplicatedAllocator(selftest_config("cpu", "torch", ring=False), mode="replicated")
+        rep.step(extend=([rep.admit()], [3]))
+        refs = [weakref.ref(rep), weakref.ref(rep.alloc), weakref.ref(rep.executor)]
+        del rep
+        assert [r() for r in refs] == [None, None, None]
+    finally:
+        gc.enable()
+
+
 def test_divergence_names_the_majority_outlier(one_rank_group):
     """The comparator on a fabricated 3-rank history (every rank computes this)."""
     rep = ReplicatedAllocator(selftest_config("cpu", "torch", False), mode="broadcast")
