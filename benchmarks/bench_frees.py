@@ -24,7 +24,6 @@ CPU wall clock and the targets are not judged.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -50,11 +49,10 @@ from tasks import (  # noqa: E402
 )
 from timing import (  # noqa: E402
     Sampler,
+    bench_main,
+    bench_parser,
     count_launches,
-    cpu_threads,
     machine_info,
-    pick_backend,
-    pick_device,
 )
 from workloads import StepWorkload  # noqa: E402
 
@@ -69,13 +67,8 @@ SECTIONS = ("floor", "bandwidth", "single", "steps", "decode", "profile", "trace
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny sizes and sample counts (CPU CI)")
-    p.add_argument("--out", default=os.path.join(HERE, "results"), help="output directory")
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
-                   help="graphalloc backend (auto: triton on CUDA, torch on CPU)")
+    p = bench_parser(__doc__, os.path.join(HERE, "results"),
+                     "graphalloc backend (auto: triton on CUDA, torch on CPU)")
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--samples", type=int, help="timed samples per measurement")
@@ -212,12 +205,7 @@ class _PlainProgress:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    device = pick_device(args.device)
-    backend, note = pick_backend(args.backend, device)  # first: it may set TRITON_INTERPRET
-    with cpu_threads(device):
-        return _run(args, argv, device, backend, note)
+    return bench_main(argv, parse_args, _run)
 
 
 def _run(args, argv, device, backend, note) -> int:

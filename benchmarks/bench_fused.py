@@ -37,7 +37,6 @@ are not fusable).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -53,13 +52,12 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 from timing import (  # noqa: E402
     Sampler,
-    cpu_threads,
+    bench_main,
+    bench_parser,
     format_quantiles,
     graph_nodes,
     machine_info,
     measure_floor,
-    pick_backend,
-    pick_device,
     summarize,
 )
 from workloads import StepWorkload  # noqa: E402
@@ -211,14 +209,8 @@ class Context:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny sizes and sample counts (CPU CI)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "fused"),
-                   help="output directory")
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
-                   help="auto: triton on CUDA, torch (the twins) on the CPU")
+    p = bench_parser(__doc__, os.path.join(HERE, "results", "fused"),
+                     "auto: triton on CUDA, torch (the twins) on the CPU")
     p.add_argument("--b", help="comma-separated request counts (default 1,8,64,256,1024)")
     p.add_argument("--ps", help="comma-separated page sizes (default 16,128)")
     p.add_argument("--pages", help="comma-separated pages per segment (default 1,8)")
@@ -246,12 +238,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    device = pick_device(args.device)
-    backend, note = pick_backend(args.backend, device)  # first: it may set TRITON_INTERPRET
-    with cpu_threads(device):
-        return _run(args, argv, device, backend, note)
+    return bench_main(argv, parse_args, _run)
 
 
 def _run(args, argv, device, backend, note) -> int:

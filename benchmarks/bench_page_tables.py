@@ -38,7 +38,6 @@ eagerly on the Torch twins: device times are CPU wall clock (``"device_clock":
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -54,15 +53,14 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 from timing import (  # noqa: E402
     Sampler,
+    bench_main,
+    bench_parser,
     count_launches,
-    cpu_threads,
     empty_graph,
     format_quantiles,
     graph_nodes,
     machine_info,
     measure_floor,
-    pick_backend,
-    pick_device,
     replayable,
     summarize,
 )
@@ -379,14 +377,8 @@ class Context:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes and sample counts (CPU CI)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "page_tables"),
-                    help="output directory")
-    ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    ap.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
-                    help="page-table writer: auto = Triton on CUDA, the Torch twin on a CPU")
+    ap = bench_parser(__doc__, os.path.join(HERE, "results", "page_tables"),
+                      "page-table writer: auto = Triton on CUDA, the Torch twin on a CPU")
     ap.add_argument("--b", help="comma-separated lane counts (default 1,64,256,1024)")
     ap.add_argument("--ps", help="comma-separated page sizes (default 16,64)")
     for key in ("max-context", "window", "median-len", "samples", "warmup", "flush-mib"):
@@ -408,12 +400,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    device = pick_device(args.device)
-    backend, note = pick_backend(args.backend, device)  # first: it may set TRITON_INTERPRET
-    with cpu_threads(device):
-        return _run(args, argv, device, backend, note)
+    return bench_main(argv, parse_args, _run)
 
 
 def _run(args, argv, device, backend, note) -> int:

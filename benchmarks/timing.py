@@ -30,6 +30,7 @@ graph, timed by the same sampler as what it is the floor of.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import ctypes
@@ -425,6 +426,33 @@ def cpu_threads(device, n_threads: int = 1):
         yield
     finally:
         torch.set_num_threads(saved)
+
+
+def bench_parser(doc: str, default_out: str, backend_help: str) -> argparse.ArgumentParser:
+    """The options every benchmark shares: ``--quick``, ``--out``, ``--device``,
+    ``--backend``; the benchmark adds its own."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny sizes and sample counts (CPU CI)")
+    p.add_argument("--out", default=default_out, help="output directory")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
+                   help=backend_help)
+    return p
+
+
+def bench_main(argv, parse_args, run) -> int:
+    """A benchmark's entry point: parse, pick the device and backend (the backend first: it
+    may set ``TRITON_INTERPRET``), then ``run(args, argv, device, backend, note)`` with one
+    intra-op thread on a CPU."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    device = pick_device(args.device)
+    backend, note = pick_backend(args.backend, device)
+    with cpu_threads(device):
+        return run(args, argv, device, backend, note)
 
 
 def graphalloc_version() -> str:

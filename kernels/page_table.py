@@ -289,7 +289,7 @@ def write_page_tables_torch(table, req_to_token, full_to_swa, *, page_size: int,
                             swa_block_table=None, seq_lens=None) -> None:
     """Reference twin of the page-table kernel: the same writes over a fixed ``[B, width]``
     grid of (lane, column), ``width`` the block-table width or ``ceil(max_context_len /
-    ps)``. Fixed-shape and sync-free (no ``.item()``, ``nonzero``, boolean-mask indexing)."""
+    ps)``. Fixed-shape and sync-free (no scalar reads, no data-dependent shapes)."""
     width = _check_args(table, req_to_token, full_to_swa, full_csr, swa_csr, full_block_table,
                         swa_block_table, seq_lens)
     if table.shape[0] == 0:

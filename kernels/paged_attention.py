@@ -47,7 +47,7 @@ L2). Lengths, offsets, the window and the batch contents are runtime values
 tile are compile-time.
 
 ``paged_decode_attention`` (Triton) and ``paged_decode_attention_torch`` (the fixed-shape,
-sync-free reference twin: no ``.item()``, ``nonzero`` or boolean-mask indexing, so it can
+sync-free reference twin: no scalar reads and no data-dependent shapes, so it can
 be captured in a CUDA graph, and it is what a CPU decode loop runs) share one signature
 and agree to float32 rounding.
 """

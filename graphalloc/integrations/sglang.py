@@ -29,7 +29,7 @@ last-location gather and its full-to-SWA translation, one Triton allocation kern
 per pool, the mapping scatter, the ``req_to_token`` write); each of the E
 ``_evict_swa`` calls is a ``free_swa`` of about 10 launches (page expansion, mapping
 gather, a boolean filter, the SWA pool's free, the mapping clear) of which three
-(``torch.unique`` twice, boolean masking) have data-dependent shapes and wait for the
+(two unique-value ops, boolean masking) have data-dependent shapes and wait for the
 device; ``free_group_end`` concatenates and frees both pools, about 13 launches and 4
 waits, whatever F. About ``20 + 10 E`` launches and ``4 + 3 E`` host/device waits per
 iteration.
