@@ -38,8 +38,10 @@ from .errors import (
     NestedGroupError,
     PendingStepError,
     RingOverflowError,
+    SpeculativeStateError,
 )
 from .executor import make_executor
+from .fast_plan import FastPlanner  # the compiled planner (fast path of step() / plan())
 from .free_group import FreeGroup, GroupedFrees
 from .handles import HandleInfo, HandleOps
 from .inputs import as_counts, as_index, is_empty
@@ -91,6 +93,10 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
         prefix_cache: own a :class:`~graphalloc.prefix_cache.PrefixCache` (``alloc.prefix_cache``)
             on the handles; an allocation that would be refused for lack of pages first
             reclaims cached pages (SWA by tombstoning, then FULL by evicting), in the same step.
+        planner: ``"auto"`` (the compiled planner when it was built, else numpy),
+            ``"compiled"`` (refused with ``ConfigError`` when it was not built) or ``"numpy"``:
+            who plans the hot steps of ``step()`` / ``plan()``; same results either way
+            (:mod:`graphalloc.fast_plan`).
 
     Cost: each operation is O(rows) numpy on the host plus one step (one or two kernel
     launches, or one graph replay); the host queries (``n_free``, ``seq_len``, ...) are
@@ -105,7 +111,7 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
 
     def __init__(self, config: AllocatorConfig, *, executor="eager",
                  n_descriptor_bufs: int = 2, fused_step: bool = True,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, planner: str = "auto"):
         if not isinstance(config, AllocatorConfig):
             raise ConfigError(f"HybridAllocator takes an AllocatorConfig, got "
                               f"{type(config).__name__}")
@@ -130,6 +136,8 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
         self._faulted = False
         self.steps_run = 0
         self.prefix_cache = PrefixCache(self) if prefix_cache else None
+        # ---- compiled planner (graphalloc.fast_plan): None plans every step in numpy ----
+        self._fast = FastPlanner.for_allocator(self, planner)
         self.executor = make_executor(executor)
         self.executor.bind(self)
 
@@ -210,10 +218,23 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
         """
         return self.step(extend=(rows, extend_lens))
 
-    def alloc_decode(self, rows) -> AllocResult:
+    def alloc_decode(self, rows, lookahead=None) -> AllocResult:
         """One token for each request: a new page in both pools only where the position
-        starts a page."""
-        return self.step(decode=rows)
+        starts a page. ``lookahead=k`` (an int, or one per row): ``1 + k`` speculative tokens
+        per row instead (see :meth:`step`)."""
+        return self.step(decode=rows, lookahead=lookahead)
+
+    def commit(self, rows, n_accepted) -> None:
+        """Speculative decoding: keep ``n_accepted[i]`` tokens of each row's oldest
+        speculative step and give back the pages wholly past what stays (``step(commit=)``;
+        one step, refused whole when its frees exceed the frozen step shape)."""
+        self.step(commit=(rows, n_accepted))
+
+    def trim(self, rows, new_len) -> None:
+        """Cut requests to ``new_len`` tokens, giving back the pages wholly past it (a
+        partial page stays and is continued); refused below the frontier plus the window
+        (``step(trim=)``; one step)."""
+        self.step(trim=(rows, new_len))
 
     def evict_window(self, rows=None) -> None:
         """Advance frontiers by the window rule (``rows=None``: every live request)."""
@@ -260,20 +281,39 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
         return result.swa_slots[int(result.first_lane[0]):]
 
     # ---- one scheduler step --------------------------------------------------------------
-    def step(self, *, release=None, evict=None, evict_all: bool = False, advance=None,
-             decode=None, extend=None) -> AllocResult | None:
+    def step(self, *, release=None, commit=None, trim=None, evict=None,
+             evict_all: bool = False, advance=None, decode=None, lookahead=None,
+             extend=None) -> AllocResult | None:
         """One scheduler step as one launch (or one graph replay).
 
-        In this order: ``release`` (rows of finished requests), ``evict`` (rows) or
-        ``evict_all=True`` (every live request): window-rule frontier advance, ``advance``
-        (``(rows, new_frontier_pos)``: explicit page-aligned frontier moves, the engine's
-        own SWA segment frees), then allocation: ``decode`` (rows, one token each) and
-        ``extend`` (``(rows, n_tokens)``). Pages freed by the step may be allocated by it.
-        Returns the allocated slots (``None`` when nothing was allocated).
+        In this order: ``release`` (rows of finished requests), ``commit`` (``(rows,
+        n_accepted)``: speculative decoding's accepted counts, resolving each row's oldest
+        speculative step), ``trim`` (``(rows, new_len)``: cut requests back), ``evict``
+        (rows) or ``evict_all=True`` (every live request): window-rule frontier advance on
+        the committed length, ``advance`` (``(rows, new_frontier_pos)``: explicit
+        page-aligned frontier moves, the engine's own SWA segment frees), then allocation:
+        ``decode`` (rows, one token each; with ``lookahead=k``, an int or one per decode row,
+        ``1 + k`` speculative tokens each, the verify tokens) and ``extend`` (``(rows,
+        n_tokens)``). Pages freed by the step may be allocated by it. Returns the allocated
+        slots (``None`` when nothing was allocated); lanes: decode rows in the order given
+        (``1 + k`` lanes each), then extend rows.
+
+        Speculative decoding (C committed, L allocated): a lookahead decode allocates
+        ``[L, L + 1 + k)`` as one speculative step; ``commit`` with n accepted of a step of
+        s keeps ``C + n`` plus the next step still in flight (at most two: overlap
+        scheduling), freeing the pages wholly past it; ``trim`` is the general cut. The
+        window follows C only. Cost: O(rows) numpy per argument, one launch or replay.
         """
-        args = (release, evict, evict_all, advance, decode, extend)
+        # ---- compiled planner fast path (graphalloc.fast_plan): None -> the numpy planner ----
+        if self._fast is not None and self._group is None and commit is None and trim is None \
+                and lookahead is None:
+            planned = self._fast.plan(self, release, evict, evict_all, advance, decode, extend)
+            if planned is not None:
+                return self.run(planned)
+        # ---- end of the fast path ----
+        args = (release, commit, trim, evict, evict_all, advance, decode, lookahead, extend)
         if self._group is not None:
-            self._refuse_frees_in_group(release, evict, evict_all, advance)
+            self._refuse_frees_in_group(*args)
         results: list = []
         return self.run(self._plan(lambda b: self._apply_step(b, *args, results), results))
 
@@ -299,12 +339,13 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
         except CapacityError:
             return None
 
-    def fits(self, *, release=None, evict=None, evict_all: bool = False, advance=None,
-             decode=None, extend=None) -> bool:
+    def fits(self, *, release=None, commit=None, trim=None, evict=None,
+             evict_all: bool = False, advance=None, decode=None, lookahead=None,
+             extend=None) -> bool:
         """Whether :meth:`step` with these arguments would run (dry run on a ledger copy;
         nothing changes). ``False`` for shortage (pages, ring space, frozen step shape);
         other contract errors (an unknown row, ...) raise. Cost: one plan, no device work."""
-        args = (release, evict, evict_all, advance, decode, extend)
+        args = (release, commit, trim, evict, evict_all, advance, decode, lookahead, extend)
         b = self._builder()
         refs = b.ledger.refs
         mark = refs.mark() if refs is not None else 0
@@ -318,8 +359,9 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
                 refs.rollback(mark)  # a dry run: nothing stays
         return True
 
-    def plan(self, *, release=None, evict=None, evict_all: bool = False, advance=None,
-             decode=None, extend=None) -> PlannedStep:
+    def plan(self, *, release=None, commit=None, trim=None, evict=None,
+             evict_all: bool = False, advance=None, decode=None, lookahead=None,
+             extend=None) -> PlannedStep:
         """Host half of :meth:`step`: validate, update the ledger, write the next descriptor
         buffer. Pure host work, never captured, never synchronises (except to wait for a
         descriptor buffer the GPU has not consumed, counted in ``ring.stalls``). Must be
@@ -329,7 +371,13 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
             raise NestedGroupError("plan() inside free_group(): the block defers frees to its "
                                    "end, a separately planned step could not keep that order; "
                                    "use step() (it runs at once) or plan after the block")
-        args = (release, evict, evict_all, advance, decode, extend)
+        # ---- compiled planner fast path (graphalloc.fast_plan): None -> the numpy planner ----
+        if self._fast is not None and commit is None and trim is None and lookahead is None:
+            planned = self._fast.plan(self, release, evict, evict_all, advance, decode, extend)
+            if planned is not None:
+                return planned
+        # ---- end of the fast path ----
+        args = (release, commit, trim, evict, evict_all, advance, decode, lookahead, extend)
         results: list = []
         return self._plan(lambda b: self._apply_step(b, *args, results), results)
 
@@ -439,10 +487,16 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
     def _run(self, apply) -> AllocResult | None:
         return self.run(self._plan(apply, []))
 
-    def _apply_step(self, b: StepBuilder, release, evict, evict_all, advance, decode, extend,
-                    results: list) -> None:
+    def _apply_step(self, b: StepBuilder, release, commit, trim, evict, evict_all, advance,
+                    decode, lookahead, extend, results: list) -> None:
         if not is_empty(release):
             b.release(b.live_rows(release, "release"))
+        if commit is not None:
+            rows, n = _pair(commit, "commit", "n_accepted")
+            b.commit(b.live_rows(rows, "commit"), n)
+        if trim is not None:
+            rows, n = _pair(trim, "trim", "new_len")
+            b.trim(b.live_rows(rows, "trim"), n)
         if not isinstance(evict_all, bool):
             raise ContractError(f"evict_all must be a bool, got {evict_all!r}")
         if isinstance(evict, (bool, np.bool_)):
@@ -458,8 +512,14 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
             b.advance_frontier(b.live_rows(rows, "advance"), pos, "advance")
         if not is_empty(decode):
             d_rows = b.live_rows(decode, "alloc_decode")
-            ones = np.ones(len(d_rows), dtype=np.int64)
-            results.append((d_rows, b.extend(d_rows, ones, "alloc_decode"), ones))
+            if lookahead is None:
+                ones = np.ones(len(d_rows), dtype=np.int64)
+                results.append((d_rows, b.extend(d_rows, ones, "alloc_decode"), ones))
+            else:
+                n = 1 + as_counts(lookahead, len(d_rows), "lookahead")
+                results.append((d_rows, b.extend(d_rows, n, "alloc_decode", True), n))
+        elif lookahead is not None:
+            raise SpeculativeStateError("lookahead= applies to decode rows; none were given")
         if extend is not None:
             rows, n = _pair(extend, "extend", "n_tokens")
             e_rows = b.live_rows(rows, "alloc_extend")
@@ -476,7 +536,12 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
         b.evict(arr)
         return arr
 
-    def _refuse_frees_in_group(self, release, evict, evict_all, advance) -> None:
+    def _refuse_frees_in_group(self, release, commit, trim, evict, evict_all, advance,
+                               *_allocs) -> None:
+        if commit is not None or trim is not None:
+            raise NestedGroupError("commit / trim inside free_group(): they shorten a request "
+                                   "that the block's deferred frees may still read; commit "
+                                   "before or after the block")
         if not is_empty(release) or evict_all or (evict is not None and not isinstance(
                 evict, bool) and not is_empty(evict)) or advance is not None:
             raise NestedGroupError("inside free_group() call release() / evict_window() / "

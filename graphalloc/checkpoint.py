@@ -23,6 +23,7 @@ __all__ = ["state_dict", "load_state_dict"]
 _GEOMETRY = ("page_size", "num_full_pages", "num_swa_pages", "max_reqs", "max_context_len",
              "sliding_window", "swa_ring_pages")
 _HOST = ("live", "seq_len", "frontier", "protected")
+_SPEC = ("committed", "spec_steps")  # speculative decoding; absent from older state dicts
 
 
 def state_dict(alloc) -> dict:
@@ -33,7 +34,7 @@ def state_dict(alloc) -> dict:
     return {
         "geometry": {k: getattr(alloc.config, k) for k in _GEOMETRY},
         "index_dtype": str(alloc.config.index_dtype),
-        "host": {k: getattr(led, k).copy() for k in _HOST + led.HANDLE_ARRAYS},
+        "host": {k: getattr(led, k).copy() for k in _HOST + _SPEC + led.HANDLE_ARRAYS},
         "refs": None if led.refs is None else led.refs.copy_arrays(),
         "full_ring": (led.full.head, led.full.n_free),
         "swa_ring": (led.swa.head, led.swa.n_free),
@@ -72,6 +73,14 @@ def load_state_dict(alloc, sd: dict) -> None:
             raise StateError(f"host array {k!r} has shape {arr.shape}, expected "
                              f"{getattr(ledger, k).shape}")
         setattr(ledger, k, arr.astype(getattr(ledger, k).dtype).copy())
+    if "committed" not in host:  # an older state dict: nothing speculative, all committed
+        host = {**host, "committed": ledger.seq_len, "spec_steps": ledger.spec_steps}
+    for k in _SPEC:
+        arr = np.asarray(host[k])
+        if arr.shape != getattr(ledger, k).shape:
+            raise StateError(f"host array {k!r} has shape {arr.shape}, expected "
+                             f"{getattr(ledger, k).shape}")
+        setattr(ledger, k, arr.astype(np.int64).copy())
     if ledger.refs is not None:
         refs = sd.get("refs") or {}
         for k in ledger.refs.NAMES:
@@ -82,6 +91,10 @@ def load_state_dict(alloc, sd: dict) -> None:
             setattr(ledger.refs, k, arr.astype(np.int32).copy())
     ledger.full = FreeRing(cfg.num_full_pages, int(full_ring[0]), int(full_ring[1]))
     ledger.swa = FreeRing(cfg.num_swa_pages, int(swa_ring[0]), int(swa_ring[1]))
+    try:
+        ledger.check_host_invariants()
+    except Exception as exc:  # IntegrityError: the incoming ledger is inconsistent
+        raise StateError(f"state dict refused: {exc}. The allocator kept its state") from None
     snap = {k: device[k].numpy() for k in current}
     findings = audit_state(cfg, ledger, snap)
     if findings:

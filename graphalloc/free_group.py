@@ -106,6 +106,8 @@ class FreeGroup:
         fresh = rows[~self.touched[rows]]
         group.assign_rows(live, fresh)
         group.seq_len[rows] = live.seq_len[rows]
+        group.committed[rows] = live.committed[rows]
+        group.spec_steps[rows] = live.spec_steps[rows]
         self.builder.len_at_start[rows] = live.seq_len[rows]
 
     def sync_handles(self) -> None:

@@ -114,10 +114,11 @@ class HandlePlanning:
         if n % ps:
             raise AlignmentError(f"take_handle: {n} tokens is not a whole number of pages "
                                  f"(page_size {ps}); share whole pages only")
-        if not 0 < n <= self.len_at_start[r]:
-            raise PositionError(f"take_handle: {n} tokens, request {r} holds "
-                                f"{self.len_at_start[r]} (when the step began); take 1 .. that "
-                                "many, whole pages")
+        held = min(int(self.len_at_start[r]), int(led.committed[r]))
+        if not 0 < n <= held:
+            raise PositionError(f"take_handle: {n} tokens, request {r} holds {held} committed "
+                                "tokens (when the step began); take 1 .. that many, whole "
+                                "pages")
         swa_start = min(int(led.frontier[r]), n)
         led.h_live[handle], led.h_len[handle], led.h_swa_start[handle] = True, n, swa_start
         self._hold(cfg.max_reqs + handle, r, n, swa_start)
@@ -138,7 +139,7 @@ class HandlePlanning:
             n = m
         self.admit(row)
         swa_start = min(int(led.h_swa_start[h]), n)
-        led.seq_len[row], led.frontier[row] = n, swa_start
+        led.seq_len[row], led.frontier[row], led.committed[row] = n, swa_start, n
         self._hold(row, self.config.max_reqs + h, n, swa_start)
 
     def drop_handle(self, handle, swa_only: bool = False) -> None:

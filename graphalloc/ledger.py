@@ -10,13 +10,18 @@ Per request r (positions, half-open ``[a, b)``)::
 
     [0, frontier)            FULL pages held (referenced), SWA already dropped (evicted)
     [frontier, ceil_page(L)) FULL and SWA pages held (pool mode; ring mode owns R SWA pages)
+    [0, C)                   committed tokens (C = ``committed``; C == L without speculation)
+    [C, L)                   the speculative tail: the slots of speculative steps not yet
+                             committed, oldest first (``spec_steps``, at most two in flight)
 
 Per handle h: FULL ``[0, n)``, SWA ``[swa_start, n)``. A page is free only when no
 row and no handle references it.
 
 Invariants (checked by ``check_host_invariants``): the frontier is page-aligned,
-``frontier <= floor_page(L)``, it only moves forward (``load_back`` aside), and per
-pool ``free + referenced == pages`` (ring mode: ``free + owned == pages``).
+``frontier <= floor_page(C)`` (the window follows the committed length only, so a
+rollback never needs an evicted SWA page), it only moves forward (``load_back`` aside),
+``L == C + sum(spec_steps)``, and per pool ``free + referenced == pages`` (ring mode:
+``free + owned == pages``).
 ``protected`` is always 0 (the protected-prefix form of sharing was replaced by
 handles); it stays in the wire format of replicas and checkpoints.
 """
@@ -64,7 +69,10 @@ class Ledger:
     """Per-request host state and the two free rings. ``copy()`` makes a working copy,
     so a step is planned on the copy and committed only when every check passed."""
 
-    ROW_ARRAYS = ("live", "admitted_once", "seq_len", "frontier", "protected")
+    ROW_ARRAYS = ("live", "admitted_once", "seq_len", "frontier", "protected", "committed",
+                  "spec_steps")
+
+    SPEC_DEPTH = 2  # speculative steps in flight per request (overlap scheduling: 2)
 
     HANDLE_ARRAYS = ("h_live", "h_len", "h_swa_start")
 
@@ -86,6 +94,8 @@ class Ledger:
         self.seq_len = np.zeros(n, dtype=np.int64)
         self.frontier = np.zeros(n, dtype=np.int64)
         self.protected = np.zeros(n, dtype=np.int64)
+        self.committed = np.zeros(n, dtype=np.int64)  # C: tokens no rollback may remove
+        self.spec_steps = np.zeros((n, self.SPEC_DEPTH), dtype=np.int64)  # oldest first
         self.full = FreeRing(config.num_full_pages, 0, config.num_full_pages)
         self.swa = FreeRing(config.num_swa_pages, 0, config.num_swa_pages)
 
@@ -136,13 +146,17 @@ class Ledger:
         live = self.live
         bad_align = live & ((self.frontier % ps != 0) | (self.protected % ps != 0))
         bad_order = live & ~((self.protected <= self.frontier)
-                             & (self.frontier <= self.seq_len // ps * ps))
-        if bad_align.any() or bad_order.any():
-            r = int(np.flatnonzero(bad_align | bad_order)[0])
+                             & (self.frontier <= self.committed // ps * ps))
+        bad_spec = live & ((self.committed + self.spec_steps.sum(axis=1) != self.seq_len)
+                           | (self.spec_steps < 0).any(axis=1))
+        if bad_align.any() or bad_order.any() or bad_spec.any():
+            r = int(np.flatnonzero(bad_align | bad_order | bad_spec)[0])
             raise IntegrityError(
                 f"request {r}: protected={self.protected[r]} frontier={self.frontier[r]} "
-                f"len={self.seq_len[r]} break 'protected <= frontier <= floor_page(len)', "
-                f"page-aligned (page_size {ps})")
+                f"committed={self.committed[r]} len={self.seq_len[r]} speculative steps "
+                f"{self.spec_steps[r].tolist()} break 'protected <= frontier <= "
+                f"floor_page(committed)', page-aligned (page_size {ps}), 'len == committed + "
+                "speculative'")
         if self.refs is not None:
             owned_full = int(np.count_nonzero(self.refs.full_ref[1:]))
             owned_swa = int(np.count_nonzero(self.refs.swa_ref[1:]))

@@ -15,6 +15,9 @@ Ledger of one request's positions for each operation (``ps`` = page size)::
                                 [ceil_page(L), L+n)   new pages, popped in order from both rings
     load_back (f -> f' < f):    [f', f)               FULL kept; fresh SWA pages popped and
                                                       mapped (the KV comes back from the host)
+    decode, lookahead k (C, L): [L, L + 1 + k)        like an extend, but speculative: C stays,
+                                                      the step joins ``spec_steps`` (commit and
+                                                      trim: :mod:`graphalloc.release_rows`)
 
 This module is the one validator: every operation -- run at once, deferred in a
 free group, or dry-run by ``fits()`` -- is checked here, on the builder's copy.
@@ -37,6 +40,7 @@ from .errors import (
     OverlapError,
     PositionError,
     RingOverflowError,
+    SpeculativeStateError,
     UnknownRequestError,
 )
 from .handles import HandlePlanning
@@ -91,6 +95,7 @@ class StepBuilder(ReleasePlanning, HandlePlanning):
         self.len_at_start = ledger.seq_len.copy()  # pages below this exist on the device
         self.released = np.zeros(config.max_reqs, dtype=bool)
         self.allocated = np.zeros(config.max_reqs, dtype=bool)
+        self.cut = np.zeros(config.max_reqs, dtype=bool)  # rows trimmed / committed (freed)
         self.pending = None  # rows released in an open free group (set by FreeGroup)
         self.release_parts: list[np.ndarray] = []
         self.alloc_parts: list[np.ndarray] = []
@@ -150,6 +155,8 @@ class StepBuilder(ReleasePlanning, HandlePlanning):
         led.seq_len[row] = 0
         led.frontier[row] = 0
         led.protected[row] = 0
+        led.committed[row] = 0
+        led.spec_steps[row] = 0
         if not cfg.ring_mode:
             return
         n_ring = cfg.swa_ring_pages
@@ -162,15 +169,29 @@ class StepBuilder(ReleasePlanning, HandlePlanning):
         self.allocated[row] = True
         self.alloc_parts.append(out)
 
-    def extend(self, rows: np.ndarray, n_tokens, what: str = "alloc_extend") -> np.ndarray:
+    def extend(self, rows: np.ndarray, n_tokens, what: str = "alloc_extend",
+               speculative: bool = False) -> np.ndarray:
         """Allocate ``n_tokens[i]`` positions for ``rows[i]``; returns each row's first output
-        lane. Refused whole when either pool is short."""
+        lane. Refused whole when either pool is short. ``speculative``: the positions are one
+        speculative step of each row (a decode with lookahead); otherwise they are committed
+        at once, and a row with a speculative tail is refused."""
         cfg, led, ps = self.config, self.ledger, self.config.page_size
         n_tokens = as_counts(n_tokens, len(rows), f"{what} token counts")
         if self.allocated[rows].any():
             r = int(rows[self.allocated[rows]][0])
             raise OverlapError(f"{what}: request {r} already allocates in this step; "
                                "merge its tokens into one call")
+        spec = led.spec_steps[rows]
+        if speculative and spec[:, -1].any():
+            r = int(rows[np.flatnonzero(spec[:, -1])[0]])
+            raise SpeculativeStateError(
+                f"{what}: request {r} already has {led.SPEC_DEPTH} speculative steps in "
+                "flight; commit the oldest (step(commit=...)) before drafting another")
+        if not speculative and spec[:, 0].any():
+            i = int(np.flatnonzero(spec[:, 0])[0])
+            raise SpeculativeStateError(
+                f"{what}: request {rows[i]} has a speculative tail of {int(spec[i].sum())} "
+                "tokens; commit or trim it first, or decode with lookahead=")
         start = led.seq_len[rows]
         end = start + n_tokens
         if len(rows) and (end.max() > cfg.max_context_len
@@ -231,6 +252,11 @@ class StepBuilder(ReleasePlanning, HandlePlanning):
                 self._hold_new_pages(k_rows, k_start, k_pages, out[0, AL_FULL_POP],
                                      out[0, AL_SWA_POP], need_full)
         led.seq_len[rows] = end
+        if speculative:  # the step joins the row's speculative steps (first empty slot)
+            slot = np.count_nonzero(spec, axis=1)
+            led.spec_steps[rows, slot] = n_tokens
+        else:
+            led.committed[rows] = end
         self.allocated[rows] = True
         self.pages_allocated["full"] += need_full
         self.pages_allocated["swa"] += need_swa
@@ -311,7 +337,10 @@ class StepBuilder(ReleasePlanning, HandlePlanning):
         pops of each FIFO ring fit in what was free before it, so they never read a
         position this step pushes to (``graphalloc.ledger.FreeRing``)."""
         return (self.pages_allocated["full"] <= self.n_free_before["full"]
-                and self.pages_allocated["swa"] <= self.n_free_before["swa"])
+                and self.pages_allocated["swa"] <= self.n_free_before["swa"]
+                # a row that frees its tail and allocates again in one step: the release
+                # must read req_to_token before the allocation rewrites it
+                and not (self.cut & self.allocated).any())
 
     # ---- finish --------------------------------------------------------------------------
     def finish(self) -> tuple[np.ndarray, np.ndarray]:

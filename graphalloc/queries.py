@@ -64,3 +64,18 @@ class HostQueries:
         n = as_counts(n_tokens, len(rows), "pages_needed token counts")
         ps, length = self.config.page_size, self.ledger.seq_len[rows]
         return int((-(-(length + n) // ps) + (length // -ps)).sum())
+
+    # ---- speculative decoding --------------------------------------------------------------
+    def committed_len(self, row) -> int:
+        """Committed length C of ``row`` (``seq_len`` minus the speculative tail). O(1)."""
+        return int(self.ledger.committed[as_index(row, "row", self.config.max_reqs)])
+
+    def spec_len(self, row) -> int:
+        """Speculative tail ``L - C`` of ``row``: slots of speculative steps not yet committed.
+        O(1)."""
+        r = as_index(row, "row", self.config.max_reqs)
+        return int(self.ledger.seq_len[r] - self.ledger.committed[r])
+
+    def committed_lens(self) -> np.ndarray:
+        """Every row's committed length, indexed by row (a copy). O(max_reqs)."""
+        return self.ledger.committed.copy()

@@ -8,6 +8,20 @@ Ledger of one request's positions (``ps`` = page size)::
                                 [f, ceil_page(L))     FULL and SWA references dropped (a
                                                       partial tail page whole)
                                 ring mode:            the R ring pages return to the SWA ring
+    trim (len L -> L' <= L):    [ceil_page(L'), ceil_page(L))
+                                                      FULL and SWA references dropped (ring
+                                                      mode: FULL freed, mapping cleared); the
+                                                      partial page of L' stays, continued
+    commit (C, oldest speculative step s, the next s2; n accepted):
+                                [0, C + n)            committed (C' = C + n, n <= s)
+                                [C', C' + s2)         kept: the step still in flight
+                                past C' + s2          a trim to L' = C' + s2
+
+Speculative decoding (committed length C, allocated length L, ``spec_steps``): a decode with
+lookahead k allocates ``[L, L + 1 + k)`` as one speculative step; the window rule and every
+frontier move follow C only (the frontier never passes ``floor_page(C)``), so a rollback
+never needs an evicted SWA page. A trim is refused below ``f + W`` (``f`` > 0 the frontier,
+``W`` the window): the window of the new length must still be mapped.
 
 Pages whose last reference goes are pushed in the order of
 :func:`graphalloc.references.drop_actions`; every row carries absolute free-ring push
@@ -19,8 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import AlignmentError, FrontierError, PositionError
-from .inputs import as_positions
+from .errors import AlignmentError, FrontierError, PositionError, SpeculativeStateError
+from .inputs import as_counts, as_positions
 from .kernels.abi import (
     REL_CLEAR,
     REL_EPOCH,
@@ -81,7 +95,9 @@ class ReleasePlanning:
         ps = cfg.page_size
         new_pos = as_positions(new_pos, len(rows), f"{what} positions")
         old = led.frontier[rows]
-        limit = self.len_at_start[rows] // ps * ps
+        # Pages that existed when the step began, and only committed ones (a rollback must
+        # never need an evicted page).
+        limit = np.minimum(self.len_at_start[rows], led.committed[rows]) // ps * ps
         if not ((new_pos % ps != 0) | (new_pos < old) | (new_pos > limit)).any():
             pass  # all valid (one check on the hot path; the diagnosis below on failure)
         elif (new_pos % ps != 0).any():
@@ -98,7 +114,7 @@ class ReleasePlanning:
             i = int(np.flatnonzero(new_pos > limit)[0])
             raise PositionError(
                 f"{what}: request {rows[i]}: frontier {new_pos[i]} is past the last whole "
-                f"page ({limit[i]}) that existed when the step began")
+                f"committed page ({limit[i]}) that existed when the step began")
         n_pages = (new_pos - old) // ps
         if cfg.ring_mode:  # the ring pages stay with the request: only clear the mapping
             self._add_release(rows, old, n_pages, REL_CLEAR)
@@ -112,11 +128,12 @@ class ReleasePlanning:
         return n_freed
 
     def window_frontier(self, rows: np.ndarray) -> np.ndarray:
-        """The window rule: ``floor_page(max(old, L - W))`` (L: the length when the step
-        began)."""
+        """The window rule: ``floor_page(max(old, C - W))`` (C: the committed length, at most
+        the length when the step began; C == L without speculation)."""
         led, cfg = self.ledger, self.config
         ps, window = cfg.page_size, cfg.sliding_window
-        threshold = np.maximum(self.len_at_start[rows] - window, 0)
+        length = np.minimum(self.len_at_start[rows], led.committed[rows])
+        threshold = np.maximum(length - window, 0)
         return np.maximum(led.frontier[rows], threshold // ps * ps)
 
     def evict(self, rows: np.ndarray) -> int:
@@ -142,7 +159,77 @@ class ReleasePlanning:
         led.seq_len[rows] = 0
         led.frontier[rows] = 0
         led.protected[rows] = 0
+        led.committed[rows] = 0
+        led.spec_steps[rows] = 0
         self.released[rows] = True
+
+    # ---- speculative decoding: commit, trim ------------------------------------------------
+    def commit(self, rows: np.ndarray, n_accepted) -> int:
+        """Resolve each row's oldest speculative step (size s): keep ``n_accepted[i] <= s`` of
+        its tokens, keep the next step still in flight (s2), trim the rest: C' = C + n,
+        L' = C' + s2. Returns the pages freed (FULL + SWA)."""
+        led = self.ledger
+        n = as_counts(n_accepted, len(rows), "commit accepted counts")
+        if (led.spec_steps[rows, 0] == 0).any():
+            i = int(np.flatnonzero(led.spec_steps[rows, 0] == 0)[0])
+            raise SpeculativeStateError(
+                f"commit: request {rows[i]} has no speculative step to commit "
+                "(decode(..., lookahead=k) makes one)")
+        oldest = led.spec_steps[rows, 0]
+        if (n > oldest).any():
+            i = int(np.flatnonzero(n > oldest)[0])
+            raise PositionError(f"commit: request {rows[i]}: {n[i]} tokens accepted of a "
+                                f"speculative step of {oldest[i]}")
+        committed = led.committed[rows] + n
+        later = led.spec_steps[rows, 1:]
+        freed = self._cut(rows, committed + later.sum(axis=1))
+        led.committed[rows] = committed
+        led.spec_steps[rows, :-1] = later
+        led.spec_steps[rows, -1] = 0
+        return freed
+
+    def trim(self, rows: np.ndarray, new_len) -> int:
+        """Cut each row to ``new_len[i]`` tokens (the general rollback): pages wholly past it
+        lose this row's references; C' = min(C, L'); the speculative steps are cut at L'.
+        Refused above L, and below ``f + W`` once the frontier f has moved. Returns the pages
+        freed (FULL + SWA)."""
+        led, window = self.ledger, self.config.sliding_window
+        new_len = as_positions(new_len, len(rows), "trim lengths")
+        length, frontier = led.seq_len[rows], led.frontier[rows]
+        if (new_len > length).any():
+            i = int(np.flatnonzero(new_len > length)[0])
+            raise PositionError(f"trim: request {rows[i]} holds {length[i]} tokens, cannot "
+                                f"trim to {new_len[i]} (a trim only shortens)")
+        low = (frontier > 0) & (new_len < frontier + window)
+        if low.any():
+            i = int(np.flatnonzero(low)[0])
+            raise FrontierError(
+                f"trim: request {rows[i]}: length {new_len[i]} is below frontier "
+                f"{frontier[i]} + window {window}: the window of the new length would need "
+                "SWA pages already evicted. Release the request instead (or load_back)")
+        freed = self._cut(rows, new_len)
+        committed = led.committed[rows]
+        keep = new_len - committed  # speculative tokens kept, cut step by step (oldest first)
+        steps = led.spec_steps[rows]
+        before = np.cumsum(steps, axis=1) - steps
+        led.spec_steps[rows] = np.clip(keep[:, None] - before, 0, steps)
+        led.committed[rows] = np.minimum(committed, new_len)
+        return freed
+
+    def _cut(self, rows: np.ndarray, new_len: np.ndarray) -> int:
+        """Set the rows' lengths to ``new_len`` (<= L): drop their references to the pages
+        wholly past it (pool mode; ring mode frees the FULL pages and clears their mapping,
+        the ring stays). Marks the rows ``cut`` (not fusable with their own allocation)."""
+        led, ps = self.ledger, self.config.page_size
+        lo, hi = _ceil_div(new_len, ps), _ceil_div(led.seq_len[rows], ps)
+        before = self.pages_freed["full"] + self.pages_freed["swa"]
+        if self.config.ring_mode:
+            self._add_release(rows, lo * ps, hi - lo, REL_FULL | REL_CLEAR)
+        else:
+            self._emit(*drop_actions(led.refs, rows, lo, hi, lo, hi))
+        led.seq_len[rows] = new_len
+        self.cut[rows] |= hi > lo
+        return self.pages_freed["full"] + self.pages_freed["swa"] - before
 
     def _emit(self, r: np.ndarray, k: np.ndarray, action: np.ndarray) -> int:
         """Release rows for freed pages ``(row, page index, action)`` in push order (from

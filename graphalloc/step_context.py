@@ -4,6 +4,7 @@
 
     with alloc.scheduler_step() as it:
         it.release(finished_rows)             # frees, in call order ...
+        it.commit(spec_rows, n_accepted)      # (speculative decoding; it.trim(rows, lens))
         it.evict(decoding_rows)               # (window rule; it.evict_all(), it.advance(...))
         it.drop_handle(h)                     # (it.drop_handle_swa(h))
         r = it.admit(handle=cached)           # ... admits (rows reserved at the call) ...
@@ -98,6 +99,15 @@ class StepContext:
         self.frees.append(lambda b, rows=rows, pos=new_frontier_pos: b.advance_frontier(
             b.live_rows(rows, "advance"), pos, "advance"))
 
+    def commit(self, rows, n_accepted) -> None:
+        """Speculative decoding: resolve each row's oldest speculative step (a free)."""
+        self.frees.append(lambda b, rows=rows, n=n_accepted: b.commit(
+            b.live_rows(rows, "commit"), n))
+
+    def trim(self, rows, new_len) -> None:
+        """Cut requests back to ``new_len`` tokens (a free)."""
+        self.frees.append(lambda b, rows=rows, n=new_len: b.trim(b.live_rows(rows, "trim"), n))
+
     def drop_handle(self, handle) -> None:
         self.frees.append(lambda b, h=handle: b.drop_handle(h))
 
@@ -118,8 +128,9 @@ class StepContext:
         self.admits.append((row, handle, n_tokens))
         return row
 
-    def decode(self, rows) -> StepSlots:
-        self.allocs.append(("decode", rows, None))
+    def decode(self, rows, lookahead=None) -> StepSlots:
+        """One token per row; ``lookahead=k``: ``1 + k`` speculative tokens per row."""
+        self.allocs.append(("decode", rows, lookahead))
         return StepSlots(self, len(self.allocs) - 1)
 
     def extend(self, rows, n_tokens) -> StepSlots:
@@ -140,9 +151,13 @@ class StepContext:
         for kind, rows, n in self.allocs:
             what = "alloc_decode" if kind == "decode" else "alloc_extend"
             arr = b.live_rows(rows, what) if not is_empty(rows) else np.zeros(0, np.int64)
-            n = np.ones(len(arr), dtype=np.int64) if kind == "decode" else as_counts(
-                n, len(arr), f"{what} token counts")
-            results.append((arr, b.extend(arr, n, what), n))
+            speculative = kind == "decode" and n is not None
+            if kind == "decode":
+                n = np.ones(len(arr), dtype=np.int64) if n is None else 1 + as_counts(
+                    n, len(arr), "lookahead")
+            else:
+                n = as_counts(n, len(arr), f"{what} token counts")
+            results.append((arr, b.extend(arr, n, what, speculative), n))
             self.parts.append((start, start + len(arr)))
             start += len(arr)
 

@@ -44,6 +44,7 @@ __all__ = [
     "BatchTooLargeError",
     "PendingStepError",
     "RingOverflowError",
+    "SpeculativeStateError",
     "StaleResultError",
     "StateError",
     "IntegrityError",
@@ -116,6 +117,12 @@ class StaleResultError(ContractError):
 
 class RingOverflowError(ContractError):
     """SWA ring mode: an allocation would reuse a ring page whose owner is still mapped."""
+
+
+class SpeculativeStateError(ContractError):
+    """Speculative decoding: a commit with no speculative step to resolve, a plain decode or
+    extend of a request whose speculative tail is not committed, or a third speculative step
+    in flight."""
 
 
 class StateError(ContractError):

@@ -47,8 +47,22 @@ Rules modelled (``ps`` page size, ``W`` window, ``R`` ring pages, L a length):
   maximal runs of consecutive positions with the same action; each run is split every
   ``max_pages_per_row`` pages into release rows (descriptor order: phase 1 then phase 2,
   rows in call order). take_handle and admit(handle) use no release rows.
-* a step runs release, evict, advance, decode, extend in this order: every push of a
-  step precedes every pop, so pages freed by a step are reused by it.
+* a step runs release, commit, trim, evict, advance, decode, extend in this order: every
+  push of a step precedes every pop, so pages freed by a step are reused by it.
+* speculative decoding: a request has a committed length C <= L; the positions
+  ``[C, L)`` are its speculative steps, oldest first, at most two. A decode with
+  lookahead k appends ``1 + k`` positions as one speculative step (refused when two are
+  in flight); a plain decode or extend of a request with speculative steps is refused
+  (kind ``spec``), otherwise it commits (C = L). ``commit(r, n)``: n <= the oldest step's
+  size (else ``position``; no step: ``spec``); C becomes C + n, the step is gone, the
+  request is cut to C + the later steps' sizes. ``trim(r, n)``: n <= L (``position``) and,
+  once the frontier f > 0, n >= f + W (``frontier``); the request is cut to n, C becomes
+  min(C, n), the steps are cut at n (oldest first). A cut to n drops the request's
+  references to the pages of ``[ceil(n / ps), ceil(L / ps))``, FULL and SWA (a partial page
+  stays), as one call. The window rule and every frontier move use C, not L: the window
+  rule is ``floor_page(max(old, C - W))`` and a frontier may not pass ``floor_page(C)``; a
+  handle takes at most C tokens. commit and trim inside a free group, or through a step
+  inside one, are refused (``nested``).
 * free_group: releases, handle drops (whole or SWA only), evictions and frontier
   advances are decided at the call, by the same rules as outside a block (the window
   rule on the length at the call; an advance validated against the frontier as the
@@ -86,6 +100,8 @@ RING = "ring"  # ring mode: more live pages than ring pages
 NESTED = "nested"  # nested free_group / release or evict through step() inside a group
 HANDLE = "handle"  # unknown or dropped handle (UnknownHandleError)
 SHARING = "sharing"  # a sharing call in ring mode (a ContractError)
+SPEC = "spec"  # speculative state: nothing to commit, a tail blocks a plain allocation,
+# a third step in flight (a ContractError)
 
 # Actions of a page whose references a call drops.
 ACT_FULL = "full"  # FULL count reached 0, no SWA page any more
@@ -119,6 +135,8 @@ class Req:
         self.slots = [p * ps + o for p in self.pages for o in range(ps)]
         self.frontier = frontier
         self.ring: list[int] = []
+        self.committed = len(self.slots)  # C: the rest, [C, L), is speculative
+        self.spec: list[int] = []  # sizes of the speculative steps in flight, oldest first
 
     @property
     def length(self) -> int:
@@ -378,7 +396,7 @@ class Model:
             n = int(n_tokens)
             if n % self.ps:
                 kinds.add(ALIGNMENT)
-            if n <= 0 or (r is not None and n > self.reqs[r].length):
+            if n <= 0 or (r is not None and n > self.reqs[r].committed):
                 kinds.add(POSITION)
         free = [h for h in range(self.max_handles)
                 if h not in self.handles and h not in self.pending_handles]
@@ -435,13 +453,17 @@ class Model:
         return sorted(self.handles)
 
     def step(self, release=(), evict=None, evict_all=False, advance=None, decode=(),
-             extend=None):
+             extend=None, commit=None, trim=None, lookahead=None):
         """``evict``: None / rows; ``evict_all``: every live request; ``advance``: (rows, new
-        frontiers) or None; ``extend``: (rows, n_tokens) or None. Order: release, evict,
-        advance, decode, extend. Returns the allocation results ``[(row, full_slots,
-        swa_slots)]`` (decode rows first) or None when nothing allocates."""
+        frontiers) or None; ``extend``: (rows, n_tokens) or None; ``commit``: (rows,
+        n_accepted); ``trim``: (rows, new_lens); ``lookahead``: None, an int or one per
+        decode row. Order: release, commit, trim, evict, advance, decode, extend. Returns the
+        allocation results ``[(row, full_slots, swa_slots)]`` (decode rows first) or None when
+        nothing allocates."""
         release = [] if release is None else release
         decode = [] if decode is None else decode
+        if self.group is not None and (commit is not None or trim is not None):
+            raise Violation({NESTED})
         if self.group is not None and (list(release) or evict_all or (evict is not None and
                                                                       list(evict))
                                        or advance is not None):
@@ -450,6 +472,10 @@ class Model:
         rel_rows: list = []
         results = None
         rel_rows += work._release(work._rows(release))
+        if commit is not None:
+            rel_rows += work._commit(work._rows(commit[0]), list(commit[1]))
+        if trim is not None:
+            rel_rows += work._trim(work._rows(trim[0]), list(trim[1]))
         if evict_all or evict is not None:
             rows = sorted(work.reqs) if evict_all else work._rows(evict)
             rel_rows += work._advance(rows, [work.window_frontier(r) for r in rows])
@@ -459,8 +485,17 @@ class Model:
         alloc_rows: list = []
         if list(decode):
             rows = work._rows(decode)
-            results = (results or []) + work._extend(rows, [1] * len(rows), allocated,
-                                                     alloc_rows)
+            if lookahead is None:
+                n = [1] * len(rows)
+            else:
+                ks = [lookahead] * len(rows) if _is_int(lookahead) else list(lookahead)
+                if len(ks) != len(rows) or not all(_is_int(k) and k >= 0 for k in ks):
+                    raise Violation({POSITION})
+                n = [1 + int(k) for k in ks]
+            results = (results or []) + work._extend(rows, n, allocated, alloc_rows,
+                                                     speculative=lookahead is not None)
+        elif lookahead is not None:
+            raise Violation({SPEC})
         if extend is not None:
             rows = work._rows(extend[0])
             results = (results or []) + work._extend(rows, list(extend[1]), allocated,
@@ -502,8 +537,14 @@ class Model:
     def alloc_extend(self, rows, n_tokens):
         return self.step(extend=(rows, n_tokens))
 
-    def alloc_decode(self, rows):
-        return self.step(decode=rows)
+    def alloc_decode(self, rows, lookahead=None):
+        return self.step(decode=rows, lookahead=lookahead)
+
+    def commit(self, rows, n_accepted) -> None:
+        self.step(commit=(rows, n_accepted))
+
+    def trim(self, rows, new_lens) -> None:
+        self.step(trim=(rows, new_lens))
 
     # ---- free_group ------------------------------------------------------------------------
     def open_group(self) -> None:
@@ -533,7 +574,7 @@ class Model:
     # ---- rules -----------------------------------------------------------------------------
     def window_frontier(self, row: int) -> int:
         req, ps = self.reqs[row], self.ps
-        return max(req.frontier, max(req.length - self.window, 0) // ps * ps)
+        return max(req.frontier, max(req.committed - self.window, 0) // ps * ps)
 
     def _check_advance(self, rows, new_pos, current) -> None:
         kinds = set()
@@ -544,7 +585,7 @@ class Model:
                 kinds.add(ALIGNMENT)
             if p < cur:
                 kinds.add(FRONTIER)
-            if p > self.reqs[r].length // self.ps * self.ps:
+            if p > self.reqs[r].committed // self.ps * self.ps:
                 kinds.add(POSITION)
         if kinds:
             raise Violation(kinds)
@@ -588,7 +629,8 @@ class Model:
             del self.reqs[r]
         return segs
 
-    def _extend(self, rows, n_tokens, allocated: set, alloc_rows: list) -> list:
+    def _extend(self, rows, n_tokens, allocated: set, alloc_rows: list,
+                speculative: bool = False) -> list:
         ps, kinds = self.ps, set()
         n_tokens = list(n_tokens)
         if len(n_tokens) != len(rows):
@@ -601,6 +643,8 @@ class Model:
             req = self.reqs[r]
             if r in allocated:
                 kinds.add(OVERLAP)
+            if (len(req.spec) >= 2) if speculative else bool(req.spec):
+                kinds.add(SPEC)
             end = req.length + n
             if end > self.max_ctx:
                 kinds.add(POSITION)
@@ -634,10 +678,73 @@ class Model:
                 full_slots.append(req.pages[p] * ps + off)
                 swa_slots.append(swa_page * ps + off)
             allocated.add(r)
+            if speculative:
+                req.spec.append(n)
+            else:
+                req.committed = req.length
             if n > 0:
                 alloc_rows.append(n)
             out.append((r, full_slots, swa_slots))
         return out
+
+    def _commit(self, rows, n_accepted) -> list:
+        """Resolve each row's oldest speculative step; returns the release segments."""
+        if len(n_accepted) != len(rows):
+            raise Violation({POSITION})
+        kinds = set()
+        for r, n in zip(rows, n_accepted, strict=True):
+            req = self.reqs[r]
+            if not req.spec:
+                kinds.add(SPEC)
+            elif not _is_int(n) or not 0 <= n <= req.spec[0]:
+                kinds.add(POSITION)
+        if kinds:
+            raise Violation(kinds)
+        cuts = []
+        for r, n in zip(rows, n_accepted, strict=True):
+            req = self.reqs[r]
+            req.committed += int(n)
+            req.spec = req.spec[1:]
+            cuts.append(req.committed + sum(req.spec))
+        return self._cut(rows, cuts)
+
+    def _trim(self, rows, new_lens) -> list:
+        if len(new_lens) != len(rows):
+            raise Violation({POSITION})
+        kinds = set()
+        for r, n in zip(rows, new_lens, strict=True):
+            req = self.reqs[r]
+            if not _is_int(n) or not 0 <= n <= req.length:
+                kinds.add(POSITION)
+            elif req.frontier > 0 and n < req.frontier + self.window:
+                kinds.add(FRONTIER)
+        if kinds:
+            raise Violation(kinds)
+        for r, n in zip(rows, new_lens, strict=True):
+            req = self.reqs[r]
+            keep, steps = int(n) - req.committed, []
+            for size in req.spec:  # the speculative steps cut at n, oldest first
+                if keep > 0:
+                    steps.append(min(size, keep))
+                keep -= size
+            req.spec = steps
+            req.committed = min(req.committed, int(n))
+        return self._cut(rows, [int(n) for n in new_lens])
+
+    def _cut(self, rows, new_lens) -> list:
+        """One call: each row drops its references to the pages wholly past its new length
+        (FULL and SWA; ring mode: FULL, the mapping cleared). Returns the release segments."""
+        ps, items = self.ps, []
+        for r, n in zip(rows, new_lens, strict=True):
+            req = self.reqs[r]
+            lo, hi = ceil_div(n, ps), len(req.pages)
+            items.append((req.pages, lo, hi, hi if self.ring_mode else lo, hi))
+        segs = self._drop(items)
+        for r, n in zip(rows, new_lens, strict=True):
+            req = self.reqs[r]
+            del req.pages[ceil_div(n, ps):]
+            del req.slots[n:]
+        return segs
 
     def _check_shape(self, rel_segs: list, alloc_tokens: list) -> None:
         n_rows = sum(self._segments(n) for n in rel_segs)

@@ -14,6 +14,13 @@ page 0 never handed out), page density of the mapping, and page-aligned monotone
 frontiers. An operation the model refuses must raise the matching typed error with the
 snapshot and stats unchanged. Ring-mode configurations refuse every sharing call with
 a ContractError, nothing changed.
+
+Speculative decoding is interleaved with all of it: decodes with lookahead (one k for
+the batch or one per row; two steps in flight, a third refused), commits of any accepted
+count (all rejected, all accepted, one past the step: refused), trims (to a page
+boundary, across one, below the frontier plus the window: refused), and the typical
+round as one step (commit, evict, then the next lookahead decode); committed lengths and
+speculative tails are compared with the model after every rule.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from model import (
     POSITION,
     RING,
     SHARING,
+    SPEC,
     UNKNOWN,
     Model,
     Violation,
@@ -65,6 +73,7 @@ ERRORS = {
     NESTED: E.NestedGroupError,
     HANDLE: E.UnknownHandleError,
     SHARING: E.ContractError,  # ring mode: every sharing call is refused
+    SPEC: E.SpeculativeStateError,
 }
 
 I32, I64 = torch.int32, torch.int64
@@ -319,6 +328,43 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.apply(lambda m: m.advance_frontier(rows, pos),
                    lambda a: a.advance_frontier(rows, pos))
 
+    def spec_rows(self, idx, bad=None) -> list[int]:
+        """Rows with speculative steps in flight (any live rows when there are none)."""
+        spec = [r for r, q in sorted(self.model.reqs.items()) if q.spec]
+        if not spec or bad is not None:
+            return self.rows_from(idx, bad)
+        return list(dict.fromkeys(spec[i % len(spec)] for i in idx))
+
+    def accepted(self, rows, codes) -> list[int]:
+        """Accepted counts: mostly within the oldest step (0 and all of it included), now
+        and then one past it."""
+        out = []
+        for i, r in enumerate(rows):
+            q = self.model.reqs.get(r)
+            size = q.spec[0] if q is not None and q.spec else 1
+            kind, v = codes[i % len(codes)] if codes else (0, 0)
+            out.append(size + 1 if kind == 3 and v % 2 else [0, size, v % (size + 1)][kind % 3])
+        return out
+
+    def trim_targets(self, rows, codes) -> list[int]:
+        """Trim lengths: a few tokens back, to a page boundary, to the committed length, or
+        just below the frontier plus the window (refused once the frontier moved)."""
+        out = []
+        for i, r in enumerate(rows):
+            q = self.model.reqs.get(r)
+            length = q.length if q is not None else 0
+            kind, v = codes[i % len(codes)] if codes else (0, 0)
+            if kind == 0:
+                out.append(max(length - v % 4, 0))
+            elif kind == 1:
+                out.append(max(length - 1, 0) // self.ps * self.ps)
+            elif kind == 2:
+                out.append(q.committed if q is not None else 0)
+            else:
+                f = q.frontier if q is not None else 0
+                out.append(max(f + self.cfg.sliding_window - 1, 0))
+        return out
+
     def do_release(self, idx, bad):
         rows = self.rows_from(idx, bad)
         rows_in = self.form(rows, len(idx) + 1)
@@ -385,6 +431,40 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(idx=picks, codes=st.lists(codes, max_size=4))
     def extend_valid_rows(self, idx, codes):  # a second allocating rule: pools fill up
         self.do_extend(idx, codes, None)
+
+    @rule(idx=picks, k=st.integers(0, 3), per_row=st.booleans(), bad=badness)
+    def spec_decode(self, idx, k, per_row, bad):
+        rows = self.spec_rows(idx, bad) if k % 2 else self.rows_from(idx, bad)
+        look = [(k + i) % 3 for i in range(len(rows))] if per_row else k
+        rows_in = self.form(rows, len(idx))
+        self.compare_result(*self.apply(lambda m: m.alloc_decode(rows, lookahead=look),
+                                        lambda a: a.alloc_decode(rows_in, lookahead=look)))
+
+    @rule(idx=picks, codes=st.lists(codes, max_size=3), bad=badness)
+    def commit(self, idx, codes, bad):
+        rows = self.spec_rows(idx, bad)
+        n = self.accepted(rows, codes)
+        self.apply(lambda m: m.commit(rows, n), lambda a: a.commit(rows, n))
+
+    @rule(idx=picks, codes=st.lists(codes, max_size=3), bad=badness)
+    def trim(self, idx, codes, bad):
+        rows = self.spec_rows(idx, bad)
+        n = self.trim_targets(rows, codes)
+        self.apply(lambda m: m.trim(rows, n), lambda a: a.trim(rows, n))
+
+    @rule(idx=picks, codes=st.lists(codes, max_size=3), k=st.integers(0, 2),
+          evict=st.booleans(), overlap=st.booleans())
+    def spec_round(self, idx, codes, k, evict, overlap):
+        """The engine's round as one step: commit the oldest step's accepted counts, evict by
+        the committed window, draft the next step (with overlap: draft first, commit in the
+        step after)."""
+        rows = [r for r in self.spec_rows(idx) if self.model.reqs[r].spec] or self.rows_from(idx)
+        n = self.accepted(rows, codes)
+        commit = None if overlap or not any(self.model.reqs[r].spec for r in rows) else (rows, n)
+        ev = rows if evict else None
+        self.compare_result(*self.apply(
+            lambda m: m.step(commit=commit, evict=ev, decode=rows, lookahead=k),
+            lambda a: a.step(commit=commit, evict=ev, decode=rows, lookahead=k)))
 
     @rule(idx=picks, all_rows=st.booleans(), bad=badness)
     def evict(self, idx, all_rows, bad):
@@ -576,6 +656,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert stats["live_requests"] == len(m.reqs)
         assert stats["seq_len"] == {r: q.length for r, q in m.reqs.items()}
         assert stats["frontier"] == {r: q.frontier for r, q in m.reqs.items()}
+        for r, q in m.reqs.items():  # speculative decoding: committed length and tail
+            assert (a.committed_len(r), a.spec_len(r)) == (q.committed, sum(q.spec)), r
+            spec = a.ledger.spec_steps[r]
+            assert [int(x) for x in spec if x] == q.spec, r
         assert stats["steps_run"] == m.steps
 
         # free rings, in FIFO order from the head
