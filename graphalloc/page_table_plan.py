@@ -161,7 +161,7 @@ def _as_int_array(x, name: str) -> np.ndarray:
 
 
 def plan_page_table_rows(rows, seq_len, frontier, spec: PageTableSpec,
-                         out: np.ndarray | None = None) -> PageTablePlan:
+                         out: np.ndarray | None = None, query_lens=None) -> PageTablePlan:
     """Plan lane rows: a pure function of ``(rows, seq_len, frontier, spec)``.
 
     ``rows`` ``[n]``, n <= B: request row per lane, in lane order (entries < 0 are padding;
@@ -170,7 +170,11 @@ def plan_page_table_rows(rows, seq_len, frontier, spec: PageTableSpec,
     lengths the attention reads (after this step's allocation). ``frontier`` may be
     ``None`` when ``"swa"`` is not in ``spec.layers``. ``out``: an int64 ``[B, 8]`` array
     (a pinned buffer's numpy view) that receives the rows; a new one when omitted.
-    Vectorised (about 35 numpy calls, none per lane); raises a
+    ``query_lens`` ``[n]`` (optional, default 1 per lane): the lane's query tokens, the last
+    q positions of ``[0, L)`` -- a speculative verify of ``1 + k`` tokens, a prefill chunk.
+    The SWA range must serve the lane's first query too: its window starts at
+    ``max(f, L - (q - 1) - W, 0)`` (the first query, at length ``L - q + 1``, reads from
+    ``L - q + 1 - W``). Vectorised (about 35 numpy calls, none per lane); raises a
     :class:`~graphalloc.errors.ContractError` naming the first bad lane, with ``out``
     untouched, when a lane breaks a contract.
     """
@@ -216,7 +220,17 @@ def plan_page_table_rows(rows, seq_len, frontier, spec: PageTableSpec,
     np.add(L, ps - 1, out=end)
     np.floor_divide(end, ps, out=end)  # ceil(L / ps)
     lo = L - W
-    np.maximum(lo, 0, out=lo)  # the window's start, max(L - W, 0)
+    if query_lens is not None:  # the first of q query tokens reads from L - (q - 1) - W
+        q = _as_int_array(query_lens, "query_lens")
+        if len(q) != n:
+            raise TensorSpecError(f"query_lens has {len(q)} entries for {n} lanes")
+        bad = (lane_rows[:n] >= 0) & ((q < 1) | (q > np.maximum(L[:n], 1)))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise PositionError(f"lane {i} (request {lane_rows[i]}): query_lens {q[i]} must "
+                                f"be in [1, length {L[i]}]")
+        lo[:n] -= np.where(lane_rows[:n] >= 0, q - 1, 0)
+    np.maximum(lo, 0, out=lo)  # the window's start, max(L - (q - 1) - W, 0)
     clipped = f > lo
     window_start = cols[PT_WINDOW_START]
     np.maximum(lo, f, out=window_start)

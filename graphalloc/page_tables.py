@@ -237,17 +237,19 @@ class PageTables:
                 if getattr(self, n + "_buf") is not None}
 
     # ---- host half ------------------------------------------------------------------
-    def plan(self, rows, seq_len, frontier) -> PlannedPageTables:
+    def plan(self, rows, seq_len, frontier, query_lens=None) -> PlannedPageTables:
         """Plan the batch (see :func:`plan_page_table_rows` for the arguments and the
-        refusals) and write its rows and host copies into the next ring buffer. Host only;
-        nothing is written when a contract is broken."""
+        refusals; ``query_lens``: query tokens per lane, e.g. ``1 + k`` for a speculative
+        verify, default 1) and write its rows and host copies into the next ring buffer.
+        Host only; nothing is written when a contract is broken."""
         if self._pending is not None:
             raise PendingStepError(
                 f"page tables planned into buffer {self._pending.buffer_index} were not "
                 "submitted: call mark_submitted(p) after launching (or run(p)) before the "
                 "next plan()")
         i = self._acquire()  # before planning into buffer i: the device is done with it
-        p = plan_page_table_rows(rows, seq_len, frontier, self.spec, out=self._table_np[i])
+        p = plan_page_table_rows(rows, seq_len, frontier, self.spec, out=self._table_np[i],
+                                 query_lens=query_lens)
         host_np = self._host_np
 
         def put(name, values):

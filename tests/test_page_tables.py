@@ -409,3 +409,29 @@ def test_graph_replay_on_cuda_never_syncs():
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
         check_tables(pt, p, snap, cfg.pages_per_request)
+
+
+def test_query_lens_widen_the_swa_range_for_a_multi_token_verify():
+    """A lane verifying q tokens: its SWA range starts at the window of its FIRST query,
+    ``max(f, L - (q - 1) - W)``; the FULL range and the last page are the lane's length's."""
+    ps, W = 4, 6
+    spec = PageTableSpec(max_batch=4, page_size=ps, sliding_window=W, max_context_len=64,
+                         layers=("full", "swa"), forms=("csr",))
+    seq_len = np.array([30, 30, 9, 0], dtype=np.int64)
+    frontier = np.array([16, 20, 0, 0], dtype=np.int64)
+    rows, q = np.array([0, 1, 2]), np.array([5, 5, 1])
+    one = plan_page_table_rows(rows, seq_len, frontier, spec)
+    many = plan_page_table_rows(rows, seq_len, frontier, spec, query_lens=q)
+    expect = np.maximum(np.maximum(seq_len[rows] - (q - 1) - W, 0), frontier[rows])
+    assert many.window_start[:3].tolist() == expect.tolist() == [20, 20, 3]
+    assert one.window_start[:3].tolist() == [24, 24, 3]
+    assert (many.swa_first[:3] == expect // ps).all()
+    assert (many.full_indptr == one.full_indptr).all()
+    assert (many.last_page_len == one.last_page_len).all()
+    assert many.swa_indptr[-1] - one.swa_indptr[-1] == 2  # rows 0 and 1: one more page each
+    with pytest.raises(ga.errors.PositionError):
+        plan_page_table_rows(rows, seq_len, frontier, spec, query_lens=[31, 1, 1])
+    with pytest.raises(ga.errors.PositionError):
+        plan_page_table_rows(rows, seq_len, frontier, spec, query_lens=[0, 1, 1])
+    with pytest.raises(ga.errors.TensorSpecError):
+        plan_page_table_rows(rows, seq_len, frontier, spec, query_lens=[1, 1])
