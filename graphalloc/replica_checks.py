@@ -7,9 +7,10 @@ by itself.
 
 **Consistency check.** Every ``digest_every`` steps each rank records a digest row:
 ``step``, ``planned_step`` (broadcast: the step number the planner put in the
-payload), ``ledger`` (64-bit BLAKE2b of the host ledger arrays and ring counts) and
-one 64-bit digest per device table of ``DeviceState.tables()`` (mapping, free rings,
-``req_to_token``, ring pages, error word). A table digest is
+payload), the host digests by part (``ledger``, ``spec``, ``handles``, ``refs``,
+``pages``, ``cache``: 64-bit BLAKE2b each, see :func:`graphalloc.state_digest.host_digests`)
+and one 64-bit digest per device table of ``DeviceState.tables()`` (mapping, free rings,
+``req_to_token``, ring pages, error word, handle rows). A table digest is
 ``sum_r w_r * sum_c w_c * x[r, c]`` in wrapping int64 arithmetic with odd pseudo-random
 position weights, computed by Torch ops into a preallocated buffer (captured as one
 CUDA graph on a GPU): no sync, and integer wrapping sums are exact and
@@ -26,7 +27,7 @@ every rank raises the same :class:`~graphalloc.errors.ReplicaDivergenceError`.
 * :func:`check_same_setup`: the construction-time comparison of the ranks'
   configurations and wrapper options.
 
-The digest itself and the ledger digest live in :mod:`graphalloc.state_digest`.
+The digests themselves live in :mod:`graphalloc.state_digest`.
 """
 
 from __future__ import annotations
@@ -39,14 +40,15 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigError, ReplicaDivergenceError
-from .state_digest import META_LEDGER, META_STEP, StateDigest
+from .state_digest import HOST_PARTS, META_STEP, StateDigest
 
 __all__ = ["DigestHistory", "first_divergence", "check_same_setup", "COL_STEP",
            "COL_PLANNED_STEP", "COL_LEDGER"]
 
-# Columns of a digest row; the table digests follow.
+# Columns of a digest row: step, planned step, the host digests (HOST_PARTS order, the
+# first being "ledger"), then the table digests.
 COL_STEP, COL_PLANNED_STEP, COL_LEDGER = 0, 1, 2
-_N_HEAD_COLS = 3
+_N_HEAD_COLS = COL_LEDGER + len(HOST_PARTS)
 
 
 class DigestHistory:
@@ -54,15 +56,17 @@ class DigestHistory:
 
     Allocated once, updated in place only (graphs hold their addresses)::
 
-        digest_buf  int64 [3 + n_tables]           device  the latest digest row
-        hist_buf    int64 [n_rows, 3 + n_tables]   device  digest rows since the check
-        _host_hist  int64 [n_rows, 3 + n_tables]   host    the values the host knows
-        _host_cols  bool  [n_rows, 3 + n_tables]   host    which values come from the host
+        digest_buf  int64 [n_cols]             device  the latest digest row
+        hist_buf    int64 [n_rows, n_cols]     device  digest rows since the check
+        _host_hist  int64 [n_rows, n_cols]     host    the values the host knows
+        _host_cols  bool  [n_rows, n_cols]     host    which values come from the host
 
-    ``n_rows = check_every // digest_every + 1`` (the extra row for ``check()``). A row's
-    ``step`` always comes from the host; ``planned_step`` and ``ledger`` from the host on
-    a rank that knows its ledger, else (broadcast mode) from the payload's meta row as
-    the planner sent it; the table digests from the device. :meth:`gather` merges the two.
+    ``n_cols = 2 + len(HOST_PARTS) + n_tables``; ``n_rows = check_every // digest_every +
+    1`` (the extra row for ``check()``). A row's ``step`` always comes from the host;
+    ``planned_step`` and the host digests from the host on a rank that knows its ledger,
+    else (broadcast mode) from the payload's meta row as the planner sent it (a follower
+    replaces them by its own at a check: :meth:`set_host`); the table digests from the
+    device. :meth:`gather` merges the two.
 
     Args:
         tables: the device tables to digest (``DeviceState.tables()``: name -> tensor).
@@ -75,7 +79,7 @@ class DigestHistory:
     def __init__(self, tables: dict[str, torch.Tensor], device: torch.device, n_rows: int,
                  planned_meta: torch.Tensor | None = None):
         self.digest = StateDigest(tables)
-        self.columns = ["step", "planned_step", "ledger", *self.digest.names]
+        self.columns = ["step", "planned_step", *HOST_PARTS, *self.digest.names]
         n_cols = len(self.columns)
         self.device = device
         self.planned_meta = planned_meta
@@ -88,29 +92,39 @@ class DigestHistory:
     def compute(self) -> None:
         """The current digest row into ``digest_buf``: device ops only, no sync (the
         wrapper captures this as its digest graph)."""
-        if self.planned_meta is not None:  # what the planner said: its step and ledger
-            self.digest_buf[COL_PLANNED_STEP:COL_LEDGER + 1].copy_(
-                self.planned_meta[META_STEP:META_LEDGER + 1])
+        if self.planned_meta is not None:  # what the planner said: its step and digests
+            self.digest_buf[COL_PLANNED_STEP:_N_HEAD_COLS].copy_(
+                self.planned_meta[META_STEP:META_STEP + _N_HEAD_COLS - COL_PLANNED_STEP])
         self.digest.compute(self.digest_buf[_N_HEAD_COLS:])
 
-    def record(self, step: int, ledger: int | None, graph=None) -> None:
-        """Append the row of ``step``: ``ledger`` is the host ledger's digest on a rank that
-        knows it (``None``: a broadcast follower, whose row carries the planner's);
-        ``graph``, when given, is the capture of :meth:`compute` and is replayed instead."""
+    def record(self, step: int, host: dict[str, int] | None, graph=None) -> None:
+        """Append the row of ``step``: ``host`` holds the host digests by part on a rank that
+        knows its ledger (``None``: a broadcast rank, whose row carries the planner's from
+        the payload); ``graph``, when given, is the capture of :meth:`compute` and is
+        replayed instead."""
         row = self.n_recorded
         self.n_recorded += 1
         self._host_hist[row, COL_STEP] = step
         self._host_cols[row] = False
         self._host_cols[row, COL_STEP] = True
-        if ledger is not None:
+        if host is not None:
             self._host_hist[row, COL_PLANNED_STEP] = step
-            self._host_hist[row, COL_LEDGER] = ledger
-            self._host_cols[row, COL_PLANNED_STEP:COL_LEDGER + 1] = True
+            self._host_cols[row, COL_PLANNED_STEP] = True
+            self.set_host(host)
         if graph is not None:
             graph.replay()
         else:
             self.compute()
         self.hist_buf[row].copy_(self.digest_buf)
+
+    def set_host(self, host: dict[str, int]) -> None:
+        """Replace host digests of the latest row by these (by part name; parts not given
+        keep their values)."""
+        row = self.n_recorded - 1
+        for name, value in host.items():
+            col = COL_LEDGER + HOST_PARTS.index(name)
+            self._host_hist[row, col] = value
+            self._host_cols[row, col] = True
 
     def covers(self, step: int) -> bool:
         """Whether the latest recorded row is that of ``step``."""
@@ -131,14 +145,15 @@ class DigestHistory:
         self.n_recorded = 0
         return table
 
-    def current(self, step: int, ledger: int) -> dict[str, int]:
-        """This rank's digest row of its current state, by column name (reads the device:
-        call under ``sync_allowed``; records nothing)."""
+    def current(self, step: int, host: dict[str, int]) -> dict[str, int]:
+        """This rank's digest row of its current state, by column name: ``host`` the host
+        digests by part (reads the device: call under ``sync_allowed``; records nothing)."""
         self.digest.compute(self.digest_buf[_N_HEAD_COLS:])
         values = self.digest_buf.cpu().tolist()  # sync ok: explicit inspection
         values[COL_STEP] = values[COL_PLANNED_STEP] = step
-        values[COL_LEDGER] = ledger
-        return dict(zip(self.columns, values, strict=True))
+        row = dict(zip(self.columns, values, strict=True))
+        row.update(host)
+        return row
 
 
 def first_divergence(table: np.ndarray, columns: list[str], global_ranks: list[int],

@@ -9,25 +9,59 @@ allocators, NCCL for CUDA ones, one process per GPU; no other transport):
 ``mode="replicated"`` (SGLang style)
     Every rank runs the same deterministic scheduler and plans every step itself.
     Host planning is a pure function of its inputs and the ledger: numpy only,
-    nothing iterates a dict or set, hashes a string or reads a clock to decide
-    anything (``tests/test_replicas.py`` proves it byte for byte across
-    ``PYTHONHASHSEED`` values). No collective per step.
+    nothing iterates a dict or set out of insertion order, hashes a string with
+    Python's ``hash`` or reads a clock to decide anything (``tests/test_replicas.py``
+    proves it byte for byte across ``PYTHONHASHSEED`` values). No collective per step.
+    Each rank may have its own prefix cache (deterministic keys and LRU).
 
 ``mode="broadcast"`` (vLLM style)
-    One planner rank (``src``) plans; each device step's *payload* is broadcast
-    and the followers only replay it. The payload is one fixed-shape int64 tensor
-    on the allocator's device::
+    One planner rank (``src``) plans; each device step's *payload* is broadcast and the
+    followers replay it. The payload is one fixed-shape int64 tensor on the allocator's
+    device, the same every step::
 
-        rows [0, max_release_rows)                  release rows   (the step descriptor,
-        rows [max_release_rows, + max_alloc_rows)   allocation rows  see graphalloc.kernels.abi)
-        row  n_desc                                 meta: step, ledger digest, ring heads/counts
-        rows (n_desc, n_desc + n_ledger_rows)       the planner's ledger: live, seq_len,
-                                                    frontier, protected (max_reqs each)
+        rows [0, max_release_rows)              release rows   (the step descriptor,
+        rows [max_release_rows, + max_alloc_rows) allocation rows  see graphalloc.kernels.abi)
+        rows n_desc, n_desc + 1                 meta: step, the planner's host digests,
+                                                ring heads and counts, steps_run
+        rows n_desc + 2 ..                      the planner's ledger: every request array
+                                                (live, seq_len, frontier, committed,
+                                                spec_steps, ...) and every handle array
+                                                (h_live, h_len, h_swa_start)
 
-    On every rank, the planner included, the step kernels read the descriptor from
-    this device tensor (the kernels take any tensor), so a follower never copies it
-    to the host: its per-step work is the collective plus one graph replay, and its
-    host never waits on anything but the collective call itself.
+    (layout: :mod:`graphalloc.state_digest`). On every rank, the planner included, the
+    step kernels read the descriptor from this device tensor, so a follower never copies
+    it to the host: its per-step work is the collective plus one replay.
+
+**What a follower carries, and why this way.** Everything a step can contain reaches the
+device as descriptor rows (releases and evictions, commits and trims, allocation,
+``AL_COPY`` rows of handles and of admits on a handle, ``AL_SWA_ONLY`` rows of
+``load_back``, the prefix cache's in-step evictions), so replaying the descriptor gives a
+follower the planner's device tables exactly. Its host ledger is the planner's, rebuilt
+lazily: at every consistency check (and :meth:`ReplicatedAllocator.sync_ledger`) the
+follower unpacks the ledger arrays of the latest payload -- handles, committed lengths and
+speculative steps included -- and rebuilds the page mirror (``page_of``, ``swa_of``, the
+ring contents) from its own device tables and the reference counts from the holders
+(:func:`~graphalloc.state_digest.rebuild_page_refs`). The result is installed only when
+its host digests equal the ones the planner packed for that step; otherwise the follower
+keeps its previous ledger and the check names it. The two alternatives were rejected:
+
+* *ledger deltas in the payload*: the page mirror's change in one step is not bounded by a
+  small fixed size -- an admit on a handle references up to ``pages_per_request`` pages,
+  a release of long shared requests drops ``max_reqs x pages_per_request`` references --
+  so a fixed-size message would have to be sized for the whole mirror,
+  ``O((max_reqs + max_handles) x pages_per_request)`` every step;
+* *the step's arguments, replanned by every follower*: a follower would then plan on its
+  host every step, which needs the arguments on its host (under NCCL the broadcast lands
+  in GPU memory: a device-to-host wait per step), an encoding of variable call lists
+  (``scheduler_step`` blocks) in a fixed size, and the prefix cache's decisions, which
+  depend on token ids only the planner's scheduler has.
+
+With descriptor replay a follower never refuses what the planner ran (the planner
+broadcasts only steps it planned; a refused call broadcasts an empty step), and it commits
+host state only after that state's digests matched the planner's. Between checks a
+follower's ``alloc.ledger`` is the one of the last check; call :meth:`sync_ledger` before
+promoting it or reading its queries. A follower holds no prefix cache (the planner's
+decides); its host parts ``ledger, spec, handles, refs, pages`` are its own at a check.
 
 Per device step, for the planner and a follower (broadcast mode)::
 
@@ -44,49 +78,64 @@ The planner's header buffer ``i`` is guarded by descriptor buffer ``i``'s ring e
 (``DescriptorRing``): the ring never hands buffer ``i`` out again before the copies
 reading it have run, so the planner does not wait either.
 
-**Followers' host ledger.** A follower never plans, so its ``alloc.ledger`` is a
-copy: :meth:`ReplicatedAllocator.sync_ledger` unpacks the ledger of the latest
-payload (a device read) and verifies its digest. It runs at every consistency check,
-so a follower's ledger is the planner's as of the last checked step; call it before
-promoting a follower to planner or reading its ``stats()``.
-
-**Consistency check.** Every ``digest_every`` steps each rank records a digest row of
-its ledger and device tables; every ``check_every`` steps the rows are all-gathered and
-compared, and every rank raises the same
+**Consistency check.** Every ``digest_every`` steps each rank records a digest row -- the
+host digests by part (``ledger``, ``spec``, ``handles``, ``refs``, ``pages``, ``cache``)
+and one digest per device table -- and every ``check_every`` steps the rows are
+all-gathered and compared; every rank raises the same
 :class:`~graphalloc.errors.ReplicaDivergenceError` naming the first differing step, rank
-and fields. The digest row, its history and the verdict: :mod:`graphalloc.replica_checks`.
+and fields (:mod:`graphalloc.replica_checks`). In replicated mode a rank whose host state
+diverges is named at the step it diverged (``digest_every=1``); in broadcast mode the
+device tables are named at the exact step and a follower's rebuilt host state at the
+check.
 
-**Lockstep rule.** Collectives must pair up, so every rank issues the same sequence
-of device steps: each :meth:`~ReplicatedAllocator.step` is exactly one device step,
-and so is :meth:`~ReplicatedAllocator.admit` in SWA ring mode (pool-mode admits are
-host-only). A call refused with a :class:`~graphalloc.errors.ContractError` still
-runs an empty step, then re-raises, so a refusal on one rank never leaves the
-others waiting in a collective; the divergence, if any, is reported by the check.
-Followers call the same wrapper methods as the planner, without arguments (given
-ones are ignored: the planner's decisions are the only ones). A planner that calls
-the wrapped allocator directly (``release``, ``evict_window``, ``free_group``...)
-issues one collective per device step it runs; its followers call :meth:`follow`
-once for each.
+**Lockstep rule.** Collectives must pair up, so every wrapper operation is a fixed number
+of device steps on every rank, whatever its arguments and whether it succeeds:
 
-Costs (per step): replicated: one digest (one read of every table, plus a write of
-an int64 scratch of the largest table) and a BLAKE2b of ``4 * max_reqs`` int64;
-broadcast: two async H2D copies on the planner and one broadcast of
-``(n_desc + 1 + ceil(max_reqs / 2)) * 64`` bytes, plus the digest. ``check_every=0``
-turns digests off (``check()`` then compares the current state only). Construction
-synchronises (it captures graphs and runs an initial check, inside ``sync_allowed``).
+====================================================================  ===================
+operation (planner: the allocator's method of that name)              device steps
+====================================================================  ===================
+``step``, ``try_step``, ``release``, ``commit``, ``trim``,            1
+``evict_window``, ``advance_frontier``, ``alloc_extend``,
+``alloc_decode`` (``lookahead=``), ``admit`` (with or without a
+handle, pool or ring mode), ``take_handle``, ``drop_handle``,
+``drop_handle_swa``, ``load_back``, a ``scheduler_step()`` block
+``cache_insert`` (prefix cache)                                       ``cache_insert_steps``
+``free_group()``                                                      replicated mode only
+====================================================================  ===================
+
+A call refused on the planner (any exception, a typed ``ContractError`` for broken
+rules) runs empty steps for the steps it did not run, then re-raises, so a refusal
+never leaves the others waiting in a collective. Frees are one step: a free that
+exceeds the frozen step shape is refused (``BatchTooLargeError``; the allocator's own
+single-op free would split it over a number of steps only the planner knows). Followers
+call the same wrapper methods as the planner, without arguments (given ones are ignored:
+the planner's decisions are the only ones), and get ``None``; their slots are in
+``alloc.state.out_full_buf`` / ``out_swa_buf`` in the planner's lane order. A planner that
+calls the wrapped allocator directly issues one collective per device step it runs; its
+followers must call :meth:`follow` once for each.
+
+Costs (per step): replicated: one device digest (one read of every table, plus a write of
+an int64 scratch of the largest table) and the host digests (O(rows + handles + pages +
+held pages) numpy and BLAKE2b; measured below); broadcast: two async H2D copies and the
+ledger packing on the planner (the O(rows) digests every step, the full ones on digest
+steps) and one broadcast of ``(n_desc + n_header_rows) * 64`` bytes, plus the device
+digest. A follower's check adds one read of ``req_to_token`` at each page's first
+position, ``full_to_swa`` and the free rings, and O(rows x pages) numpy.
+``check_every=0`` turns digests off (``check()`` then compares the current state only).
+Construction synchronises (it captures graphs and runs an initial check, inside
+``sync_allowed``).
 
 **How the layer stacks.** The wrapper builds its rank's allocator itself, with an
 executor of its own (:class:`ReplicaExecutor`): replicated mode wraps the eager or graph
 executor and records a digest after every step; a broadcast planner's executor
 broadcasts the step's payload and replays it; a broadcast follower's executor plans
 nothing (``plans_locally = False``), so a follower's direct ``alloc.step()`` is refused
-before anything changes. Nothing is patched into an allocator after it was built.
+before anything changes. Nothing is patched into an allocator after it was built. The
+operations are :class:`graphalloc.replica_ops.ReplicaOps`.
 
-Limits: broadcast mode refuses shared pages (``max_handles > 0``, ``admit(handle=)``): the
-payload carries the ledger but not the page mirror or the handles yet, so a follower could
-not audit or plan them (use replicated mode for prefix sharing). The broadcast
-is eager (not captured): the planner's H2D copies would otherwise become copy nodes.
-The digest and the ledger wire format live in :mod:`graphalloc.state_digest`.
+Limits: the broadcast is eager (not captured): the planner's H2D copies would otherwise
+become copy nodes. Attention page tables (:mod:`graphalloc.page_tables`) are planned from
+the host ledger: on a follower only right after a :meth:`sync_ledger`.
 """
 
 from __future__ import annotations
@@ -97,25 +146,32 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .allocator import AllocResult, HybridAllocator
+from .allocator import HybridAllocator
 from .config import AllocatorConfig
-from .errors import ConfigError, ContractError, ReplicaDivergenceError
+from .errors import ConfigError, ContractError, IntegrityError, ReplicaDivergenceError
 from .executor import Executor, make_executor
 from .graph import capture_graph
 from .kernels.abi import ROW_WIDTH
 from .replica_checks import COL_STEP, DigestHistory, check_same_setup, first_divergence
+from .replica_ops import ReplicaOps
 from .state_digest import (
-    META_MAGIC,
     META_STEP,
     META_STEPS_RUN,
-    ledger_digest,
-    n_ledger_rows,
+    has_ledger,
+    host_digests,
+    n_header_rows,
     pack_ledger,
+    planned_digests,
+    rebuild_page_refs,
+    steps_run_of,
     unpack_ledger,
 )
 from .sync_points import sync_allowed
 
 __all__ = ["ReplicatedAllocator", "ReplicaExecutor"]
+
+_UNREADABLE = -0x2152_4110_2152_4111  # a follower's digest when its payload was torn
+_REBUILT = ("ledger", "spec", "handles", "refs", "pages")  # a follower's own host parts
 
 
 # ---- the executor ------------------------------------------------------------------------
@@ -155,19 +211,20 @@ class ReplicaExecutor(Executor):
 
 
 # ---- the wrapper -------------------------------------------------------------------------
-class ReplicatedAllocator:
+class ReplicatedAllocator(ReplicaOps):
     """One rank's :class:`~graphalloc.HybridAllocator`, kept identical to the other ranks'.
 
     Example (every rank, one process per GPU)::
 
         dist.init_process_group("nccl", ...); torch.cuda.set_device(local_rank)
-        cfg = AllocatorConfig(..., device="cuda", backend="triton")
+        cfg = AllocatorConfig(..., device="cuda", backend="triton", max_handles=64)
         rep = ReplicatedAllocator(cfg, mode="broadcast", check_every=64)  # collective
-        alloc = rep.alloc                              # this rank's allocator
-        for batch in scheduler_steps:                  # every rank, same sequence
-            for _ in batch.new_requests:
-                row = rep.admit()                      # planner: the row; followers: None
-            out = rep.step(release=..., evict=True, decode=..., extend=...)  # followers: step()
+        for batch in scheduler_steps:                  # every rank, the same calls
+            with rep.scheduler_step() as it:           # one device step on every rank
+                if it is not None:                     # the planner records the step
+                    it.release(batch.finished); it.commit(batch.spec_rows, batch.accepted)
+                    it.decode(batch.decoding, lookahead=3)
+            h = rep.take_handle(row, 64)               # planner: the handle; followers: None
 
     Args:
         config: this rank's allocator configuration; every rank's must have the same
@@ -183,15 +240,17 @@ class ReplicatedAllocator:
         use_graph: replay the steps (replicated: the allocator's graph executor; broadcast:
             the payload kernels) and the digest from CUDA graphs (default: on CUDA devices).
         fused_step, n_descriptor_bufs: as for :class:`~graphalloc.HybridAllocator`.
+        prefix_cache: give the planners (every rank in replicated mode, ``src`` in broadcast
+            mode) a :class:`~graphalloc.prefix_cache.PrefixCache` (pool mode, max_handles > 0).
 
     Construction is collective (it compares configurations and the initial state of all
-    ranks) and synchronises. Every method that may run a device step is collective too.
+    ranks) and synchronises. Every operation that may run a device step is collective too.
     """
 
     def __init__(self, config: AllocatorConfig, group=None, *, mode: str = "replicated",
                  src: int | None = None, check_every: int = 64, digest_every: int = 1,
                  use_graph: bool | None = None, fused_step: bool = True,
-                 n_descriptor_bufs: int = 2):
+                 n_descriptor_bufs: int = 2, prefix_cache: bool = False):
         if not isinstance(config, AllocatorConfig):
             raise ConfigError(f"ReplicatedAllocator takes this rank's AllocatorConfig (it builds "
                               f"the allocator itself), got {type(config).__name__}")
@@ -207,6 +266,11 @@ class ReplicatedAllocator:
         if digest_every < 1 or check_every < 0 or (check_every and check_every % digest_every):
             raise ConfigError(f"check_every ({check_every}) must be 0 or a positive multiple of "
                               f"digest_every ({digest_every}, >= 1)")
+        if not isinstance(prefix_cache, bool):
+            raise ConfigError(f"prefix_cache must be a bool, got {prefix_cache!r}")
+        if prefix_cache and (cfg.ring_mode or not cfg.max_handles):  # before any collective
+            raise ConfigError("prefix_cache=True needs pool mode and max_handles > 0 (each "
+                              "cache entry is a handle)")
         self.group = group if group is not None else dist.group.WORLD
         backend = str(dist.get_backend(self.group)).lower()
         wanted = "nccl" if cfg.device.type == "cuda" else "gloo"
@@ -225,15 +289,14 @@ class ReplicatedAllocator:
         self.use_graph = cfg.device.type == "cuda" if use_graph is None else bool(use_graph)
         if self.use_graph and cfg.device.type != "cuda":
             raise ConfigError("use_graph=True needs a CUDA allocator")
-        if mode == "broadcast" and cfg.max_handles:
-            raise ConfigError("broadcast mode does not replicate shared pages yet (the payload "
-                              "carries no page mirror or handles): build with max_handles=0, "
-                              "or use mode='replicated'")
         self.device = cfg.device
+        self.prefix_cache_option = prefix_cache
 
         self.n_steps = 0  # device steps run through this wrapper (equal on every rank)
         self.n_checks = 0
         self.n_replays = 0
+        self.n_empty_steps = 0  # steps run to keep lockstep (refusals, padding)
+        self.n_ledger_installs = 0  # follower: rebuilt ledgers installed (checks, syncs)
         self.last_equal_step = -1
         self.first_divergence: ReplicaDivergenceError | None = None
         self._error: ReplicaDivergenceError | None = None
@@ -245,68 +308,26 @@ class ReplicatedAllocator:
             role, inner = ("planner" if self.is_planner else "follower"), None
         self.executor = ReplicaExecutor(self, role, inner)
         self.alloc = HybridAllocator(cfg, executor=self.executor, fused_step=fused_step,
-                                     n_descriptor_bufs=n_descriptor_bufs)
+                                     n_descriptor_bufs=n_descriptor_bufs,
+                                     prefix_cache=prefix_cache and self.is_planner)
+        self.cache_insert_steps = 1 + -(-cfg.request_pages // cfg.max_release_rows)
         with sync_allowed():  # construction may copy weights to the device and capture graphs
             self._check_same_config()
             self._allocate_buffers()
             if self.use_graph:
                 self._capture_graphs()
-            self._record_digest(host_ledger=True)
+            self._record_digest(host=mode == "replicated")
             self._compare()
         self._raise_divergence()
 
-    # ---- collective operations ---------------------------------------------------------
-    def step(self, **step_args) -> AllocResult | None:
-        """One scheduler step on every rank: :meth:`HybridAllocator.step` with the same
-        keyword arguments on a planner; a follower replays the planner's step (its
-        arguments are ignored) and returns ``None`` (its slots are in
-        ``alloc.state.out_full_buf`` / ``out_swa_buf``, in the planner's lane order).
-        A step refused on this rank runs an empty step, then raises."""
-        if not self.is_planner:
-            self.follow()
-            return None
-        try:
-            result = self.alloc.step(**step_args)
-        except ContractError:
-            self._empty_step()
-            raise
-        self._raise_divergence()
-        return result
-
-    def admit(self, handle=None) -> int | None:
-        """:meth:`HybridAllocator.admit` on every rank. Host-only in pool mode without a
-        handle; one device step in ring mode or on a handle (then collective). Followers
-        return ``None``. Broadcast mode refuses handles (the payload does not carry the
-        page mirror and the handles yet: use mode='replicated' for prefix sharing)."""
-        # A refused call keeps lockstep with an empty step where every rank expected one:
-        # ring-mode admits, and (replicated mode, every rank passing it) admits on a handle.
-        device_step = self.alloc.config.ring_mode or (
-            handle is not None and self.mode == "replicated")
-        if not self.is_planner:
-            if self.alloc.config.ring_mode:
-                self.follow()
-            return None
-        try:
-            if self.mode == "broadcast" and handle is not None:
-                raise ContractError(
-                    "broadcast mode does not replicate shared pages yet: the followers' ledger "
-                    "(from the payload) carries no page mirror and no handles. Use "
-                    "mode='replicated' for prefix sharing")
-            row = self.alloc.admit(handle)
-        except ContractError:
-            if device_step:
-                self._empty_step()
-            raise
-        self._raise_divergence()
-        return row
-
+    # ---- collective operations (the others: ReplicaOps) ----------------------------------
     def follow(self) -> None:
-        """Follower: receive and replay one planner device step. Never synchronises the
-        host beyond the broadcast call itself (except at a periodic check)."""
+        """Follower: receive and replay one planner device step (the low-level form of the
+        operations, for a planner that runs allocator methods directly). Never synchronises
+        the host beyond the broadcast call itself (except at a periodic check)."""
         if self.is_planner:
             raise ContractError(f"rank {self.rank} plans; follow() is for broadcast followers")
-        self._broadcast_and_launch()
-        self._after_step()
+        self._follow_one()
         self._raise_divergence()
 
     def check(self) -> None:
@@ -315,29 +336,38 @@ class ReplicatedAllocator:
         :class:`~graphalloc.errors.ReplicaDivergenceError` naming the first differing step."""
         with sync_allowed():
             if not self.history.covers(self.n_steps):
-                self._record_digest(host_ledger=self.mode == "replicated")
+                self._record_digest(host=self.mode == "replicated")
             self._compare()
         self._raise_divergence()
 
     # ---- local operations --------------------------------------------------------------
     def sync_ledger(self) -> None:
-        """Follower: replace ``alloc.ledger`` by the ledger of the latest payload (reads the
-        device; verifies its digest). A no-op on planners and before the first step."""
-        if self.is_planner or self.n_steps == 0:
+        """Follower: replace ``alloc.ledger`` by the planner's ledger of the latest step, its
+        page mirror rebuilt from this rank's device tables (reads the device; not
+        collective). Raises :class:`~graphalloc.errors.IntegrityError` -- keeping the
+        previous ledger -- when the rebuilt ledger's digests differ from the planner's. A
+        no-op on planners and before the first planned step."""
+        if self.is_planner:
             return
-        with sync_allowed():
-            header = self._payload_header.cpu().numpy()  # sync ok: check point / explicit
-        if header[0, META_MAGIC] == 0:  # nothing but empty steps were received
+        rebuilt = self._rebuild_ledger()
+        if rebuilt is None:
             return
-        self.alloc.install_ledger(unpack_ledger(self.alloc.config, header),
-                                  steps_run=int(header[0, META_STEPS_RUN]))
+        ledger, own, planned, steps_run = rebuilt
+        bad = [k for k in own if planned[k] and own[k] != planned[k]]
+        if bad:
+            raise IntegrityError(
+                f"rank {self.rank}: the ledger rebuilt from this follower's device tables "
+                f"differs from the planner's in {bad} (step {self.n_steps}); the follower kept "
+                "its previous ledger. The device tables diverged (see check())")
+        self.alloc.install_ledger(ledger, steps_run=steps_run)
+        self.n_ledger_installs += 1
 
     def current_digest(self) -> dict[str, int]:
-        """This rank's digest of its current state (reads the device; not collective). A
-        follower syncs its ledger first."""
+        """This rank's digest of its current state, by column (reads the device; not
+        collective). A follower syncs its ledger first."""
         self.sync_ledger()
         with sync_allowed():
-            return self.history.current(self.n_steps, ledger_digest(self.alloc.ledger))
+            return self.history.current(self.n_steps, self._own_host_digests())
 
     def close(self) -> None:
         """Drop the wrapper's captured graphs (not collective). The allocator keeps its
@@ -347,12 +377,15 @@ class ReplicatedAllocator:
     # ---- the executor's work (ReplicaExecutor.execute) ---------------------------------
     def _broadcast_planned(self, planned) -> None:
         """Planner, broadcast mode: pack the ledger beside descriptor buffer ``i`` (free: the
-        ring waited for buffer i's event), stage both into the payload, broadcast, replay."""
+        ring waited for buffer i's event), stage both into the payload, broadcast, replay.
+        The full host digests are packed on digest steps, the O(rows) ones every step."""
         alloc, index = self.alloc, planned.buffer_index
         header = self._header_np[index]
-        pack_ledger(alloc.ledger, header)
-        header[0, META_STEP] = self.n_steps + 1
-        header[0, META_STEPS_RUN] = alloc.steps_run + 1  # mark_submitted counts it next
+        step = self.n_steps + 1
+        full = bool(self.check_every) and step % self.digest_every == 0
+        pack_ledger(alloc.ledger, header, alloc.prefix_cache, full)
+        header[0, META_STEP] = step
+        header[1, META_STEPS_RUN] = alloc.steps_run + 1  # mark_submitted counts it next
         self._payload_desc.copy_(alloc.ring.bufs[index], non_blocking=True)
         self._payload_header.copy_(self._header_bufs[index], non_blocking=True)
         self._broadcast_and_launch()
@@ -365,8 +398,22 @@ class ReplicatedAllocator:
         else:
             self.alloc.kernels(self._payload_release, self._payload_alloc)
 
+    def _follow_one(self) -> None:
+        """Follower: one step, without raising a stored divergence (the caller raises it
+        once every step of its operation ran, so no rank leaves an operation early)."""
+        self._broadcast_and_launch()
+        self._after_step()
+
     def _empty_step(self) -> None:
-        """Keep lockstep after a refused call: one device step that changes nothing."""
+        """Keep lockstep: one device step that changes nothing. A planned empty step (the
+        payload then carries the current ledger); when the allocator cannot plan (a step
+        left pending by a failure), a raw one: an all-padding descriptor."""
+        self.n_empty_steps += 1
+        try:
+            self.alloc.step()
+            return
+        except ContractError:
+            pass
         if self.mode == "broadcast":
             self._payload_desc.zero_()
             self._payload_meta[META_STEP].fill_(self.n_steps + 1)  # a device fill: no sync
@@ -379,20 +426,40 @@ class ReplicatedAllocator:
         if not self.check_every:
             return
         if self.n_steps % self.digest_every == 0:
-            self._record_digest(host_ledger=self.mode == "replicated")
+            self._record_digest(host=self.mode == "replicated")
         if self.n_steps % self.check_every == 0:
             with sync_allowed():
                 self._compare()
 
-    def _record_digest(self, host_ledger: bool) -> None:
-        ledger = ledger_digest(self.alloc.ledger) if host_ledger else None
-        self.history.record(self.n_steps, ledger, self._digest_graph)
+    def _own_host_digests(self) -> dict[str, int]:
+        """Host digests of this rank's ledger (and cache). A broadcast follower's: of its
+        ledger rebuilt now, with the planner's cache part (it holds no cache)."""
+        if self.is_planner:
+            return host_digests(self.alloc.ledger, self.alloc.prefix_cache)
+        rebuilt = self._rebuild_ledger()
+        if rebuilt is None:
+            return host_digests(self.alloc.ledger)
+        return {**rebuilt[2], **rebuilt[1]}
+
+    def _record_digest(self, host: bool) -> None:
+        digests = host_digests(self.alloc.ledger, self.alloc.prefix_cache) if host else None
+        self.history.record(self.n_steps, digests, self._digest_graph)
         if self._digest_graph is not None:
             self.n_replays += 1
 
     def _compare(self) -> None:
         """All-gather the history rows and compare them (collective; call under
-        sync_allowed). Stores the error; a follower then refreshes its ledger."""
+        sync_allowed). Stores the error. A broadcast follower first puts the digests of its
+        rebuilt ledger into its latest row, and installs that ledger after the check when
+        they equal the planner's."""
+        rebuilt = None
+        if self.mode == "broadcast" and not self.is_planner and self.n_steps:
+            try:
+                rebuilt = self._rebuild_ledger()
+            except IntegrityError:  # a torn payload: named by the check, never raised here
+                self.history.set_host({k: _UNREADABLE for k in _REBUILT})
+            if rebuilt is not None:  # the parts the planner computed for this step
+                self.history.set_host({k: v for k, v in rebuilt[1].items() if rebuilt[2][k]})
         table = self.history.gather(self.group, self.world_size)
         self.n_checks += 1
         error = self._first_divergence(table)
@@ -402,8 +469,32 @@ class ReplicatedAllocator:
         else:
             self._error = error
             self.first_divergence = self.first_divergence or error
-        if self.mode == "broadcast" and not self.is_planner:
-            self.sync_ledger()
+        if rebuilt is not None:
+            ledger, own, planned, steps_run = rebuilt
+            if all(own[k] == planned[k] for k in own if planned[k]):
+                self.alloc.install_ledger(ledger, steps_run=steps_run)
+                self.n_ledger_installs += 1
+
+    def _rebuild_ledger(self):
+        """Follower: ``(ledger, own digests, planner's digests, steps_run)`` of the latest
+        payload, the page mirror rebuilt from this rank's device tables (reads the device;
+        O(rows x pages) numpy); ``None`` before the first planned step. Raises
+        :class:`IntegrityError` on a torn payload."""
+        cfg, state = self.alloc.config, self.alloc.state
+        with sync_allowed():
+            header = self._payload_header.cpu().numpy()  # sync ok: check point / explicit
+            if not has_ledger(header):
+                return None
+            ledger = unpack_ledger(cfg, header)
+            if not cfg.ring_mode:
+                ps, n_rows = cfg.page_size, cfg.max_reqs + ledger.n_handles
+                ledger.refs = rebuild_page_refs(
+                    cfg, ledger, state.req_to_token_buf[:n_rows, ::ps].cpu().numpy(),
+                    state.full_to_swa_buf[::ps].cpu().numpy(), state.full_free.cpu().numpy(),
+                    state.swa_free.cpu().numpy())  # sync ok: check point / explicit
+        own = host_digests(ledger)
+        return ledger, {k: own[k] for k in _REBUILT}, planned_digests(header), steps_run_of(
+            header)
 
     def _first_divergence(self, table: np.ndarray) -> ReplicaDivergenceError | None:
         """:func:`~graphalloc.replica_checks.first_divergence` with this wrapper's ranks."""
@@ -418,20 +509,22 @@ class ReplicatedAllocator:
     # ---- construction helpers ----------------------------------------------------------
     def _check_same_config(self) -> None:
         check_same_setup(self.alloc.config, (self.mode, self.src, self.check_every,
-                                             self.digest_every, len(self.alloc.ring)),
+                                             self.digest_every, len(self.alloc.ring),
+                                             self.prefix_cache_option),
                          self.group, self.global_ranks, self.device)
 
     def _allocate_buffers(self) -> None:
         """Allocated once, updated in place only (graphs hold their addresses)::
 
             history       DigestHistory, n_hist rows     device  digest rows since the check
-            payload_buf   int64 [n_desc + 1 + n_ledger_rows(cfg), 8]
+            payload_buf   int64 [n_desc + n_header_rows, 8]
                                                          device  broadcast mode: the payload
-            _header_bufs  int64 [1 + n_ledger_rows(cfg), 8] x len(alloc.ring)
+            _header_bufs  int64 [n_header_rows, 8] x len(alloc.ring)
                                                          pinned  planner staging, one per
                                                                  descriptor buffer
 
-        ``n_hist = check_every // digest_every + 1`` (the extra row for ``check()``).
+        ``n_hist = check_every // digest_every + 1`` (the extra row for ``check()``);
+        ``n_header_rows``: :func:`graphalloc.state_digest.n_header_rows`.
         """
         cfg, alloc, mode = self.alloc.config, self.alloc, self.mode
         check_every, digest_every = self.check_every, self.digest_every
@@ -440,7 +533,7 @@ class ReplicatedAllocator:
         n_desc = cfg.max_release_rows + cfg.max_alloc_rows
         self.n_desc_rows = n_desc
         if mode == "broadcast":
-            n_rows = n_desc + 1 + n_ledger_rows(cfg)
+            n_rows = n_desc + n_header_rows(alloc.ledger)
             self.payload_buf = torch.zeros(n_rows, ROW_WIDTH, dtype=torch.int64,
                                            device=self.device)
             self._payload_desc = self.payload_buf[:n_desc]

@@ -1,13 +1,20 @@
 """Tensor-parallel replicas (graphalloc.replicas): determinism, digests, multi-rank runs.
 
-* planning is deterministic: the same random op sequence planned in processes with
-  different ``PYTHONHASHSEED`` values gives byte-identical descriptors and ledgers;
-* the digest and the ledger payload, unit by unit;
-* the wrapper's contracts on a one-rank gloo group (in this process);
+* planning is deterministic: the same random op sequences (steps; every operation:
+  handles, prefix cache, load_back, scheduler_step blocks, speculative decoding) planned
+  in processes with different ``PYTHONHASHSEED`` values give byte-identical descriptors
+  and host digests;
+* the digests (each host part sees its own state and only it) and the ledger payload,
+  with the page mirror rebuilt from the device tables exactly;
+* the wrapper's contracts on a one-rank gloo group (in this process): every operation is
+  a fixed number of steps, refused or not;
 * two ranks, gloo, ``torch.multiprocessing`` spawn (one spawn for all scenarios, to
-  pay the start-up once): a few hundred random steps in replicated and broadcast mode
-  (pool and ring) with equal digests, and two perturbed runs whose divergence must be
-  named at the exact step and rank;
+  pay the start-up once): a few hundred random steps and a few hundred random operations
+  of every kind in replicated and broadcast mode (pool and ring) with equal digests --
+  host parts included, a broadcast follower's from the ledger it rebuilt -- and perturbed
+  runs (a skipped decode, a mapping entry, a reference count, a handle, a committed
+  length, the prefix cache, a planner's reference count, a follower's handle row) whose
+  divergence must be named at the exact step, rank and field;
 * the same on two GPUs with NCCL, graph replay and sync-debug "error" (``cuda``).
 """
 
@@ -24,6 +31,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from replica_selftest import (
+    PERTURBATIONS,
+    DirectOps,
+    OpsWorkload,
     RandomWorkload,
     Scenario,
     SelftestWorkerError,
@@ -34,6 +44,7 @@ from replica_selftest import (
 )
 
 from graphalloc import (
+    CapacityError,
     ConfigError,
     ContractError,
     HybridAllocator,
@@ -44,11 +55,14 @@ from graphalloc import (
 from graphalloc.ledger import Ledger
 from graphalloc.replicas import ReplicatedAllocator
 from graphalloc.state_digest import (
-    META_LEDGER,
+    HOST_PARTS,
     StateDigest,
+    host_digests,
     ledger_digest,
-    n_ledger_rows,
+    n_header_rows,
     pack_ledger,
+    planned_digests,
+    rebuild_page_refs,
     unpack_ledger,
 )
 
@@ -140,21 +154,102 @@ def test_state_digest_sees_a_swap():
     assert (before != after).tolist() == [name == "full_free" for name in d.names]
 
 
-def test_ledger_payload_roundtrip_and_torn_payload():
-    cfg = selftest_config("cpu", "torch", ring=True)
-    alloc = HybridAllocator(cfg)
-    _run_some_steps(alloc, 5, 30)
-    header = np.zeros((1 + n_ledger_rows(cfg), 8), dtype=np.int64)
-    digest = pack_ledger(alloc.ledger, header)
-    assert digest == ledger_digest(alloc.ledger) == header[0, META_LEDGER]
+def _ops_allocator(seed: int, n_ops: int, ring: bool = False) -> HybridAllocator:
+    """A CPU allocator after ``n_ops`` random operations of every kind (kernels run)."""
+    cfg = selftest_config("cpu", "torch", ring, max_handles=0 if ring else 6)
+    alloc = HybridAllocator(cfg, prefix_cache=not ring)
+    ops, api = OpsWorkload(cfg, seed, cache=not ring), DirectOps(alloc)
+    for _ in range(n_ops):
+        ops.run(api, ops.next_kind(), planner=True)
+    led = alloc.ledger  # end with a speculative tail in flight
+    rows = np.flatnonzero(led.live & (led.seq_len > 0) & (led.spec_steps[:, -1] == 0)
+                          & (led.seq_len + 2 <= cfg.max_context_len))
+    row = next(r for r in rows if alloc.fits(decode=[r], lookahead=1, evict_all=True))
+    alloc.step(decode=[row], lookahead=1, evict_all=True)
+    return alloc
+
+
+def _rebuilt(alloc: HybridAllocator, header: np.ndarray):
+    cfg, st = alloc.config, alloc.state
     back = unpack_ledger(cfg, header)
-    assert ledger_digest(back) == digest
-    back.check_host_invariants()
-    for name in ("live", "seq_len", "frontier", "protected"):
-        np.testing.assert_array_equal(getattr(back, name), getattr(alloc.ledger, name))
-    header[1, 3] += 1  # a torn payload
+    if not cfg.ring_mode:
+        ps, n_rows = cfg.page_size, cfg.max_reqs + cfg.max_handles
+        back.refs = rebuild_page_refs(cfg, back, st.req_to_token_buf[:n_rows, ::ps].numpy(),
+                                      st.full_to_swa_buf[::ps].numpy(), st.full_free.numpy(),
+                                      st.swa_free.numpy())
+    return back
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_ledger_payload_roundtrip_rebuilds_the_page_mirror_exactly(ring):
+    """Pack a ledger after every kind of operation, unpack it, rebuild the page mirror from
+    the device tables: every array equals the planner's (page ids on the holders' ranges)
+    and so do the host digests; a torn payload is refused."""
+    alloc = _ops_allocator(5, 160, ring)
+    led, cfg = alloc.ledger, alloc.config
+    assert ring or (led.h_live.any() and (led.seq_len != led.committed).any())
+    header = np.zeros((n_header_rows(led), 8), dtype=np.int64)
+    digests = pack_ledger(led, header, alloc.prefix_cache)
+    assert digests == host_digests(led, alloc.prefix_cache) == planned_digests(header)
+    back = _rebuilt(alloc, header)
+    for name in led.ROW_ARRAYS + led.HANDLE_ARRAYS:
+        np.testing.assert_array_equal(getattr(back, name), getattr(led, name), err_msg=name)
+    assert (back.full.head, back.full.n_free, back.swa.head, back.swa.n_free) == (
+        led.full.head, led.full.n_free, led.swa.head, led.swa.n_free)
+    if not ring:
+        for name in ("full_ref", "swa_ref", "swa_of", "full_ring", "swa_ring"):
+            np.testing.assert_array_equal(getattr(back.refs, name), getattr(led.refs, name),
+                                          err_msg=name)
+        ps = cfg.page_size
+        for r in np.flatnonzero(led.live):
+            n = -(-led.seq_len[r] // ps)
+            np.testing.assert_array_equal(back.refs.page_of[r, :n], led.refs.page_of[r, :n])
+        for h in np.flatnonzero(led.h_live):
+            n, row = led.h_len[h] // ps, cfg.max_reqs + h
+            np.testing.assert_array_equal(back.refs.page_of[row, :n], led.refs.page_of[row, :n])
+        back.check_host_invariants()
+    assert {k: v for k, v in host_digests(back).items() if k != "cache"} == {
+        k: v for k, v in digests.items() if k != "cache"}
+    header[3, 5] += 1  # a torn payload
     with pytest.raises(IntegrityError, match="digest"):
         unpack_ledger(cfg, header)
+
+
+def test_each_host_digest_part_sees_its_own_state():
+    """One change of the host state changes its part's digest and no other; state that is
+    not state (a stale page id past a holder's range) changes nothing."""
+    alloc = _ops_allocator(3, 120)
+    led, cache, ps = alloc.ledger, alloc.prefix_cache, alloc.config.page_size
+    base = host_digests(led, cache)
+    assert set(base) == set(HOST_PARTS) and ledger_digest(led, cache) != ledger_digest(led)
+    row = int(np.flatnonzero(led.live & (led.seq_len > 0))[0])
+    end = -(-int(led.seq_len[row]) // ps)
+    handle = int(np.flatnonzero(led.h_live)[0])
+    page = int(np.flatnonzero(led.refs.full_ref)[1])
+
+    def bump(arr, index, part):
+        arr[index] += 1
+        changed = [k for k, v in host_digests(led, cache).items() if v != base[k]]
+        arr[index] -= 1
+        assert changed == [part], (part, changed)
+
+    bump(led.frontier, row, "ledger")
+    bump(led.committed, row, "spec")
+    bump(led.spec_steps, (row, 1), "spec")
+    bump(led.h_len, handle, "handles")
+    bump(led.h_swa_start, handle, "handles")
+    bump(led.refs.full_ref, page, "refs")
+    bump(led.refs.swa_ref, 1, "refs")
+    bump(led.refs.page_of, (row, end - 1), "pages")
+    bump(led.refs.swa_of, page, "pages")
+    bump(led.refs.full_ring, (led.full.head + led.full.n_free - 1) % led.full.capacity, "pages")
+    stale = led.refs.page_of[row, end:end + 1]
+    stale += 5  # past the row's range: nothing reads it
+    assert host_digests(led, cache) == base
+    stale -= 5
+    cache._clock += 1
+    assert [k for k, v in host_digests(led, cache).items() if v != base[k]] == ["cache"]
+    cache._clock -= 1
 
 
 # ---- the wrapper on a one-rank group (this process) --------------------------------------
@@ -181,24 +276,102 @@ def test_wrapper_contracts(one_rank_group):
         ReplicatedAllocator(HybridAllocator(cfg))  # the layer builds its own allocator
     with pytest.raises(ConfigError, match="use_graph"):
         ReplicatedAllocator(cfg, use_graph=True)  # graphs need CUDA
+    with pytest.raises(ConfigError, match="prefix_cache"):
+        ReplicatedAllocator(cfg, prefix_cache=True)  # a cache needs handles
 
     rep = ReplicatedAllocator(cfg, mode="broadcast", check_every=4)
     alloc = rep.alloc
     assert rep.is_planner and rep.n_checks == 1  # the construction check
     with pytest.raises(ContractError, match="follow"):
         rep.follow()
-    with pytest.raises(ContractError, match="handle"):
-        rep.admit(handle=0)
-    assert rep.n_steps == 0  # pool mode: a refused admit is host-only
-    row = rep.admit()
+    with pytest.raises(CapacityError):
+        rep.take_handle(0, 3)  # no handle slots: refused, and still its one step
+    assert rep.n_steps == 1 and rep.n_empty_steps == 1
+    row = rep.admit()  # a step of its own (followers cannot tell it from an admit on a handle)
     rep.step(extend=([row], [5]))
     with pytest.raises(UnknownRequestError):
         rep.step(decode=[row + 1])
-    assert rep.n_steps == 2  # the refused step still ran (empty), keeping lockstep
+    assert rep.n_steps == 4  # the refused step still ran (empty), keeping lockstep
     rep.step(decode=[row])
+    with pytest.raises(ContractError, match="prefix_cache"):
+        rep.cache_insert(row, [1, 2, 3])  # refused on every rank before any step
+    with pytest.raises(ContractError, match="scheduler_step"):
+        rep.free_group()  # broadcast mode: its flush is a number of steps only the planner knows
+    assert rep.n_steps == 5
     rep.check()
-    assert rep.last_equal_step == 3
-    assert rep.current_digest()["step"] == 3
+    assert rep.last_equal_step == 5
+    assert rep.current_digest()["step"] == 5
+    alloc.check_integrity()
+    rep.close()
+
+
+def test_every_operation_is_its_fixed_number_of_steps(one_rank_group):
+    """Broadcast planner, pool mode with handles and a prefix cache: each operation, run or
+    refused (its arguments, a raising block, a bad keyword), is exactly the steps the
+    followers replay for it; the payload carries the whole ledger each step."""
+    cfg = selftest_config("cpu", "torch", ring=False, max_handles=3)
+    rep = ReplicatedAllocator(cfg, mode="broadcast", check_every=4, prefix_cache=True)
+    alloc, ps = rep.alloc, cfg.page_size
+    assert rep.cache_insert_steps == 1 + -(-cfg.request_pages // cfg.max_release_rows)
+
+    def steps(expected, fn, *errors):
+        before = rep.n_steps
+        if errors:
+            with pytest.raises(errors):
+                fn()
+        else:
+            out = fn()
+        assert rep.n_steps - before == expected, fn
+        return None if errors else out
+
+    row = steps(1, rep.admit)
+    steps(1, lambda: rep.alloc_extend([row], [7 * ps]))
+    h = steps(1, lambda: rep.take_handle(row, 4 * ps))
+    other = steps(1, lambda: rep.admit(handle=h, n_tokens=2 * ps))
+    assert alloc.seq_len(other) == 2 * ps and alloc.ledger.h_live[h]
+    steps(1, lambda: rep.admit(handle=h + 1), ContractError)  # an unknown handle
+    steps(1, lambda: rep.alloc_decode([other], lookahead=2))
+    assert alloc.spec_len(other) == 3
+    steps(1, lambda: rep.commit([other], [1]))
+    assert alloc.committed_len(other) == 2 * ps + 1 and alloc.spec_len(other) == 0
+    steps(1, lambda: rep.commit([other], [1]), ContractError)  # nothing speculative left
+    steps(1, lambda: rep.trim([other], [2 * ps]))
+    steps(1, lambda: rep.drop_handle_swa(h))
+    steps(1, lambda: rep.drop_handle(h))
+    steps(1, lambda: rep.drop_handle(h), ContractError)  # dropped already
+    steps(1, lambda: rep.step(evict_all=True, decode=[row]))
+    steps(1, lambda: rep.evict_window())
+    for _ in range(4):
+        steps(1, lambda: rep.alloc_decode([row]))
+    steps(1, lambda: rep.evict_window([row]))
+    f = alloc.frontier(row)
+    assert f > 0
+    slots = steps(1, lambda: rep.load_back(row, f - ps))
+    assert alloc.frontier(row) == f - ps and slots.numel() == ps
+    cached = steps(rep.cache_insert_steps, lambda: rep.cache_insert(row, list(range(7 * ps))))
+    assert cached == 7 * ps and len(alloc.prefix_cache) == 1
+    steps(rep.cache_insert_steps, lambda: rep.cache_insert(row, list(range(7 * ps))))  # cached
+    with rep.scheduler_step() as it:  # one step, several calls
+        it.release([other])
+        new = it.admit()
+        d = it.decode([row])
+        e = it.extend([new], [4])
+    assert rep.n_steps and d.rows.tolist() == [row] and e.n_tokens.tolist() == [4]
+    before = rep.n_steps
+    with pytest.raises(RuntimeError, match="the engine's own"):
+        with rep.scheduler_step() as it:
+            it.release([new])
+            raise RuntimeError("the engine's own failure")  # the block runs nothing
+    assert rep.n_steps == before + 1 and alloc.is_live(new)
+    steps(1, lambda: rep.step(extend=([new], [10 ** 6])), ContractError)
+    steps(1, lambda: rep.step(no_such_argument=1), TypeError)  # even this keeps lockstep
+    assert steps(1, lambda: rep.try_step(decode=[row])).rows.tolist() == [row]
+    # the payload of the latest step carries the planner's whole ledger
+    header = rep._payload_header.cpu().numpy()
+    assert planned_digests(header) == host_digests(alloc.ledger, alloc.prefix_cache)
+    with pytest.raises(IntegrityError, match="lockstep"):
+        rep._op(1, lambda: (alloc.step(), alloc.step()))  # more steps than followers replay
+    rep.check()
     alloc.check_integrity()
     rep.close()
 
@@ -273,17 +446,39 @@ def gloo_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["replicated-pool", "broadcast-pool", "replicated-ring",
-                                  "broadcast-ring"])
+                                  "broadcast-ring", "replicated-ops-pool", "broadcast-ops-pool",
+                                  "replicated-ops-ring", "broadcast-ops-ring"])
 def test_two_ranks_stay_identical(gloo_run, name):
+    """Every digest equal at every check and at the end -- a broadcast follower's host parts
+    (ledger, speculative state, handles, reference counts, page mirror) from the ledger it
+    rebuilt -- and the follower's own integrity audit passes against its rebuilt mirror."""
     verdicts, _ = gloo_run
     v = verdicts[name]
     assert v["ok"], v["detail"]
-    assert v["steps"] >= (300 if name.endswith("pool") else 100)
+    long = name.endswith("pool")
+    assert v["steps"] >= (300 if long else 100)
     assert v["checks"] >= v["steps"] // 16
+    if name.startswith("broadcast"):  # the follower installed a rebuilt ledger at each check
+        assert v["ledger_installs"][1] >= v["checks"] - 2, v["ledger_installs"]
+
+
+@pytest.mark.parametrize("mode", ["replicated", "broadcast"])
+@pytest.mark.parametrize("ring", [False, True])
+def test_every_operation_ran_under_replicas(gloo_run, mode, ring):
+    """The operation workload ran every kind of operation, in both modes (pool: handles,
+    admits on handles, drops, SWA tombstones, load_back, scheduler_step blocks, the prefix
+    cache, speculative decode / commit / trim; ring: the speculative ones and blocks)."""
+    verdicts, _ = gloo_run
+    counts = verdicts[f"{mode}-ops-{'ring' if ring else 'pool'}"]["op_counts"]
+    kinds = OpsWorkload.RING_KINDS if ring else OpsWorkload.POOL_KINDS
+    assert set(counts) == set(kinds)
+    assert all(ran >= 1 for ran, _ in counts.values()), counts
 
 
 @pytest.mark.parametrize("name, fields", [("replicated-input-skew", {"ledger", "req_to_token"}),
-                                          ("broadcast-device-skew", {"full_to_swa"})])
+                                          ("broadcast-device-skew", {"full_to_swa"})] + [
+    (f"{'broadcast' if kind in ('planner-refcount', 'device-handle') else 'replicated'}-"
+     f"{kind}-skew", fields) for kind, (_, fields) in PERTURBATIONS.items()])
 def test_perturbed_rank_is_named(gloo_run, name, fields):
     import json
 
@@ -294,8 +489,10 @@ def test_perturbed_rank_is_named(gloo_run, name, fields):
             res = next(s for s in json.load(f)["scenarios"] if s["name"] == name)
         err, expected = res["error"], res["expected"]
         assert (err["step"], err["rank"]) == (expected["step"], 1)
-        assert fields <= set(err["fields"])
+        assert fields <= set(err["fields"]), err["fields"]
         assert err["last_equal_step"] == expected["step"] - 1
+        if name.startswith("replicated") and name != "replicated-input-skew":
+            assert err["fields"] == sorted(fields), err["fields"]  # only the perturbed part
 
 
 def test_failing_worker_reports_its_own_traceback(tmp_path):
