@@ -12,12 +12,18 @@ and pushes touch disjoint ring positions and no allocation program reads what
 a release program writes); ``StepBuilder.fusable`` says so per step, and the
 caller passes it in. A :class:`~graphalloc.graph.StepGraph` captures both
 variants per descriptor buffer and replays the one the step allows.
+
+Grid: a launch covers the first rows of each table that a
+:class:`~graphalloc.buckets.StepGrid` names (the eager executor: exactly the step's
+rows, ``StepKernels.grids.exact``; a graph: the bucket it was captured for), with
+long allocation rows shared by several programs. Without a grid it covers every row.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .buckets import GridPolicy, StepGrid
 from .config import AllocatorConfig
 from .device_state import DeviceState
 
@@ -32,7 +38,8 @@ class StepKernels:
         state: its device tables.
         fused: allow the one-launch variant. Off, every call is two launches.
 
-    Never synchronises; safe to call inside CUDA graph capture. Returns before
+    ``grids`` (a :class:`~graphalloc.buckets.GridPolicy`) chooses launch grids for the
+    executors. Never synchronises; safe to call inside CUDA graph capture. Returns before
     the device has finished.
     """
 
@@ -40,6 +47,14 @@ class StepKernels:
         self.config = config
         self.state = state
         self.fused = bool(fused)
+        self.grids = GridPolicy(config)
+        self.num_warps: int | None = None  # warps per program (None: Triton's default)
+        # Per-call constants, built once (a launch is on every step's path).
+        self._common = dict(page_size=config.page_size, n_full_cap=config.num_full_pages,
+                            n_swa_cap=config.num_swa_pages, validate=config.validate)
+        self._epochs = (state.full_epoch_buf, state.swa_epoch_buf)
+        self._tables = (state.req_to_token_buf, state.full_to_swa_buf, state.full_free_buf,
+                        state.swa_free_buf, state.ring_pages_buf)
         if config.backend == "triton":
             from .kernels.allocate import allocate_tokens
             from .kernels.release import release_pages
@@ -54,22 +69,32 @@ class StepKernels:
             self._step = run_step_fused_torch
 
     def __call__(self, release_rows: torch.Tensor, alloc_rows: torch.Tensor, *,
-                 fusable: bool = False) -> None:
+                 fusable: bool = False, grid: StepGrid | None = None) -> None:
         """Run the step in ``release_rows`` / ``alloc_rows``. ``fusable``: the step's
         ``PlannedStep.fusable``; with it and ``fused=True`` the step is one launch,
-        otherwise release then allocation."""
-        cfg, st = self.config, self.state
-        common = dict(page_size=cfg.page_size, n_full_cap=cfg.num_full_pages,
-                      n_swa_cap=cfg.num_swa_pages, validate=cfg.validate)
-        epochs = (st.full_epoch_buf, st.swa_epoch_buf)
-        tables = (st.req_to_token_buf, st.full_to_swa_buf, st.full_free_buf, st.swa_free_buf,
-                  st.ring_pages_buf)
+        otherwise release then allocation (a table with no rows in ``grid`` is not
+        launched). ``grid``: the rows and chunks to launch (None: every row, one program
+        each); it must cover the step's rows."""
+        cfg, st, common = self.config, self.state, self._common
+        if grid is None:
+            n_rel = n_al = None
+            rel_chunks = al_chunks = 1
+        else:
+            n_rel, rel_chunks, n_al, al_chunks = grid
         if fusable and self.fused:
-            self._step(release_rows, alloc_rows, *tables, st.out_full_buf, st.out_swa_buf,
-                       st.err_buf, n_release_lanes=cfg.max_step_pages,
-                       n_alloc_lanes=cfg.max_step_tokens, epochs=epochs, **common)
+            self._step(release_rows, alloc_rows, *self._tables, st.out_full_buf,
+                       st.out_swa_buf, st.err_buf, n_release_lanes=cfg.max_step_pages,
+                       n_alloc_lanes=cfg.max_step_tokens, epochs=self._epochs,
+                       n_release_rows=n_rel, n_alloc_rows=n_al, n_release_chunks=rel_chunks,
+                       n_alloc_chunks=al_chunks, **common, **self._warps())
             return
-        self._release(release_rows, *tables, st.err_buf, n_lanes=cfg.max_step_pages,
-                      epochs=epochs, **common)
-        self._allocate(alloc_rows, *tables, st.out_full_buf, st.out_swa_buf, st.err_buf,
-                       n_lanes=cfg.max_step_tokens, **common)
+        self._release(release_rows, *self._tables, st.err_buf, n_lanes=cfg.max_step_pages,
+                      epochs=self._epochs, n_rows=n_rel, n_chunks=rel_chunks, **common,
+                      **self._warps())
+        self._allocate(alloc_rows, *self._tables, st.out_full_buf, st.out_swa_buf, st.err_buf,
+                       n_lanes=cfg.max_step_tokens, n_rows=n_al, n_chunks=al_chunks, **common,
+                       **self._warps())
+
+    def _warps(self) -> dict:
+        # Passed only when set, so a launcher (or a test's stand-in) without the option works.
+        return {} if self.num_warps is None else {"num_warps": self.num_warps}

@@ -45,6 +45,13 @@ class DescriptorRing:
         self._release_views = [b[:n_release_rows] for b in self.bufs]
         self._alloc_views = [b[n_release_rows:] for b in self.bufs]
         self.events: list[torch.cuda.Event | None] = [None] * n_bufs
+        # The stream submitted() records on, cached by its raw handle: building a Stream
+        # object (torch.cuda.current_stream()) costs microseconds on every step.
+        self._device_index = (device.index if device.index is not None else
+                              torch.cuda.current_device()) if self.is_cuda else -1
+        self._raw_stream = _raw_stream_getter() if self.is_cuda else None
+        self._stream_handle = None
+        self._stream = None
         self.used = [(0, 0)] * n_bufs  # rows written last time, per buffer
         self.fusable = [False] * n_bufs  # per buffer: its step may run as one fused launch
         self.next_index = 0
@@ -86,9 +93,38 @@ class DescriptorRing:
         self.fusable[index] = fusable
 
     def submitted(self, index: int) -> None:
-        """Record that the step reading buffer ``index`` was enqueued on the current stream."""
+        """Record that the step reading buffer ``index`` was enqueued on the current stream.
+        Cost: one event record (a Stream object is built only when the current stream
+        changed since the last step)."""
         if self.is_cuda:
-            event = self.events[index] or torch.cuda.Event()
-            event.record()
-            self.events[index] = event
+            event = self.events[index]
+            if event is None:
+                event = self.events[index] = torch.cuda.Event()
+            _record(event, self.current_stream())
         self.next_index = (index + 1) % len(self.bufs)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        """The current CUDA stream of the ring's device (cached by its raw handle)."""
+        getter = self._raw_stream
+        if getter is None:  # this torch has no raw-stream query: build the object
+            return torch.cuda.current_stream(self._device_index)
+        handle = getter(self._device_index)
+        if handle != self._stream_handle:
+            self._stream = torch.cuda.current_stream(self._device_index)
+            self._stream_handle = handle
+        return self._stream
+
+
+def _raw_stream_getter():
+    """``torch._C._cuda_getCurrentRawStream`` (the current stream's ``cudaStream_t`` as an
+    int, without building a Stream object) where this torch has it, else None."""
+    return getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _record(event, stream) -> None:
+    """``event.record(stream)`` without the Python wrapper's default-stream lookup."""
+    base = getattr(torch._C, "_CudaEventBase", None)
+    if base is not None and isinstance(event, base):
+        base.record(event, stream)
+    else:
+        event.record(stream)

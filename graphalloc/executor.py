@@ -11,9 +11,9 @@ of construction is the only order.
 executor          what ``execute(planned)`` does
 ================  ===================================================================
 ``"eager"``       :class:`EagerExecutor`: launches the step kernels (one fused launch,
-                  or release then allocation)
+                  or release then allocation) over exactly the step's rows
 ``"graph"``       :class:`graphalloc.graph.StepGraph`: replays the graph captured for
-                  the step's descriptor buffer (eager on a CPU device)
+                  the step's descriptor buffer and row bucket (eager on a CPU device)
 replicas          ``graphalloc.replicas``: broadcast a planner's step, or replay one
 ================  ===================================================================
 
@@ -31,7 +31,7 @@ import weakref
 
 from .errors import ConfigError
 
-__all__ = ["Executor", "EagerExecutor", "make_executor", "warm_up"]
+__all__ = ["Executor", "EagerExecutor", "make_executor", "warm_up", "launch_exact"]
 
 
 class Executor:
@@ -94,11 +94,26 @@ def warm_up(alloc, n: int = 1) -> None:
         torch.cuda.synchronize()  # sync ok: one-time construction
 
 
+def launch_exact(alloc, planned) -> bool:
+    """Launch ``planned``'s kernels over exactly its rows (``StepKernels.grids.exact``: no
+    program for a padded row, a long allocation row shared by several programs); a step
+    with no rows launches nothing. Returns whether it was one fused launch."""
+    kernels, ring, index = alloc.kernels, alloc.ring, planned.buffer_index
+    fused = planned.fusable and kernels.fused
+    grid = kernels.grids.exact(planned.n_release_rows, planned.n_alloc_rows, planned.n_tokens)
+    if grid.n_release_rows or grid.n_alloc_rows:
+        kernels(ring.release_rows(index), ring.alloc_rows(index), fusable=planned.fusable,
+                grid=grid)
+    return fused
+
+
 class EagerExecutor(Executor):
     """Launch the step kernels directly: one fused launch where the step allows it
     (``PlannedStep.fusable`` and an allocator built with ``fused_step=True``), otherwise
-    the release kernel then the allocation kernel. Host cost: one or two kernel launches.
-    On a CUDA device every kernel variant is compiled at construction (:func:`warm_up`)."""
+    the release kernel then the allocation kernel, each over exactly the step's rows
+    (:func:`launch_exact`). Host cost: one or two kernel launches (none for a step with
+    no rows). On a CUDA device every kernel variant is compiled at construction
+    (:func:`warm_up`)."""
 
     name = "eager"
 
@@ -108,9 +123,7 @@ class EagerExecutor(Executor):
             warm_up(alloc)
 
     def execute(self, planned) -> None:
-        fused = planned.fusable and self.alloc.kernels.fused
-        self.alloc.launch(planned.buffer_index, fusable=planned.fusable)
-        self.count(fused)
+        self.count(launch_exact(self._alloc(), planned))
 
 
 def make_executor(executor) -> Executor:

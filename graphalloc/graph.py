@@ -4,22 +4,31 @@ Lifecycle of the :class:`StepGraph` executor (``HybridAllocator(cfg, executor="g
 
     constructor of the allocator  bind(): warm-up on a side stream (compiles every kernel
                                   variant a step can use; all rows padded, so nothing
-                                  changes), then one capture per descriptor buffer of
-                                  ``alloc.ring`` (two per buffer with ``fused_step``)
-    alloc.step(...)               plan() on the host writes buffer i, run() replays graph i
-    ...                           graph i reads buffer i from pinned memory when it runs;
+                                  changes), then, per descriptor buffer of ``alloc.ring``,
+                                  one capture per row bucket (``GridPolicy.shapes()``;
+                                  twice with ``fused_step``: both launch forms)
+    alloc.step(...)               plan() on the host writes buffer i, run() replays the
+                                  graph of buffer i for the smallest bucket that covers
+                                  the step's rows (none for a step with no rows)
+    ...                           the graph reads buffer i from pinned memory when it runs;
                                   buffer i is rewritten only after the event recorded
                                   behind that replay completed (DescriptorRing)
 
-The host's only launch per step is one ``cudaGraphLaunch``. Without a GPU the
-same executor runs the step eagerly (identical results), so callers need no
+The host's only launch per step is one ``cudaGraphLaunch``. A replay launches programs
+for the step's row bucket, not for the frozen maximum: rows are packed at the front of
+each table and the rows past the step's are padding, so every bucket that covers the
+step leaves the same state (:mod:`graphalloc.buckets`). Without a GPU the same executor
+runs the step eagerly over exactly its rows (identical results), so callers need no
 branch.
 
 Engines that capture their own model graph put the allocator inside it
 instead (with the default eager executor): per descriptor buffer ``i`` capture
 ``alloc.launch(i)`` followed by the model, and each step call
 ``p = alloc.plan(...)``, replay graph ``p.buffer_index``, then
-``alloc.mark_submitted(p)`` (see ``examples/decode_loop.py``).
+``alloc.mark_submitted(p)`` (see ``examples/decode_loop.py``). An engine that
+captures one graph per batch size sizes the allocator's part to it with
+``alloc.launch(i, n_rows=(R, A))`` and replays it only for steps with
+``p.fits_rows(R, A)``.
 
 :func:`describe_graph` walks a captured graph through its raw handle with
 cuda-python and returns its nodes by type, to prove its structure (kernel
@@ -32,19 +41,25 @@ import collections
 
 import torch
 
+from .buckets import GridPolicy, StepGrid
 from .errors import ConfigError
-from .executor import Executor, warm_up
+from .executor import Executor, launch_exact, warm_up
 from .sync_points import sync_allowed
 
 __all__ = ["StepGraph", "describe_graph", "capture_graph"]
 
 
-def capture_graph(fn, *, pool=None, stream=None) -> torch.cuda.CUDAGraph:
+def capture_graph(fn, *, pool=None, stream=None, keep_graph: bool = True
+                  ) -> torch.cuda.CUDAGraph:
     """Capture ``fn()`` into a CUDA graph, keeping the raw graph for :func:`describe_graph`
-    where this torch supports it."""
-    try:
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-    except TypeError:  # torch without keep_graph
+    (``keep_graph``) where this torch supports it."""
+    graph = None
+    if keep_graph:
+        try:
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+        except TypeError:  # torch without keep_graph
+            pass
+    if graph is None:
         graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
         fn()
@@ -57,69 +72,134 @@ def capture_graph(fn, *, pool=None, stream=None) -> torch.cuda.CUDAGraph:
 
 
 class StepGraph(Executor):
-    """Executor that replays each step from a CUDA graph, one per descriptor buffer.
+    """Executor that replays each step from a CUDA graph, one per descriptor buffer and
+    row bucket.
 
-    Built by ``HybridAllocator(cfg, executor="graph")`` (or pass ``StepGraph(warmup=...)``);
+    Built by ``HybridAllocator(cfg, executor="graph")`` (or pass ``StepGraph(...)``);
     afterwards every step the allocator runs -- ``step()``, ``run()``, every single
-    operation -- is one graph replay. The graphs are fixed-shape: ``max_release_rows``
-    release programs and ``max_alloc_rows`` allocation programs; padded rows exit at
-    once. On a CPU device nothing is captured and steps run eagerly.
+    operation -- is one graph replay. Each graph is fixed-shape: the release and
+    allocation programs of one :class:`~graphalloc.buckets.StepGrid` of the allocator's
+    :class:`~graphalloc.buckets.GridPolicy` (row buckets ``0, 1, g, g^2, ..., max`` per
+    table, ``g = growth``; a step with a long allocation row gets the bucket's chunked
+    form). A step replays the smallest bucket that covers its rows; padded rows in it
+    exit at once; a step with no rows replays nothing (``empty_steps``). With
+    ``buckets=False`` there is one graph per buffer, the frozen maximum, replayed for
+    every step (the full grid). On a CPU device nothing is captured and steps run eagerly
+    over exactly their rows.
 
-    With an allocator built with ``fused_step=True`` each descriptor buffer gets two
-    graphs: ``graphs[i]`` (release, then allocation: two kernel nodes) and
-    ``fused_graphs[i]`` (one fused kernel node); a step replays the fused one only when
-    its plan marked it fusable.
+    With an allocator built with ``fused_step=True`` each bucket has two graphs: release,
+    then allocation (two kernel nodes, or one where a table has no rows) and the fused
+    kernel (one node); a step replays the fused one only when its plan marked it fusable.
+    ``graphs[i]`` / ``fused_graphs[i]`` are buffer i's full-grid graphs of each form.
 
-    ``replays`` counts graph launches, ``fused_replays`` those of fused graphs. Capture
-    synchronises (once, at construction).
+    Args:
+        warmup: warm-up launches before capture (an int >= 1).
+        buckets: capture row buckets (default) or the full grid only.
+        growth: ratio between row buckets (an int >= 2).
+
+    ``replays`` counts graph launches, ``fused_replays`` those of fused graphs,
+    ``empty_steps`` the steps that had nothing to replay. Capture synchronises (once,
+    at construction); it costs about one capture per bucket, form and buffer
+    (``n_graphs``).
+
+    Cost per step (host): the bucket choice (list lookups) and one graph launch.
     """
 
     name = "graph"
 
-    def __init__(self, alloc=None, *, warmup: int = 2):
+    def __init__(self, alloc=None, *, warmup: int = 2, buckets: bool = True, growth: int = 4):
         if alloc is not None:
             raise ConfigError("StepGraph is an executor chosen when the allocator is built: "
                               "HybridAllocator(cfg, executor='graph') (or "
                               "executor=StepGraph(warmup=...)); it is not attached afterwards")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ConfigError(f"warmup must be an int >= 1, got {warmup!r}")
+        if not isinstance(buckets, bool):
+            raise ConfigError(f"buckets must be a bool, got {buckets!r}")
+        if isinstance(growth, bool) or not isinstance(growth, int) or growth < 2:
+            raise ConfigError(f"growth must be an int >= 2, got {growth!r}")
         super().__init__()
         self.warmup = warmup
+        self.buckets = buckets
+        self.growth = growth
+        self.policy: GridPolicy | None = None
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.fused_graphs: list[torch.cuda.CUDAGraph] = []
+        # [buffer][fused] -> {StepGrid: bound replay}; empty on a CPU device.
+        self._replay_of: list[tuple[dict, dict]] = []
+        self._all: list[torch.cuda.CUDAGraph] = []  # every captured graph (kept alive)
+        self._choose = None
+        self._fused = False
         self.replays = 0
         self.fused_replays = 0
+        self.empty_steps = 0
+
+    @property
+    def n_graphs(self) -> int:
+        """Captured graphs, all buckets, forms and buffers (0 on a CPU device)."""
+        return len(self._all)
 
     def bind(self, alloc) -> None:
         super().bind(alloc)
-        if alloc.config.device.type != "cuda":
+        cfg = alloc.config
+        self.policy = GridPolicy(cfg, growth=self.growth if self.buckets else None)
+        self._fused = alloc.kernels.fused
+        if self.buckets:
+            self._choose = self.policy.bucket
+        else:
+            full = self.policy.full()
+            self._choose = lambda n_rel, n_al, n_tokens: full
+        if cfg.device.type != "cuda":
             return
-        fused = alloc.kernels.fused
-        ring = alloc.ring
+        ring, kernels = alloc.ring, alloc.kernels
+        shapes = self.policy.shapes() if self.buckets else [self.policy.full()]
+        full = self.policy.full()
         warm_up(alloc, self.warmup)
+        pool = None
         with sync_allowed():
             for i in range(len(ring)):
                 rel, al = ring.release_rows(i), ring.alloc_rows(i)
-                self.graphs.append(capture_graph(lambda rel=rel, al=al: alloc.kernels(rel, al)))
-                if fused:
-                    self.fused_graphs.append(capture_graph(
-                        lambda rel=rel, al=al: alloc.kernels(rel, al, fusable=True)))
+                forms: tuple[dict, dict] = ({}, {})
+                for fused in ((False, True) if self._fused else (False,)):
+                    for grid in shapes:
+                        graph = capture_graph(
+                            lambda rel=rel, al=al, grid=grid, fused=fused: kernels(
+                                rel, al, fusable=fused, grid=grid),
+                            pool=pool, keep_graph=grid == full)
+                        pool = graph.pool() if pool is None else pool
+                        self._all.append(graph)
+                        forms[fused][grid] = graph.replay
+                        if grid == full:
+                            (self.fused_graphs if fused else self.graphs).append(graph)
+                if not self._fused:
+                    forms = (forms[0], forms[0])
+                self._replay_of.append(forms)
             torch.cuda.synchronize()  # sync ok: one-time construction
 
+    def grid_for(self, planned) -> StepGrid:
+        """The grid a replay of ``planned`` launches (its bucket; the full grid with
+        ``buckets=False``). O(1)."""
+        return self._choose(planned.n_release_rows, planned.n_alloc_rows, planned.n_tokens)
+
     def execute(self, planned) -> None:
-        index = planned.buffer_index
-        fused = planned.fusable and bool(self.fused_graphs)
-        if self.graphs:
-            (self.fused_graphs if fused else self.graphs)[index].replay()
+        fused = planned.fusable and self._fused
+        if not self._replay_of:  # a CPU device: eager, over exactly the step's rows
+            self.count(launch_exact(self._alloc(), planned))
+            return
+        grid = self._choose(planned.n_release_rows, planned.n_alloc_rows, planned.n_tokens)
+        if grid.n_release_rows or grid.n_alloc_rows:
+            self._replay_of[planned.buffer_index][fused][grid]()
             self.replays += 1
             self.fused_replays += fused
-            self.count(fused)
         else:
-            self.alloc.launch(index, fusable=planned.fusable)
-            self.count(planned.fusable and self.alloc.kernels.fused)
+            self.empty_steps += 1
+        if fused:
+            self.n_fused += 1
+        else:
+            self.n_two_launch += 1
 
     def describe(self, fused: bool = False) -> dict:
-        """:func:`describe_graph` of the first captured graph (of the fused ones with
+        """:func:`describe_graph` of the first full-grid graph (of the fused ones with
         ``fused=True``); ``{}`` on a CPU device."""
         graphs = self.fused_graphs if fused else self.graphs
         if not graphs:

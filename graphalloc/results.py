@@ -92,3 +92,10 @@ class PlannedStep:
     pages_evicted: int = 0  # SWA pages freed by frontier moves (window eviction, advances)
     submitted: bool = False
     owner: object = dataclasses.field(default=None, repr=False)
+
+    def fits_rows(self, n_release_rows: int, n_alloc_rows: int) -> bool:
+        """Whether this step may run on a launch captured for that many rows of each
+        table (``HybridAllocator.launch(i, n_rows=(R, A))``): its release and allocation
+        rows are packed at the front of the tables, so it fits when it has at most R and
+        A of them. O(1)."""
+        return self.n_release_rows <= n_release_rows and self.n_alloc_rows <= n_alloc_rows

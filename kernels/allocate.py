@@ -1,9 +1,13 @@
 """Allocate: decode and extend allocation for a step, from the same descriptor.
 
-One program per descriptor allocation row (layout: ``graphalloc.kernels.abi``)::
+``n_chunks`` programs per descriptor allocation row (layout: ``graphalloc.kernels.abi``),
+over the launch's first ``n_rows`` rows (grid ``n_rows * n_chunks``; program ``pid`` works
+on row ``pid // n_chunks``, chunk ``pid % n_chunks``)::
 
-    row = rows[pid]
+    row = rows[pid // n_chunks]
     if row.n_tokens == 0 and row.n_pages == 0: return       # padded row
+    # each loop below runs over the chunk's contiguous share of its blocks (all of them
+    # with n_chunks = 1), and the ring admission on chunk 0 only
     if RING_ADMIT: ring_pages[r, q] = swa_free[(swa_pop + q) % cap] for q < n_pages; return
     if COPY: req_to_token[r, s:s + n_pages*ps] = req_to_token[src, same]; return   # sharing
     if SWA_ONLY:                                            # load-back of [s, s + n_tokens)
@@ -40,8 +44,19 @@ an admission set to 0. A lane is counted once whatever it broke.
 The Triton kernel writes the mapping in a second loop over the row's new
 pages (``[BLOCK_PAGES, BLOCK_PS]`` tiles) instead of per token: the same
 writes, with a tile that does not grow with the token block. The row's work is
-the device function ``_allocate_body``, shared by ``_allocate_kernel`` (one
-program per allocation row) and the fused step kernel of ``kernels.step``.
+the device function ``_allocate_body``, shared by ``_allocate_kernel`` and the
+fused step kernel of ``kernels.step``.
+
+Grid. The launcher runs rows ``[0, n_rows)`` (``n_rows=None``: all of them); rows past
+the planner's are padding, so a step launches programs for the rows it has. A long row
+(a prefill of thousands of tokens) is shared by ``n_chunks`` programs, each taking a
+contiguous share of the token blocks, of the new pages' mapping tiles and of a prefix
+copy's blocks (:func:`~graphalloc.kernels.rows.chunk_span`), so it runs at the speed of
+many programs instead of one block after another. The programs of one row are
+independent: a token's pops depend only on its position (``pop + page_no - first_new``),
+the pages it continues are below ``first_new`` (never mapped by this row), and each new
+page is mapped by exactly one tile. Every ``n_chunks >= 1`` gives the same state, and
+chunk c's lanes precede chunk c + 1's (the interpreter records faults in lane order).
 
 Bytes per token: one index write to req_to_token and two to the outputs, plus
 the gathers of the popped (or continued) page ids; per new page, ps index
@@ -74,7 +89,17 @@ from .abi import (
 )
 from .error_word import record_fault_bits, record_fault_bits_torch
 from .errors import TensorSpecError
-from .rows import block_ps, check_rows, check_tables, lanes_of_rows, load_row, row_col
+from .rows import (
+    block_ps,
+    check_rows,
+    check_tables,
+    chunk_span,
+    lanes_of_rows,
+    launch_rows,
+    load_row,
+    row_col,
+    warps,
+)
 
 __all__ = ["allocate_tokens", "allocate_tokens_torch", "allocate_meta"]
 
@@ -98,15 +123,16 @@ _STAGE_ALLOC = tl.constexpr(STAGE_ALLOC)
 
 @triton.jit
 def _allocate_body(
-    pid, rows_ptr,
+    pid, chunk, n_chunks, rows_ptr,
     r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, out_full_ptr, out_swa_ptr, err_ptr,
     stride_r2t_row, stride_ring_row,
     page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols,
     VALIDATE: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_PAGES: tl.constexpr,
     BLOCK_PS: tl.constexpr,
 ):
-    """One allocation row (``pid``, int64): the body of ``_allocate_kernel`` and of the fused
-    step kernel (``kernels.step``)."""
+    """Program ``chunk`` of the ``n_chunks`` sharing allocation row ``pid`` (int64; the row
+    faults name): the body of ``_allocate_kernel`` and of the fused step kernel
+    (``kernels.step``)."""
     row, cols = load_row(rows_ptr, pid)
     n_tokens = row_col(row, cols, _N_TOKENS)
     n_pages = row_col(row, cols, _N_PAGES)
@@ -124,8 +150,9 @@ def _allocate_body(
     ring_row_ptr = ring_ptr + r * stride_ring_row
     lanes_t = tl.arange(0, BLOCK_TOKENS)
 
-    # Ring admission: pop the request's ring pages (q < min(n_pages, ring width)).
-    if (flags & _F_RING_ADMIT) != 0:
+    # Ring admission: pop the request's ring pages (q < min(n_pages, ring width)); a ring
+    # is short (a window's pages), so chunk 0 does it, before its token lanes.
+    if ((flags & _F_RING_ADMIT) != 0) & (chunk == 0):
         n_admit = tl.minimum(n_pages, n_ring_cols)
         for start in range(0, n_admit, BLOCK_TOKENS):
             q = start + lanes_t
@@ -149,7 +176,8 @@ def _allocate_body(
     if (flags & _F_COPY) != 0:
         src_row_ptr = r2t_ptr + full_pop * stride_r2t_row
         n_copy = n_pages * page_size
-        for start in range(0, n_copy, BLOCK_TOKENS):
+        first_copy, end_copy = chunk_span(n_copy, BLOCK_TOKENS, chunk, n_chunks)
+        for start in range(first_copy, end_copy, BLOCK_TOKENS):
             t = start_pos + start + lanes_t
             copy_mask = (start + lanes_t) < n_copy
             slot = tl.load(src_row_ptr + t, mask=copy_mask, other=0)
@@ -157,8 +185,9 @@ def _allocate_body(
         return
 
     # Load-back: re-pair existing FULL pages of [s, s + n_pages*ps) with popped SWA pages.
+    first_tok, end_tok = chunk_span(n_tokens, BLOCK_TOKENS, chunk, n_chunks)
     if (flags & _F_SWA_ONLY) != 0:
-        for start in range(0, n_tokens, BLOCK_TOKENS):
+        for start in range(first_tok, end_tok, BLOCK_TOKENS):
             i = start + lanes_t
             tok_mask = (i < n_tokens) & (first_out + i < n_lanes)
             k = i // page_size
@@ -189,7 +218,7 @@ def _allocate_body(
 
     # Token lanes: continue the partial page, then new pages popped in order.
     first_new = (start_pos + page_size - 1) // page_size  # pages below it exist already
-    for start in range(0, n_tokens, BLOCK_TOKENS):
+    for start in range(first_tok, end_tok, BLOCK_TOKENS):
         i = start + lanes_t  # int64: token index within the row
         tok_mask = (i < n_tokens) & (first_out + i < n_lanes)
         pos = start_pos + i
@@ -238,7 +267,8 @@ def _allocate_body(
     lanes_p = tl.arange(0, BLOCK_PAGES)
     offs_ps = tl.arange(0, BLOCK_PS)
     in_page = offs_ps < page_size
-    for start in range(0, n_new, BLOCK_PAGES):
+    first_tile, end_tile = chunk_span(n_new, BLOCK_PAGES, chunk, n_chunks)
+    for start in range(first_tile, end_tile, BLOCK_PAGES):
         k = start + lanes_p
         page_no = first_new + k
         page_mask = (k < n_new) & (first_out + page_no * page_size - start_pos < n_lanes)
@@ -259,7 +289,7 @@ def _allocate_body(
 
 
 @triton.jit(do_not_specialize=["stride_r2t_row", "stride_ring_row", "n_full_cap", "n_swa_cap",
-                               "n_lanes", "n_ring_cols"])
+                               "n_lanes", "n_ring_cols", "n_chunks"])
 def _allocate_kernel(
     # descriptor (int64 [n_rows, 8], may be pinned host memory)
     rows_ptr,
@@ -267,13 +297,15 @@ def _allocate_kernel(
     r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, out_full_ptr, out_swa_ptr, err_ptr,
     # strides
     stride_r2t_row, stride_ring_row,
-    # sizes
-    page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols,
+    # sizes (n_chunks: programs per row)
+    page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols, n_chunks,
     # meta-parameters
     VALIDATE: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_PAGES: tl.constexpr,
     BLOCK_PS: tl.constexpr,
 ):
-    _allocate_body(tl.program_id(0).to(tl.int64), rows_ptr,
+    pid = tl.program_id(0).to(tl.int64)
+    row_id = pid // n_chunks
+    _allocate_body(row_id, pid - row_id * n_chunks, n_chunks, rows_ptr,
                    r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, out_full_ptr,
                    out_swa_ptr, err_ptr,
                    stride_r2t_row, stride_ring_row,
@@ -290,38 +322,52 @@ def allocate_meta(page_size: int) -> dict:
 
 def allocate_tokens(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages,
                     out_full_slots, out_swa_slots, err, *, page_size: int, n_full_cap: int,
-                    n_swa_cap: int, n_lanes: int, validate: bool = False) -> None:
-    """Launch the allocation kernel: one program per row of ``rows``. Shares the twin's
-    signature and results. ``validate`` compiles in the range checks of popped ids.
-    Returns before the device has finished."""
+                    n_swa_cap: int, n_lanes: int, validate: bool = False,
+                    n_rows: int | None = None, n_chunks: int = 1,
+                    num_warps: int | None = None) -> None:
+    """Launch the allocation kernel over rows ``[0, n_rows)`` of ``rows`` (None: every row),
+    ``n_chunks`` programs per row (grid ``n_rows * n_chunks``; the rows past ``n_rows``
+    must be padding), ``num_warps`` warps per program (None: Triton's default). Shares the
+    twin's signature and results. ``validate`` compiles in
+    the range checks of popped ids. Returns before the device has finished; launches
+    nothing for ``n_rows = 0``."""
     check_rows(rows, full_to_swa, "allocation")
     check_tables(req_to_token, ring_pages, err, False, None, (n_full_cap, n_swa_cap))
     if not (out_full_slots.is_contiguous() and out_swa_slots.is_contiguous()):
         raise TensorSpecError("the output slot buffers must be contiguous")
-    n_rows = rows.shape[0]
+    n_rows = launch_rows(rows, n_rows, n_chunks, "allocation")
     if n_rows == 0:
         return
-    _allocate_kernel[(n_rows,)](
+    _allocate_kernel[(n_rows * n_chunks,)](
         rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, out_full_slots,
         out_swa_slots, err,
         req_to_token.stride(0), ring_pages.stride(0),
-        page_size, n_full_cap, n_swa_cap, n_lanes, ring_pages.shape[1],
-        VALIDATE=bool(validate), **allocate_meta(page_size),
+        page_size, n_full_cap, n_swa_cap, n_lanes, ring_pages.shape[1], n_chunks,
+        VALIDATE=bool(validate), **allocate_meta(page_size), **warps(num_warps),
     )
+
 
 
 def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages,
                           out_full_slots, out_swa_slots, err, *, page_size: int, n_full_cap: int,
-                          n_swa_cap: int, n_lanes: int, validate: bool = False) -> None:
-    """Reference twin of the allocation kernel over ``n_lanes`` flat token lanes.
+                          n_swa_cap: int, n_lanes: int, validate: bool = False,
+                          n_rows: int | None = None, n_chunks: int = 1,
+                          num_warps: int | None = None) -> None:
+    """Reference twin of the allocation kernel over ``n_lanes`` flat token lanes of rows
+    ``[0, n_rows)`` (``n_chunks`` is checked and otherwise, like ``num_warps``, has no
+    effect: lanes are flat).
 
     ``req_to_token`` has a scratch row past the requests and the output buffers
-    a scratch entry past ``n_lanes``: padded lanes write there.
+    a scratch entry past ``n_lanes``: padded lanes write there, with values that depend on
+    no descriptor row (so any ``n_rows`` covering the real rows leaves the same state).
     """
     check_rows(rows, full_to_swa, "allocation")
     check_tables(req_to_token, ring_pages, err, False, None, (n_full_cap, n_swa_cap))
-    if rows.shape[0] == 0:  # as the launcher: nothing to run
+    n_rows = launch_rows(rows, n_rows, n_chunks, "allocation")
+    if n_rows == 0:  # as the launcher: nothing to run
         return
+    if n_rows < rows.shape[0]:
+        rows = rows[:n_rows]
     device = full_to_swa.device
     ps = page_size
     rows = rows.to(device, non_blocking=True)
@@ -366,7 +412,7 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     row_of, i, valid = lanes_of_rows(rows[:, AL_N_TOKENS], n_lanes)
     r = torch.where(valid, rows[row_of, AL_REQ], scratch_row)
     s = rows[row_of, AL_START_POS]
-    ring = (rows[row_of, AL_FLAGS] & AL_RING) != 0
+    ring = valid & ((rows[row_of, AL_FLAGS] & AL_RING) != 0)  # padded lanes: no row's flags
     swa_only = valid & ((rows[row_of, AL_FLAGS] & AL_SWA_ONLY) != 0)  # load-back lanes
     t = torch.where(valid, s + i, 0)
     page_no = t // ps

@@ -1,10 +1,13 @@
 """Release: the graph's core node. Lookup the SWA peers of a step's freed pages and clear them.
 
-One program per descriptor release row (layout: ``graphalloc.kernels.abi``)::
+``n_chunks`` programs per descriptor release row (layout: ``graphalloc.kernels.abi``),
+over the launch's first ``n_rows`` rows (grid ``n_rows * n_chunks``)::
 
-    row = rows[pid]                       # one 64-byte load from pinned host memory
+    r_id, chunk = pid // n_chunks, pid % n_chunks
+    row = rows[r_id]                      # one 64-byte load from pinned host memory
     if row.n_pages == 0: return           # padded row
-    for j in range(n_pages):              # in blocks of BLOCK_PAGES
+    for j in chunk's span of range(n_pages):   # in blocks of BLOCK_PAGES; chunk c takes
+                                               # the c-th contiguous share of the blocks
         if RING_RETURN: swa_free[(swa_push + j) % cap] = ring_pages[r, s//ps + j]; continue
         rep  = req_to_token[r, s + j*ps]  # fixed stride, no unique()
         page = rep // ps
@@ -51,10 +54,21 @@ start position or number of padded rows never compiles a new variant.
 a multiple of 16 compile to simpler, aligned code); ``VALIDATE``, ``BLOCK_PAGES``
 and ``BLOCK_PS`` are constexprs fixed per allocator.
 
+Grid. The launcher runs rows ``[0, n_rows)`` of the table (``n_rows=None``: all of
+them); the planner packs real rows at the front and marks the rest padded, so any
+``n_rows`` covering the real rows leaves the same state, and a step costs programs for
+the rows it has, not for the frozen maximum. ``n_chunks`` programs share each row,
+each taking a contiguous share of its page blocks (:func:`~graphalloc.kernels.rows.chunk_span`):
+a long release runs in parallel instead of one block after another. Pages of one
+row are distinct full pages, so the gather-before-clear order is needed only within a
+block (the barrier), never across programs. Every ``n_chunks >= 1`` gives the same
+state; chunk c's lanes come before chunk c + 1's, so the interpreter (programs in order)
+records faults in lane order, as the twin does.
+
 The row's work is the device function ``_release_body``, shared by
-``_release_kernel`` (one program per release row) and the fused step kernel of
-``kernels.step``. ``release_pages`` (Triton) and ``release_pages_torch`` (the
-reference twin) share one signature and produce identical state.
+``_release_kernel`` and the fused step kernel of ``kernels.step``. ``release_pages``
+(Triton) and ``release_pages_torch`` (the reference twin) share one signature and
+produce identical state.
 """
 
 from __future__ import annotations
@@ -80,7 +94,17 @@ from .abi import (
     FaultCode,
 )
 from .error_word import record_fault_bits, record_fault_bits_torch
-from .rows import block_ps, check_rows, check_tables, lanes_of_rows, load_row, row_col
+from .rows import (
+    block_ps,
+    check_rows,
+    check_tables,
+    chunk_span,
+    lanes_of_rows,
+    launch_rows,
+    load_row,
+    row_col,
+    warps,
+)
 
 __all__ = ["release_pages", "release_pages_torch", "release_meta", "epoch_args"]
 
@@ -112,15 +136,16 @@ def _stamp(epoch_ptr, page, mask, epoch):
 
 @triton.jit
 def _release_body(
-    pid, rows_ptr,
+    pid, chunk, n_chunks, rows_ptr,
     r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr, full_epoch_ptr,
     swa_epoch_ptr,
     stride_r2t_row, stride_ring_row,
     page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols,
     VALIDATE: tl.constexpr, BLOCK_PAGES: tl.constexpr, BLOCK_PS: tl.constexpr,
 ):
-    """One release row (``pid``, int64): the body of ``_release_kernel`` and of the fused
-    step kernel (``kernels.step``)."""
+    """Program ``chunk`` of the ``n_chunks`` sharing release row ``pid`` (int64; the row
+    faults name): the body of ``_release_kernel`` and of the fused step kernel
+    (``kernels.step``)."""
     row, cols = load_row(rows_ptr, pid)
     n_pages = row_col(row, cols, _N_PAGES)
     if n_pages == 0:  # padded row
@@ -146,7 +171,8 @@ def _release_body(
     in_page = offs_ps < page_size
     r2t_row_ptr = r2t_ptr + r * stride_r2t_row
     ring_row_ptr = ring_ptr + r * stride_ring_row
-    for start in range(0, n_pages, BLOCK_PAGES):
+    first_page, end_page = chunk_span(n_pages, BLOCK_PAGES, chunk, n_chunks)
+    for start in range(first_page, end_page, BLOCK_PAGES):
         j = start + lanes  # int64: page index within the row
         page_mask = (j < n_pages) & (first_lane + j < n_lanes)
         swa_pos = (swa_push + j) % n_swa_cap
@@ -225,7 +251,7 @@ def _release_body(
 
 
 @triton.jit(do_not_specialize=["stride_r2t_row", "stride_ring_row", "n_full_cap", "n_swa_cap",
-                               "n_lanes", "n_ring_cols"])
+                               "n_lanes", "n_ring_cols", "n_chunks"])
 def _release_kernel(
     # descriptor (int64 [n_rows, 8], may be pinned host memory)
     rows_ptr,
@@ -234,12 +260,14 @@ def _release_kernel(
     swa_epoch_ptr,
     # strides
     stride_r2t_row, stride_ring_row,
-    # sizes
-    page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols,
+    # sizes (n_chunks: programs per row)
+    page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols, n_chunks,
     # meta-parameters
     VALIDATE: tl.constexpr, BLOCK_PAGES: tl.constexpr, BLOCK_PS: tl.constexpr,
 ):
-    _release_body(tl.program_id(0).to(tl.int64), rows_ptr,
+    pid = tl.program_id(0).to(tl.int64)
+    row_id = pid // n_chunks
+    _release_body(row_id, pid - row_id * n_chunks, n_chunks, rows_ptr,
                   r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr,
                   full_epoch_ptr, swa_epoch_ptr,
                   stride_r2t_row, stride_ring_row,
@@ -261,24 +289,30 @@ def epoch_args(validate: bool, epochs, err):
 
 def release_pages(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, err,
                   *, page_size: int, n_full_cap: int, n_swa_cap: int, n_lanes: int,
-                  validate: bool = False, epochs=None) -> None:
-    """Launch the release kernel: one program per row of ``rows``. Shares the twin's
-    signature and results. ``validate`` compiles in the checks of the module docstring;
-    it needs ``epochs = (full_epoch, swa_epoch)`` (int64 ``[n_full_cap + 1]`` and
-    ``[n_swa_cap + 1]``, zero-initialised, kept across steps), not read otherwise.
-    Returns before the device has finished."""
+                  validate: bool = False, epochs=None, n_rows: int | None = None,
+                  n_chunks: int = 1, num_warps: int | None = None) -> None:
+    """Launch the release kernel over rows ``[0, n_rows)`` of ``rows`` (None: every row),
+    ``n_chunks`` programs per row (grid ``n_rows * n_chunks``; see the module docstring:
+    the rows past ``n_rows`` must be padding), ``num_warps`` warps per program (None:
+    Triton's default; each value compiles its own variant). Shares the twin's signature
+    and results.
+    ``validate`` compiles in the checks of the module docstring; it needs ``epochs =
+    (full_epoch, swa_epoch)`` (int64 ``[n_full_cap + 1]`` and ``[n_swa_cap + 1]``,
+    zero-initialised, kept across steps), not read otherwise. Returns before the device
+    has finished; launches nothing for ``n_rows = 0``."""
     check_rows(rows, full_to_swa, "release")
     check_tables(req_to_token, ring_pages, err, validate, epochs, (n_full_cap, n_swa_cap))
-    n_rows = rows.shape[0]
+    n_rows = launch_rows(rows, n_rows, n_chunks, "release")
     if n_rows == 0:
         return
-    _release_kernel[(n_rows,)](
+    _release_kernel[(n_rows * n_chunks,)](
         rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, err,
         *epoch_args(validate, epochs, err),
         req_to_token.stride(0), ring_pages.stride(0),
-        page_size, n_full_cap, n_swa_cap, n_lanes, ring_pages.shape[1],
-        VALIDATE=bool(validate), **release_meta(page_size),
+        page_size, n_full_cap, n_swa_cap, n_lanes, ring_pages.shape[1], n_chunks,
+        VALIDATE=bool(validate), **release_meta(page_size), **warps(num_warps),
     )
+
 
 
 def stamp_epochs_torch(table: torch.Tensor, page: torch.Tensor, epoch: torch.Tensor,
@@ -312,16 +346,22 @@ def stamp_epochs_torch(table: torch.Tensor, page: torch.Tensor, epoch: torch.Ten
 
 def release_pages_torch(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, err,
                         *, page_size: int, n_full_cap: int, n_swa_cap: int, n_lanes: int,
-                        validate: bool = False, epochs=None) -> None:
-    """Reference twin of the release kernel over ``n_lanes`` flat page lanes.
+                        validate: bool = False, epochs=None, n_rows: int | None = None,
+                        n_chunks: int = 1, num_warps: int | None = None) -> None:
+    """Reference twin of the release kernel over ``n_lanes`` flat page lanes of rows
+    ``[0, n_rows)`` (``n_chunks`` is checked and otherwise, like ``num_warps``, has no
+    effect: lanes are flat).
 
     ``req_to_token`` has one scratch row past the requests, ``full_free`` and
     ``swa_free`` one scratch entry past their capacity: padded lanes write there.
     """
     check_rows(rows, full_to_swa, "release")
     check_tables(req_to_token, ring_pages, err, validate, epochs, (n_full_cap, n_swa_cap))
-    if rows.shape[0] == 0:  # as the launcher: nothing to run
+    n_rows = launch_rows(rows, n_rows, n_chunks, "release")
+    if n_rows == 0:  # as the launcher: nothing to run
         return
+    if n_rows < rows.shape[0]:
+        rows = rows[:n_rows]
     device = full_to_swa.device
     ps = page_size
     rows = rows.to(device, non_blocking=True)

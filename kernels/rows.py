@@ -1,10 +1,11 @@
 """Descriptor-row helpers shared by the step kernels, their launchers and their twins.
 
-Device side: :func:`load_row` (one 64-byte vector load of a row) and :func:`row_col`
-(one column of it, no second memory access). Host side: the launcher checks
-(:func:`check_rows`, :func:`check_tables`), the page-tile width (:func:`block_ps`) and
-the twins' flat lane layout (:func:`lanes_of_rows`). The layout itself is
-:mod:`graphalloc.kernels.abi`.
+Device side: :func:`load_row` (one 64-byte vector load of a row), :func:`row_col`
+(one column of it, no second memory access) and :func:`chunk_span` (the part of a long
+row one of several programs sharing it works on). Host side: the launcher checks
+(:func:`check_rows`, :func:`check_tables`, :func:`launch_rows`), the launch options
+(:func:`warps`), the page-tile width (:func:`block_ps`) and the twins' flat lane layout
+(:func:`lanes_of_rows`). The layout itself is :mod:`graphalloc.kernels.abi`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import triton.language as tl
 from .abi import ERR_WORDS, ROW_WIDTH
 from .errors import TensorSpecError
 
-__all__ = ["load_row", "row_col", "check_rows", "check_tables", "block_ps", "lanes_of_rows"]
+__all__ = ["load_row", "row_col", "chunk_span", "check_rows", "check_tables", "launch_rows",
+           "warps", "block_ps", "lanes_of_rows"]
 
 _ROW_WIDTH = tl.constexpr(ROW_WIDTH)
 
@@ -32,6 +34,18 @@ def load_row(rows_ptr, pid):
 def row_col(row, cols, col: tl.constexpr):
     """Column ``col`` of a loaded row, as an int64 scalar (no second memory access)."""
     return tl.sum(tl.where(cols == col, row, 0), axis=0)
+
+
+@triton.jit
+def chunk_span(n_items, BLOCK: tl.constexpr, chunk, n_chunks):
+    """``[start, end)`` of a row's ``n_items`` that program ``chunk`` of the ``n_chunks``
+    sharing the row works on: whole blocks of ``BLOCK``, contiguous and in order, so chunk c's
+    items all precede chunk c + 1's (``n_chunks = 1``: ``[0, n_items)``, the whole row).
+    Loop ``for start in range(start, end, BLOCK)``; an empty span runs no iteration."""
+    n_blocks = (n_items + BLOCK - 1) // BLOCK
+    per_chunk = (n_blocks + n_chunks - 1) // n_chunks
+    start = chunk * per_chunk * BLOCK
+    return start, tl.minimum(start + per_chunk * BLOCK, n_items)
 
 
 def check_rows(rows: torch.Tensor, table: torch.Tensor, what: str) -> None:
@@ -66,6 +80,29 @@ def check_tables(req_to_token, ring_pages, err, validate: bool, epochs, n_caps) 
         if t is None or t.dtype != torch.int64 or t.numel() < cap + 1:
             got = "None" if t is None else f"{t.dtype} {tuple(t.shape)}"
             raise TensorSpecError(f"validate=True needs {name}, int64 [{cap + 1}], got {got}")
+
+
+def launch_rows(rows: torch.Tensor, n_rows, n_chunks, what: str) -> int:
+    """The launch's row count: ``n_rows`` (None: every row of ``rows``), checked to lie in
+    ``[0, rows.shape[0]]``, with ``n_chunks >= 1`` programs per row. The launch runs the
+    rows ``[0, n_rows)``; rows past them must be padding (the planner packs real rows at
+    the front), so any ``n_rows`` that covers the real rows gives the same state."""
+    total = rows.shape[0]
+    if n_rows is None:
+        n_rows = total
+    if isinstance(n_rows, bool) or not isinstance(n_rows, int) or not 0 <= n_rows <= total:
+        raise TensorSpecError(f"{what}: n_rows must be an int in [0, {total}] (the rows of the "
+                              f"descriptor table), got {n_rows!r}")
+    if isinstance(n_chunks, bool) or not isinstance(n_chunks, int) or n_chunks < 1:
+        raise TensorSpecError(f"{what}: n_chunks must be an int >= 1 (programs per row), got "
+                              f"{n_chunks!r}")
+    return n_rows
+
+
+def warps(num_warps: int | None) -> dict:
+    """A launch's ``num_warps`` option (none for None: Triton's default; each value compiles
+    its own kernel variant)."""
+    return {} if num_warps is None else {"num_warps": int(num_warps)}
 
 
 def block_ps(page_size: int) -> int:

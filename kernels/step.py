@@ -15,14 +15,18 @@ no dependency on each other and may run in any order, concurrently.
 ``StepBuilder.fusable`` is that condition; a step without it must run as two
 launches (``kernels.release`` then ``kernels.allocate``).
 
-One program per descriptor row of either table::
+``n_release_chunks`` programs per release row and ``n_alloc_chunks`` per allocation
+row, over the launch's first R release and A allocation rows (the rest of each table
+must be padding: a step launches programs for the rows it has)::
 
-    pid < R:  _release_body(pid)              # release rows [0, R)
-    else:     _allocate_body(pid - R)         # allocation rows [0, A)
+    P = R * n_release_chunks
+    pid < P:  _release_body(pid // n_release_chunks, pid % n_release_chunks)
+    else:     q = pid - P; _allocate_body(q // n_alloc_chunks, q % n_alloc_chunks)
 
 The bodies are the same device functions the two single kernels run, so both
 variants execute the same instructions per row; only the launch differs (one
-grid of R + A programs instead of two grids and the dependency between them).
+grid of ``R * n_release_chunks + A * n_alloc_chunks`` programs instead of two grids
+and the dependency between them).
 Faults go to the same error word; on a GPU the first record may then come from
 either stage (bits and counts are exact either way); the interpreter runs
 programs in order, so there it equals the two-launch record.
@@ -39,14 +43,14 @@ import triton.language as tl
 from .allocate import _allocate_body, allocate_meta, allocate_tokens_torch
 from .errors import TensorSpecError
 from .release import _release_body, epoch_args, release_meta, release_pages_torch
-from .rows import check_rows, check_tables
+from .rows import check_rows, check_tables, launch_rows, warps
 
 __all__ = ["run_step_fused", "run_step_fused_torch"]
 
 
 @triton.jit(do_not_specialize=["stride_r2t_row", "stride_ring_row", "n_full_cap", "n_swa_cap",
                                "n_release_rows", "n_release_lanes", "n_alloc_lanes",
-                               "n_ring_cols"])
+                               "n_ring_cols", "n_release_chunks", "n_alloc_chunks"])
 def _step_kernel(
     # descriptor tables (int64 [R, 8] and [A, 8], may be pinned host memory)
     rel_rows_ptr, al_rows_ptr,
@@ -57,21 +61,26 @@ def _step_kernel(
     stride_r2t_row, stride_ring_row,
     # sizes
     page_size, n_full_cap, n_swa_cap, n_release_rows, n_release_lanes, n_alloc_lanes,
-    n_ring_cols,
+    n_ring_cols, n_release_chunks, n_alloc_chunks,
     # meta-parameters
     VALIDATE: tl.constexpr, REL_BLOCK_PAGES: tl.constexpr, AL_BLOCK_TOKENS: tl.constexpr,
     AL_BLOCK_PAGES: tl.constexpr, BLOCK_PS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    if pid < n_release_rows:
-        _release_body(pid, rel_rows_ptr,
+    n_release_progs = n_release_rows * n_release_chunks
+    if pid < n_release_progs:
+        rel_row = pid // n_release_chunks
+        _release_body(rel_row, pid - rel_row * n_release_chunks, n_release_chunks,
+                      rel_rows_ptr,
                       r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr,
                       full_epoch_ptr, swa_epoch_ptr,
                       stride_r2t_row, stride_ring_row,
                       page_size, n_full_cap, n_swa_cap, n_release_lanes, n_ring_cols,
                       VALIDATE, REL_BLOCK_PAGES, BLOCK_PS)
     else:
-        _allocate_body(pid - n_release_rows, al_rows_ptr,
+        q = pid - n_release_progs
+        al_row = q // n_alloc_chunks
+        _allocate_body(al_row, q - al_row * n_alloc_chunks, n_alloc_chunks, al_rows_ptr,
                        r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, out_full_ptr,
                        out_swa_ptr, err_ptr,
                        stride_r2t_row, stride_ring_row,
@@ -82,13 +91,18 @@ def _step_kernel(
 def run_step_fused(release_rows, alloc_rows, req_to_token, full_to_swa, full_free, swa_free,
                    ring_pages, out_full_slots, out_swa_slots, err, *, page_size: int,
                    n_full_cap: int, n_swa_cap: int, n_release_lanes: int, n_alloc_lanes: int,
-                   validate: bool = False, epochs=None) -> None:
-    """Launch one step as a single grid of ``R + A`` programs (R release rows, A allocation
-    rows). Only for a step whose pops fit in what was free before it
-    (``StepBuilder.fusable``); the caller guarantees it, nothing here can check it.
+                   validate: bool = False, epochs=None, n_release_rows: int | None = None,
+                   n_alloc_rows: int | None = None, n_release_chunks: int = 1,
+                   n_alloc_chunks: int = 1, num_warps: int | None = None) -> None:
+    """Launch one step as a single grid of ``R * n_release_chunks + A * n_alloc_chunks``
+    programs over release rows ``[0, R)`` and allocation rows ``[0, A)`` (``R =
+    n_release_rows``, ``A = n_alloc_rows``; None: every row of the table). Only for a step
+    whose pops fit in what was free before it (``StepBuilder.fusable``); the caller
+    guarantees it, nothing here can check it.
 
     Arguments are those of ``release_pages`` and ``allocate_tokens`` together
-    (``n_release_lanes`` / ``n_alloc_lanes`` are their ``n_lanes``); ``validate`` needs
+    (``n_release_lanes`` / ``n_alloc_lanes`` are their ``n_lanes``, the row counts and
+    chunks their ``n_rows`` / ``n_chunks``, ``num_warps`` theirs); ``validate`` needs
     ``epochs``. Returns before the device has finished.
     """
     check_rows(release_rows, full_to_swa, "release")
@@ -96,32 +110,38 @@ def run_step_fused(release_rows, alloc_rows, req_to_token, full_to_swa, full_fre
     check_tables(req_to_token, ring_pages, err, validate, epochs, (n_full_cap, n_swa_cap))
     if not (out_full_slots.is_contiguous() and out_swa_slots.is_contiguous()):
         raise TensorSpecError("the output slot buffers must be contiguous")
-    n_rel, n_al = release_rows.shape[0], alloc_rows.shape[0]
-    if n_rel + n_al == 0:
+    n_rel = launch_rows(release_rows, n_release_rows, n_release_chunks, "release")
+    n_al = launch_rows(alloc_rows, n_alloc_rows, n_alloc_chunks, "allocation")
+    n_progs = n_rel * n_release_chunks + n_al * n_alloc_chunks
+    if n_progs == 0:
         return
     rel_meta, al_meta = release_meta(page_size), allocate_meta(page_size)
-    _step_kernel[(n_rel + n_al,)](
+    _step_kernel[(n_progs,)](
         release_rows, alloc_rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages,
         out_full_slots, out_swa_slots, err, *epoch_args(validate, epochs, err),
         req_to_token.stride(0), ring_pages.stride(0),
         page_size, n_full_cap, n_swa_cap, n_rel, n_release_lanes, n_alloc_lanes,
-        ring_pages.shape[1],
+        ring_pages.shape[1], n_release_chunks, n_alloc_chunks,
         VALIDATE=bool(validate), REL_BLOCK_PAGES=rel_meta["BLOCK_PAGES"],
         AL_BLOCK_TOKENS=al_meta["BLOCK_TOKENS"], AL_BLOCK_PAGES=al_meta["BLOCK_PAGES"],
-        BLOCK_PS=rel_meta["BLOCK_PS"],
+        BLOCK_PS=rel_meta["BLOCK_PS"], **warps(num_warps),
     )
 
 
 def run_step_fused_torch(release_rows, alloc_rows, req_to_token, full_to_swa, full_free,
                          swa_free, ring_pages, out_full_slots, out_swa_slots, err, *,
                          page_size: int, n_full_cap: int, n_swa_cap: int, n_release_lanes: int,
-                         n_alloc_lanes: int, validate: bool = False, epochs=None) -> None:
+                         n_alloc_lanes: int, validate: bool = False, epochs=None,
+                         n_release_rows: int | None = None, n_alloc_rows: int | None = None,
+                         n_release_chunks: int = 1, n_alloc_chunks: int = 1,
+                         num_warps: int | None = None) -> None:
     """Reference twin of :func:`run_step_fused`: the release twin, then the allocation twin
     (the order the fused launch must be indistinguishable from)."""
     common = dict(page_size=page_size, n_full_cap=n_full_cap, n_swa_cap=n_swa_cap,
                   validate=validate)
     release_pages_torch(release_rows, req_to_token, full_to_swa, full_free, swa_free,
-                        ring_pages, err, n_lanes=n_release_lanes, epochs=epochs, **common)
+                        ring_pages, err, n_lanes=n_release_lanes, epochs=epochs,
+                        n_rows=n_release_rows, n_chunks=n_release_chunks, **common)
     allocate_tokens_torch(alloc_rows, req_to_token, full_to_swa, full_free, swa_free,
                           ring_pages, out_full_slots, out_swa_slots, err, n_lanes=n_alloc_lanes,
-                          **common)
+                          n_rows=n_alloc_rows, n_chunks=n_alloc_chunks, **common)
