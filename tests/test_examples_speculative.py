@@ -1,0 +1,123 @@
+"""The speculative-decoding example, run on the CPU at tiny sizes.
+
+``examples/speculative_decode.py``: a draft (the target with perturbed weights) proposes k
+tokens per round, the target verifies 1 + k in one forward, the host reads the accepted
+counts once per round and commits them in the next round's single allocator step
+(``commit=``, ``evict=``, ``decode=..., lookahead=k``). Every request's accepted tokens must
+equal transformers' plain greedy tokens for page sizes 1 and 16, with a window smaller
+than the prompts, requests finishing and being replaced mid-loop, drafts both rejected and
+accepted, and ``alloc.audit()`` empty at midpoints and at the end. The check can fail: an
+allocator window one token too small, and a commit of one token more than was accepted,
+must both change tokens. The verify's fixed-shape SWA keys are checked against the
+full-range key table of the model.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import speculative_decode  # noqa: E402
+from hybrid_model import ModelConfig, TinyHybridLM, random_weights  # noqa: E402
+from spec_loop import window_key_table  # noqa: E402
+
+TINY = ["--requests", "8", "--max-batch", "4", "--prompt-len", "9", "24", "--output-len", "6",
+        "24", "--window", "8", "--vocab", "128", "--lookahead", "3", "--no-progress",
+        "--out", ""]
+CONTROL = [*TINY, "--requests", "4", "--page-sizes", "1", "--audit-every", "0"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def transformers_available():
+    pytest.importorskip("transformers")
+
+
+def test_speculative_decode_matches_transformers(tmp_path):
+    out = speculative_decode.main([*TINY, "--page-sizes", "1", "16", "--audit-every", "4",
+                                   "--out", str(tmp_path)])
+    assert out["ok"]
+    assert [r["page_size"] for r in out["runs"]] == [1, 16]
+    for run in out["runs"]:
+        c, s = run["comparison"], run["summary"]
+        assert c["tokens_equal"] and c["requests_differing"] == 0, c["first_difference"]
+        assert c["tokens_compared"] == sum(len(t) for t in run["tokens"].values())
+        assert c["max_logit_diff"] < 1e-3
+        # the draft is wrong often and right often: rejections, partial and full acceptance
+        assert 0.3 < s["acceptance_rate"] < 0.9
+        hist = s["accepted_histogram"]
+        assert hist["1"] > 0 and hist["2"] + hist["3"] > 0 and hist["4"] > 0
+        assert 1.5 < s["tokens_per_round"] < 4
+        # every request's tokens came from rounds whose counts were committed
+        assert s["rounds_with_commit"] >= s["rounds"] - 2
+        # continuous batching: the batch fills, requests finish and are replaced mid-loop
+        lanes = s["series"]["lanes"]
+        assert max(lanes) == 4 and lanes.index(4) < len(lanes) - 1
+        assert s["requests_released"] == 8
+        assert s["swa_pages_evicted"] > 0  # the window is smaller than the prompts
+        # no page leaked: audits at midpoints (with live requests) and after every release
+        assert len(run["audits_mid"]) >= 2 and all(a["live_requests"] > 0
+                                                    for a in run["audits_mid"][:1])
+        assert all(a["findings"] == [] for a in run["audits_mid"])
+        assert run["audit_findings"] == [] and run["pages_back"]
+        assert s["pages_allocated"]["full"] > 0
+    assert {p.name for p in tmp_path.iterdir()} == {"speculative_decode.json",
+                                                     "speculative_decode.md"}
+
+
+def test_lookahead_zero_is_plain_decoding():
+    out = speculative_decode.main([*CONTROL, "--lookahead", "0"])
+    assert out["ok"]
+    s = out["runs"][0]["summary"]
+    assert s["tokens_per_round"] == 1.0 and s["acceptance_rate"] is None
+
+
+def test_allocator_window_one_too_small_is_caught():
+    """W - 2: the step frees the SWA position p + 1 - W that the verify's first query
+    (at the committed length) still reads."""
+    out = speculative_decode.main([*CONTROL, "--alloc-window", "6"])
+    assert not out["ok"]
+    c = out["runs"][0]["comparison"]
+    assert not c["tokens_equal"] and c["max_logit_diff"] > 1e-2
+
+
+def test_committing_one_token_too_many_is_caught():
+    """The allocator told one token more than was accepted: its committed length and the
+    next round's output lanes run one position ahead of the K/V, so the next round reads
+    the (poisoned) K/V of a rejected position through req_to_token."""
+    out = speculative_decode.main([*CONTROL, "--commit-extra", "1"])
+    assert not out["ok"]
+    c = out["runs"][0]["comparison"]
+    assert not c["tokens_equal"] and c["max_logit_diff"] > 1e-2
+
+
+@pytest.mark.parametrize("n_q", [1, 2, 5])
+def test_verify_window_keys_equal_the_full_range_mask(n_q):
+    """The verify's W + Q - 1 SWA keys give every query the same visible SWA slots as the
+    model's full-range key table (``swa_window_keys=False``): (q - W, q], evicted masked."""
+    W, ctx = 6, 40
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
+                      num_heads=2, num_kv_heads=1, sliding_window=W)
+    model = TinyHybridLM(cfg, random_weights(cfg, 0), "cpu")
+    g = torch.Generator().manual_seed(n_q)
+    B = 4
+    r2t = torch.randperm(B * ctx, generator=g).view(B, ctx) + 1
+    f2s = torch.randint(0, 50, (B * ctx + 1,), generator=g)  # 0: evicted
+    q0 = torch.tensor([0, 3, 17, ctx - n_q])
+    q_pos = q0[:, None] + torch.arange(n_q)[None]
+    win = window_key_table(model, r2t, f2s, q_pos, ctx)
+    full = model.key_table(r2t, f2s, q_pos, ctx, swa_window_keys=False)
+    assert win.swa_slot.shape == (B, W + n_q - 1)
+    for b in range(B):
+        for q in range(n_q):
+            ours = sorted(win.swa_slot[b][win.swa_mask[b, q]].tolist())
+            ref = sorted(full.swa_slot[b][full.swa_mask[b, q]].tolist())
+            assert ours == ref
+            assert len(ref) <= W
+    assert torch.equal(win.full_mask, full.full_mask)
