@@ -108,7 +108,8 @@ def test_descriptor_buffer_never_rewritten_before_its_replay_ran(mode):
 
 def test_sharing_graph_replay_matches_eager_every_step():
     """Random operations with shared pages (handles taken, admitted on, dropped and
-    tombstoned, among releases, evictions and allocation), replayed from graphs with the
+    tombstoned, among releases, evictions and allocation) and speculative rounds (lookahead
+    decodes, commits, overlap, trims), replayed from graphs with the
     Triton kernels under sync-debug "error", equal the eager Torch path after every step."""
     graphed = ga.HybridAllocator(config(), executor="graph")
     eager = ga.HybridAllocator(config("torch"))
@@ -131,6 +132,9 @@ def test_sharing_graph_replay_matches_eager_every_step():
     # every sharing operation ran (about 2.8% and 1.3% of the operations at 10,000)
     n = N_SHARING_STEPS
     assert kinds.get("admit(handle)", 0) > n // 100 and kinds.get("drop_handle", 0) > n // 400, \
+        kinds
+    # speculative rounds (commit + evict + lookahead decode in one step), overlap, trims
+    assert kinds.get("spec_round", 0) > n // 100 and kinds.get("spec_overlap", 0) > n // 400, \
         kinds
     graphed.check()
     assert graphed.audit() == [] and eager.audit() == []

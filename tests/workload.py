@@ -65,12 +65,47 @@ def random_step(allocs: list[HybridAllocator], rng: np.random.Generator) -> str:
         return "advance_frontier"
     if led.n_handles and not cfg.ring_mode and roll < 0.52:  # shared pages
         return _sharing_op(allocs, rng, live)
-    # a scheduler step: release some finished, evict all, decode the rest
+    if roll < 0.62:
+        return _speculative_op(allocs, rng, live)
+    # a scheduler step: release some finished, evict all, decode the rest (plain decodes:
+    # rows with a speculative tail are left to _speculative_op)
     finished = live[rng.random(len(live)) < 0.1]
     decode = np.setdiff1d(live, finished)
-    decode = decode[led.seq_len[decode] < cfg.max_context_len]
+    decode = decode[(led.seq_len[decode] < cfg.max_context_len)
+                    & (led.spec_steps[decode, 0] == 0)]
     apply_all(allocs, lambda a: a.step(release=finished, evict_all=True, decode=decode))
     return "step"
+
+
+def _speculative_op(allocs: list[HybridAllocator], rng: np.random.Generator, live) -> str:
+    """A speculative round on some rows: commit the oldest step's accepted counts (any
+    count, all rejected and all accepted included), evict by the committed window and draft
+    the next verify tokens, in one step; or, now and then, a second step in flight
+    (overlap) or a trim back to the committed length or a page boundary."""
+    a0 = allocs[0]
+    led, ps = a0.ledger, a0.config.page_size
+    rows = np.sort(rng.choice(live, size=int(rng.integers(1, len(live) + 1)), replace=False))
+    k = int(rng.integers(0, 4))
+    roll = rng.random()
+    pending = rows[led.spec_steps[rows, 0] > 0]
+    if roll < 0.15 and len(pending):
+        new = np.maximum(led.committed[pending] // ps * ps, led.frontier[pending]
+                         + a0.config.sliding_window * (led.frontier[pending] > 0))
+        new = np.minimum(new, led.seq_len[pending])
+        apply_all(allocs, lambda a: a.trim(pending, new))
+        return "trim"
+    room = led.seq_len[rows] + 1 + k <= a0.config.max_context_len
+    if roll < 0.3:  # overlap: another step in flight before the commit
+        rows = rows[room & (led.spec_steps[rows, -1] == 0)]
+        apply_all(allocs, lambda a: a.step(decode=rows, lookahead=k))
+        return "spec_overlap"
+    commit = None
+    if len(pending):
+        n = rng.integers(0, led.spec_steps[pending, 0] + 1)
+        commit = (pending, n)
+    apply_all(allocs, lambda a: a.step(commit=commit, evict=rows, decode=rows[room],
+                                       lookahead=k))
+    return "spec_round"
 
 
 def _sharing_op(allocs: list[HybridAllocator], rng: np.random.Generator, live) -> str:
