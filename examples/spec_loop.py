@@ -130,6 +130,7 @@ class SpecResult:
     prefill_s: float
     host_round_us: list[float]  # plan + fill + replay + mark_submitted, per round
     read_wait_us: list[float]  # the one read per round: copy issued -> counts on the host
+    prefill_pages: dict  # pages allocated by the (eager) prefill steps
     graph_nodes: dict | None = None
 
 
@@ -392,7 +393,7 @@ class SpecLoop:
             logits = {r.serial: lg[r.serial, :r.n_out] for r in requests}
         rounds, audits, host_us, wait_us, prefill_s = out
         return SpecResult(tokens, logits, rounds, audits, wall, prefill_s, host_us, wait_us,
-                          self.describe())
+                          dict(self.prefill_pages), self.describe())
 
     def _loop(self, queue: list[Request], audit_every: int, progress):
         alloc, B, k = self.alloc, self.max_batch, self.k

@@ -97,7 +97,7 @@ def summarize(result: SpecResult, k: int) -> dict:
     lane_rounds = int(acc.size)
     full = np.array([r["full_used_pages"] for r in rounds])
     swa = np.array([r["swa_used_pages"] for r in rounds])
-    tokens_out = int(acc.sum())  # accepted tokens, overshoot past n_out included
+    tokens_out = int(acc.sum())  # accepted in rounds, overshoot past n_out included
     return {
         "rounds": len(rounds),
         "lane_rounds": lane_rounds,  # (request, round) pairs: target verify passes per request
@@ -107,12 +107,12 @@ def summarize(result: SpecResult, k: int) -> dict:
         else None,
         "tokens_per_round": float(acc.mean()) if lane_rounds else None,
         "accepted_histogram": {str(n): int((acc == n).sum()) for n in range(1, k + 2)},
-        "tokens_accepted": tokens_out,
+        "tokens_accepted_in_rounds": tokens_out,
         "rounds_with_commit": sum(r["committed_rows"] > 0 for r in rounds),
         "requests_released": int(sum(r["released"] for r in rounds)),
         "swa_pages_evicted": int(sum(r["swa_pages_evicted"] for r in rounds)),
         "pages_allocated": {kind: int(sum(r["pages_allocated"][kind] for r in rounds))
-                            for kind in ("full", "swa")},
+                            + result.prefill_pages[kind] for kind in ("full", "swa")},
         "pages_freed": {kind: int(sum(r["pages_freed"][kind] for r in rounds))
                         for kind in ("full", "swa")},
         "peak_full_pages": int(full.max()) if len(full) else 0,
