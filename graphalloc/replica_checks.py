@@ -187,7 +187,7 @@ def check_same_setup(config, options: tuple, group, global_ranks: list[int],
                      device: torch.device) -> None:
     """Refuse ranks whose allocators differ: compares a BLAKE2b of ``config`` (every field
     but ``device``) and the wrapper ``options`` (mode, src, check_every, digest_every,
-    descriptor ring length) across ``group`` (collective; synchronises)."""
+    descriptor ring length, prefix cache) across ``group`` (collective; synchronises)."""
     geometry = sorted((f.name, str(getattr(config, f.name)))
                       for f in dataclasses.fields(config) if f.name != "device")
     text = repr((geometry, *options))
@@ -202,4 +202,5 @@ def check_same_setup(config, options: tuple, group, global_ranks: list[int],
         raise ConfigError(
             f"ranks {bad} wrap an allocator with a different geometry or wrapper options "
             f"than rank {global_ranks[0]}; every rank needs the same AllocatorConfig "
-            "(device aside), mode, src, check_every, digest_every and descriptor ring")
+            "(device aside), mode, src, check_every, digest_every, descriptor ring and "
+            "prefix_cache")

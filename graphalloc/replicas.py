@@ -297,6 +297,7 @@ class ReplicatedAllocator(ReplicaOps):
         self.n_replays = 0
         self.n_empty_steps = 0  # steps run to keep lockstep (refusals, padding)
         self.n_ledger_installs = 0  # follower: rebuilt ledgers installed (checks, syncs)
+        self.last_rebuild_error: str | None = None  # follower: why a check could not rebuild
         self.last_equal_step = -1
         self.first_divergence: ReplicaDivergenceError | None = None
         self._error: ReplicaDivergenceError | None = None
@@ -456,7 +457,8 @@ class ReplicatedAllocator(ReplicaOps):
         if self.mode == "broadcast" and not self.is_planner and self.n_steps:
             try:
                 rebuilt = self._rebuild_ledger()
-            except IntegrityError:  # a torn payload: named by the check, never raised here
+            except Exception as exc:  # a torn payload: named by the check, never raised
+                self.last_rebuild_error = repr(exc)  # here (the others are in the gather)
                 self.history.set_host({k: _UNREADABLE for k in _REBUILT})
             if rebuilt is not None:  # the parts the planner computed for this step
                 self.history.set_host({k: v for k, v in rebuilt[1].items() if rebuilt[2][k]})

@@ -95,11 +95,37 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 # ---- digests -------------------------------------------------------------------------------
 def _hash64(*arrays: np.ndarray, dtype=np.int64) -> int:
-    """BLAKE2b-64 of the arrays' bytes as ``dtype``, in order."""
+    """BLAKE2b-64 of the arrays' bytes as ``dtype``, in order (for small arrays)."""
     h = hashlib.blake2b(digest_size=8)
     for a in arrays:
         h.update(np.ascontiguousarray(a, dtype=dtype))
     return int.from_bytes(h.digest(), "little", signed=True)
+
+
+_WEIGHTS: dict[int, np.ndarray] = {}  # salt -> odd weights (grown on demand, never changed)
+
+
+def _weights(salt: int, n: int) -> np.ndarray:
+    w = _WEIGHTS.get(salt)
+    if w is None or len(w) < n:
+        w = _odd_weights(max(n, 2 * len(w) if w is not None else 1024), 1_000 + salt)
+        _WEIGHTS[salt] = w
+    return w[:n]
+
+
+def _digest(*arrays: np.ndarray) -> int:
+    """64-bit digest of the arrays, in order: per array its length and
+    ``sum_i w_i * x_i`` (int64, wrapping; odd pseudo-random weights per array position, as
+    :class:`StateDigest`), then BLAKE2b-64 of those numbers. Exact and order-sensitive: a
+    single changed entry always changes it (``delta * odd != 0 mod 2**64``). Cost: one
+    multiply-add per entry (about 20x less host time than BLAKE2b of the bytes)."""
+    sums = np.zeros(2 * len(arrays), dtype=np.int64)
+    for i, a in enumerate(arrays):
+        flat = np.asarray(a).reshape(-1)
+        sums[2 * i] = flat.size
+        if flat.size:
+            sums[2 * i + 1] = (flat.astype(np.int64) * _weights(i, flat.size)).sum()
+    return _hash64(sums)
 
 
 def _ring_counts(ledger: Ledger) -> np.ndarray:
@@ -131,13 +157,16 @@ def _held_pages(page_of: np.ndarray, rows: np.ndarray, n_pages: np.ndarray,
     total = int(count.sum())
     if total == 0:
         return np.zeros(0, dtype=page_of.dtype)
-    k = np.arange(total) - np.repeat(np.cumsum(count) - count, count) + np.repeat(lo, count)
-    return page_of.reshape(-1)[np.repeat(rows * page_of.shape[1], count) + k]
+    base = rows * page_of.shape[1] + lo - (np.cumsum(count) - count)  # flat index - position
+    return page_of.reshape(-1)[np.arange(total) + np.repeat(base, count)]
 
 
 def _free_contents(ring: np.ndarray, head: int, n_free: int) -> np.ndarray:
+    """The ring's entries ``[head, head + n_free)`` (mod its length), in ring order."""
     cap = len(ring)
-    return ring[(head + np.arange(n_free)) % cap] if cap else ring[:0]
+    if head + n_free <= cap:
+        return ring[head:head + n_free]
+    return np.concatenate([ring[head:], ring[:head + n_free - cap]])
 
 
 def _entry_values(entry) -> list[int]:
@@ -180,24 +209,24 @@ def host_digests(ledger: Ledger, cache=None, full: bool = True) -> dict[str, int
     others ("not computed"). Cost: O(rows + handles + pages + held pages + entries) numpy
     and BLAKE2b (``full=False``: O(rows + handles))."""
     out = {
-        "ledger": _hash64(ledger.live, ledger.admitted_once, ledger.seq_len, ledger.frontier,
+        "ledger": _digest(ledger.live, ledger.admitted_once, ledger.seq_len, ledger.frontier,
                           ledger.protected, _ring_counts(ledger)),
-        "spec": _hash64(*_spec_arrays(ledger)),
-        "handles": _hash64(ledger.h_live, ledger.h_len, ledger.h_swa_start),
+        "spec": _digest(*_spec_arrays(ledger)),
+        "handles": _digest(ledger.h_live, ledger.h_len, ledger.h_swa_start),
     }
     refs = ledger.refs
     if not full:
         return {**out, "refs": 0, "pages": 0, "cache": 0}
     if refs is None:  # ring mode: no page mirror
-        out["refs"] = out["pages"] = _hash64()
+        out["refs"] = out["pages"] = _digest()
     else:
         rows, n_pages, _ = holders(ledger)
         held = _held_pages(refs.page_of, rows, n_pages)
-        out["refs"] = _hash64(refs.full_ref, refs.swa_ref, dtype=np.int32)
-        out["pages"] = _hash64(
+        out["refs"] = _digest(refs.full_ref, refs.swa_ref)
+        out["pages"] = _digest(
             n_pages, held, refs.swa_of,
             _free_contents(refs.full_ring, ledger.full.head, ledger.full.n_free),
-            _free_contents(refs.swa_ring, ledger.swa.head, ledger.swa.n_free), dtype=np.int32)
+            _free_contents(refs.swa_ring, ledger.swa.head, ledger.swa.n_free))
     out["cache"] = cache_digest(cache)
     return out
 
@@ -232,7 +261,7 @@ def pack_ledger(ledger: Ledger, header: np.ndarray, cache=None,
         end += arr.size
     meta = header[1]
     meta[META_FULL_HEAD:META_SWA_FREE + 1] = _ring_counts(ledger)
-    meta[META_BODY] = _hash64(body[:end], meta[:META_SWA_FREE + 1])
+    meta[META_BODY] = _digest(body[:end], meta[:META_SWA_FREE + 1])
     digests = host_digests(ledger, cache, full)
     header[0, META_LEDGER:META_LEDGER + len(HOST_PARTS)] = list(digests.values())
     header[0, META_MAGIC] = _MAGIC
@@ -265,7 +294,7 @@ def unpack_ledger(config: AllocatorConfig, header: np.ndarray) -> Ledger:
     arrays = _body_arrays(ledger)
     end = sum(arr.size for _, arr in arrays)
     if header.shape[0] != n_header_rows(ledger) or not has_ledger(header) or (
-            meta[META_BODY] != _hash64(body[:end], meta[:META_SWA_FREE + 1])):
+            meta[META_BODY] != _digest(body[:end], meta[:META_SWA_FREE + 1])):
         raise IntegrityError("the payload's ledger does not match its digest: the payload was "
                              "not written by a planner of this geometry, or was torn")
     start = 0
@@ -294,7 +323,8 @@ def rebuild_page_refs(config: AllocatorConfig, ledger: Ledger, first_slots: np.n
     ``page_of`` holds each holder's pages (other entries 0), ``swa_of`` and the rings come
     from the tables, and the reference counts are the holders' references (FULL
     ``[0, n)``, SWA ``[swa_start, n)`` of every live row and held handle). Cost:
-    O(rows x pages_per_request + pages) numpy.
+    O(rows x pages_per_request + pages) numpy. Never raises on corrupt tables (an id out of
+    range is held as page 0 and counted nowhere): the digests tell.
     """
     ps = config.page_size
     n_rows = config.max_reqs + ledger.n_handles
@@ -302,6 +332,7 @@ def rebuild_page_refs(config: AllocatorConfig, ledger: Ledger, first_slots: np.n
                     config.num_swa_pages)
     rows, n_pages, first_swa = holders(ledger)
     pages = (first_slots[:n_rows, :config.pages_per_request] // ps).astype(np.int32)
+    pages[(pages < 0) | (pages > config.num_full_pages)] = 0  # corrupt: held as no page
     n_valid = np.zeros(n_rows, dtype=np.int64)
     n_valid[rows] = n_pages
     valid = np.arange(config.pages_per_request)[None, :] < n_valid[:, None]
@@ -309,10 +340,12 @@ def rebuild_page_refs(config: AllocatorConfig, ledger: Ledger, first_slots: np.n
     refs.swa_of[:] = full_to_swa_first[:config.num_full_pages + 1] // ps
     refs.full_ring[:] = full_free[:config.num_full_pages]
     refs.swa_ring[:] = swa_free[:config.num_swa_pages]
-    full = _held_pages(refs.page_of, rows, n_pages).astype(np.int64)
-    np.add.at(refs.full_ref, full[(full > 0) & (full <= config.num_full_pages)], 1)
-    swa = refs.swa_of[_held_pages(refs.page_of, rows, n_pages, first_swa)].astype(np.int64)
-    np.add.at(refs.swa_ref, swa[(swa > 0) & (swa <= config.num_swa_pages)], 1)
+    for counts, pages_held, n in (
+            (refs.full_ref, _held_pages(refs.page_of, rows, n_pages), config.num_full_pages),
+            (refs.swa_ref, refs.swa_of[_held_pages(refs.page_of, rows, n_pages, first_swa)],
+             config.num_swa_pages)):
+        ok = pages_held[(pages_held > 0) & (pages_held <= n)]  # a corrupt id counts nowhere
+        counts[:] = np.bincount(ok, minlength=n + 1)
     return refs
 
 

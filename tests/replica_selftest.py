@@ -316,18 +316,16 @@ class OpsWorkload:
         return False
 
     def _spec_decode(self, api, led) -> bool:
-        cfg = self.config
-        k_max = 3
-        ok = led.live & (led.seq_len > 0) & (led.spec_steps[:, -1] == 0) & (
-            led.seq_len + 1 + k_max <= cfg.max_context_len)
-        rows = self._pick(np.flatnonzero(ok), 4)
-        if cfg.ring_mode:  # keep the speculative pages inside the ring
-            ps = cfg.page_size
-            limit = (led.frontier[rows] // ps + cfg.swa_ring_pages) * ps
-            rows = rows[led.seq_len[rows] + 1 + k_max <= limit - ps]
+        cfg, ps = self.config, self.config.page_size
+        ok = led.live & (led.seq_len > 0) & (led.spec_steps[:, -1] == 0)
+        room = cfg.max_context_len - led.seq_len  # positions this row may still take
+        if cfg.ring_mode:  # and inside its ring, from its frontier
+            room = np.minimum(room, (led.frontier // ps + cfg.swa_ring_pages) * ps
+                              - led.seq_len)
+        rows = self._pick(np.flatnonzero(ok & (room >= 1)), 4)
         if not len(rows):
             return False
-        k = self.arg_rng.integers(0, k_max + 1, size=len(rows))
+        k = np.minimum(self.arg_rng.integers(0, 4, size=len(rows)), room[rows] - 1)
         for n in (len(rows), 1):
             if api.alloc.fits(decode=rows[:n], lookahead=k[:n]):
                 api.alloc_decode(rows[:n], lookahead=k[:n])
@@ -535,9 +533,9 @@ def default_scenarios(iterations: int = 300, check_every: int = 16) -> list[Scen
                  check_every=check_every, seed=7, **ops),
         Scenario("broadcast-ops-pool", "broadcast", iterations=iterations,
                  check_every=check_every, seed=8, **ops),
-        Scenario("replicated-ops-ring", "replicated", ring=True, iterations=short,
+        Scenario("replicated-ops-ring", "replicated", ring=True, iterations=iterations,
                  check_every=check_every, seed=9, workload="ops"),
-        Scenario("broadcast-ops-ring", "broadcast", ring=True, iterations=short,
+        Scenario("broadcast-ops-ring", "broadcast", ring=True, iterations=iterations,
                  check_every=check_every, seed=10, workload="ops"),
     ]
     for i, (kind, mode) in enumerate((("refcount", "replicated"), ("handle", "replicated"),
