@@ -1,0 +1,906 @@
+"""Scheduler benchmark: graphalloc's whole step against two engine-style baselines, per iteration.
+
+    python benchmarks/bench_scheduler.py --out benchmarks/results/scheduler_h200 \\
+        --time-budget-s 200 --no-progress                           # GPU, under 4 minutes
+    python benchmarks/bench_scheduler.py --quick --out /tmp/bench_scheduler   # CPU smoke run
+
+A seeded continuous-batching workload (``sched_workload.py``: Poisson arrivals,
+log-normal prompt and output lengths, a chunked-prefill token budget, requests finishing
+and being replaced, window eviction every ``eviction_interval`` decode tokens and at every
+prefill chunk) at B = 1, 16, 64, 256, 1024 running requests x page size 16, 64 x model
+window 128, 4096 x eviction interval 1, 128, replayed by four implementations that make
+the same decisions:
+
+    graphalloc          one HybridAllocator(executor="graph"): per iteration admit() for
+                        new requests (host only) and ONE plan(release=, evict=, decode=,
+                        extend=) + run() -- one CUDA-graph replay (sched_graphalloc.py)
+    graphalloc_tables   the same plus the step batch's attention block tables (FULL + SWA,
+                        graphalloc.page_tables), captured into the same graph: one replay
+    sglang              SGLang-style eager calls (sched_baselines.SGLangStyle)
+    vllm                a vLLM-style CPU block manager and block-table upload
+                        (sched_baselines.VLLMStyle)
+
+Per configuration, each implementation runs the trace's bootstrap and warm-up steps, then
+M measured steps (M adapts to ``--time-budget-s``), then a profiled window of K steps:
+
+    host us        time.perf_counter_ns around the whole step (planning, launches,
+                   bookkeeping), pipelined: no synchronisation between steps; the CUDA event
+                   records are subtracted
+    GPU interval   CUDA events: around the replay (graphalloc), around the whole step (the
+                   baselines: their launches are interleaved with host work, so the interval
+                   includes the gaps the host leaves); read after the M steps
+    GPU busy       torch.profiler (CUPTI) over the K profiled steps: the union of the
+                   device activity (kernels, memcpy, memset) divided by K
+    launches       the same profile: kernels executed, kernel-launch API calls, graph
+                   launches, memcpy/memset API calls per step (aten ops without CUDA)
+    syncs          torch.cuda.set_sync_debug_mode("warn") during the M steps: the
+                   synchronising CUDA calls torch reports, per step (not observable without
+                   CUDA); plus ``stalls``, the waits for a pinned buffer still being read
+    floor          an empty Triton kernel in a CUDA graph (timing.empty_graph), timed the
+                   same way as the steps (pipelined events, a host pause before each replay
+                   so the device is idle when it starts; and timing.measure_floor's L2-flushed
+                   sampler for reference), first and last
+
+Agreement: after every configuration the per-step page counts (FULL allocated, SWA
+allocated, FULL freed, SWA freed) of all four and of the trace's own model must be equal
+at every step run; otherwise the configuration is an error (``AgreementError``) and the
+exit status is 1. Then every implementation's device state is checked against its host
+(graphalloc: ``check()`` and ``audit()``; the baselines: ``verify()``).
+
+Writes ``bench_scheduler.json`` (rewritten after every configuration), ``bench_scheduler.md``
+(tables, targets, the method) and, with matplotlib, ``host_us_vs_b.png`` and
+``gpu_us_vs_b.png`` into ``--out``. A failing configuration is recorded in the JSON's
+``errors`` and the run goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import sys
+import time
+import traceback
+import warnings
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from sched_baselines import NULL_CLOCK, SGLangStyle, VLLMStyle  # noqa: E402
+from sched_graphalloc import SHAPES, GraphallocDriver, engine_config, pool_pages  # noqa: E402
+from sched_workload import STEP_CLASSES, WorkloadSpec, generate  # noqa: E402
+from timing import (  # noqa: E402
+    _COPY_APIS,
+    _GRAPH_LAUNCH_APIS,
+    _LAUNCH_APIS,
+    _VIEW_OPS,
+    Sampler,
+    _is_device_event,
+    bench_main,
+    bench_parser,
+    empty_graph,
+    machine_info,
+    measure_floor,
+)
+
+IMPLS = ("graphalloc", "graphalloc_tables", "sglang", "vllm")
+LABELS = {"graphalloc": "graphalloc", "graphalloc_tables": "graphalloc + tables",
+          "sglang": "SGLang-style eager", "vllm": "vLLM-style block manager"}
+STYLE = {"graphalloc": ("tab:blue", "o"), "graphalloc_tables": ("tab:cyan", "D"),
+         "sglang": ("tab:red", "s"), "vllm": ("tab:orange", "^")}
+RATIOS = (("sglang", "graphalloc"), ("vllm", "graphalloc"), ("vllm", "graphalloc_tables"),
+          ("sglang", "graphalloc_tables"))
+
+FULL = dict(b=(1, 16, 64, 256, 1024), ps=(16, 64), window=(128, 4096), interval=(1, 128),
+            chunk=8192, steps=300, min_steps=40, steps_1024=120, warmup=10, profile=10,
+            seed=0, sigma=0.8, floor_samples=200)
+QUICK = dict(b=(1, 4), ps=(16,), window=(32,), interval=(1, 8), chunk=64, steps=12,
+             min_steps=6, steps_1024=12, warmup=2, profile=2, seed=0, sigma=0.8,
+             floor_samples=10)
+END_RESERVE_S = 10.0  # kept back for the last floor, the outputs and the plots
+
+
+class AgreementError(AssertionError):
+    """Implementations freed or allocated different page counts at some step."""
+
+
+def lengths_for(window: int, quick: bool) -> dict:
+    """Medians and context of the length distributions for a model window W."""
+    if quick:
+        return dict(prompt_median=max(24, window // 2), output_median=max(12, window // 4),
+                    max_context_len=max(256, 4 * window))
+    return dict(prompt_median=max(512, window // 2), output_median=max(128, window // 4),
+                max_context_len=max(4096, 4 * window))
+
+
+# ---- statistics -----------------------------------------------------------------------------
+def stats(samples) -> dict | None:
+    """p50 / p90 / p20 / p80 / mean / min / max / n (None for no samples)."""
+    a = np.asarray(samples, dtype=np.float64)
+    if a.size == 0:
+        return None
+    p20, p50, p80, p90 = np.percentile(a, (20, 50, 80, 90))
+    return {"p50": float(p50), "p90": float(p90), "p20": float(p20), "p80": float(p80),
+            "mean": float(a.mean()), "min": float(a.min()), "max": float(a.max()),
+            "n": int(a.size)}
+
+
+def _p(rec, key="p50"):
+    return rec[key] if rec else None
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+# ---- clocks ---------------------------------------------------------------------------------
+class StepClock:
+    """Host time of one step without the CUDA event records, and an event pair around the
+    step's device part (wall time of it without CUDA). Events are made up front."""
+
+    def __init__(self, is_cuda: bool, n_steps: int):
+        self.is_cuda = is_cuda
+        self.pairs = ([(torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+            enable_timing=True)) for _ in range(n_steps)] if is_cuda else [])
+        self.walls: list[float] = []
+        self.i = -1
+
+    def begin(self) -> None:
+        self.i += 1
+        self.excluded = 0
+        self.t0 = time.perf_counter_ns()
+
+    def device_begin(self) -> None:
+        a = time.perf_counter_ns()
+        if self.is_cuda:
+            self.pairs[self.i][0].record()
+        self._wall0 = a
+        self.excluded += time.perf_counter_ns() - a
+
+    def device_end(self) -> None:
+        a = time.perf_counter_ns()
+        if self.is_cuda:
+            self.pairs[self.i][1].record()
+        else:
+            self.walls.append((a - self._wall0) / 1e3)
+        self.excluded += time.perf_counter_ns() - a
+
+    def end(self) -> float:
+        return (time.perf_counter_ns() - self.t0 - self.excluded) / 1e3
+
+    def device_us(self) -> list[float]:
+        if not self.is_cuda:
+            return self.walls
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) * 1e3 for s, e in self.pairs[:self.i + 1]]
+
+
+class SyncCounter:
+    """Counts the synchronising CUDA calls torch reports under set_sync_debug_mode("warn")
+    (``None`` per step without CUDA: not observable)."""
+
+    def __init__(self, is_cuda: bool):
+        self.is_cuda = is_cuda
+        self.records: list = []
+
+    def __enter__(self):
+        if self.is_cuda:
+            self._ctx = warnings.catch_warnings(record=True)
+            self.records = self._ctx.__enter__()
+            warnings.simplefilter("always")
+            self._old = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        if self.is_cuda:
+            torch.cuda.set_sync_debug_mode(self._old)
+            self._ctx.__exit__(*exc)
+        return False
+
+    def count(self) -> int | None:
+        if not self.is_cuda:
+            return None
+        return sum(1 for w in self.records if "synchroniz" in str(w.message).lower())
+
+
+def _busy_us(intervals) -> float:
+    """Union length of (start, end) intervals (us)."""
+    total, end = 0.0, -math.inf
+    for s, e in sorted(intervals):
+        if s >= end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def profile_steps(fn, n_steps: int, is_cuda: bool) -> dict:
+    """Per step over one profiled window: device busy us (union of kernel/memcpy/memset
+    activity), kernels, launch API calls, graph launches, copy API calls, aten ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda else [])
+    if is_cuda:
+        torch.cuda.synchronize()
+    with profile(activities=acts) as prof:
+        fn()
+        if is_cuda:
+            torch.cuda.synchronize()
+    counts = collections.Counter()
+    spans = []
+    for ev in prof.events():
+        name = ev.name
+        if _is_device_event(ev):
+            low = name.lower()
+            counts["device_copies" if low.startswith(("memcpy", "memset")) else "kernels"] += 1
+            spans.append((ev.time_range.start, ev.time_range.end))
+        elif name in _LAUNCH_APIS:
+            counts["launch_calls"] += 1
+        elif name in _GRAPH_LAUNCH_APIS:
+            counts["graph_launches"] += 1
+        elif name in _COPY_APIS:
+            counts["copy_calls"] += 1
+        elif (name.startswith("aten::") and getattr(ev, "cpu_parent", None) is None
+              and name not in _VIEW_OPS):
+            counts["aten_ops"] += 1
+    n = max(n_steps, 1)
+    out = {k: counts.get(k, 0) / n for k in ("kernels", "device_copies", "launch_calls",
+                                              "graph_launches", "copy_calls", "aten_ops")}
+    out["busy_us"] = _busy_us(spans) / n if is_cuda else None
+    if not is_cuda:
+        for k in ("kernels", "device_copies", "launch_calls", "graph_launches", "copy_calls"):
+            out[k] = None
+    out["steps"] = n_steps
+    return out
+
+
+# ---- the floor --------------------------------------------------------------------------------
+def _spin(us: float) -> None:
+    t_end = time.perf_counter_ns() + int(us * 1e3)
+    while time.perf_counter_ns() < t_end:
+        pass
+
+
+def measure_floors(device, n: int, flush: bool) -> dict:
+    """The empty-graph floor three ways (module docstring); without CUDA the eager fill."""
+    is_cuda = device.type == "cuda"
+    call, what, graph = empty_graph(device)
+    out = {"kernel": what}
+    sampler = Sampler(device, n_samples=min(n, 100), n_warmup=10,
+                      flush_mib=256 if (flush and is_cuda) else 0)
+    out["sampler"] = {k: v for k, v in measure_floor(sampler).items() if k != "graph"}
+    clock = StepClock(is_cuda, n + 10)
+    host = []
+    for i in range(n + 10):
+        _spin(20.0)  # the device is idle when the replay starts, as after a step's planning
+        clock.begin()
+        clock.device_begin()
+        call()
+        clock.device_end()
+        if i >= 10:
+            host.append(clock.end())
+    dev = clock.device_us()[10:]
+    out["pipelined_gpu_us"] = stats(dev)
+    out["pipelined_host_us"] = stats(host)
+    prof = profile_steps(lambda: [call() for _ in range(20)], 20, is_cuda)
+    out["busy_us"] = prof["busy_us"]
+    out["launches"] = prof
+    return out
+
+
+# ---- one configuration ---------------------------------------------------------------------
+class Context:
+    def __init__(self, args, device, backend):
+        self.args, self.params = args, args.params
+        self.device, self.backend = device, backend
+        self.is_cuda = device.type == "cuda"
+
+
+def build_drivers(ctx, trace, cfg, impls) -> dict:
+    spec = trace.spec
+    n_full, n_swa = pool_pages(trace)
+    out = {}
+    for name in impls:
+        if name == "graphalloc":
+            out[name] = GraphallocDriver(cfg, n_requests=trace.n_requests)
+        elif name == "graphalloc_tables":
+            out[name] = GraphallocDriver(cfg, n_requests=trace.n_requests, tables=True)
+        elif name == "sglang":
+            out[name] = SGLangStyle(
+                num_full_pages=n_full, num_swa_pages=n_swa, max_reqs=cfg.max_reqs,
+                max_context_len=spec.max_context_len, page_size=spec.page_size,
+                sliding_window=spec.alloc_window, n_requests=trace.n_requests,
+                max_rows=cfg.max_alloc_rows, device=ctx.device, backend=ctx.backend,
+                decode=ctx.args.sglang_decode)
+        elif name == "vllm":
+            out[name] = VLLMStyle(
+                num_full_pages=n_full, num_swa_pages=n_swa, max_batch=spec.n_running,
+                max_context_len=spec.max_context_len, page_size=spec.page_size,
+                model_window=spec.window, max_tokens=cfg.max_step_tokens,
+                n_requests=trace.n_requests, device=ctx.device)
+    return out
+
+
+def _disagreement(steps, k: int, name: str, got: dict, later: int = 0) -> AgreementError:
+    st = steps[k]
+    return AgreementError(
+        f"{name} differs at step {k} ({st.phase}, {st.step_class}: {len(st.release)} "
+        f"releases, {len(st.evict)} evictions, {len(st.decode)} decodes, "
+        f"{len(st.extend_ids)} chunks){f' and {later} later steps' if later else ''}: the "
+        f"trace expects (FULL alloc, SWA alloc, FULL freed, SWA freed) = "
+        f"{list(st.expect)}, got {got}")
+
+
+def replay(driver, steps, start: int, stop: int, counts: np.ndarray) -> None:
+    """Run steps ``[start, stop)`` untimed, recording each step's page counts; the first
+    step whose counts differ from the trace's raises :class:`AgreementError` at once."""
+    for k in range(start, stop):
+        st = steps[k]
+        driver.step(st, NULL_CLOCK)
+        got = driver.last_counts
+        counts[k] = got
+        if tuple(got) != st.expect:
+            raise _disagreement(steps, k, driver.name, {driver.name: [int(x) for x in got]})
+
+
+def check_agreement(trace, counts: dict, stop: int) -> dict:
+    """Per step, every implementation's (FULL alloc, SWA alloc, FULL freed, SWA freed)
+    equals the trace's: raises :class:`AgreementError` naming the first step that differs."""
+    expect = trace.expected(0, stop)
+    for name, got in counts.items():
+        bad = np.flatnonzero((got[:stop] != expect).any(axis=1))
+        if len(bad):
+            k = int(bad[0])
+            others = {n: [int(x) for x in c[k]] for n, c in counts.items()}
+            raise _disagreement(trace.steps, k, name, others, len(bad) - 1)
+    return {"steps_compared": int(stop), "equal": True,
+            "totals": [int(x) for x in expect.sum(axis=0)],
+            "fields": ["full_allocated", "swa_allocated", "full_freed", "swa_freed"]}
+
+
+def live_ids(trace, stop: int) -> list[int]:
+    live: set = set()
+    for st in trace.steps[:stop]:
+        live.update(st.admit.tolist())
+        live.difference_update(st.release.tolist())
+    return sorted(live)
+
+
+def _by_class(values, classes) -> dict:
+    out = {}
+    for c in STEP_CLASSES:
+        sel = [v for v, k in zip(values, classes, strict=True) if k == c]
+        out[c] = stats(sel)
+    return out
+
+
+def run_config(ctx, b: int, ps: int, window: int, interval: int, budget_s: float) -> dict:
+    p, is_cuda = ctx.params, ctx.is_cuda
+    t_cfg = time.perf_counter()
+    spec = WorkloadSpec(n_running=b, page_size=ps, window=window, eviction_interval=interval,
+                        chunk_tokens=p["chunk"], sigma=p["sigma"], seed=p["seed"] + 7919 * b,
+                        **lengths_for(window, ctx.args.quick))
+    m_max = p["steps_1024"] if b >= 1024 else p["steps"]
+    m_max = max(m_max, p["min_steps"])
+    K = p["profile"]
+    trace = generate(spec, p["warmup"], m_max, K)
+    cfg, notes = engine_config(trace, ctx.device, ctx.backend)
+    impls = [n for n in IMPLS if n in ctx.args.impls]
+    drivers = build_drivers(ctx, trace, cfg, impls)
+    n_total = len(trace.steps)
+    counts = {n: np.zeros((n_total, 4), dtype=np.int64) for n in drivers}
+    m0 = trace.phase_start["measure"]
+    rec = {"b": b, "ps": ps, "window": window, "interval": interval,
+           "label": f"B={b} ps={ps} W={window} ei={interval}",
+           "spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
+           "allocator": {**{k: getattr(cfg, k) for k in SHAPES}, **notes},
+           "pools": dict(zip(("full", "swa"), pool_pages(trace), strict=True)),
+           "setup_s": time.perf_counter() - t_cfg}
+    if "graphalloc_tables" in drivers:
+        rec["tables_mode"] = drivers["graphalloc_tables"].table_mode
+    # 1. bootstrap + warm-up, every implementation (timed per step to size the run)
+    wall_step = {}
+    for name, d in drivers.items():
+        replay(d, trace.steps, 0, trace.phase_start["warmup"], counts[name])
+        if is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        replay(d, trace.steps, trace.phase_start["warmup"], m0, counts[name])
+        if is_cuda:
+            torch.cuda.synchronize()
+        wall_step[name] = (time.perf_counter() - t0) / max(1, m0 - trace.phase_start["warmup"])
+    per_step = sum(wall_step.values())
+    spent = time.perf_counter() - t_cfg
+    # profile window (~3x slower), checks: estimated; the rest of the config's share
+    left = budget_s - spent - 3.0 * K * per_step - 1.0
+    m = int(max(p["min_steps"], min(m_max, left / max(per_step * 1.2, 1e-6))))
+    m = min(m, m_max)
+    rec["steps"] = {"bootstrap": trace.phase_start["warmup"], "warmup": p["warmup"],
+                    "measured": m, "profiled": K, "measured_max": m_max}
+    classes = [s.step_class for s in trace.steps[m0:m0 + m]]
+    seg1 = [s.step_class == "decode+evict" and s.n_evict_segments == 1
+            for s in trace.steps[m0:m0 + m]]
+    rec["workload"] = trace.stats(m0, m0 + m)
+    # 2. measured steps
+    res = {}
+    for name, d in drivers.items():
+        clock = StepClock(is_cuda, m)
+        host, syncs = np.zeros(m), []
+        with SyncCounter(is_cuda) as sc:
+            for j in range(m):
+                st = trace.steps[m0 + j]
+                clock.begin()
+                d.step(st, clock)
+                host[j] = clock.end()
+                got = d.last_counts
+                counts[name][m0 + j] = got
+                syncs.append(sc.count())
+                if tuple(got) != st.expect:
+                    raise _disagreement(trace.steps, m0 + j, name,
+                                        {name: [int(x) for x in got]})
+        dev = clock.device_us()
+        per_sync = (None if syncs[0] is None else np.diff([0] + syncs).tolist())
+        res[name] = {
+            "host_us": stats(host), "host_us_by_class": _by_class(host, classes),
+            "gpu_interval_us": stats(dev), "gpu_interval_us_by_class": _by_class(dev, classes),
+            "gpu_interval_us_one_segment": stats([v for v, s in zip(dev, seg1, strict=True)
+                                                  if s]),
+            "syncs": None if per_sync is None else {
+                "total": int(sum(per_sync)), "max_per_step": int(max(per_sync)),
+                "steps_with_syncs": int(np.count_nonzero(per_sync))},
+        }
+    # 3. profiled window: launches and device busy time per step
+    k0 = m0 + m
+    for name, d in drivers.items():
+        res[name]["profile"] = profile_steps(
+            lambda d=d, name=name: replay(d, trace.steps, k0, k0 + K, counts[name]), K, is_cuda)
+        res[name]["stalls"] = int(d.stalls)
+    stop = k0 + K
+    # 4. agreement and device checks
+    rec["agreement"] = check_agreement(trace, counts, stop)
+    live = live_ids(trace, stop)
+    audit = cfg.max_reqs * cfg.max_context_len <= ctx.params.get("audit_limit", 8 << 20)
+    for name, d in drivers.items():
+        v = (d.verify(live, audit=audit) if name.startswith("graphalloc") else d.verify(live))
+        res[name]["verify"] = v
+        if not v["ok"]:
+            raise AssertionError(f"{name}: device state does not match its host: {v}")
+    rec["impls"] = res
+    rec["ratios"] = ratios_of(res)
+    for d in drivers.values():
+        if hasattr(d, "close"):
+            d.close()
+    rec["wall_s"] = time.perf_counter() - t_cfg
+    return rec
+
+
+def ratios_of(res: dict) -> dict:
+    out = {}
+    for a, b in RATIOS:
+        if a not in res or b not in res:
+            continue
+        ra, rb = res[a], res[b]
+        key = f"{a}/{b}"
+        out[key] = {
+            "host_p50": _ratio(_p(ra["host_us"]), _p(rb["host_us"])),
+            "host_p90": _ratio(_p(ra["host_us"], "p90"), _p(rb["host_us"], "p90")),
+            "gpu_interval_p50": _ratio(_p(ra["gpu_interval_us"]), _p(rb["gpu_interval_us"])),
+            "gpu_busy": _ratio(ra["profile"]["busy_us"], rb["profile"]["busy_us"]),
+        }
+    return out
+
+
+# ---- targets -------------------------------------------------------------------------------
+def targets(res: dict) -> list[dict]:
+    """The issue's targets, judged on CUDA runs only."""
+    judged = res["device_clock"] == "cuda-events"
+    floor = _p((res.get("floor") or {}).get("pipelined_gpu_us"))
+    rows = []
+
+    def add(what, case, measured, limit, op):
+        ok = None if measured is None or not judged else (
+            measured <= limit if op == "<=" else measured >= limit)
+        rows.append({"target": what, "case": case, "measured": measured, "limit": limit,
+                     "op": op, "result": ("not judged (no CUDA)" if not judged else
+                                          "no data" if ok is None else
+                                          "PASS" if ok else "FAIL")})
+
+    for c in res["configs"]:
+        ga = c["impls"].get("graphalloc")
+        if not ga:
+            continue
+        host = _p(ga["host_us"])
+        lim = 30.0 if c["b"] >= 1024 else 15.0
+        add("graphalloc host us per step (p50)", c["label"], host, lim, "<=")
+        for base in ("sglang", "vllm"):
+            r = c["ratios"].get(f"{base}/graphalloc", {}).get("host_p50")
+            add(f"host: {base} / graphalloc (p50)", c["label"], r, 10.0, ">=")
+        if c["b"] == 1 and floor:
+            g = _p(ga["gpu_interval_us_one_segment"])
+            add("GPU: one-segment step / floor (p50)", c["label"], _ratio(g, floor), 1.5, "<=")
+        if c["b"] == 256 and floor:
+            g = _p(ga["gpu_interval_us_by_class"]["decode+evict"])
+            add("GPU: B=256 decode + eviction step / floor (p50)", c["label"],
+                _ratio(g, floor), 2.0, "<=")
+    return rows
+
+
+# ---- report --------------------------------------------------------------------------------
+def _f(x, digits=3) -> str:
+    if x is None:
+        return "–"
+    if abs(x) >= 1000:
+        return f"{x:.0f}"
+    return f"{x:.{digits}g}"
+
+
+def _q(st, key="p50") -> str:
+    return _f(st[key]) if st else "–"
+
+
+def markdown(res: dict) -> str:
+    clock = res["device_clock"]
+    fl = res.get("floor") or {}
+    lines = [
+        "# bench_scheduler: graphalloc's scheduler step against engine-style baselines", "",
+        f"Command: `{res['command']}`  ",
+        f"Machine: {res['machine']['summary']}  ",
+        f"Device clock: {clock}; backend: {res['backend']}; SGLang-style decode: "
+        f"{res['params']['sglang_decode']}; wall {res.get('wall_s', 0):.0f} s of a "
+        f"{res['params']['time_budget_s']:.0f} s budget", "",
+    ]
+    if fl:
+        lines += [f"Floor ({fl['kernel']}): pipelined GPU "
+                  f"{_q(fl.get('pipelined_gpu_us'))} us (p50; p90 "
+                  f"{_q(fl.get('pipelined_gpu_us'), 'p90')}), L2-flushed sampler "
+                  f"{_q((fl.get('sampler') or {}).get('gpu_us'))} us, CUPTI busy "
+                  f"{_f(fl.get('busy_us'))} us; at the end: pipelined "
+                  f"{_q((res.get('floor_end') or {}).get('pipelined_gpu_us'))} us.", ""]
+    if clock != "cuda-events":
+        lines += ["**CPU run: device times are CPU wall clock of eager execution, launches "
+                  "and syncs are not observable, targets are not judged.**", ""]
+    lines += ["## Targets", "", "| target | case | measured | limit | result |",
+              "|---|---|---|---|---|"]
+    for t in res["targets"]:
+        lines.append(f"| {t['target']} | {t['case']} | {_f(t['measured'])} | {t['op']} "
+                     f"{_f(t['limit'])} | {t['result']} |")
+    cfgs = res["configs"]
+    lines += ["", "## Host time per step (us, p50 / p90)", "",
+              "| B | ps | W | interval | " + " | ".join(LABELS[n] for n in IMPLS)
+              + " | sglang / ga | vllm / ga | vllm / ga + tables |",
+              "|---|---|---|---|" + "---|" * (len(IMPLS) + 3)]
+    for c in cfgs:
+        cells = []
+        for n in IMPLS:
+            r = c["impls"].get(n)
+            cells.append(f"{_q(r['host_us'])} / {_q(r['host_us'], 'p90')}" if r else "–")
+        rat = c["ratios"]
+        lines.append(
+            f"| {c['b']} | {c['ps']} | {c['window']} | {c['interval']} | " + " | ".join(cells)
+            + f" | {_f(rat.get('sglang/graphalloc', {}).get('host_p50'))}x"
+            f" | {_f(rat.get('vllm/graphalloc', {}).get('host_p50'))}x"
+            f" | {_f(rat.get('vllm/graphalloc_tables', {}).get('host_p50'))}x |")
+    lines += ["", "## GPU per step (us): interval p50 (CUDA events) / busy (CUPTI, mean)", "",
+              "| B | ps | W | interval | " + " | ".join(LABELS[n] for n in IMPLS)
+              + " | ga decode+evict p50 | ga one-segment p50 | floor |",
+              "|---|---|---|---|" + "---|" * (len(IMPLS) + 3)]
+    floor = _q(fl.get("pipelined_gpu_us")) if fl else "–"
+    for c in cfgs:
+        cells = []
+        for n in IMPLS:
+            r = c["impls"].get(n)
+            cells.append(f"{_q(r['gpu_interval_us'])} / {_f(r['profile']['busy_us'])}"
+                         if r else "–")
+        ga = c["impls"].get("graphalloc")
+        de = _q(ga["gpu_interval_us_by_class"]["decode+evict"]) if ga else "–"
+        one = _q(ga["gpu_interval_us_one_segment"]) if ga else "–"
+        lines.append(f"| {c['b']} | {c['ps']} | {c['window']} | {c['interval']} | "
+                     + " | ".join(cells) + f" | {de} | {one} | {floor} |")
+    lines += ["", "## Launches and syncs per step (profiled window)", "",
+              "Per implementation: kernels executed / kernel-launch calls / graph launches / "
+              "memcpy+memset calls (aten ops without CUDA); syncs: total over the measured "
+              "steps (max in one step); stalls: waits for a pinned buffer.", "",
+              "| B | ps | W | interval | " + " | ".join(LABELS[n] for n in IMPLS) + " |",
+              "|---|---|---|---|" + "---|" * len(IMPLS)]
+    for c in cfgs:
+        cells = []
+        for n in IMPLS:
+            r = c["impls"].get(n)
+            if not r:
+                cells.append("–")
+                continue
+            pr = r["profile"]
+            if pr["kernels"] is None:
+                launch = f"{_f(pr['aten_ops'])} aten ops"
+            else:
+                launch = (f"{_f(pr['kernels'])} / {_f(pr['launch_calls'])} / "
+                          f"{_f(pr['graph_launches'])} / {_f(pr['copy_calls'])}")
+            sy = r["syncs"]
+            sync = "syncs –" if sy is None else f"syncs {sy['total']} ({sy['max_per_step']})"
+            cells.append(f"{launch}; {sync}; stalls {r['stalls']}")
+        lines.append(f"| {c['b']} | {c['ps']} | {c['window']} | {c['interval']} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "## Workload per configuration (means over the measured steps)", "",
+              "| B | ps | W | interval | steps (bootstrap / measured / profiled) | decode rows "
+              "| prefill tokens | releases | eviction segments | SWA pages freed | pools FULL / "
+              "SWA | same pages freed |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cfgs:
+        w, s = c["workload"], c["steps"]
+        lines.append(
+            f"| {c['b']} | {c['ps']} | {c['window']} | {c['interval']} | {s['bootstrap']} / "
+            f"{s['measured']} / {s['profiled']} | {_f(w.get('decode_rows'))} | "
+            f"{_f(w.get('prefill_tokens'))} | {_f(w.get('releases'))} | "
+            f"{_f(w.get('evict_segments'))} | {_f(w.get('swa_pages_freed'))} | "
+            f"{c['pools']['full']} / {c['pools']['swa']} | "
+            f"{'yes' if c['agreement']['equal'] else 'NO'} "
+            f"({c['agreement']['steps_compared']} steps) |")
+    if res["errors"] or res["skipped"]:
+        lines += ["", "## Errors and skipped parts", ""]
+        lines += [f"* ERROR {e['case']}: {e['error']}" for e in res["errors"]]
+        lines += [f"* skipped: {s}" for s in res["skipped"]]
+    lines += ["", METHOD]
+    return "\n".join(lines) + "\n"
+
+
+METHOD = """## Method (how to read these numbers)
+
+**Workload** (`benchmarks/sched_workload.py`): a seeded continuous-batching scheduler on
+the host. Per iteration: release the requests that decoded their last token in the
+previous iteration; evict by the window rule (new frontier = max(f, floor_page(L - W + 1)),
+L the length when the step begins) every decoding request whose decode count is a multiple
+of the eviction interval (SGLang's `SGLANG_SWA_EVICTION_INTERVAL`-style gate) and every
+request continuing a chunked prefill; spend the chunked-prefill budget (8192 tokens) on
+requests already prefilling, then admit waiting requests (FCFS) while fewer than B run;
+decode one token for every request whose prefill is complete. Poisson arrivals at 1.25 x
+the finishing rate keep B requests running. Prompt and output lengths are log-normal
+(sigma 0.8; medians max(512, W/2) and max(128, W/4), context max(4096, 4 W)). The run starts
+from B requests already part-way through their output (a bootstrap that only prefills
+them), then warm-up, measured and profiled steps. All implementations replay the same
+decisions and keep their own lengths and frontiers.
+
+**graphalloc**: `HybridAllocator(AllocatorConfig.for_engine(...), executor="graph")`, pools
+of the trace's peak plus 2%, `max_reqs` = B + the most releases in one step; where the trace
+frees more in one step than for_engine's every-step-eviction sizing allows (the 128-token
+interval), `max_step_pages` / `max_release_rows` are raised to the trace's need (recorded
+per configuration under `allocator.raised_from_for_engine`). Per iteration: `admit()` for
+new requests (host only), then ONE `plan(release=, evict=, decode=, extend=)` and `run()`
+(one CUDA-graph replay). **graphalloc + tables** adds `PageTables.plan` of the step's batch
+(block-table form, FULL and SWA) and captures the allocator's launch and the tables'
+launch in one graph per descriptor buffer and launch form: still one replay per step.
+
+**SGLang-style** (`benchmarks/sched_baselines.py`, `SGLangStyle`): the same device tables;
+releases split at the frontier (FULL pages by a floor_divide of the page-start slots, SWA
+pages by graphalloc's fused lookup-and-clear kernel), one fused lookup-and-clear per
+request whose window lost a page, all inside a free group (one cat and ring write per pool
+at its end), then per allocation call (prefill chunks, decodes) one host-to-device copy,
+two gathers, one allocation kernel per pool, one req_to_token write kernel and the
+full-to-SWA scatter. Sync-free (SGLang's own frees use `torch.unique` and boolean masks,
+which wait for the device): this favours the baseline.
+
+**vLLM-style** (`VLLMStyle`): Python block objects in a doubly linked free queue per
+group, per-request block lists, `allocate_slots` topping them up, the SWA group's removal
+of blocks wholly outside the window (replaced by the null block 0, called where the trace
+evicts), `free` in reverse order; the worker's persistent batch (holes filled, then
+condensed), new block ids appended to a pinned CPU block table, the slot mapping computed
+in numpy, and per step one non_blocking copy of the running requests' block-table rows
+(both groups) plus one of the slot mapping.
+
+**Timing.** Host: `perf_counter_ns` around the whole step, steps pipelined (no
+synchronisation between them; CUDA event records subtracted). GPU interval: CUDA events
+around the replay for graphalloc, around the whole step for the baselines (their launches
+interleave with host work, so their interval includes the gaps the host leaves: read their
+busy time for device work). GPU busy: torch.profiler (CUPTI) over the profiled window, the
+union of device activity per step (a mean). Launches: the same profile. Syncs: torch's
+sync debug mode "warn" over the measured steps. The floor is an empty Triton kernel in a
+CUDA graph, replayed after a 20 us host pause (so it starts on an idle device, like a step's
+replay after planning), timed by the same events. Medians and p90 over the measured steps;
+per step class (prefill / release / decode+evict / decode) in the JSON. Ratios are
+baseline / graphalloc of the medians.
+
+**Agreement.** Every step, every implementation's FULL and SWA pages allocated and freed
+(graphalloc: `PlannedStep.pages_allocated` / `pages_freed`; the baselines: what they
+popped and pushed) equal the trace's model; any difference fails the configuration. Page
+ids differ by design. After the run each implementation's device state is checked against
+its host (graphalloc `check()` + `audit()` where the tables are small enough; the
+baselines: distinct free pages, conservation, mapped slots, the uploaded block table).
+
+**Not covered**: a shared prefix (prefix caching in all three), speculative decoding,
+preemption (the pools are sized so nothing is ever refused), the model's own work.
+"""
+
+
+def plot(res: dict, out_dir: str) -> list[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    cfgs = res["configs"]
+    if not cfgs:
+        return []
+    panels = sorted({(c["ps"], c["window"]) for c in cfgs})
+    intervals = sorted({c["interval"] for c in cfgs})
+    floor = _p((res.get("floor") or {}).get("pipelined_gpu_us"))
+    written = []
+    for kind, fname in (("host", "host_us_vs_b.png"), ("gpu", "gpu_us_vs_b.png")):
+        fig, axes = plt.subplots(len(intervals), len(panels),
+                                 figsize=(4.4 * len(panels), 3.6 * len(intervals)),
+                                 squeeze=False)
+        for r, ei in enumerate(intervals):
+            for col, (ps, w) in enumerate(panels):
+                ax = axes[r][col]
+                sel = sorted((c for c in cfgs if (c["ps"], c["window"], c["interval"]) ==
+                              (ps, w, ei)), key=lambda c: c["b"])
+                for n in IMPLS:
+                    pts = [(c["b"], c["impls"][n]) for c in sel if n in c["impls"]]
+                    if not pts:
+                        continue
+                    color, marker = STYLE[n]
+                    key = "host_us" if kind == "host" else "gpu_interval_us"
+                    ys = [_p(v[key]) for _, v in pts]
+                    ax.plot([b for b, _ in pts], ys, color=color, marker=marker,
+                            label=LABELS[n])
+                    if kind == "gpu" and res["device_clock"] == "cuda-events":
+                        ax.plot([b for b, _ in pts], [v["profile"]["busy_us"] for _, v in pts],
+                                color=color, ls="--", lw=1, label=f"{LABELS[n]} (busy)")
+                if kind == "host":
+                    ax.axhline(15, color="gray", ls=":", lw=1, label="15 us target")
+                elif floor:
+                    ax.axhline(floor, color="black", ls=":", lw=1, label="empty-graph floor")
+                ax.set_xscale("log", base=2)
+                ax.set_yscale("log")
+                ax.set_xlabel("running requests B")
+                unit = ("host us per step (p50)" if kind == "host" else
+                        "GPU us per step (p50 interval; dashed: busy)")
+                if res["device_clock"] != "cuda-events" and kind == "gpu":
+                    unit = "device part, CPU wall us (p50)"
+                ax.set_ylabel(unit, fontsize=8)
+                ax.set_title(f"ps {ps}, W {w}, eviction interval {ei}", fontsize=9)
+                ax.grid(True, which="both", alpha=0.2)
+        axes[0][0].legend(fontsize=6)
+        fig.tight_layout()
+        path = os.path.join(out_dir, fname)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(fname)
+    return written
+
+
+def write_outputs(res: dict, out_dir: str, with_plots: bool) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    res["targets"] = targets(res)
+    with open(os.path.join(out_dir, "bench_scheduler.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(out_dir, "bench_scheduler.md"), "w") as f:
+        f.write(markdown(res))
+    files = ["bench_scheduler.json", "bench_scheduler.md"]
+    if with_plots:
+        files += plot(res, out_dir)
+    return files
+
+
+# ---- run -----------------------------------------------------------------------------------
+def parse_args(argv):
+    ap = bench_parser(__doc__, os.path.join(HERE, "results", "scheduler"),
+                      "graphalloc and baseline kernels: auto = Triton on CUDA, the Torch "
+                      "twins on a CPU")
+    for key in ("b", "ps", "window", "interval"):
+        ap.add_argument(f"--{key}", help=f"comma-separated {key} values")
+    for key in ("steps", "min-steps", "steps-1024", "warmup", "profile", "chunk", "seed"):
+        ap.add_argument(f"--{key}", type=int)
+    ap.add_argument("--impls", default=",".join(IMPLS),
+                    help=f"comma-separated subset of {','.join(IMPLS)}")
+    ap.add_argument("--sglang-decode", default="kernels", choices=("kernels", "torch_ops"),
+                    help="the SGLang-style decode allocation: one kernel per pool (default) "
+                         "or baselines.eager_decode_alloc's Torch ops")
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="whole-run budget (default 200 s; 60 s with --quick)")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    params = dict(QUICK if args.quick else FULL)
+    for key in ("b", "ps", "window", "interval"):
+        if getattr(args, key):
+            params[key] = tuple(int(x) for x in getattr(args, key).split(","))
+    for key in ("steps", "min_steps", "steps_1024", "warmup", "profile", "chunk", "seed"):
+        if getattr(args, key) is not None:
+            params[key] = getattr(args, key)
+    args.impls = tuple(x for x in args.impls.split(",") if x)
+    bad = [x for x in args.impls if x not in IMPLS]
+    if bad or not args.impls:
+        ap.error(f"--impls: unknown {bad}; choose from {IMPLS}")
+    if args.time_budget_s is None:
+        args.time_budget_s = 60.0 if args.quick else 200.0
+    params["time_budget_s"] = args.time_budget_s
+    params["sglang_decode"] = args.sglang_decode
+    args.params = params
+    return args
+
+
+def main(argv=None) -> int:
+    return bench_main(argv, parse_args, _run)
+
+
+def _progress(items, enabled: bool):
+    if not enabled:
+        return items
+    try:
+        from tqdm import tqdm
+        return tqdm(items, desc="bench_scheduler", unit="config", file=sys.stderr,
+                    dynamic_ncols=True)
+    except ImportError:
+        print("[tqdm not installed: plain progress lines]", file=sys.stderr)
+        return items
+
+
+def _run(args, argv, device, backend, note) -> int:
+    t_start = time.perf_counter()
+    p = args.params
+    ctx = Context(args, device, backend)
+    res = {"command": " ".join(["python", os.path.relpath(__file__, REPO), *argv]),
+           "machine": machine_info(device),
+           "device_clock": "cuda-events" if ctx.is_cuda else "cpu-wall",
+           "backend": backend, "backend_note": note, "impls": list(args.impls),
+           "params": {k: list(v) if isinstance(v, tuple) else v for k, v in p.items()},
+           "floor": None, "floor_end": None, "configs": [], "errors": [], "skipped": [],
+           "targets": []}
+    try:
+        res["floor"] = measure_floors(device, p["floor_samples"], flush=True)
+    except Exception as exc:
+        res["errors"].append({"case": "floor", "error": f"{type(exc).__name__}: {exc}",
+                              "traceback": traceback.format_exc()})
+    cases = [(b, ps, w, ei) for b in p["b"] for ps in p["ps"] for w in p["window"]
+             for ei in p["interval"]]
+    bar = _progress(cases, not args.no_progress)
+    for i, (b, ps, w, ei) in enumerate(bar):
+        label = f"B={b} ps={ps} W={w} ei={ei}"
+        elapsed = time.perf_counter() - t_start
+        left = args.time_budget_s - END_RESERVE_S - elapsed
+        if left <= 0:
+            res["skipped"].append(f"{label}: past --time-budget-s {args.time_budget_s:.0f}")
+            continue
+        share = left / (len(cases) - i)
+        try:
+            rec = run_config(ctx, b, ps, w, ei, share)
+            res["configs"].append(rec)
+            ga = rec["impls"].get("graphalloc") or next(iter(rec["impls"].values()))
+            msg = (f"{label}: host p50 " + ", ".join(
+                f"{n} {_q(r['host_us'])}" for n, r in rec["impls"].items())
+                + f" us; {rec['steps']['measured']} steps; same pages freed "
+                f"({rec['agreement']['steps_compared']} steps); {rec['wall_s']:.1f} s")
+            del ga
+        except Exception as exc:
+            res["errors"].append({"case": label, "error": f"{type(exc).__name__}: {exc}",
+                                  "traceback": traceback.format_exc()})
+            msg = f"{label}: FAILED {type(exc).__name__}: {exc}"
+        if hasattr(bar, "write"):
+            bar.write(msg, file=sys.stderr)
+        else:
+            print(msg, file=sys.stderr)
+        if ctx.is_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        res["wall_s"] = time.perf_counter() - t_start
+        write_outputs(res, args.out, with_plots=False)  # partial results survive a kill
+    try:
+        res["floor_end"] = measure_floors(device, p["floor_samples"], flush=False)
+    except Exception as exc:
+        res["errors"].append({"case": "floor_end", "error": f"{type(exc).__name__}: {exc}"})
+    res["wall_s"] = time.perf_counter() - t_start
+    files = write_outputs(res, args.out, with_plots=not args.no_plot)
+    print(f"wrote {', '.join(files)} into {args.out} in {res['wall_s']:.1f} s"
+          + (f"; {len(res['errors'])} ERRORS" if res["errors"] else ""), file=sys.stderr)
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

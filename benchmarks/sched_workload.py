@@ -1,0 +1,355 @@
+"""The scheduler benchmark's workload: a seeded continuous-batching trace that every side replays.
+
+:func:`generate` runs a small scheduler on the host -- no allocator, only lengths -- and
+records each iteration's decisions as a :class:`TraceStep`. The graphalloc driver and the
+two baselines (``sched_graphalloc.py``, ``sched_baselines.py``) replay the same steps, so
+who finishes, who is admitted, every chunk size and every eviction are identical; each
+implementation keeps its own lengths and frontiers and frees and allocates from its own
+bookkeeping. ``TraceStep.expect`` holds the page counts this generator's own model
+predicts (FULL allocated, SWA allocated, FULL freed, SWA freed), the reference the three
+are checked against step by step.
+
+The scheduler (one iteration = one step, in this order)::
+
+    release    requests that decoded their last token in the previous step
+    evict      window rule, new frontier = max(f, floor_page(max(0, L - Wa))), L the
+               length when the step begins, Wa = W - 1 the allocator's window for a model
+               window W: every decoding request whose decode count is a multiple of
+               ``eviction_interval`` (SGLang's interval; 1 = every step), and every
+               request continuing a chunked prefill (SGLang evicts at every chunk)
+    prefill    a chunked-prefill token budget C: requests already prefilling continue
+               first (oldest first), then waiting requests are admitted (first come, first
+               served) while fewer than B run; a chunk is min(what is left, budget left)
+    decode     every running request whose prefill is complete: one token
+
+Requests arrive as a Poisson process (rate 1.25 B / mean output length per step) on top
+of a backlog of max(2, B / 4) waiting requests, so the queue rarely drains and B requests
+run, with log-normal prompt and output lengths. The run starts from B requests already
+part-way through their output (an age drawn uniformly from [0, output)): a *bootstrap*
+phase prefills their prompt plus age under the same budget with no decodes and no
+arrivals (a request whose fill completes is evicted by the window rule in the next step,
+so the first decode step does not free every request's last chunk at once), after which
+every phase (``warmup``, ``measure``, ``profile``) is the steady-state scheduler. The
+trace is a prefix-stable function of the spec and the seed: a longer trace starts with
+the same steps.
+
+Pages (ps = page size): a request at length L holds FULL pages ``[0, ceil(L/ps))`` and
+SWA pages ``[f/ps, ceil(L/ps))``; a release frees both ranges; an eviction frees SWA
+``[f/ps, f'/ps)``; n new tokens take ``ceil((L+n)/ps) - ceil(L/ps)`` pages of each pool.
+Frees run before allocations within a step (the pages freed serve the step's
+allocations), so the pools need ``peak_full`` / ``peak_swa`` pages.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import numpy as np
+
+__all__ = ["WorkloadSpec", "TraceStep", "Trace", "generate", "STEP_CLASSES"]
+
+# Step classes, for per-class statistics (a step is in the first class it matches).
+STEP_CLASSES = ("prefill", "release", "decode+evict", "decode")
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadSpec:
+    """What the trace is drawn from.
+
+    ``n_running`` (B): requests running at once; ``window``: the MODEL's window W (the
+    allocator's is ``W - 1``); ``eviction_interval``: decode tokens between a request's
+    window evictions; ``chunk_tokens``: the chunked-prefill budget C per step;
+    lengths: log-normal with the given medians and ``sigma``, prompts clipped to
+    ``[1, max_prompt]`` and outputs to ``[1, max_output]`` (``prompt + output <=
+    max_context_len``).
+    """
+
+    n_running: int
+    page_size: int
+    window: int
+    eviction_interval: int
+    max_context_len: int
+    chunk_tokens: int = 8192
+    prompt_median: int = 512
+    output_median: int = 128
+    sigma: float = 0.8
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("n_running", "page_size", "window", "eviction_interval",
+                     "max_context_len", "chunk_tokens", "prompt_median", "output_median"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.max_context_len < 2:
+            raise ValueError("max_context_len must be >= 2")
+
+    @property
+    def alloc_window(self) -> int:
+        """The allocator's window, ``max(W - 1, 1)`` (``AllocatorConfig.for_engine``'s)."""
+        return max(self.window - 1, 1)
+
+    @property
+    def max_prompt(self) -> int:
+        return self.max_context_len // 2
+
+    @property
+    def max_output(self) -> int:
+        return self.max_context_len - self.max_prompt
+
+    def mean_output(self) -> float:
+        return self.output_median * math.exp(self.sigma ** 2 / 2)
+
+
+@dataclasses.dataclass
+class TraceStep:
+    """One scheduler iteration's decisions (request ids, int64 arrays).
+
+    ``extend_ids`` / ``extend_n``: prefill chunks (``admit`` lists those that start here,
+    in the same order they appear in ``extend_ids``); ``decode``: one token each.
+    ``expect``: (FULL allocated, SWA allocated, FULL freed, SWA freed) pages.
+    ``n_evict_segments`` / ``n_evict_pages``: evictions that free at least one page.
+    """
+
+    index: int
+    phase: str
+    release: np.ndarray
+    evict: np.ndarray
+    admit: np.ndarray
+    extend_ids: np.ndarray
+    extend_n: np.ndarray
+    decode: np.ndarray
+    expect: tuple
+    n_evict_segments: int
+    n_evict_pages: int
+    n_release_rows: int  # graphalloc release rows (1 or 2 per release + 1 per eviction)
+
+    @property
+    def step_class(self) -> str:
+        if len(self.extend_ids):
+            return "prefill"
+        if len(self.release):
+            return "release"
+        if self.n_evict_segments:
+            return "decode+evict"
+        return "decode"
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.extend_n.sum()) + len(self.decode)
+
+
+@dataclasses.dataclass
+class Trace:
+    """A generated trace: the steps, where each phase starts, and what the pools need."""
+
+    spec: WorkloadSpec
+    steps: list
+    phase_start: dict  # phase -> first step index
+    n_requests: int  # request ids are 0 .. n_requests - 1
+    peak_full: int  # pages in use right after a step's allocations, at most
+    peak_swa: int
+    max_releases: int  # requests released in one step, at most
+    max_free_lanes: int  # FULL pages freed + SWA pages evicted in one step, at most
+    max_release_rows: int
+
+    def expected(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """``[n, 4]`` int64: the generator's page counts of steps ``[start, stop)``."""
+        return np.array([s.expect for s in self.steps[start:stop]], dtype=np.int64).reshape(
+            -1, 4)
+
+    def phase_range(self, phase: str) -> tuple[int, int]:
+        order = list(self.phase_start)
+        i = order.index(phase)
+        stop = self.phase_start[order[i + 1]] if i + 1 < len(order) else len(self.steps)
+        return self.phase_start[phase], stop
+
+    def stats(self, start: int, stop: int) -> dict:
+        """Means over steps ``[start, stop)`` (for the report)."""
+        steps = self.steps[start:stop]
+        if not steps:
+            return {}
+        classes = collections.Counter(s.step_class for s in steps)
+
+        def mean(fn):
+            return float(np.mean([fn(s) for s in steps]))
+
+        return {
+            "steps": len(steps),
+            "decode_rows": mean(lambda s: len(s.decode)),
+            "prefill_rows": mean(lambda s: len(s.extend_ids)),
+            "prefill_tokens": mean(lambda s: int(s.extend_n.sum())),
+            "admits": mean(lambda s: len(s.admit)),
+            "releases": mean(lambda s: len(s.release)),
+            "evict_calls": mean(lambda s: len(s.evict)),
+            "evict_segments": mean(lambda s: s.n_evict_segments),
+            "evict_pages": mean(lambda s: s.n_evict_pages),
+            "full_pages_allocated": mean(lambda s: s.expect[0]),
+            "full_pages_freed": mean(lambda s: s.expect[2]),
+            "swa_pages_freed": mean(lambda s: s.expect[3]),
+            "step_classes": {c: classes.get(c, 0) for c in STEP_CLASSES},
+        }
+
+
+class _State:
+    """Per-request host state of the generator, indexed by request id (grows)."""
+
+    FIELDS = ("fill", "out", "pre", "dec", "length", "front")
+
+    def __init__(self, capacity: int):
+        for name in self.FIELDS:
+            setattr(self, name, np.zeros(capacity, dtype=np.int64))
+        self.n = 0
+
+    def new(self, fill: int, out: int, dec: int) -> int:
+        if self.n == len(self.fill):
+            for name in self.FIELDS:
+                old = getattr(self, name)
+                setattr(self, name, np.concatenate([old, np.zeros_like(old)]))
+        i = self.n
+        self.fill[i], self.out[i], self.dec[i] = fill, out, dec
+        self.n += 1
+        return i
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def generate(spec: WorkloadSpec, n_warmup: int, n_measure: int, n_profile: int = 0) -> Trace:
+    """The trace: bootstrap, then ``n_warmup``, ``n_measure`` and ``n_profile`` steps.
+
+    Cost: O(B) numpy per step plus O(chunks) Python (a few per step; the bootstrap admits
+    up to C / prompt requests a step)."""
+    rng = np.random.default_rng(spec.seed)
+    ps, wa, interval = spec.page_size, spec.alloc_window, spec.eviction_interval
+    B, C = spec.n_running, spec.chunk_tokens
+    arrival_rate = 1.25 * B / spec.mean_output()
+    st = _State(4 * B + 64)
+
+    def draw_lengths(n: int) -> tuple[np.ndarray, np.ndarray]:
+        prompt = np.exp(rng.normal(np.log(spec.prompt_median), spec.sigma, n)).round()
+        out = np.exp(rng.normal(np.log(spec.output_median), spec.sigma, n)).round()
+        return (np.clip(prompt, 1, spec.max_prompt).astype(np.int64),
+                np.clip(out, 1, spec.max_output).astype(np.int64))
+
+    waiting: collections.deque = collections.deque()
+    prompt0, out0 = draw_lengths(B)
+    age0 = (rng.random(B) * out0).astype(np.int64)  # in [0, out)
+    for p, o, a in zip(prompt0, out0, age0, strict=True):
+        waiting.append(st.new(int(p + a), int(o), int(a)))
+    n_backlog = max(2, B // 4)  # fresh requests already waiting: B keep running
+    for p, o in zip(*draw_lengths(n_backlog), strict=True):
+        waiting.append(st.new(int(p), int(o), 0))
+
+    running: dict[int, None] = {}  # admission order
+    to_release: list[int] = []
+    settle = _EMPTY
+    steps: list[TraceStep] = []
+    used_full = used_swa = 0
+    peak_full = peak_swa = max_rel = max_lanes = max_rows = 0
+    phases = [("bootstrap", None), ("warmup", n_warmup), ("measure", n_measure),
+              ("profile", n_profile)]
+    phase_start: dict[str, int] = {}
+
+    for phase, n_phase in phases:
+        phase_start[phase] = len(steps)
+        count = 0
+        while (n_phase is None and (len(running) < B or any(
+                st.pre[r] < st.fill[r] for r in running))) or (
+                n_phase is not None and count < n_phase):
+            count += 1
+            bootstrap = phase == "bootstrap"
+            full_freed = swa_freed = 0
+            # 1. releases
+            release = np.array(to_release, dtype=np.int64)
+            to_release = []
+            rel_rows = 0
+            if len(release):
+                n_pages = _ceil_div(st.length[release], ps)
+                full_freed += int(n_pages.sum())
+                swa_freed += int((n_pages - st.front[release] // ps).sum())
+                rel_rows += int(len(release) + np.count_nonzero(st.front[release]))
+                for r in release.tolist():
+                    del running[r]
+            run = np.fromiter(running, dtype=np.int64, count=len(running))
+            prefilling = run[st.pre[run] < st.fill[run]]
+            decoding = _EMPTY if bootstrap else run[st.pre[run] == st.fill[run]]
+            # 2. prefill chunks under the budget: continuing requests first, then admits
+            budget = C
+            ext_ids, ext_n, admit = [], [], []
+            for r in prefilling.tolist():
+                if budget == 0:
+                    break
+                n = min(int(st.fill[r] - st.pre[r]), budget)
+                ext_ids.append(r)
+                ext_n.append(n)
+                budget -= n
+            while budget > 0 and waiting and len(running) < B:
+                r = waiting.popleft()
+                running[r] = None
+                n = min(int(st.fill[r]), budget)
+                ext_ids.append(r)
+                ext_n.append(n)
+                admit.append(r)
+                budget -= n
+            ext_ids = np.array(ext_ids, dtype=np.int64)
+            ext_n = np.array(ext_n, dtype=np.int64)
+            # 3. evictions: decoding requests due by the interval, continuing chunks, and
+            # (bootstrap) the requests whose fill completed in the previous step
+            due = decoding[st.dec[decoding] % interval == 0]
+            if len(settle):
+                due = np.unique(np.concatenate([due, settle]))
+                settle = _EMPTY
+            cont = ext_ids[st.pre[ext_ids] > 0] if len(ext_ids) else _EMPTY
+            evict = np.concatenate([due, cont]) if len(cont) else due
+            n_seg = n_evict_pages = 0
+            if len(evict):
+                old = st.front[evict]
+                new = np.maximum(old, np.maximum(st.length[evict] - wa, 0) // ps * ps)
+                moved = (new - old) // ps
+                n_evict_pages = int(moved.sum())
+                n_seg = int(np.count_nonzero(moved))
+                st.front[evict] = new
+                swa_freed += n_evict_pages
+            # 4. allocations: decode one token each, then the chunks
+            new_pages = 0
+            if len(decoding):
+                new_pages += int(np.count_nonzero(st.length[decoding] % ps == 0))
+                st.length[decoding] += 1
+                st.dec[decoding] += 1
+                done = decoding[st.dec[decoding] >= st.out[decoding]]
+                to_release.extend(done.tolist())
+            if len(ext_ids):
+                length = st.length[ext_ids]
+                new_pages += int((_ceil_div(length + ext_n, ps) - _ceil_div(length, ps)).sum())
+                st.length[ext_ids] += ext_n
+                st.pre[ext_ids] += ext_n
+                if bootstrap:  # evicted next step: the bootstrap spreads the first frees
+                    settle = ext_ids[st.pre[ext_ids] == st.fill[ext_ids]]
+            used_full += new_pages - full_freed
+            used_swa += new_pages - swa_freed
+            peak_full = max(peak_full, used_full)
+            peak_swa = max(peak_swa, used_swa)
+            max_rel = max(max_rel, len(release))
+            max_lanes = max(max_lanes, full_freed + n_evict_pages)
+            max_rows = max(max_rows, rel_rows + n_seg)
+            steps.append(TraceStep(
+                index=len(steps), phase=phase, release=release, evict=evict,
+                admit=np.array(admit, dtype=np.int64), extend_ids=ext_ids, extend_n=ext_n,
+                decode=decoding, expect=(new_pages, new_pages, full_freed, swa_freed),
+                n_evict_segments=n_seg, n_evict_pages=n_evict_pages,
+                n_release_rows=rel_rows + n_seg))
+            # 5. arrivals (steady state only)
+            if not bootstrap:
+                n_new = int(rng.poisson(arrival_rate))
+                if n_new:
+                    prompt, out = draw_lengths(n_new)
+                    for p, o in zip(prompt, out, strict=True):
+                        waiting.append(st.new(int(p), int(o), 0))
+    return Trace(spec=spec, steps=steps, phase_start=phase_start, n_requests=st.n,
+                 peak_full=peak_full, peak_swa=peak_swa, max_releases=max_rel,
+                 max_free_lanes=max_lanes, max_release_rows=max_rows)
