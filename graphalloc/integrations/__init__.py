@@ -3,17 +3,20 @@
 * :mod:`graphalloc.integrations.sglang` -- :class:`SGLangAllocator`: SGLang's
   request-level allocator calls (``prepare_for_extend`` / ``prepare_for_decode``,
   ``release_kv_cache``, ``free_group_begin`` / ``free_group_end``, ``available_size``,
-  ``translate_loc_from_full_to_swa``) on plain objects with SGLang's attribute names.
+  ``translate_loc_from_full_to_swa``) and, with a prefix cache, its radix-cache calls
+  (``match_prefix``, ``cache_unfinished_req``, ``cache_finished_req``,
+  ``evictable_size``) on plain objects with SGLang's attribute names.
 * :mod:`graphalloc.integrations.vllm` -- :class:`GraphallocKVCacheManager`: vLLM v1's
   ``KVCacheManager`` calls (``allocate_slots`` -> blocks | ``None``, ``free``,
-  ``get_block_ids`` per KV-cache group, ``get_computed_blocks``).
+  ``get_block_ids`` per KV-cache group, ``get_computed_blocks``, ``cache_blocks``),
+  prefix caching included (``enable_caching=True``).
 * :mod:`graphalloc.integrations.iteration` -- :class:`IterationStep`, the layer below
-  both: it records an iteration's frees, window evictions and allocations with O(1)
-  host page accounting and runs them as ONE :meth:`HybridAllocator.step`.
+  both: it records an iteration's frees, window evictions, admits (plain or on a cached
+  prefix) and allocations with host page accounting (shared pages counted by reference)
+  and runs them as ONE ``alloc.scheduler_step()`` block.
 
 Neither seam imports its engine; each module's docstring lists what it covers, what
-it does not (the prefix cache is not wired into either yet), and what an engine must
-still write itself.
+it does not, and what an engine must still write itself.
 """
 
 from .iteration import IterationStep

@@ -4,27 +4,36 @@ Engines free, evict and allocate through many small calls per iteration (SGLang:
 ``release_kv_cache`` per finished request, ``_evict_swa`` per request, one
 ``alloc_*`` per batch; vLLM: ``free`` and ``allocate_slots`` per request). The
 seams (:mod:`.sglang`, :mod:`.vllm`) record those calls in an
-:class:`IterationStep` and run them as ONE :meth:`HybridAllocator.step` --
-releases, then frontier advances, then allocations, the step's own order, so the
-pages the frees return are available to the allocations of the same step.
+:class:`IterationStep` and run them as ONE ``alloc.scheduler_step()`` block --
+releases, then frontier advances, then admits (new requests, plain or on a prefix
+handle), then allocations, the step's own order, so the pages the frees return are
+available to the allocations of the same step.
 
-Host accounting (what lets a seam answer "does it fit" per call, O(1), without a
-dry-run plan): with ``ps = page_size``, a request at allocated length L and
-frontier f holds ``ceil(L / ps)`` FULL pages and ``ceil(L / ps) - f / ps`` SWA
-pages; releasing it returns exactly those, advancing its frontier to g returns
-``(g - f) / ps`` SWA pages, and extending it to length T takes
-``ceil(T / ps) - ceil(L / ps)`` pages from EACH pool. So, per pool::
+Host accounting (what lets a seam answer "does it fit" per call without a dry-run
+plan): with ``ps = page_size``, extending a request from length L to T takes
+``ceil(T / ps) - ceil(L / ps)`` fresh pages from EACH pool (a request admitted on a
+handle starts at the handle's whole pages and allocates none for them). So, per pool::
 
-    free after the step = n_free(pool) + freed(pool) - needed
+    free after the step = n_free(pool) + freed(pool) - needed   (+ reclaimable(pool))
 
-This is exact in pool mode while no page is shared (the seams take no prefix
-handles yet). Ring mode is refused: its admit is a device step of its own.
+``freed`` is what the recorded releases and frontier moves return. Without sharing
+(``max_handles == 0``) it is O(1) arithmetic: a request at length L and frontier f
+returns ``ceil(L / ps)`` FULL and ``ceil(L / ps) - f / ps`` SWA pages, an advance to g
+``(g - f) / ps`` SWA pages. With handles, pages may be shared and the count is
+:meth:`HybridAllocator.pages_released` over all the recorded frees together (a page
+goes only with its last reference), computed when asked and kept until the records,
+the steps or the cache change. ``reclaimable`` (with a prefix cache) is what evicting
+every unlocked cache entry would add once the frees ran; the allocator runs that
+eviction itself inside the step when an allocation needs it.
 
 Only the frozen shape of the *frees* (``max_release_rows``, ``max_step_pages``)
-is not predicted here: a step refused for it (:class:`BatchTooLargeError`,
-nothing changed) is rerun as the frees through ``alloc.free_group()`` (which
-splits them into as many steps as the shape needs) and then the allocations:
-more than one step that iteration, reported in the step count.
+is not predicted here (the cache's eviction inside the step included): a step refused
+for it (:class:`BatchTooLargeError`, nothing changed) is rerun as the frees through
+``alloc.free_group()`` (which splits them into as many steps as the shape needs), the
+cache eviction the allocations need (``PrefixCache.evict``, split the same way), and
+then the rest: more than one step that iteration, reported in the step count. Ring mode
+is refused: its admit pops ring pages and the per-call accounting above does not cover
+it.
 """
 
 from __future__ import annotations
@@ -32,7 +41,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..allocator import AllocResult, HybridAllocator
-from ..errors import BatchTooLargeError, ConfigError, OverlapError, UnknownRequestError
+from ..errors import (
+    AlignmentError,
+    BatchTooLargeError,
+    ConfigError,
+    OverlapError,
+    UnknownRequestError,
+)
 
 __all__ = ["IterationStep"]
 
@@ -42,14 +57,17 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class IterationStep:
-    """The frees, frontier moves and allocations recorded for the next step of ``alloc``.
+    """The frees, frontier moves, admits and allocations recorded for the next step.
 
-    Owns three host dicts keyed by request row (insertion order = lane order of the
-    allocations), and running page totals. Invariants: a row is in at most one of
-    ``releases`` and ``extends``/``advances`` (a release cancels the row's other
-    records); every recorded row is live in ``alloc``; ``freed``/``needed`` equal the
-    sums over the records. Cost: every method is O(1) per row (host ints, the
-    allocator's O(1) queries); :meth:`run` is one step.
+    Keys: a live request row (an int >= 0), or, for a request admitted by the next step,
+    a negative key handed out by :meth:`reserve` (its row is known once :meth:`run` ran:
+    ``admitted[key]``). Owns four host dicts (insertion order = lane order of the
+    allocations) and running totals. Invariants: a row is in at most one of ``releases``
+    and ``extends``/``advances`` (a release cancels the row's other records); every
+    recorded row is live in ``alloc``; ``needed`` / ``n_tokens`` / ``n_rows`` equal the
+    sums over the records. Cost: every record is O(1) per row; the queries are O(1)
+    without sharing, :meth:`HybridAllocator.pages_released` (O(pages of the recorded
+    frees and the cache's entries)) once per change with it; :meth:`run` is one step.
     """
 
     def __init__(self, alloc: HybridAllocator, owner: str):
@@ -64,33 +82,59 @@ class IterationStep:
                 "seam does not hold")
         self.alloc = alloc
         self.ps = cfg.page_size
-        self.releases: dict[int, tuple[int, int]] = {}  # row -> (FULL, SWA) pages returned
+        self.cache = alloc.prefix_cache
+        self.shared = alloc.ledger.n_handles > 0  # pages may be shared: count by references
+        self.releases: dict[int, tuple[int, int]] = {}  # row -> (FULL, SWA) pages it holds
         self.advances: dict[int, tuple[int, int]] = {}  # row -> (new frontier, SWA pages)
-        self.extends: dict[int, tuple[int, int]] = {}  # row -> (tokens, pages per pool)
-        self.freed_full = self.freed_swa = self.needed = self.n_tokens = 0
-        self.n_rows = 0  # rows of ``extends`` (every record allocates >= 1 token)
+        self.extends: dict[int, tuple[int, int]] = {}  # key -> (tokens, pages per pool)
+        self.admits: dict[int, tuple[int | None, int]] = {}  # key < 0 -> (handle, prefix)
+        self.admitted: dict[int, int] = {}  # after run(): key -> the row it got
+        self.needed = self.n_tokens = self.n_rows = 0  # pages per pool, tokens, alloc rows
+        self._next_key = -1
+        self._version = 0  # bumped by every change of the frees
+        self._counted = None  # (state key, (freed FULL, SWA), (reclaimable FULL, SWA))
 
     # ---- queries ---------------------------------------------------------------------
     def __bool__(self) -> bool:
-        return bool(self.releases or self.advances or self.extends)
+        return bool(self.releases or self.advances or self.extends or self.admits)
 
-    def free_pages(self, pool: str) -> int:
-        """Pages of ``pool`` free once the recorded step has run. O(1)."""
-        freed = self.freed_full if pool == "full" else self.freed_swa
-        return self.alloc.n_free(pool) + freed - self.needed
+    def free_pages(self, pool: str, *, with_cache: bool = False) -> int:
+        """Pages of ``pool`` free once the recorded step has run (``with_cache``: plus
+        what evicting the unlocked cache entries would give back)."""
+        freed, reclaimable = self._counts()
+        i = 0 if pool == "full" else 1
+        extra = reclaimable[i] if with_cache else 0
+        return self.alloc.n_free(pool) + freed[i] + extra - self.needed
 
-    def length(self, row: int) -> int:
-        """``row``'s length once the recorded step has run."""
-        rec = self.extends.get(row)
-        return self.alloc.seq_len(row) + (rec[0] if rec else 0)
+    def fits(self) -> bool:
+        """Whether the recorded work fits the pools, counting what the prefix cache could
+        give back (a lock taken after a reservation may withdraw pages it counted on)."""
+        cached = self.cache is not None
+        return (self.free_pages("full", with_cache=cached) >= 0
+                and self.free_pages("swa", with_cache=cached) >= 0)
 
-    def frontier(self, row: int) -> int:
-        """``row``'s frontier once the recorded step has run."""
-        rec = self.advances.get(row)
-        return rec[0] if rec else self.alloc.frontier(row)
+    def reclaimable_pages(self, pool: str) -> int:
+        """Pages of ``pool`` the prefix cache could give back once the recorded frees ran
+        (0 without a cache)."""
+        return self._counts()[1][0 if pool == "full" else 1]
+
+    def length(self, key: int) -> int:
+        """The request's length once the recorded step has run."""
+        rec = self.extends.get(key)
+        base = self.admits[key][1] if key < 0 else self.alloc.seq_len(key)
+        return base + (rec[0] if rec else 0)
+
+    def frontier(self, key: int) -> int:
+        """The request's frontier once the recorded step has run."""
+        if key < 0:
+            handle, prefix = self.admits[key]
+            return 0 if handle is None else min(self.alloc.handle_info(handle).swa_start,
+                                                prefix)
+        rec = self.advances.get(key)
+        return rec[0] if rec else self.alloc.frontier(key)
 
     def held_pages(self, row: int) -> tuple[int, int]:
-        """(FULL, SWA) pages ``row`` holds now (before the recorded step)."""
+        """(FULL, SWA) pages ``row`` holds now (before the recorded step), shared or not."""
         end = _ceil_div(self.alloc.seq_len(row), self.ps)
         return end, end - self.alloc.frontier(row) // self.ps
 
@@ -106,120 +150,183 @@ class IterationStep:
                                       "iteration; its release runs with the next step")
         return r
 
+    def _counts(self):
+        """(freed FULL, SWA) by the recorded frees, (reclaimable FULL, SWA) after them."""
+        cache = self.cache
+        state = (self._version, self.alloc.steps_run, id(self.alloc.ledger),
+                 None if cache is None else cache.version)
+        if self._counted is not None and self._counted[0] == state:
+            return self._counted[1:]
+        if not self.shared:
+            freed = (sum(v[0] for v in self.releases.values()),
+                     sum(v[1] for v in self.releases.values())
+                     + sum(v[1] for v in self.advances.values()))
+            reclaim = (0, 0)
+        else:
+            rel = list(self.releases)
+            adv = (list(self.advances), [v[0] for v in self.advances.values()])
+            freed = self.alloc.pages_released(rel, advance=adv)
+            reclaim = (0, 0)
+            if cache is not None:
+                busy = {h for h, _ in self.admits.values() if h is not None}
+                handles = [h for h in cache.reclaimable_handles() if h not in busy]
+                if handles:
+                    both = self.alloc.pages_released(rel, advance=adv, handles=handles)
+                    reclaim = (both[0] - freed[0], both[1] - freed[1])
+        self._counted = (state, freed, reclaim)
+        return freed, reclaim
+
     # ---- recording ---------------------------------------------------------------------
-    def release(self, row: int) -> None:
-        """Record the release of live ``row`` (cancels its recorded advance/extension)."""
-        self._drop(row)
-        full, swa = self.held_pages(row)
-        self.releases[row] = (full, swa)
-        self.freed_full += full
-        self.freed_swa += swa
+    def release(self, key: int) -> None:
+        """Record the release of live ``row`` (cancels its recorded advance/extension); a
+        negative key (a request admitted by the next step) is cancelled instead."""
+        self._drop(key)
+        if key < 0:
+            del self.admits[key]
+            self._version += 1
+            return
+        self.releases[key] = self.held_pages(key)
+        self._version += 1
 
     def reserve(self, items) -> list[int] | None:
         """Record a batch, whole or not at all.
 
-        ``items``: ``(row or None, target_len, new_frontier or None)`` per request, rows
-        distinct; ``None`` admits a new row (length 0) when the batch fits. The row
-        grows to ``target_len`` (never shrinks) and its frontier moves to
-        ``new_frontier`` (forward, page-aligned). Returns the rows (new ones admitted:
-        host only in pool mode), or ``None`` when a pool or the request rows are short,
-        with nothing changed. A batch over the frozen allocation shape raises
-        :class:`BatchTooLargeError`, nothing changed.
+        ``items``: ``(key or None, target_len, new_frontier or None)`` per request, keys
+        distinct; ``None`` admits a new request with the next step, ``(None, target_len,
+        None, handle, prefix_len)`` admits it on ``prefix_len`` tokens (whole pages) of
+        prefix handle ``handle`` (shared, not allocated). The request grows to
+        ``target_len`` (never shrinks) and its frontier moves to ``new_frontier``
+        (forward, page-aligned; existing rows only). Returns the keys (negative for new
+        requests), or ``None`` when a pool (counting what the prefix cache could give
+        back, when there is one) or the request rows are short, with nothing changed. A
+        batch over the frozen allocation shape raises :class:`BatchTooLargeError`, a bad
+        handle or prefix its typed error, nothing changed.
         """
         cfg, ps = self.alloc.config, self.ps
-        items = list(items)
-        named = [row for row, _, _ in items if row is not None]
+        items = [tuple(item) + (None, 0)[len(item) - 3:] for item in items]
+        named = [key for key, *_ in items if key is not None]
         if len(set(named)) != len(named):
             raise OverlapError("a request appears twice in one batch; pass each once")
-        d_need = d_swa = d_tokens = d_rows = n_new = 0
-        plan = []
-        for row, target, new_front in items:
-            length = 0 if row is None else self.alloc.seq_len(row)
-            prior = self.extends.get(row, (0, 0)) if row is not None else (0, 0)
-            n = max(int(target) - length, 0)
-            pages = _ceil_div(length + n, ps) - _ceil_div(length, ps)
+        for key, target, _, handle, prefix in items:
+            if key is None and handle is not None:
+                info = self.alloc.handle_info(handle)  # UnknownHandleError if not held
+                if prefix % ps or not 0 < prefix <= info.n_tokens or prefix > target:
+                    raise AlignmentError(
+                        f"admit on handle {handle}: a shared prefix of {prefix} tokens; share "
+                        f"whole pages (page_size {ps}) of the handle's {info.n_tokens}, at "
+                        f"most the request's {target}")
+            n = max(int(target) - (prefix if key is None else self.length(key)), 0)
             if n > cfg.max_tokens_per_alloc_row:
                 raise BatchTooLargeError(
-                    f"request row {row} would allocate {n} tokens in one step; the frozen "
+                    f"request {key} would allocate {n} tokens in one step; the frozen "
                     f"max_tokens_per_alloc_row is {cfg.max_tokens_per_alloc_row}: schedule "
                     "smaller chunks, or size the allocator with AllocatorConfig.for_engine")
-            d_need += pages - prior[1]
-            d_tokens += n - prior[0]
-            d_rows += (n > 0) - (prior[0] > 0)
-            swa = 0
-            if row is None:
-                n_new += 1
-            elif new_front is not None and new_front > self.frontier(row):
-                old = self.advances.get(row, (0, 0))[1]
-                swa = (new_front - self.alloc.frontier(row)) // ps
-                d_swa += swa - old
-            plan.append((row, n, pages, new_front, swa))
-        for have, cap, name in ((self.n_rows + d_rows, cfg.max_alloc_rows, "max_alloc_rows"),
-                                (self.n_tokens + d_tokens, cfg.max_step_tokens,
-                                 "max_step_tokens")):
+        saved = (dict(self.releases), dict(self.advances), dict(self.extends),
+                 dict(self.admits), self.needed, self.n_tokens, self.n_rows, self._next_key)
+        keys = [self._record(*item) for item in items]
+        self._version += 1
+        short = None
+        for have, cap, name in ((self.n_rows, cfg.max_alloc_rows, "max_alloc_rows"),
+                                (self.n_tokens, cfg.max_step_tokens, "max_step_tokens")):
             if have > cap:
-                raise BatchTooLargeError(
+                short = BatchTooLargeError(
                     f"this iteration's step would need {have} for the frozen {name} {cap}: "
                     "schedule less per iteration, or size the allocator with "
                     "AllocatorConfig.for_engine from the engine's budgets")
-        if (self.free_pages("full") < d_need or self.free_pages("swa") + d_swa < d_need
-                or (n_new and n_new > cfg.max_reqs - self.alloc.n_live)):
+        if short is None and not (self.fits()
+                                  and len(self.admits) <= cfg.max_reqs - self.alloc.n_live):
+            short = False
+        if short is None:
+            return keys
+        (self.releases, self.advances, self.extends, self.admits, self.needed,
+         self.n_tokens, self.n_rows, self._next_key) = saved
+        self._version += 1
+        if short is False:
             return None
-        rows = []
-        for row, n, pages, new_front, swa in plan:
-            if row is None:
-                row = self.alloc.admit()  # pool mode: host only, no device work
-            elif swa:
-                self.freed_swa += swa - self.advances.get(row, (0, 0))[1]
-                self.advances[row] = (int(new_front), swa)
-            prior = self.extends.pop(row, (0, 0))
-            self.needed += pages - prior[1]
-            self.n_tokens += n - prior[0]
-            self.n_rows += (n > 0) - (prior[0] > 0)
-            if n:
-                self.extends[row] = (n, pages)
-            rows.append(row)
-        return rows
+        raise short
 
-    def _drop(self, row: int) -> None:
-        n, pages = self.extends.pop(row, (0, 0))
+    def _record(self, key, target, new_front, handle, prefix) -> int:
+        if key is None:
+            key, self._next_key = self._next_key, self._next_key - 1
+            self.admits[key] = (handle, prefix if handle is not None else 0)
+            self.n_rows += handle is not None  # the prefix copy is an allocation row
+        elif key >= 0 and new_front is not None and new_front > self.frontier(key):
+            old = self.alloc.frontier(key)
+            self.advances[key] = (int(new_front), (int(new_front) - old) // self.ps)
+        length = self.admits[key][1] if key < 0 else self.alloc.seq_len(key)
+        n, pages = self.extends.pop(key, (0, 0))
         self.needed -= pages
         self.n_tokens -= n
         self.n_rows -= n > 0
-        self.freed_swa -= self.advances.pop(row, (0, 0))[1]
+        n = max(int(target) - length, 0)
+        pages = _ceil_div(length + n, self.ps) - _ceil_div(length, self.ps)
+        if n:
+            self.extends[key] = (n, pages)
+            self.needed += pages
+            self.n_tokens += n
+            self.n_rows += 1
+        return key
+
+    def _drop(self, key: int) -> None:
+        n, pages = self.extends.pop(key, (0, 0))
+        self.needed -= pages
+        self.n_tokens -= n
+        self.n_rows -= n > 0
+        self.advances.pop(key, None)
+        if key < 0 and self.admits[key][0] is not None:
+            self.n_rows -= 1
 
     # ---- the step ----------------------------------------------------------------------
     def run(self) -> tuple[AllocResult | None, int]:
         """Run the recorded work: ONE step (more only when the frees exceed the frozen
         release shape, see the module docstring). Returns ``(result, steps_run)``;
         ``result`` is ``None`` when nothing was allocated. Lanes: the extensions in
-        recording order. A step refused for pages (the accounting was off: shared
-        pages) raises with the records kept."""
+        recording order; ``admitted`` maps each new request's key to its row. A step
+        refused for pages (the accounting was off) raises with the records kept."""
         alloc = self.alloc
+        self.admitted = {}
         if not self:
             return None, 0
         before = alloc.steps_run
-        release = np.fromiter(self.releases, dtype=np.int64, count=len(self.releases))
-        adv_rows = np.fromiter(self.advances, dtype=np.int64, count=len(self.advances))
-        adv_pos = np.array([v[0] for v in self.advances.values()], dtype=np.int64)
-        ext_rows = np.fromiter(self.extends, dtype=np.int64, count=len(self.extends))
-        ext_n = np.array([v[0] for v in self.extends.values()], dtype=np.int64)
-        advance = (adv_rows, adv_pos) if len(adv_rows) else None
-        extend = (ext_rows, ext_n) if len(ext_rows) else None
+        release = list(self.releases)
+        advance = (list(self.advances), [v[0] for v in self.advances.values()])
         try:
-            result = alloc.step(release=release if len(release) else None, advance=advance,
-                                extend=extend)
+            result, admitted = self._one_step(release, advance)
         except BatchTooLargeError:
-            if not (len(release) or advance):
+            short = [-self.free_pages(pool) for pool in ("full", "swa")]  # after the frees
+            evict = self.cache is not None and max(short) > 0
+            if not (release or advance[0] or evict):
                 raise
-            with alloc.free_group():  # splits the frees into as many steps as they need
-                if len(release):
-                    alloc.release(release)
-                if advance:
-                    alloc.advance_frontier(*advance)
-            result = alloc.step(extend=extend) if extend else None
+            if release or advance[0]:
+                with alloc.free_group():  # splits the frees into as many steps as they need
+                    if release:
+                        alloc.release(release)
+                    if advance[0]:
+                        alloc.advance_frontier(*advance)
+            if evict:  # the cache's drops in steps of their own (split like any free)
+                self.cache.evict(max(short[0], 0), max(short[1], 0))
+            result, admitted = self._one_step([], ([], [])) if (
+                self.admits or self.extends) else (None, {})
+        self.admitted = admitted
         self.releases.clear()
         self.advances.clear()
         self.extends.clear()
-        self.freed_full = self.freed_swa = self.needed = self.n_tokens = self.n_rows = 0
+        self.admits.clear()
+        self.needed = self.n_tokens = self.n_rows = 0
+        self._version += 1
         return result, alloc.steps_run - before
+
+    def _one_step(self, release, advance):
+        with self.alloc.scheduler_step() as it:
+            if release:
+                it.release(release)
+            if advance[0]:
+                it.advance(*advance)
+            admitted = {}
+            for key, (handle, prefix) in self.admits.items():
+                admitted[key] = it.admit(handle=handle, n_tokens=prefix if handle is not None
+                                         else None)
+            if self.extends:
+                rows = [admitted.get(key, key) for key in self.extends]
+                it.extend(rows, [v[0] for v in self.extends.values()])
+        return it.result, admitted

@@ -8,14 +8,17 @@ slots, SWA eviction ``_evict_swa``, ``alloc_paged_token_slots_extend`` /
 request with ``release_kv_cache`` between ``free_group_begin()`` and
 ``free_group_end()``. :class:`SGLangAllocator` takes the same calls on plain objects
 with SGLang's attribute names, records the frees and evictions, and runs each
-iteration's frees, evictions and allocation as ONE :meth:`HybridAllocator.step`:
-the frees of iteration k's results join the allocation step of iteration k+1.
+iteration's frees, evictions, admits and allocation as ONE step
+(``alloc.scheduler_step()``): the frees of iteration k's results join the allocation
+step of iteration k+1.
 
 Objects it reads (host values only; SGLang keeps these on the CPU too):
 
 * a request: ``req_pool_idx`` (``None`` until the seam gives it a row; the seam
   writes it, as SGLang's ``ReqToTokenPool.alloc`` does, and sets it back to ``None``
-  on release), and ``finished()`` for :meth:`SGLangAllocator.release_finished`;
+  on release), and ``finished()`` for :meth:`SGLangAllocator.release_finished`; with
+  the prefix cache also ``origin_input_ids`` and ``output_ids`` (token ids, host lists)
+  and ``last_node`` (the seam writes it: the matched entry's handle, or ``None``);
 * an extend batch: ``reqs``, ``prefix_lens`` and ``extend_lens`` (one int per request:
   tokens already in the KV cache, tokens of this chunk);
 * a decode batch: ``reqs`` and ``seq_lens_cpu`` (each request's length before the new
@@ -46,16 +49,44 @@ finished or retracted requests, the free-group bracket, ``available_size`` and i
 FULL/SWA variants, ``translate_loc_from_full_to_swa``; refusal (``None``, nothing
 changed) when a pool or the request rows are short.
 
-Does not cover: the prefix cache (SGLang's radix cache / ``SWARadixCache``: the
-release is ChunkCache's, i.e. SGLang with ``--disable-radix-cache``; the hook
-:meth:`SGLangAllocator.insert_into_prefix_cache` is NOT wired yet and raises),
-the overlap scheduler's deferred eviction (evicting with ``pre_len`` one chunk or one
-step behind), speculative decoding's multi-token decode allocation, HiCache
-load-back, disaggregation, page_size 1 token-level ``alloc(n)``, ring mode.
+The prefix cache (SGLang's radix cache; ``SWARadixCache`` for hybrid models): when the
+allocator was built with ``HybridAllocator(cfg, prefix_cache=True)`` the seam plays
+SGLang's ``tree_cache`` on :class:`graphalloc.prefix_cache.PrefixCache`; without one it
+behaves as SGLang's ChunkCache (``--disable-radix-cache``: a release frees everything).
 
-What an engine must still write: call the seam where SGLang calls its allocator (the
-five methods above, in its order); build ``ForwardBatch.out_cache_loc`` from the
-returned views (valid until the next step runs) and its attention metadata (e.g.
+* :meth:`SGLangAllocator.match_prefix` (``tree_cache.match_prefix`` in
+  ``Req.init_next_round_input``): the longest cached whole-page prefix of the request's
+  ``origin_input_ids + output_ids`` minus its last token (one token is always computed),
+  counting only hits whose SWA window is present; the entry is locked (SGLang's
+  ``inc_lock_ref``) until the next step the seam runs. The request's ``last_node``
+  names the hit.
+* ``prepare_for_extend`` admits a new request with ``prefix_lens[i] > 0`` on that hit
+  (``admit(handle=, n_tokens=prefix_len)``: the prefix's pages shared, its
+  ``req_to_token`` written on the device in the step) and extends it by
+  ``extend_lens[i]``, in the iteration's one step.
+* :meth:`SGLangAllocator.release_kv_cache` is ``cache_finished_req``: the request's whole
+  pages of KV (``origin_input_ids + output_ids``, up to its allocated length) are
+  inserted -- the cache's handle references them, SWA only from the request's frontier
+  (what left the window is a tombstone) -- and the request is released: its pages the
+  entry does not hold (the partial tail page, pages an equal entry already holds) are
+  freed. :meth:`SGLangAllocator.cache_unfinished_req` inserts a chunked prefill's
+  prefix. A new entry is one step of its own (the handle's prefix copy), run at the call;
+  an already cached prefix costs none.
+* ``evictable_size()`` (and the FULL/SWA variants): tokens the cache could give back once
+  the recorded frees ran; the allocator evicts by itself inside a step whose allocation
+  needs them (SWA tombstoned before FULL is evicted), so a scheduler admits while
+  ``available_size() + evictable_size()`` covers the batch, as SGLang's ``PrefillAdder``.
+
+Does not cover: the overlap scheduler's deferred eviction (evicting with ``pre_len`` one
+chunk or one step behind), speculative decoding's multi-token decode allocation,
+HiCache load-back, disaggregation, page_size 1 token-level ``alloc(n)``, ring mode; FULL
+hits whose window is gone (SGLang recomputes the window; here ``match_prefix`` reports
+only window-present hits), per-node lock references kept across iterations.
+
+What an engine must still write: call the seam where SGLang calls its allocator and its
+tree cache (the methods above, in its order; ``match_prefix`` in the iteration that
+prefills the request); build ``ForwardBatch.out_cache_loc`` from the returned views
+(valid until the next step runs) and its attention metadata (e.g.
 :class:`graphalloc.page_tables.PageTables`, or gathers of ``alloc.req_to_token``);
 write ``ScheduleBatch`` state (``req_pool_indices``, ``seq_lens`` +1 after a decode);
 call :meth:`SGLangAllocator.flush` on an idle iteration (no batch) so recorded frees
@@ -71,7 +102,14 @@ import numpy as np
 import torch
 
 from ..allocator import AllocResult, HybridAllocator
-from ..errors import ConfigError, ContractError, NestedGroupError, PositionError, TensorSpecError
+from ..errors import (
+    AlignmentError,
+    ConfigError,
+    ContractError,
+    NestedGroupError,
+    PositionError,
+    TensorSpecError,
+)
 from .iteration import IterationStep
 
 __all__ = ["SGLangAllocator", "SGLangBatchAlloc"]
@@ -134,10 +172,18 @@ class SGLangAllocator:
             ``alloc.free_group()`` (one more step per iteration), a release outside a
             group runs at once (one step per request: the slow path).
 
+    With a prefix cache (``HybridAllocator(cfg, prefix_cache=True)``) the seam is also
+    SGLang's ``tree_cache``: :meth:`match_prefix`, :meth:`cache_unfinished_req`,
+    :meth:`cache_finished_req` (what :meth:`release_kv_cache` does then) and
+    :meth:`evictable_size`; see the module docstring.
+
     Invariants: a row released here is not used again until its step ran (the seam
     refuses it); ``available_size()`` counts the pages of recorded frees, which the
-    next step returns before it allocates. Cost: O(batch) host work per call, one
-    step per ``prepare_*``; the queries are O(1), no device read.
+    next step returns before it allocates; a matched entry stays locked until the next
+    step the seam runs. Cost: O(batch) host work per call, one step per ``prepare_*``
+    (plus one per new cache entry); the queries are O(1) without prefix handles, and
+    :meth:`HybridAllocator.pages_released` over the recorded frees (and the cache's
+    entries) once per change with them; no device read.
     """
 
     def __init__(self, alloc: HybridAllocator, *, swa_eviction_interval: int = 1,
@@ -154,6 +200,9 @@ class SGLangAllocator:
         self.sliding_window_size = alloc.config.sliding_window
         self.swa_eviction_interval = swa_eviction_interval
         self.defer_frees = defer_frees
+        self.tree_cache = alloc.prefix_cache  # None: SGLang's ChunkCache behaviour
+        self.cache_steps = 0  # steps the prefix cache ran (a new entry's handle, LRU drops)
+        self._locks: dict[int, tuple[object, int]] = {}  # id(req) -> (req, locked handle)
         self._group: contextlib.ExitStack | None = None
         self._in_group = False
 
@@ -162,11 +211,14 @@ class SGLangAllocator:
         """Rows for new requests, SWA eviction below ``floor_page(prefix_len - W)``, and
         ``extend_lens[i]`` slots per request, with the recorded frees: ONE step.
 
-        A new request (``req_pool_idx is None``) must have ``prefix_lens[i] == 0`` (no
-        prefix cache yet); a running one (a chunked prefill's next chunk) must have
-        ``prefix_lens[i]`` equal to its allocated length. Returns ``None`` when either
-        pool or the request rows are short, with nothing changed (no row given, no
-        free run)."""
+        A new request (``req_pool_idx is None``) starts at length 0, or, with
+        ``prefix_lens[i] > 0``, on the cached prefix :meth:`match_prefix` found for it
+        since the last step (``req.last_node``; whole pages, at most the hit): the step
+        admits it sharing those pages and allocates only ``extend_lens[i]``. A running
+        one (a chunked prefill's next chunk) must have ``prefix_lens[i]`` equal to its
+        allocated length. Returns ``None`` when either pool or the request rows are short
+        (the cache's reclaimable pages count as free: the step evicts them), with nothing
+        changed (no row given, no free run)."""
         reqs = list(batch.reqs)
         prefix = _host_ints(batch.prefix_lens, len(reqs), "prefix_lens")
         ext = _host_ints(batch.extend_lens, len(reqs), "extend_lens")
@@ -177,11 +229,8 @@ class SGLangAllocator:
                 raise PositionError(f"extend_lens: {n} for a request; an extend adds >= 1 "
                                     "token")
             if req.req_pool_idx is None:
-                if p:
-                    raise ContractError(
-                        f"a new request has prefix_len {p}: the prefix cache is not wired "
-                        "into this seam yet, so a new request starts at length 0")
-                items.append((None, n, None))
+                items.append((None, n, None) if not p else
+                             (None, p + n, None, self._matched_handle(req, p), p))
                 continue
             row = self._running_row(req, p, "prepare_for_extend")
             items.append((row, p + n, self._window_floor(p)))
@@ -203,29 +252,72 @@ class SGLangAllocator:
         return self._allocate(reqs, items)
 
     # ---- release (release_kv_cache) and the free-group bracket --------------------------
-    def release_kv_cache(self, req) -> None:
+    def release_kv_cache(self, req, is_insert: bool = True) -> None:
         """Free everything ``req`` holds and its row (a finished or retracted request);
         sets ``req.req_pool_idx = None``.
 
-        This is SGLang's ``release_kv_cache`` with a ChunkCache (no prefix cache): every
-        page is freed, nothing is inserted anywhere. With ``defer_frees`` the release
-        runs with the next step and counts in ``available_size()`` at once."""
+        Without a prefix cache this is SGLang's ``release_kv_cache`` with a ChunkCache:
+        every page is freed. With one (and ``is_insert``) it is ``cache_finished_req``:
+        the request's whole pages are inserted first (:meth:`insert_into_prefix_cache`),
+        then released, so the pages the entry references stay. With ``defer_frees`` the
+        release runs with the next step and counts in ``available_size()`` at once."""
         row = self.pending.check_row(req.req_pool_idx, "release_kv_cache")
+        if is_insert and self.tree_cache is not None:
+            self.insert_into_prefix_cache(req)
         if self.defer_frees:
             self.pending.release(row)
         else:  # in a group: planned now, run by free_group_end(); else one step now
             self.alloc.release([row])
         req.req_pool_idx = None
 
-    def insert_into_prefix_cache(self, req) -> None:
-        """The prefix-cache half of SGLang's ``release_kv_cache`` (``cache_finished_req``
-        of a radix cache): NOT wired yet. The prefix cache is being built on the
-        allocator's handles (``take_handle`` / ``admit(handle=)`` / ``drop_handle``);
-        until this hook calls it, nothing is cached and this raises."""
-        raise NotImplementedError(
-            "the prefix cache is not wired into graphalloc.integrations.sglang yet: "
-            "release_kv_cache frees every page (ChunkCache behaviour)")
+    def cache_finished_req(self, req) -> None:
+        """SGLang's ``tree_cache.cache_finished_req``: insert, then release
+        (:meth:`release_kv_cache` with the cache)."""
+        self._need_cache("cache_finished_req")
+        self.release_kv_cache(req)
 
+    def insert_into_prefix_cache(self, req) -> int:
+        """The prefix-cache half of ``cache_finished_req``: cache the whole pages of the
+        request's KV -- ``origin_input_ids + output_ids`` up to its allocated length (the
+        positions whose KV the forward wrote) -- on a handle: FULL pages of the prefix,
+        SWA pages from the request's frontier on (what already left the window is a
+        tombstone). One step when the entry is new (none when an equal prefix is cached:
+        this request's copies are then freed with it); returns the tokens cached."""
+        self._need_cache("insert_into_prefix_cache")
+        row = self.pending.check_row(req.req_pool_idx, "insert_into_prefix_cache")
+        return self._insert(row, self._token_ids(req, "insert_into_prefix_cache"))
+
+    def cache_unfinished_req(self, req) -> int:
+        """SGLang's ``tree_cache.cache_unfinished_req`` (after a chunked prefill's chunk):
+        cache the request's whole pages so far; it keeps running on its own pages. One
+        step when the entry is new; returns the tokens cached."""
+        return self.insert_into_prefix_cache(req)
+
+    def match_prefix(self, req) -> int:
+        """SGLang's ``tree_cache.match_prefix`` for a new request: the longest cached
+        prefix (whole pages) of ``origin_input_ids + output_ids`` without its last token,
+        counting only hits whose SWA window is present. Locks the entry until the next
+        step the seam runs (a later match of the same request replaces it) and names it
+        in ``req.last_node``; returns the prefix length in tokens (0: a miss, ``last_node
+        = None``). Pass it as the request's ``prefix_lens`` entry in the same iteration's
+        ``prepare_for_extend``. Host only: O(prompt pages) hashing."""
+        cache = self._need_cache("match_prefix")
+        if req.req_pool_idx is not None:
+            raise ContractError("match_prefix: the request already has a row; match new "
+                                "(waiting) requests")
+        self._unlock(req)
+        tokens = self._token_ids(req, "match_prefix")
+        hit = cache.match(tokens[:max(len(tokens) - 1, 0)])
+        req.last_node = None
+        if not hit.cached_tokens:
+            return 0
+        cache.lock(hit.handle)
+        if not self.pending.fits():  # recorded work needs the entry's pages: not a hit
+            cache.unlock(hit.handle)
+            return 0
+        self._locks[id(req)] = (req, hit.handle)
+        req.last_node = hit.handle
+        return hit.cached_tokens
     def release_finished(self, reqs) -> int:
         """``process_batch_result``'s frees: in one free group, ``release_kv_cache`` every
         request whose ``finished()`` is true. Returns how many were released."""
@@ -265,7 +357,10 @@ class SGLangAllocator:
         """Run the recorded frees now (an idle iteration, shutdown); returns the steps run
         (0 when nothing is recorded)."""
         self._refuse_in_group("flush")
-        return self.pending.run()[1]
+        n = self.pending.run()[1]
+        if n:
+            self._unlock_all()
+        return n
 
     # ---- queries (BaseTokenToKVPoolAllocator's names; tokens, host only) ----------------
     def full_available_size(self) -> int:
@@ -279,6 +374,20 @@ class SGLangAllocator:
     def available_size(self) -> int:
         """``min(full_available_size(), swa_available_size())``, as SGLang's SWA allocator."""
         return min(self.full_available_size(), self.swa_available_size())
+
+    def full_evictable_size(self) -> int:
+        """FULL slots (tokens) the prefix cache could give back once the recorded frees
+        ran (0 without a cache): SGLang's ``tree_cache.full_evictable_size()``."""
+        return self.pending.reclaimable_pages("full") * self.page_size
+
+    def swa_evictable_size(self) -> int:
+        """SWA slots (tokens) the prefix cache could give back (``swa_evictable_size``)."""
+        return self.pending.reclaimable_pages("swa") * self.page_size
+
+    def evictable_size(self) -> int:
+        """``min`` of the two: add it to ``available_size()`` to budget a batch, as
+        SGLang's ``PrefillAdder`` does with ``tree_cache.evictable_size()``."""
+        return min(self.full_evictable_size(), self.swa_evictable_size())
 
     def translate_loc_from_full_to_swa(self, full_slots):
         """SWA slots of ``full_slots`` (a device tensor of full slots): a gather of
@@ -297,14 +406,59 @@ class SGLangAllocator:
         if not items:
             raise ContractError("an empty batch allocates nothing; on an idle iteration "
                                 "call flush() to run the recorded frees")
-        rows = self.pending.reserve(items)
-        if rows is None:
+        keys = self.pending.reserve(items)
+        if keys is None:
             return None
         n_evicted = sum(v[1] for v in self.pending.advances.values())
+        result, n_steps = self.pending.run()
+        rows = [self.pending.admitted.get(key, key) for key in keys]
         for req, row in zip(reqs, rows, strict=True):
             req.req_pool_idx = row
-        result, n_steps = self.pending.run()
+        self._unlock_all()
         return SGLangBatchAlloc(result, np.array(rows, dtype=np.int64), n_steps, n_evicted)
+
+    def _need_cache(self, what: str):
+        if self.tree_cache is None:
+            raise ConfigError(f"{what}: the allocator has no prefix cache (SGLang's ChunkCache "
+                              "behaviour); build it with HybridAllocator(cfg, prefix_cache="
+                              "True) for the radix-cache calls")
+        return self.tree_cache
+
+    @staticmethod
+    def _token_ids(req, what: str) -> list:
+        ids = getattr(req, "origin_input_ids", None)
+        if ids is None:
+            raise ContractError(f"{what}: the request has no origin_input_ids (token ids); "
+                                "the prefix cache keys pages by their tokens")
+        return list(ids) + list(getattr(req, "output_ids", None) or ())
+
+    def _insert(self, row: int, tokens: list) -> int:
+        before = self.alloc.steps_run
+        n = self.tree_cache.insert(row, tokens)
+        self.cache_steps += self.alloc.steps_run - before
+        return n
+
+    def _matched_handle(self, req, prefix_len: int) -> int:
+        lock = self._locks.get(id(req))
+        if self.tree_cache is None or lock is None or lock[0] is not req:
+            raise ContractError(
+                f"a new request has prefix_len {prefix_len} but no prefix-cache hit of its "
+                "own since the last step: call match_prefix(req) in the iteration that "
+                "prefills it and pass what it returned")
+        if prefix_len % self.page_size:
+            raise AlignmentError(f"prefix_len {prefix_len} is not whole pages (page_size "
+                                 f"{self.page_size}); match_prefix returns whole pages")
+        return lock[1]
+
+    def _unlock(self, req) -> None:
+        lock = self._locks.pop(id(req), None)
+        if lock is not None:
+            self.tree_cache.unlock(lock[1])
+
+    def _unlock_all(self) -> None:
+        locks, self._locks = self._locks, {}
+        for _, handle in locks.values():
+            self.tree_cache.unlock(handle)
 
     def _running_row(self, req, length: int, what: str) -> int:
         row = self.pending.check_row(req.req_pool_idx, what)
