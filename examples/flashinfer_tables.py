@@ -841,6 +841,8 @@ class TimingRun:
         order = [self.variants[k % nv] for k in range(nv * (a.timing_warmup + a.timing_steps))]
         pairs = {v: [] for v in self.variants}
         host_us = {v: [] for v in self.variants}
+        late = {v: 0 for v in self.variants}
+        stalls0 = self.alloc.ring.stalls
         with sync_debug(cuda and not a.no_sync_debug):
             for k, v in enumerate(order):
                 if cuda:
@@ -853,6 +855,8 @@ class TimingRun:
                 host_us[v].append((time.perf_counter() - th) * 1e6)
                 self._launch(v, p.buffer_index)
                 if cuda:
+                    # the GPU already past the interval's start: it may hold an idle gap
+                    late[v] += bool(start.query())
                     end.record()
                 self._submit(p, t)
                 if cuda and k >= nv * a.timing_warmup:
@@ -884,9 +888,13 @@ class TimingRun:
             "timed": cuda, "gpu_us_per_step": gpu,
             "attention_us_p50": {v: gpu[v]["p50"] - base for v in self.variants
                                  if v != "none" and base is not None},
+            # alloc.plan + tables.plan (+ FlashInfer's plans), descriptor-ring waits included
             "host_plan_us": {v: timing.summarize(host_us[v]) for v in self.variants},
             "sleep_us": sleep_us,
             "host_plan_max_us": max(max(x) for x in host_us.values()),
+            # steps whose replay was enqueued after the GPU reached the interval's start
+            # (0: every interval holds queued GPU work only, no idle gap)
+            "late_steps": late, "ring_stalls": self.alloc.ring.stalls - stalls0,
             "check_vs_twin": {v: {kind: {"max_abs": c[kind][0], "max_excess": c[kind][1]}
                                   for kind in c} for v, c in checks.items()},
             "graph_nodes": ({v: timing.graph_nodes(self.graphs[v][0]) for v in self.variants}
@@ -958,6 +966,10 @@ def markdown(data: dict) -> str:
                     f"{_num(m['test_vs_twin_swa_abs']['max'])}; control detected on "
                     f"{r['control_steps_detected']} steps; "
                     f"{len(r['failures'])} failed checks")
+        elif "check_vs_twin" in r:
+            note = "; ".join(f"{v} vs twin max excess FULL {_num(c['full']['max_excess'])} SWA "
+                             f"{_num(c['swa']['max_excess'])}"
+                             for v, c in r["check_vs_twin"].items())
         elif "seconds_compile" in r:
             note = f"{r['seconds_compile']:.1f} s ({r.get('how')})"
         lines.append(f"| {s['stage']} | {s['ok']} | {s['seconds']:.1f} | {note} |")
@@ -966,7 +978,7 @@ def markdown(data: dict) -> str:
         lines += ["", "GPU us per step (p50, p20-p80): allocator step + page tables + K/V "
                   "write + one FULL and one SWA decode attention, one graph replay", "",
                   "| B | lengths | window | none | Triton paged | FlashInfer | attention: "
-                  "Triton / FlashInfer |", "|---|---|---|---|---|---|---|"]
+                  "Triton / FlashInfer | late steps |", "|---|---|---|---|---|---|---|---|"]
         for r in timed:
             g, att = r["gpu_us_per_step"], r["attention_us_p50"]
             lines.append(
@@ -975,7 +987,7 @@ def markdown(data: dict) -> str:
                 f"| {timing.format_quantiles(g.get('triton'), 1)} "
                 f"| {timing.format_quantiles(g.get('flashinfer'), 1)} "
                 f"| {att.get('triton', float('nan')):.1f} / "
-                f"{att.get('flashinfer', float('nan')):.1f} |")
+                f"{att.get('flashinfer', float('nan')):.1f} | {sum(r['late_steps'].values())} |")
     if data["failures"]:
         lines += ["", "## Failures", ""]
         for f in data["failures"]:
@@ -1097,7 +1109,9 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             try:
                 info = prebuild(usable, DTYPES[args.dtype], args.head_dim)
-            except Exception as exc:  # internal API moved: plan() compiles lazily instead
+            except (ImportError, AttributeError, TypeError) as exc:
+                # the internal API moved: plan() compiles lazily instead (a compile error
+                # raises anything else and fails this stage)
                 info = {"how": f"lazy in plan() (prebuild unavailable: {type(exc).__name__}: "
                                f"{exc})"}
             rec["result"] = {**info, "seconds_compile": time.perf_counter() - t0}
@@ -1133,6 +1147,12 @@ def main(argv=None) -> dict:
         with report.stage("timing") as rec:
             rec["result"] = {"skipped": "needs CUDA"}
     elif args.timing_batches:
+        raised = [st["stage"] for st in report.data["stages"]
+                  if st["stage"].startswith("correctness") and "error" in st]
+        if usable is not None and attention == "flashinfer" and raised:
+            print(f"  timing without FlashInfer: {raised} raised", flush=True)
+            cfg["timing_without_flashinfer"] = f"FlashInfer raised in {raised}"
+            usable = None
         for B in args.timing_batches:
             holder = {}
             with report.stage(f"timing B={B}",
