@@ -115,15 +115,18 @@ calls the wrapped allocator directly issues one collective per device step it ru
 followers must call :meth:`follow` once for each.
 
 Costs (per step): replicated: one device digest (one read of every table, plus a write of
-an int64 scratch of the largest table) and the host digests (O(rows + handles + pages +
-held pages) numpy and BLAKE2b; measured below); broadcast: two async H2D copies and the
-ledger packing on the planner (the O(rows) digests every step, the full ones on digest
-steps) and one broadcast of ``(n_desc + n_header_rows) * 64`` bytes, plus the device
-digest. A follower's check adds one read of ``req_to_token`` at each page's first
-position, ``full_to_swa`` and the free rings, and O(rows x pages) numpy.
-``check_every=0`` turns digests off (``check()`` then compares the current state only).
-Construction synchronises (it captures graphs and runs an initial check, inside
-``sync_allowed``).
+an int64 scratch of the largest table) and the host digests (one multiply-add per entry of
+the per-row, per-handle and per-page arrays and per held page); broadcast: two async H2D
+copies and the ledger packing on the planner (the O(rows) digests every step, the full
+ones on digest steps) and one broadcast of ``(n_desc + n_header_rows) * 64`` bytes, plus
+the device digest. A follower's check adds one read of ``req_to_token`` at each page's
+first position, ``full_to_swa`` and the free rings, and O(rows x pages) numpy. Measured on
+a 2-core CPU host (256 requests holding 10,034 pages of 16,384 FULL + 17,000 SWA, 64
+handles, page size 16): full host digests 0.17 ms, the O(rows) ones 0.04 ms, a header of
+282 rows packed in 0.20 ms, a follower's rebuild and digest 2.6 ms per check.
+``check_every=0`` turns digests off (``check()`` then compares the current state only; a
+follower's :meth:`sync_ledger` then verifies the O(rows) parts only). Construction
+synchronises (it captures graphs and runs an initial check, inside ``sync_allowed``).
 
 **How the layer stacks.** The wrapper builds its rank's allocator itself, with an
 executor of its own (:class:`ReplicaExecutor`): replicated mode wraps the eager or graph
@@ -134,8 +137,13 @@ before anything changes. Nothing is patched into an allocator after it was built
 operations are :class:`graphalloc.replica_ops.ReplicaOps`.
 
 Limits: the broadcast is eager (not captured): the planner's H2D copies would otherwise
-become copy nodes. Attention page tables (:mod:`graphalloc.page_tables`) are planned from
-the host ledger: on a follower only right after a :meth:`sync_ledger`.
+become copy nodes. An engine that replays its own graph of ``alloc.launch(i)`` (``plan``,
+replay, ``mark_submitted``) bypasses the executor, so the layer sees none of those steps
+(no broadcast, no digest): use ``step()`` / ``run()``. The prefix cache's own ``evict()``
+and ``drop_all()`` run a number of steps only the planner knows: replicated mode only (in
+broadcast mode the cache evicts inside each step that needs pages). Attention page tables
+(:mod:`graphalloc.page_tables`) are planned from the host ledger: on a follower only right
+after a :meth:`sync_ledger`.
 """
 
 from __future__ import annotations

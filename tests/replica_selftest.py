@@ -592,6 +592,7 @@ def run_scenario(sc: Scenario, rank: int, device: torch.device, backend: str,
                 named = target if target != rep.src or rep.world_size > 2 else skewed_rank
                 out["expected"] = {"step": rep.n_steps + 1, "rank": named,
                                    "fields": sorted(fields)}
+                out["installs_before_check"] = rep.n_ledger_installs
                 if rep.rank == target:
                     _perturb(sc.perturb, rep)
                 rep.step()  # one more step: its digest row holds the perturbed state
