@@ -152,7 +152,7 @@ def check_blocks(alloc, mgr, req):
 
 
 def schedule_loop(mgr, reqs, *, budget, max_seqs, k=0, rng=None, max_iters=600, every=7,
-                  cache_prompts=False):
+                  cache_prompts=False, vary_k=False):
     """vLLM's schedule() / update_from_output() over ``reqs``; returns counters."""
     alloc = mgr.alloc
     cache = mgr.enable_caching
@@ -171,6 +171,8 @@ def schedule_loop(mgr, reqs, *, budget, max_seqs, k=0, rng=None, max_iters=600, 
         log["iters"] += 1
         before, cache_before = alloc.steps_run, mgr.cache_steps
         scheduled, tokens_left, preempted = {}, budget, []
+        k_full = k
+        k = int(rng.integers(0, k_full + 1)) if vary_k else k_full  # lookahead this step
         i = 0
         while i < len(running) and tokens_left > 0:
             req = running[i]
@@ -194,7 +196,7 @@ def schedule_loop(mgr, reqs, *, budget, max_seqs, k=0, rng=None, max_iters=600, 
                     break
             if blocks is None:
                 break
-            scheduled[req.request_id] = (req, req.num_computed_tokens, n)
+            scheduled[req.request_id] = (req, req.num_computed_tokens, n, k)
             tokens_left -= n
             i += 1
         while not preempted and waiting and tokens_left > 0 and len(running) < max_seqs:
@@ -216,22 +218,23 @@ def schedule_loop(mgr, reqs, *, budget, max_seqs, k=0, rng=None, max_iters=600, 
             req.num_computed_tokens = n_hit
             log["hit_tokens"] += n_hit
             log["resumed_hits"] += bool(n_hit and req.num_output_tokens)
-            scheduled[req.request_id] = (req, n_hit, n)
+            scheduled[req.request_id] = (req, n_hit, n, k)
             tokens_left -= n
+        work = 1 if mgr.pending else 0  # nothing recorded (every target covered): no step
         mgr.run_step()
-        assert alloc.steps_run - before == 1 + mgr.cache_steps - cache_before  # ONE step
-        assert mgr.steps_last_run == 1
+        assert alloc.steps_run - before == work + mgr.cache_steps - cache_before  # ONE step
+        assert mgr.steps_last_run == work
         # the forward ran: the KV of every scheduled position; update_from_output
-        for req, start, n in scheduled.values():
+        for req, start, n, k_req in scheduled.values():
             kv.write(mgr, req, start, n)
             was_decoding = req.num_computed_tokens >= req.num_prompt_tokens
             req.num_computed_tokens += n
             assert req.num_computed_tokens <= mgr.num_allocated_tokens(req.request_id)
-            if was_decoding and k:  # verify k drafts: accept some, take the rest back
-                accepted = int(rng.integers(0, k + 1))
-                req.num_computed_tokens -= k - accepted
+            if was_decoding and k_req:  # verify k drafts: accept some, take the rest back
+                accepted = int(rng.integers(0, k_req + 1))
+                req.num_computed_tokens -= k_req - accepted
                 req.num_output_tokens += accepted + 1
-                log["rejected"] += k - accepted
+                log["rejected"] += k_req - accepted
             elif req.num_computed_tokens >= req.num_tokens:
                 req.num_output_tokens += 1
                 if cache_prompts and start < req.num_prompt_tokens:  # the prompt completed
@@ -247,8 +250,9 @@ def schedule_loop(mgr, reqs, *, budget, max_seqs, k=0, rng=None, max_iters=600, 
             running.remove(req)
             log["finished"] += 1
         # frees are recorded for the next step (a new cache entry is a step of its own)
-        assert alloc.steps_run - before == 1 + mgr.cache_steps - cache_before
+        assert alloc.steps_run - before == work + mgr.cache_steps - cache_before
         check_conserved(alloc)
+        k = k_full
     return log
 
 
@@ -267,6 +271,85 @@ def test_schedule_loop_one_step_per_iteration(ps, k):
     check_conserved(alloc)
     assert alloc.n_free("full") == alloc.config.num_full_pages
     assert alloc.n_free("swa") == alloc.config.num_swa_pages
+
+
+@pytest.mark.parametrize("ps,cache", [(4, False), (1, True), (4, True)])
+def test_a_lookahead_that_shrinks_gives_pages_back(ps, cache):
+    """Speculative decoding with a lookahead drawn per step (0..4): when a request's target
+    falls a whole page below what it holds, the pages past it are given back in the step
+    (trim); every request still reads its own KV, one step per schedule()."""
+    rng = np.random.default_rng(ps)
+    alloc, mgr = make(ps=ps, k=4, full=800 // ps, swa=480 // ps, cache=cache)
+    reqs = [Request(f"req-{i}", int(rng.integers(3, 70)), int(rng.integers(5, 40)))
+            for i in range(12)]
+    trims, run = [], mgr.pending.run
+
+    def counting_run():  # how many trims each step carried
+        trims.append(len(mgr.pending.trims))
+        return run()
+
+    mgr.pending.run = counting_run
+    log = schedule_loop(mgr, reqs, budget=32, max_seqs=6, k=4, rng=rng, vary_k=True)
+    assert log["finished"] == len(reqs) and log["rejected"] > 0
+    assert sum(trims) > 5  # lookaheads shrank a page or more, many times
+    mgr.run_step()
+    check_conserved(alloc)
+    if cache:
+        alloc.prefix_cache.drop_all()
+    assert alloc.n_free("full") == alloc.config.num_full_pages
+
+
+def test_trim_gives_back_whole_pages_past_the_target_and_keeps_the_rest():
+    ps, k = 4, 6
+    alloc, mgr = make(ps=ps, k=k, window=65)
+    mgr.allocate_slots("r", 8, num_lookahead_tokens=k)  # 14 positions: 4 blocks
+    mgr.run_step()
+    row = mgr.row_of("r")
+    slots = alloc.req_to_token[row, :14].clone()
+    free0 = alloc.n_free("full")
+    # computed 8, one token, no lookahead: 9 needed; blocks [3, 4) are wholly past it
+    b = mgr.allocate_slots("r", 1, num_computed_tokens=8)
+    assert b.num_blocks == 0 and mgr.num_allocated_tokens("r") == 9
+    assert mgr.get_num_free_blocks() == min(alloc.n_free("full"), alloc.n_free("swa")) + 1
+    mgr.run_step()
+    assert alloc.seq_len(row) == 9 and alloc.n_free("full") == free0 + 1
+    assert torch.equal(alloc.req_to_token[row, :9], slots[:9])  # the partial block stays
+    # the next tokens continue the partial block, then take a fresh one
+    mgr.allocate_slots("r", 4, num_computed_tokens=9)
+    mgr.run_step()
+    assert torch.equal(alloc.req_to_token[row, :12], slots[:12])
+    check_conserved(alloc)
+
+
+def test_no_trim_below_the_window_of_a_moved_frontier():
+    """A trim to below frontier + window is refused by the allocator: the facade keeps the
+    slots instead (the request holds more than it needs, nothing fails)."""
+    ps, w = 4, 8
+    alloc, mgr = make(ps=ps, k=8, window=w + 1)
+    mgr.allocate_slots("r", 24)
+    mgr.run_step()
+    mgr.allocate_slots("r", 1, num_lookahead_tokens=8, num_computed_tokens=24)  # 33 slots
+    mgr.run_step()
+    row = mgr.row_of("r")
+    f = alloc.frontier(row)
+    assert f == 16
+    # computed 25 (one accepted), target 26 < f + W = 24? no: 26 >= 24, trimmed
+    mgr.allocate_slots("r", 1, num_computed_tokens=25)
+    mgr.run_step()
+    assert alloc.seq_len(row) == 26
+    check_conserved(alloc)
+    alloc2, mgr2 = make(ps=ps, k=8, window=w + 1)
+    mgr2.allocate_slots("r", 20)
+    mgr2.run_step()
+    mgr2.allocate_slots("r", 1, num_lookahead_tokens=8, num_computed_tokens=20)  # 29 slots
+    mgr2.run_step()
+    row2 = mgr2.row_of("r")
+    assert alloc2.frontier(row2) == 12
+    # the engine lowers computed to 12 (all but a few rejected): target 13 < 12 + 8
+    mgr2.allocate_slots("r", 1, num_computed_tokens=12)
+    mgr2.run_step()
+    assert alloc2.seq_len(row2) == 29 and alloc2.frontier(row2) == 12  # kept, no trim
+    check_conserved(alloc2)
 
 
 def test_pressure_preempts_and_stops_admission():

@@ -16,7 +16,7 @@ handle starts at the handle's whole pages and allocates none for them). So, per 
 
     free after the step = n_free(pool) + freed(pool) - needed   (+ reclaimable(pool))
 
-``freed`` is what the recorded releases and frontier moves return. Without sharing
+``freed`` is what the recorded releases, trims and frontier moves return. Without sharing
 (``max_handles == 0``) it is O(1) arithmetic: a request at length L and frontier f
 returns ``ceil(L / ps)`` FULL and ``ceil(L / ps) - f / ps`` SWA pages, an advance to g
 ``(g - f) / ps`` SWA pages. With handles, pages may be shared and the count is
@@ -28,8 +28,9 @@ eviction itself inside the step when an allocation needs it.
 
 Only the frozen shape of the *frees* (``max_release_rows``, ``max_step_pages``)
 is not predicted here (the cache's eviction inside the step included): a step refused
-for it (:class:`BatchTooLargeError`, nothing changed) is rerun as the frees through
-``alloc.free_group()`` (which splits them into as many steps as the shape needs), the
+for it (:class:`BatchTooLargeError`, nothing changed) is rerun as the trims (one step),
+the frees through ``alloc.free_group()`` (which splits them into as many steps as the
+shape needs), the
 cache eviction the allocations need (``PrefixCache.evict``, split the same way), and
 then the rest: more than one step that iteration, reported in the step count. Ring mode
 is refused: its admit pops ring pages and the per-call accounting above does not cover
@@ -86,6 +87,7 @@ class IterationStep:
         self.shared = alloc.ledger.n_handles > 0  # pages may be shared: count by references
         self.releases: dict[int, tuple[int, int]] = {}  # row -> (FULL, SWA) pages it holds
         self.advances: dict[int, tuple[int, int]] = {}  # row -> (new frontier, SWA pages)
+        self.trims: dict[int, int] = {}  # row -> new length (pages wholly past it given back)
         self.extends: dict[int, tuple[int, int]] = {}  # key -> (tokens, pages per pool)
         self.admits: dict[int, tuple[int | None, int]] = {}  # key < 0 -> (handle, prefix)
         self.admitted: dict[int, int] = {}  # after run(): key -> the row it got
@@ -96,7 +98,8 @@ class IterationStep:
 
     # ---- queries ---------------------------------------------------------------------
     def __bool__(self) -> bool:
-        return bool(self.releases or self.advances or self.extends or self.admits)
+        return bool(self.releases or self.advances or self.trims or self.extends
+                    or self.admits)
 
     def free_pages(self, pool: str, *, with_cache: bool = False) -> int:
         """Pages of ``pool`` free once the recorded step has run (``with_cache``: plus
@@ -121,7 +124,7 @@ class IterationStep:
     def length(self, key: int) -> int:
         """The request's length once the recorded step has run."""
         rec = self.extends.get(key)
-        base = self.admits[key][1] if key < 0 else self.alloc.seq_len(key)
+        base = self.admits[key][1] if key < 0 else self.trims.get(key, self.alloc.seq_len(key))
         return base + (rec[0] if rec else 0)
 
     def frontier(self, key: int) -> int:
@@ -157,15 +160,17 @@ class IterationStep:
                  None if cache is None else cache.version)
         if self._counted is not None and self._counted[0] == state:
             return self._counted[1:]
+        cut = self._trimmed_pages()
         if not self.shared:
-            freed = (sum(v[0] for v in self.releases.values()),
+            freed = (sum(v[0] for v in self.releases.values()) + cut[0],
                      sum(v[1] for v in self.releases.values())
-                     + sum(v[1] for v in self.advances.values()))
+                     + sum(v[1] for v in self.advances.values()) + cut[1])
             reclaim = (0, 0)
         else:
             rel = list(self.releases)
             adv = (list(self.advances), [v[0] for v in self.advances.values()])
             freed = self.alloc.pages_released(rel, advance=adv)
+            freed = (freed[0] + cut[0], freed[1] + cut[1])
             reclaim = (0, 0)
             if cache is not None:
                 busy = {h for h, _ in self.admits.values() if h is not None}
@@ -175,6 +180,22 @@ class IterationStep:
                     reclaim = (both[0] - freed[0], both[1] - freed[1])
         self._counted = (state, freed, reclaim)
         return freed, reclaim
+
+    def _trimmed_pages(self) -> tuple[int, int]:
+        """(FULL, SWA) pages the recorded trims give back: the rows' pages wholly past
+        their new lengths that nobody else references (a request's own tail)."""
+        if not self.trims:
+            return 0, 0
+        ps, refs, full, swa = self.ps, self.alloc.ledger.refs, 0, 0
+        for row, new_len in self.trims.items():
+            lo, hi = _ceil_div(new_len, ps), _ceil_div(self.alloc.seq_len(row), ps)
+            if refs is None or not self.shared:
+                full, swa = full + hi - lo, swa + hi - lo
+                continue
+            pages = refs.page_of[row, lo:hi].astype(np.int64)
+            full += int(np.count_nonzero(refs.full_ref[pages] == 1))
+            swa += int(np.count_nonzero(refs.swa_ref[refs.swa_of[pages]] == 1))
+        return full, swa
 
     # ---- recording ---------------------------------------------------------------------
     def release(self, key: int) -> None:
@@ -188,7 +209,7 @@ class IterationStep:
         self.releases[key] = self.held_pages(key)
         self._version += 1
 
-    def reserve(self, items) -> list[int] | None:
+    def reserve(self, items, *, trim: bool = False) -> list[int] | None:
         """Record a batch, whole or not at all.
 
         ``items``: ``(key or None, target_len, new_frontier or None)`` per request, keys
@@ -196,7 +217,10 @@ class IterationStep:
         None, handle, prefix_len)`` admits it on ``prefix_len`` tokens (whole pages) of
         prefix handle ``handle`` (shared, not allocated). The request grows to
         ``target_len`` (never shrinks) and its frontier moves to ``new_frontier``
-        (forward, page-aligned; existing rows only). Returns the keys (negative for new
+        (forward, page-aligned; existing rows only). With ``trim``, a live request holding
+        a whole page or more past ``target_len`` gives those pages back in the step
+        (``it.trim``; not when its frontier has moved and ``target_len`` is below it plus
+        the window, which a trim refuses). Returns the keys (negative for new
         requests), or ``None`` when a pool (counting what the prefix cache could give
         back, when there is one) or the request rows are short, with nothing changed. A
         batch over the frozen allocation shape raises :class:`BatchTooLargeError`, a bad
@@ -222,8 +246,9 @@ class IterationStep:
                     f"max_tokens_per_alloc_row is {cfg.max_tokens_per_alloc_row}: schedule "
                     "smaller chunks, or size the allocator with AllocatorConfig.for_engine")
         saved = (dict(self.releases), dict(self.advances), dict(self.extends),
-                 dict(self.admits), self.needed, self.n_tokens, self.n_rows, self._next_key)
-        keys = [self._record(*item) for item in items]
+                 dict(self.admits), dict(self.trims), self.needed, self.n_tokens, self.n_rows,
+                 self._next_key)
+        keys = [self._record(*item, trim) for item in items]
         self._version += 1
         short = None
         for have, cap, name in ((self.n_rows, cfg.max_alloc_rows, "max_alloc_rows"),
@@ -238,14 +263,14 @@ class IterationStep:
             short = False
         if short is None:
             return keys
-        (self.releases, self.advances, self.extends, self.admits, self.needed,
+        (self.releases, self.advances, self.extends, self.admits, self.trims, self.needed,
          self.n_tokens, self.n_rows, self._next_key) = saved
         self._version += 1
         if short is False:
             return None
         raise short
 
-    def _record(self, key, target, new_front, handle, prefix) -> int:
+    def _record(self, key, target, new_front, handle, prefix, trim=False) -> int:
         if key is None:
             key, self._next_key = self._next_key, self._next_key - 1
             self.admits[key] = (handle, prefix if handle is not None else 0)
@@ -254,6 +279,12 @@ class IterationStep:
             old = self.alloc.frontier(key)
             self.advances[key] = (int(new_front), (int(new_front) - old) // self.ps)
         length = self.admits[key][1] if key < 0 else self.alloc.seq_len(key)
+        self.trims.pop(key, None)
+        ps, window = self.ps, self.alloc.config.sliding_window
+        if trim and key >= 0 and _ceil_div(int(target), ps) < _ceil_div(length, ps) and (
+                self.alloc.frontier(key) == 0 or target >= self.alloc.frontier(key) + window):
+            self.trims[key] = int(target)
+            length = int(target)
         n, pages = self.extends.pop(key, (0, 0))
         self.needed -= pages
         self.n_tokens -= n
@@ -273,6 +304,7 @@ class IterationStep:
         self.n_tokens -= n
         self.n_rows -= n > 0
         self.advances.pop(key, None)
+        self.trims.pop(key, None)
         if key < 0 and self.admits[key][0] is not None:
             self.n_rows -= 1
 
@@ -290,13 +322,16 @@ class IterationStep:
         before = alloc.steps_run
         release = list(self.releases)
         advance = (list(self.advances), [v[0] for v in self.advances.values()])
+        trims = (list(self.trims), list(self.trims.values()))
         try:
-            result, admitted = self._one_step(release, advance)
+            result, admitted = self._one_step(release, advance, trims)
         except BatchTooLargeError:
             short = [-self.free_pages(pool) for pool in ("full", "swa")]  # after the frees
             evict = self.cache is not None and max(short) > 0
-            if not (release or advance[0] or evict):
+            if not (release or advance[0] or trims[0] or evict):
                 raise
+            if trims[0]:  # a step of its own (a trim is not a free_group() free)
+                alloc.trim(*trims)
             if release or advance[0]:
                 with alloc.free_group():  # splits the frees into as many steps as they need
                     if release:
@@ -305,21 +340,24 @@ class IterationStep:
                         alloc.advance_frontier(*advance)
             if evict:  # the cache's drops in steps of their own (split like any free)
                 self.cache.evict(max(short[0], 0), max(short[1], 0))
-            result, admitted = self._one_step([], ([], [])) if (
+            result, admitted = self._one_step([], ([], []), ([], [])) if (
                 self.admits or self.extends) else (None, {})
         self.admitted = admitted
         self.releases.clear()
         self.advances.clear()
+        self.trims.clear()
         self.extends.clear()
         self.admits.clear()
         self.needed = self.n_tokens = self.n_rows = 0
         self._version += 1
         return result, alloc.steps_run - before
 
-    def _one_step(self, release, advance):
+    def _one_step(self, release, advance, trims):
         with self.alloc.scheduler_step() as it:
             if release:
                 it.release(release)
+            if trims[0]:
+                it.trim(*trims)
             if advance[0]:
                 it.advance(*advance)
             admitted = {}

@@ -23,10 +23,14 @@ Request ids are any hashable (dict keys, so ids equal under ``==`` -- ``1``, ``1
 Lookahead (speculative tokens): a call makes the request's allocation cover
 ``min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, max_model_len)``
 positions and only allocates what is missing. Slots of rejected speculative tokens
-stay with the request (allocation never shrinks) and are reused by its next tokens.
-vLLM's scheduler lowers ``request.num_computed_tokens`` by the rejected tokens: pass
-it as ``num_computed_tokens=`` (without it the facade assumes every scheduled token
-was computed).
+stay with the request and are reused by its next tokens. vLLM's scheduler lowers
+``request.num_computed_tokens`` by the rejected tokens: pass it as
+``num_computed_tokens=`` (without it the facade assumes every scheduled token was
+computed). When the new target is a whole page or more below what the request holds
+(fewer lookahead tokens, a smaller chunk, rejected tokens), the pages wholly past the
+target are given back in the step (the allocator's ``trim``: the request is cut to the
+target, a partial page stays); a trim the frontier forbids (below ``frontier +
+sliding_window``) is skipped and the slots stay.
 
 Block ids: graphalloc's page ids live in device tables (its public host queries give
 counts and positions, not ids), so :meth:`GraphallocKVCacheManager.get_block_ids`
@@ -266,7 +270,8 @@ class GraphallocKVCacheManager:
                 raise PositionError(f"request {request_id!r}: a new request with a cache hit "
                                     f"has no computed tokens of its own, got {computed}")
             computed = n_hit
-        length = n_hit if row is None else self.pending.length(row) - self._recorded(row)
+        length = (n_hit if row is None else self.alloc.seq_len(row) if row >= 0
+                  else self.pending.admits[row][1])  # before this iteration's records
         if computed > length:
             raise PositionError(f"request {request_id!r}: {computed} computed tokens but "
                                 f"{length} allocated; computed tokens must have slots")
@@ -280,7 +285,7 @@ class GraphallocKVCacheManager:
                                                                 n_hit)
         else:
             item = (row, target, floor if row >= 0 else None)
-        keys = self.pending.reserve([item])
+        keys = self.pending.reserve([item], trim=True)
         if keys is None:
             return None
         self._rows[request_id] = keys[0]
@@ -441,11 +446,6 @@ class GraphallocKVCacheManager:
             raise PendingStepError(f"request {request_id!r} is admitted by the next step; "
                                    "call run_step() first")
         return row
-
-    def _recorded(self, key: int) -> int:
-        """Tokens recorded for ``key`` in this iteration (a second call replaces them)."""
-        rec = self.pending.extends.get(key)
-        return rec[0] if rec else 0
 
     def _take_hit(self, request_id, row, n_hit: int, blocks) -> int | None:
         """The cache handle of a hit passed to ``allocate_slots`` (``None``: no hit)."""
