@@ -383,23 +383,60 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
 
     def run(self, planned: PlannedStep) -> AllocResult | None:
         """Device half of :meth:`step`: launch (or replay) the planned step. Never
-        synchronises; returns before the device has finished."""
+        synchronises; returns before the device has finished. Host cost: the executor's
+        launch (one graph replay) and one event record."""
         self._check_planned(planned, "run")
         self.executor.execute(planned)
-        self.mark_submitted(planned)
+        # mark_submitted(planned), without checking the same step a second time
+        self.ring.submitted(planned.buffer_index)
+        planned.submitted = True
+        self._pending = None
+        self.steps_run += 1
         return planned.result
 
-    def launch(self, buffer_index: int, fusable: bool = False) -> None:
+    def launch(self, buffer_index: int, fusable: bool = False, n_rows=None) -> None:
         """Enqueue the step kernels reading descriptor buffer ``buffer_index``.
 
         Capture-safe: call it inside an engine's own graph capture, one captured graph per
         descriptor buffer (``len(alloc.ring)`` of them). Outside a capture it launches the
         pending planned step only (``buffer_index`` must be its buffer). ``fusable=True``
         (only for steps whose ``PlannedStep.fusable`` is set) makes it one fused launch when
-        the allocator was built with ``fused_step=True``; see ``StepKernels``."""
+        the allocator was built with ``fused_step=True``; see ``StepKernels``.
+
+        ``n_rows``: the rows launched, ``(n_release_rows, n_alloc_rows)`` or a
+        :class:`~graphalloc.buckets.StepGrid` (with programs per row); None launches every
+        row inside a capture and exactly the pending step's rows outside one. Rows past a
+        step's are padding, so a launch of R release and A allocation rows leaves the same
+        state as the full grid for any step with ``p.fits_rows(R, A)``, for programs in
+        proportion to R + A: an engine that captures one graph per batch size captures
+        ``launch(i, n_rows=(R, A))`` sized to it and replays it only for steps that fit
+        (``alloc.kernels.grids.bucket(...)`` gives the allocator's own buckets). Outside a
+        capture a step that does not fit is refused (``BatchTooLargeError``)."""
+        from .buckets import StepGrid
+
         index = as_index(buffer_index, "buffer_index", len(self.ring))
         if not isinstance(fusable, bool):
             raise ContractError(f"fusable must be a bool, got {fusable!r}")
+        grid = None
+        if n_rows is not None:
+            cfg = self.config
+            if isinstance(n_rows, StepGrid):
+                grid = n_rows
+            elif isinstance(n_rows, (tuple, list)) and len(n_rows) == 2:
+                grid = StepGrid(n_rows[0], 1, n_rows[1], 1)
+            else:
+                raise ContractError(f"n_rows takes (n_release_rows, n_alloc_rows) or a "
+                                    f"StepGrid, got {n_rows!r}")
+            for value, top in zip(grid, (cfg.max_release_rows, None, cfg.max_alloc_rows, None),
+                                  strict=True):
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or (
+                        value < (0 if top is not None else 1)) or (
+                        top is not None and value > top):
+                    raise ContractError(
+                        f"launch(n_rows={n_rows!r}): row counts must be ints in [0, "
+                        f"max_release_rows={cfg.max_release_rows}] and [0, max_alloc_rows="
+                        f"{cfg.max_alloc_rows}], chunks ints >= 1")
+            grid = StepGrid(*(int(v) for v in grid))
         capturing = self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if not capturing:
             pending = self._pending
@@ -411,7 +448,19 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
             if fusable and not pending.fusable:
                 raise ContractError("launch(fusable=True) for a step the planner did not mark "
                                     "fusable: its pops may read this step's pushes")
-        self.kernels(self.ring.release_rows(index), self.ring.alloc_rows(index), fusable=fusable)
+            if grid is None:
+                grid = self.kernels.grids.exact(pending.n_release_rows, pending.n_alloc_rows,
+                                                pending.n_tokens)
+            elif not pending.fits_rows(grid.n_release_rows, grid.n_alloc_rows):
+                raise BatchTooLargeError(
+                    f"launch(n_rows={n_rows!r}): the pending step has {pending.n_release_rows} "
+                    f"release and {pending.n_alloc_rows} allocation rows; launch at least "
+                    "that many (the step's PlannedStep.fits_rows tells which captured launch "
+                    "fits)")
+            if grid.n_programs == 0:
+                return  # a step with no rows: nothing to run
+        self.kernels(self.ring.release_rows(index), self.ring.alloc_rows(index), fusable=fusable,
+                     grid=grid)
 
     def mark_submitted(self, planned: PlannedStep) -> None:
         """Tell the allocator the planned step was enqueued (engines that replay their own

@@ -38,10 +38,11 @@ nodes only: no memcpy, memset or host nodes).
 from __future__ import annotations
 
 import collections
+import types
 
 import torch
 
-from .buckets import GridPolicy, StepGrid
+from .buckets import LONG_EXTRA_TOKENS, GridPolicy, StepGrid
 from .errors import ConfigError
 from .executor import Executor, launch_exact, warm_up
 from .sync_points import sync_allowed
@@ -125,8 +126,10 @@ class StepGraph(Executor):
         self.policy: GridPolicy | None = None
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.fused_graphs: list[torch.cuda.CUDAGraph] = []
-        # [buffer][fused] -> {StepGrid: bound replay}; empty on a CPU device.
-        self._replay_of: list[tuple[dict, dict]] = []
+        # The hot path's lookup (see _index); None on a CPU device.
+        self._table: list | None = None
+        self._release_slot: list[int] = []
+        self._alloc_slot: list[int] = []
         self._all: list[torch.cuda.CUDAGraph] = []  # every captured graph (kept alive)
         self._choose = None
         self._fused = False
@@ -156,6 +159,7 @@ class StepGraph(Executor):
         full = self.policy.full()
         warm_up(alloc, self.warmup)
         pool = None
+        replays: list[tuple[dict, dict]] = []
         with sync_allowed():
             for i in range(len(ring)):
                 rel, al = ring.release_rows(i), ring.alloc_rows(i)
@@ -168,13 +172,44 @@ class StepGraph(Executor):
                             pool=pool, keep_graph=grid == full)
                         pool = graph.pool() if pool is None else pool
                         self._all.append(graph)
-                        forms[fused][grid] = graph.replay
+                        forms[fused][grid] = _bare_replay(graph)
                         if grid == full:
                             (self.fused_graphs if fused else self.graphs).append(graph)
-                if not self._fused:
-                    forms = (forms[0], forms[0])
-                self._replay_of.append(forms)
+                replays.append(forms if self._fused else (forms[0], forms[0]))
             torch.cuda.synchronize()  # sync ok: one-time construction
+        self._index(replays)
+
+    def _index(self, replays: list[tuple[dict, dict]]) -> None:
+        """Build the hot path's lookup from ``replays[buffer][fused]`` = ``{StepGrid:
+        replay}``: ``_table[buffer][fused][release slot][alloc slot][long]`` (slots: the
+        bucket's index in each ladder, from ``_release_slot[n]`` / ``_alloc_slot[n]``), so
+        a step costs list indexing, not a StepGrid; None where a step has no rows."""
+        pol = self.policy
+        if not self.buckets:  # one slot per table: the full grid, whatever the step
+            full = pol.full()
+            self._release_slot = [0] * (pol.max_release_rows + 1)
+            self._alloc_slot = [0] * (pol.max_alloc_rows + 1)
+            self._table = [[[[[f[full]] * 2]] for f in forms] for forms in replays]
+            return
+        rel_sizes, al_sizes = pol.release_sizes, pol.alloc_sizes
+        self._release_slot = [rel_sizes.index(pol.bucket(n, 0).n_release_rows)
+                              for n in range(pol.max_release_rows + 1)]
+        self._alloc_slot = [al_sizes.index(pol.bucket(0, n).n_alloc_rows)
+                            for n in range(pol.max_alloc_rows + 1)]
+
+        def entry(found: dict, n_rel: int, n_al: int, long: bool):
+            if not (n_rel or n_al):
+                return None
+            chunks = pol.long_chunks(n_al) if long else 1
+            return found[StepGrid(n_rel, 1, n_al, chunks)]
+        self._table = [[[[[entry(f, r, a, long) for long in (False, True)] for a in al_sizes]
+                         for r in rel_sizes] for f in forms] for forms in replays]
+
+    def _lookup(self, buffer_index: int, fused: bool, n_release_rows: int, n_alloc_rows: int,
+                n_tokens: int):
+        """The replay for a step of these counts (None: the step has no rows)."""
+        return self._table[buffer_index][fused][self._release_slot[n_release_rows]][
+            self._alloc_slot[n_alloc_rows]][n_tokens >= n_alloc_rows + LONG_EXTRA_TOKENS]
 
     def grid_for(self, planned) -> StepGrid:
         """The grid a replay of ``planned`` launches (its bucket; the full grid with
@@ -183,16 +218,17 @@ class StepGraph(Executor):
 
     def execute(self, planned) -> None:
         fused = planned.fusable and self._fused
-        if not self._replay_of:  # a CPU device: eager, over exactly the step's rows
+        if self._table is None:  # a CPU device: eager, over exactly the step's rows
             self.count(launch_exact(self._alloc(), planned))
             return
-        grid = self._choose(planned.n_release_rows, planned.n_alloc_rows, planned.n_tokens)
-        if grid.n_release_rows or grid.n_alloc_rows:
-            self._replay_of[planned.buffer_index][fused][grid]()
+        replay = self._lookup(planned.buffer_index, fused, planned.n_release_rows,
+                              planned.n_alloc_rows, planned.n_tokens)
+        if replay is None:
+            self.empty_steps += 1
+        else:
+            replay()
             self.replays += 1
             self.fused_replays += fused
-        else:
-            self.empty_steps += 1
         if fused:
             self.n_fused += 1
         else:
@@ -205,6 +241,17 @@ class StepGraph(Executor):
         if not graphs:
             return {}
         return describe_graph(graphs[0])
+
+
+def _bare_replay(graph: torch.cuda.CUDAGraph):
+    """``graph.replay`` without the Python wrapper's frame (it only checks an input-liveness
+    tracker, which capture_graph never enables): the C++ replay bound to the graph."""
+    base = getattr(torch._C, "_CUDAGraph", None)
+    replay = getattr(base, "replay", None)
+    if replay is not None and isinstance(graph, base) and getattr(graph, "_tracker",
+                                                                   None) is None:
+        return types.MethodType(replay, graph)
+    return graph.replay
 
 
 def _cudart():

@@ -360,6 +360,28 @@ def test_stepgraph_picks_the_bucket_of_each_step():
     full.run(p)
 
 
+@pytest.mark.parametrize("buckets", [True, False])
+def test_stepgraph_lookup_table_replays_the_policy_bucket(buckets):
+    """The replay StepGraph's hot path finds by list indexing is the graph captured for
+    GridPolicy.bucket of the step (None for a step with no rows), for every row count and
+    both forms; with buckets=False always the full grid."""
+    cfg = small_config("torch", max_release_rows=37, max_alloc_rows=10)
+    sg = ga.HybridAllocator(cfg, executor=ga.StepGraph(buckets=buckets)).executor
+    pol = sg.policy
+    shapes = pol.shapes() if buckets else [pol.full()]
+    sg._index([({g: ("two", b, g) for g in shapes}, {g: ("fused", b, g) for g in shapes})
+               for b in range(2)])
+    for n_rel in range(38):
+        for n_al in range(11):
+            for n_tokens in (n_al, n_al + LONG_EXTRA_TOKENS):
+                want = pol.bucket(n_rel, n_al, n_tokens) if buckets else pol.full()
+                for b in range(2):
+                    for fused, form in ((False, "two"), (True, "fused")):
+                        got = sg._lookup(b, fused, n_rel, n_al, n_tokens)
+                        assert got == (None if want.n_programs == 0 else (form, b, want)), (
+                            n_rel, n_al, n_tokens, got, want)
+
+
 # ---- 4. engines' own graphs: launch(n_rows=) -------------------------------------------------
 _LAUNCH_TAKES_N_ROWS = "n_rows" in inspect.signature(ga.HybridAllocator.launch).parameters
 
