@@ -11,9 +11,10 @@ prefill chunk) at B = 1, 16, 64, 256, 1024 running requests x page size 16, 64 x
 window 128, 4096 x eviction interval 1, 128, replayed by four implementations that make
 the same decisions:
 
-    graphalloc          one HybridAllocator(executor="graph"): per iteration admit() for
-                        new requests (host only) and ONE plan(release=, evict=, decode=,
-                        extend=) + run() -- one CUDA-graph replay (sched_graphalloc.py)
+    graphalloc          one HybridAllocator with graphalloc's StepGraph executor: per
+                        iteration ONE alloc.scheduler_step() block (releases, evictions,
+                        admits, prefill chunks, decodes) -- one plan, one CUDA-graph replay
+                        (sched_graphalloc.py)
     graphalloc_tables   the same plus the step batch's attention block tables (FULL + SWA,
                         graphalloc.page_tables), captured into the same graph: one replay
     sglang              SGLang-style eager calls (sched_baselines.SGLangStyle)
@@ -56,6 +57,7 @@ Writes ``bench_scheduler.json`` (rewritten after every configuration), ``bench_s
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import math
 import os
@@ -304,29 +306,27 @@ class Context:
         self.is_cuda = device.type == "cuda"
 
 
-def build_drivers(ctx, trace, cfg, impls) -> dict:
+def build_driver(ctx, name: str, trace, cfg):
     spec = trace.spec
     n_full, n_swa = pool_pages(trace)
-    out = {}
-    for name in impls:
-        if name == "graphalloc":
-            out[name] = GraphallocDriver(cfg, n_requests=trace.n_requests)
-        elif name == "graphalloc_tables":
-            out[name] = GraphallocDriver(cfg, n_requests=trace.n_requests, tables=True)
-        elif name == "sglang":
-            out[name] = SGLangStyle(
-                num_full_pages=n_full, num_swa_pages=n_swa, max_reqs=cfg.max_reqs,
-                max_context_len=spec.max_context_len, page_size=spec.page_size,
-                sliding_window=spec.alloc_window, n_requests=trace.n_requests,
-                max_rows=cfg.max_alloc_rows, device=ctx.device, backend=ctx.backend,
-                decode=ctx.args.sglang_decode)
-        elif name == "vllm":
-            out[name] = VLLMStyle(
-                num_full_pages=n_full, num_swa_pages=n_swa, max_batch=spec.n_running,
-                max_context_len=spec.max_context_len, page_size=spec.page_size,
-                model_window=spec.window, max_tokens=cfg.max_step_tokens,
-                n_requests=trace.n_requests, device=ctx.device)
-    return out
+    if name == "graphalloc":
+        return GraphallocDriver(cfg, n_requests=trace.n_requests)
+    if name == "graphalloc_tables":
+        return GraphallocDriver(cfg, n_requests=trace.n_requests, tables=True)
+    if name == "sglang":
+        return SGLangStyle(
+            num_full_pages=n_full, num_swa_pages=n_swa, max_reqs=cfg.max_reqs,
+            max_context_len=spec.max_context_len, page_size=spec.page_size,
+            sliding_window=spec.alloc_window, n_requests=trace.n_requests,
+            max_rows=cfg.max_alloc_rows, device=ctx.device, backend=ctx.backend,
+            decode=ctx.args.sglang_decode)
+    if name == "vllm":
+        return VLLMStyle(
+            num_full_pages=n_full, num_swa_pages=n_swa, max_batch=spec.n_running,
+            max_context_len=spec.max_context_len, page_size=spec.page_size,
+            model_window=spec.window, max_tokens=cfg.max_step_tokens,
+            n_requests=trace.n_requests, device=ctx.device)
+    raise ValueError(f"unknown implementation {name!r}")
 
 
 def _disagreement(steps, k: int, name: str, got: dict, later: int = 0) -> AgreementError:
@@ -382,58 +382,35 @@ def _by_class(values, classes) -> dict:
     return out
 
 
-def run_config(ctx, b: int, ps: int, window: int, interval: int, budget_s: float) -> dict:
-    p, is_cuda = ctx.params, ctx.is_cuda
-    t_cfg = time.perf_counter()
-    spec = WorkloadSpec(n_running=b, page_size=ps, window=window, eviction_interval=interval,
-                        chunk_tokens=p["chunk"], sigma=p["sigma"], seed=p["seed"] + 7919 * b,
-                        **lengths_for(window, ctx.args.quick))
-    m_max = p["steps_1024"] if b >= 1024 else p["steps"]
-    m_max = max(m_max, p["min_steps"])
-    K = p["profile"]
-    trace = generate(spec, p["warmup"], m_max, K)
-    cfg, notes = engine_config(trace, ctx.device, ctx.backend)
-    impls = [n for n in IMPLS if n in ctx.args.impls]
-    drivers = build_drivers(ctx, trace, cfg, impls)
-    n_total = len(trace.steps)
-    counts = {n: np.zeros((n_total, 4), dtype=np.int64) for n in drivers}
-    m0 = trace.phase_start["measure"]
-    rec = {"b": b, "ps": ps, "window": window, "interval": interval,
-           "label": f"B={b} ps={ps} W={window} ei={interval}",
-           "spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
-           "allocator": {**{k: getattr(cfg, k) for k in SHAPES}, **notes},
-           "pools": dict(zip(("full", "swa"), pool_pages(trace), strict=True)),
-           "setup_s": time.perf_counter() - t_cfg}
-    if "graphalloc_tables" in drivers:
-        rec["tables_mode"] = drivers["graphalloc_tables"].table_mode
-    # 1. bootstrap + warm-up, every implementation (timed per step to size the run)
-    wall_step = {}
-    for name, d in drivers.items():
-        replay(d, trace.steps, 0, trace.phase_start["warmup"], counts[name])
-        if is_cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        replay(d, trace.steps, trace.phase_start["warmup"], m0, counts[name])
-        if is_cuda:
-            torch.cuda.synchronize()
-        wall_step[name] = (time.perf_counter() - t0) / max(1, m0 - trace.phase_start["warmup"])
-    per_step = sum(wall_step.values())
-    spent = time.perf_counter() - t_cfg
-    # profile window (~3x slower), checks: estimated; the rest of the config's share
-    left = budget_s - spent - 3.0 * K * per_step - 1.0
-    m = int(max(p["min_steps"], min(m_max, left / max(per_step * 1.2, 1e-6))))
-    m = min(m, m_max)
-    rec["steps"] = {"bootstrap": trace.phase_start["warmup"], "warmup": p["warmup"],
-                    "measured": m, "profiled": K, "measured_max": m_max}
-    classes = [s.step_class for s in trace.steps[m0:m0 + m]]
-    seg1 = [s.step_class == "decode+evict" and s.n_evict_segments == 1
-            for s in trace.steps[m0:m0 + m]]
-    rec["workload"] = trace.stats(m0, m0 + m)
-    # 2. measured steps
-    res = {}
-    for name, d in drivers.items():
-        clock = StepClock(is_cuda, m)
-        host, syncs = np.zeros(m), []
+class _Drivers:
+    """The configuration's implementations; one that raises is dropped (its error kept)
+    and the others go on."""
+
+    def __init__(self, errors: dict):
+        self.live: dict = {}
+        self.errors = errors
+
+    def attempt(self, name: str, fn) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            self.errors[name] = {"error": f"{type(exc).__name__}: {exc}",
+                                 "traceback": traceback.format_exc()}
+            d = self.live.pop(name, None)
+            if d is not None and hasattr(d, "close"):
+                d.close()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+
+def _measure(ctx, d, trace, m0: int, m: int, counts: np.ndarray, classes, seg1) -> dict:
+    """M pipelined steps of one implementation: host, GPU interval, syncs per step."""
+    is_cuda = ctx.is_cuda
+    clock = StepClock(is_cuda, m)
+    host, plan, syncs = np.zeros(m), [], []
+    gc.collect()
+    gc.disable()  # no collector pause inside the measured steps (all four alike)
+    try:
         with SyncCounter(is_cuda) as sc:
             for j in range(m):
                 st = trace.steps[m0 + j]
@@ -441,43 +418,129 @@ def run_config(ctx, b: int, ps: int, window: int, interval: int, budget_s: float
                 d.step(st, clock)
                 host[j] = clock.end()
                 got = d.last_counts
-                counts[name][m0 + j] = got
+                counts[m0 + j] = got
                 syncs.append(sc.count())
+                if hasattr(d, "plan_ns"):
+                    plan.append(d.plan_ns / 1e3)
                 if tuple(got) != st.expect:
-                    raise _disagreement(trace.steps, m0 + j, name,
-                                        {name: [int(x) for x in got]})
-        dev = clock.device_us()
-        per_sync = (None if syncs[0] is None else np.diff([0] + syncs).tolist())
-        res[name] = {
-            "host_us": stats(host), "host_us_by_class": _by_class(host, classes),
-            "gpu_interval_us": stats(dev), "gpu_interval_us_by_class": _by_class(dev, classes),
-            "gpu_interval_us_one_segment": stats([v for v, s in zip(dev, seg1, strict=True)
-                                                  if s]),
-            "syncs": None if per_sync is None else {
-                "total": int(sum(per_sync)), "max_per_step": int(max(per_sync)),
-                "steps_with_syncs": int(np.count_nonzero(per_sync))},
-        }
-    # 3. profiled window: launches and device busy time per step
-    k0 = m0 + m
-    for name, d in drivers.items():
-        res[name]["profile"] = profile_steps(
-            lambda d=d, name=name: replay(d, trace.steps, k0, k0 + K, counts[name]), K, is_cuda)
-        res[name]["stalls"] = int(d.stalls)
-    stop = k0 + K
-    # 4. agreement and device checks
-    rec["agreement"] = check_agreement(trace, counts, stop)
+                    raise _disagreement(trace.steps, m0 + j, d.name,
+                                        {d.name: [int(x) for x in got]})
+    finally:
+        gc.enable()
+    dev = clock.device_us()
+    per_sync = None if syncs[0] is None else np.diff([0] + syncs).tolist()
+    out = {
+        "host_us": stats(host), "host_us_by_class": _by_class(host, classes),
+        "gpu_interval_us": stats(dev), "gpu_interval_us_by_class": _by_class(dev, classes),
+        "gpu_interval_us_one_segment": stats([v for v, s in zip(dev, seg1, strict=True)
+                                              if s]),
+        "syncs": None if per_sync is None else {
+            "total": int(sum(per_sync)), "max_per_step": int(max(per_sync)),
+            "steps_with_syncs": int(np.count_nonzero(per_sync))},
+    }
+    if plan:
+        out["plan_us"] = stats(plan)
+    return out
+
+
+def run_config(ctx, b: int, ps: int, window: int, interval: int, budget_s: float) -> dict:
+    """One configuration, every implementation (module docstring); ``budget_s`` is its
+    share of the run's time budget (it sizes the measured steps)."""
+    p = ctx.params
+    ctx.budget_s = budget_s
+    t_cfg = time.perf_counter()
+    spec = WorkloadSpec(n_running=b, page_size=ps, window=window, eviction_interval=interval,
+                        chunk_tokens=p["chunk"], sigma=p["sigma"], seed=p["seed"] + 7919 * b,
+                        **lengths_for(window, ctx.args.quick))
+    m_max = max(p["steps_1024"] if b >= 1024 else p["steps"], p["min_steps"])
+    K = p["profile"]
+    trace = generate(spec, p["warmup"], m_max, K)
+    cfg, notes = engine_config(trace, ctx.device, ctx.backend)
+    rec = {"b": b, "ps": ps, "window": window, "interval": interval,
+           "label": f"B={b} ps={ps} W={window} ei={interval}",
+           "spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
+           "allocator": {**{k: getattr(cfg, k) for k in SHAPES}, **notes},
+           "pools": dict(zip(("full", "swa"), pool_pages(trace), strict=True)),
+           "driver_errors": {}}
+    drivers = _Drivers(rec["driver_errors"])
+    for name in (n for n in IMPLS if n in ctx.args.impls):
+        drivers.attempt(name, lambda name=name: drivers.live.__setitem__(
+            name, build_driver(ctx, name, trace, cfg)))
+    gc.collect()
+    gc.freeze()  # the drivers' long-lived objects (vLLM's blocks) are never scanned again
+    try:
+        return _run_drivers(ctx, rec, drivers, trace, cfg, t_cfg, m_max)
+    finally:
+        for d in drivers.live.values():
+            if hasattr(d, "close"):
+                d.close()
+        drivers.live.clear()
+        gc.unfreeze()
+        gc.collect()  # the linked free queues are reference cycles
+
+
+def _run_drivers(ctx, rec, drivers, trace, cfg, t_cfg, m_max) -> dict:
+    p, is_cuda, K, budget_s = ctx.params, ctx.is_cuda, ctx.params["profile"], ctx.budget_s
+    rec["setup_s"] = time.perf_counter() - t_cfg
+    if "graphalloc_tables" in drivers.live:
+        rec["tables_mode"] = drivers.live["graphalloc_tables"].table_mode
+    n_total = len(trace.steps)
+    counts = {n: np.zeros((n_total, 4), dtype=np.int64) for n in drivers.live}
+    w0, m0 = trace.phase_start["warmup"], trace.phase_start["measure"]
+    # 1. bootstrap + warm-up, every implementation (the warm-up timed to size the run)
+    wall_step = {}
+
+    def warm(name, d):
+        replay(d, trace.steps, 0, w0, counts[name])
+        if is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        replay(d, trace.steps, w0, m0, counts[name])
+        if is_cuda:
+            torch.cuda.synchronize()
+        wall_step[name] = (time.perf_counter() - t0) / max(1, m0 - w0)
+
+    for name, d in list(drivers.live.items()):
+        drivers.attempt(name, lambda name=name, d=d: warm(name, d))
+    per_step = sum(wall_step.values())
+    spent = time.perf_counter() - t_cfg
+    left = budget_s - spent - 3.0 * K * per_step - 1.0  # the profile (~3x), the checks
+    m = int(max(p["min_steps"], min(m_max, left / max(per_step * 1.2, 1e-6))))
+    rec["steps"] = {"bootstrap": w0, "warmup": m0 - w0, "measured": m, "profiled": K,
+                    "measured_max": m_max}
+    classes = [s.step_class for s in trace.steps[m0:m0 + m]]
+    seg1 = [s.step_class == "decode+evict" and s.n_evict_segments == 1
+            for s in trace.steps[m0:m0 + m]]
+    rec["workload"] = trace.stats(m0, m0 + m)
+    # 2. measured steps, 3. the profiled window (launches, device busy time)
+    res: dict = {}
+    k0, stop = m0 + m, m0 + m + K
+    for name, d in list(drivers.live.items()):
+        drivers.attempt(name, lambda name=name, d=d: res.__setitem__(
+            name, _measure(ctx, d, trace, m0, m, counts[name], classes, seg1)))
+    for name, d in list(drivers.live.items()):
+        def prof(name=name, d=d):
+            res[name]["profile"] = profile_steps(
+                lambda: replay(d, trace.steps, k0, stop, counts[name]), K, is_cuda)
+            res[name]["stalls"] = int(d.stalls)
+        drivers.attempt(name, prof)
+    # 4. agreement (every step run) and each device state against its host
+    done = {n: counts[n] for n in drivers.live}
+    rec["agreement"] = check_agreement(trace, done, stop)
+    rec["agreement"]["impls"] = sorted(done)
     live = live_ids(trace, stop)
-    audit = cfg.max_reqs * cfg.max_context_len <= ctx.params.get("audit_limit", 8 << 20)
-    for name, d in drivers.items():
-        v = (d.verify(live, audit=audit) if name.startswith("graphalloc") else d.verify(live))
+    audit = cfg.max_reqs * cfg.max_context_len <= p.get("audit_limit", 8 << 20)
+
+    def check(name, d):
+        v = d.verify(live, audit=audit) if name.startswith("graphalloc") else d.verify(live)
         res[name]["verify"] = v
         if not v["ok"]:
-            raise AssertionError(f"{name}: device state does not match its host: {v}")
-    rec["impls"] = res
-    rec["ratios"] = ratios_of(res)
-    for d in drivers.values():
-        if hasattr(d, "close"):
-            d.close()
+            raise AssertionError(f"device state does not match the host: {v}")
+
+    for name, d in list(drivers.live.items()):
+        drivers.attempt(name, lambda name=name, d=d: check(name, d))
+    rec["impls"] = {n: res[n] for n in IMPLS if n in drivers.live}
+    rec["ratios"] = ratios_of(rec["impls"])
     rec["wall_s"] = time.perf_counter() - t_cfg
     return rec
 
@@ -670,11 +733,14 @@ decisions and keep their own lengths and frontiers.
 of the trace's peak plus 2%, `max_reqs` = B + the most releases in one step; where the trace
 frees more in one step than for_engine's every-step-eviction sizing allows (the 128-token
 interval), `max_step_pages` / `max_release_rows` are raised to the trace's need (recorded
-per configuration under `allocator.raised_from_for_engine`). Per iteration: `admit()` for
-new requests (host only), then ONE `plan(release=, evict=, decode=, extend=)` and `run()`
-(one CUDA-graph replay). **graphalloc + tables** adds `PageTables.plan` of the step's batch
-(block-table form, FULL and SWA) and captures the allocator's launch and the tables'
-launch in one graph per descriptor buffer and launch form: still one replay per step.
+per configuration under `allocator.raised_from_for_engine`). Per iteration ONE
+`alloc.scheduler_step()` block: `it.release`, `it.evict`, `it.admit`, `it.decode`,
+`it.extend`, planned as one step at the block's end and run as one CUDA-graph replay
+(graphalloc's `StepGraph`, subclassed only to put the CUDA events around the replay).
+**graphalloc + tables** adds `PageTables.plan` of the step's batch (block-table form, FULL
+and SWA) and replays one graph holding the allocator's launch and the tables' launch
+(captured per descriptor buffer and launch form): still one replay per step. The JSON's
+`plan_us` is the planning alone (the block's end to the replay).
 
 **SGLang-style** (`benchmarks/sched_baselines.py`, `SGLangStyle`): the same device tables;
 releases split at the frontier (FULL pages by a floor_divide of the page-start slots, SWA
@@ -753,7 +819,8 @@ def plot(res: dict, out_dir: str) -> list[str]:
                         ax.plot([b for b, _ in pts], [v["profile"]["busy_us"] for _, v in pts],
                                 color=color, ls="--", lw=1, label=f"{LABELS[n]} (busy)")
                 if kind == "host":
-                    ax.axhline(15, color="gray", ls=":", lw=1, label="15 us target")
+                    ax.axhline(15, color="gray", ls=":", lw=1, label="15 us target (B <= 256)")
+                    ax.axhline(30, color="gray", ls="-.", lw=1, label="30 us target (B = 1024)")
                 elif floor:
                     ax.axhline(floor, color="black", ls=":", lw=1, label="empty-graph floor")
                 ax.set_xscale("log", base=2)
@@ -872,12 +939,15 @@ def _run(args, argv, device, backend, note) -> int:
         try:
             rec = run_config(ctx, b, ps, w, ei, share)
             res["configs"].append(rec)
-            ga = rec["impls"].get("graphalloc") or next(iter(rec["impls"].values()))
+            for name, err in rec["driver_errors"].items():
+                res["errors"].append({"case": f"{label} {name}", **err})
             msg = (f"{label}: host p50 " + ", ".join(
                 f"{n} {_q(r['host_us'])}" for n, r in rec["impls"].items())
-                + f" us; {rec['steps']['measured']} steps; same pages freed "
-                f"({rec['agreement']['steps_compared']} steps); {rec['wall_s']:.1f} s")
-            del ga
+                + f" us; {rec['steps']['measured']} steps; same pages freed by "
+                f"{len(rec['agreement']['impls'])} ({rec['agreement']['steps_compared']} "
+                f"steps); {rec['wall_s']:.1f} s"
+                + "".join(f"; {n} FAILED: {e['error']}" for n, e in
+                          rec["driver_errors"].items()))
         except Exception as exc:
             res["errors"].append({"case": label, "error": f"{type(exc).__name__}: {exc}",
                                   "traceback": traceback.format_exc()})

@@ -115,7 +115,7 @@ def _triton_kernels():
         last location, new pages come from ring[(head + page0 + j) % cap]."""
         i = tl.program_id(0).to(tl.int64)
         pre = tl.load(meta_ptr + 1 * k + i)
-        n = tl.load(meta_ptr + 2 * k + i)
+        n = tl.load(meta_ptr + 2 * k + i).to(tl.int32)  # a chunk: < 2^31 tokens
         lane0 = tl.load(meta_ptr + 4 * k + i)
         page0 = tl.load(meta_ptr + 5 * k + i)
         last = tl.load(last_ptr + i)
@@ -138,7 +138,7 @@ def _triton_kernels():
         i = tl.program_id(0).to(tl.int64)
         row = tl.load(meta_ptr + 0 * k + i)
         pre = tl.load(meta_ptr + 1 * k + i)
-        n = tl.load(meta_ptr + 2 * k + i)
+        n = tl.load(meta_ptr + 2 * k + i).to(tl.int32)
         lane0 = tl.load(meta_ptr + 4 * k + i)
         for t0 in range(0, n, BLOCK):
             t = t0 + tl.arange(0, BLOCK)

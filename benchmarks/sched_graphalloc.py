@@ -1,19 +1,24 @@
 """graphalloc's side of the scheduler benchmark: one allocator step per scheduler iteration.
 
 :class:`GraphallocDriver` replays a :class:`sched_workload.TraceStep` through the public
-API only::
+API only, as ONE ``alloc.scheduler_step()`` block per iteration::
 
-    rows of new requests      alloc.admit()                 host only (pool mode)
-    the iteration             p = alloc.plan(release=, evict=, decode=, extend=)
-                              alloc.run(p)                  ONE graph replay (CUDA)
+    with alloc.scheduler_step() as it:
+        it.release(rows)  it.evict(rows)           frees (window rule for the evictions)
+        row = it.admit()                           rows of new requests, reserved
+        it.decode(rows)   it.extend(rows, chunks)  allocations
+    # block end: ONE plan of all of it, then ONE executor call: one CUDA-graph replay
 
-``plan`` + ``run`` is ``alloc.step(...)`` split in two, so the benchmark can put its CUDA
-events around the replay alone. With ``tables=True`` the step also writes the attention
-block tables of the step's batch (``graphalloc.page_tables.PageTables``, block-table form,
-FULL and SWA layers, like the vLLM baseline's upload): the allocator's launch and the
-tables' launch are captured into one CUDA graph per descriptor buffer (and per launch form,
-fused or not), so the step is still one replay; the host adds ``PageTables.plan`` over the
-batch (``alloc.seq_lens()``, ``alloc.frontiers()``). On a CPU both run eagerly.
+The executor is graphalloc's :class:`~graphalloc.StepGraph` subclassed only to put the
+benchmark's clock (CUDA events) around its ``execute`` -- the replay alone, planning
+outside -- and to keep the step's :class:`~graphalloc.PlannedStep` (its page counts).
+With ``tables=True`` the step also writes the attention block tables of the step's batch
+(``graphalloc.page_tables.PageTables``, block-table form, FULL and SWA layers, like the
+vLLM baseline's upload): an executor whose ``execute`` plans the tables
+(``PageTables.plan`` over ``alloc.seq_lens()`` / ``alloc.frontiers()``, the ledger
+after the step's plan) and replays ONE graph holding the allocator's launch and the
+tables' launch, captured per descriptor buffer and launch form (fused or not). Without
+CUDA both run eagerly.
 
 The allocator is sized from the trace with :meth:`graphalloc.AllocatorConfig.for_engine`
 (:func:`engine_config`): the engine's budgets (B running requests, the chunked-prefill
@@ -27,15 +32,27 @@ trace's need (``AllocatorConfig`` is a dataclass; ``dataclasses.replace`` re-val
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import torch
 
-__all__ = ["engine_config", "GraphallocDriver", "pool_pages"]
+__all__ = ["engine_config", "GraphallocDriver", "pool_pages", "SHAPES"]
 
 SHAPES = ("num_full_pages", "num_swa_pages", "max_reqs", "max_release_rows",
           "max_pages_per_row", "max_alloc_rows", "max_tokens_per_alloc_row", "max_step_pages",
           "max_step_tokens", "sliding_window")
+
+
+class _NoClock:
+    def device_begin(self) -> None:
+        pass
+
+    def device_end(self) -> None:
+        pass
+
+
+_NO_CLOCK = _NoClock()
 
 
 def pool_pages(trace) -> tuple[int, int]:
@@ -67,111 +84,169 @@ def engine_config(trace, device, backend: str):
     return cfg, notes
 
 
+def _executors():
+    """The two executor classes (defined on first use: graphalloc imports Triton kernels,
+    and the scripts settle TRITON_INTERPRET before that)."""
+    from graphalloc import StepGraph
+    from graphalloc.executor import Executor, warm_up
+
+    class TimedStepGraph(StepGraph):
+        """graphalloc's StepGraph; the driver's clock around each replay."""
+
+        def __init__(self):
+            super().__init__()
+            self.clock, self.last = _NO_CLOCK, None
+            self.t_exec = 0
+
+        def execute(self, planned) -> None:
+            self.t_exec = time.perf_counter_ns()
+            self.last = planned
+            self.clock.device_begin()
+            super().execute(planned)
+            self.clock.device_end()
+
+    class TablesExecutor(Executor):
+        """Allocator step + the batch's page tables, one replay per step (module
+        docstring). ``batch``: the step's attention rows, set by the driver."""
+
+        name = "graph+tables"
+
+        def __init__(self):
+            super().__init__()
+            self.clock, self.last, self.tables = _NO_CLOCK, None, None
+            self.batch = np.zeros(0, dtype=np.int64)
+            self.graphs: dict = {}
+            self.mode = "eager launches (no CUDA)"
+            self.t_exec = 0
+
+        def bind(self, alloc) -> None:
+            super().bind(alloc)
+            if alloc.config.device.type == "cuda":
+                warm_up(alloc)  # every kernel variant compiled now, as EagerExecutor
+
+        def body(self, i: int, fusable: bool) -> None:
+            self.alloc.launch(i, fusable=fusable)
+            self.tables.launch(i)
+
+        def attach(self, tables) -> None:
+            self.tables = tables
+            if self.alloc.config.device.type != "cuda":
+                return
+            try:
+                self._capture()
+            except Exception as exc:  # keep going with eager launches, and say so
+                self.graphs.clear()
+                torch.cuda.synchronize()
+                self.mode = (f"eager launches: capturing allocator + tables failed "
+                             f"({type(exc).__name__}: {exc})")
+
+        def _capture(self) -> None:
+            from graphalloc import capture_graph
+
+            alloc, pt = self.alloc, self.tables
+            empty = np.zeros(0, dtype=np.int64)
+            torch.cuda.synchronize()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: empty steps (all rows padded)
+                for _ in range(2 * len(alloc.ring)):
+                    p = alloc.plan()
+                    tp = pt.plan(empty, alloc.seq_lens(), alloc.frontiers())
+                    self.body(p.buffer_index, False)
+                    alloc.mark_submitted(p)
+                    pt.mark_submitted(tp)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            forms = (False, True) if alloc.kernels.fused else (False,)
+            pool = None
+            for i in range(len(alloc.ring)):
+                for fusable in forms:
+                    g = capture_graph(lambda i=i, f=fusable: self.body(i, f), pool=pool)
+                    pool = g.pool()
+                    self.graphs[(i, fusable)] = g
+            torch.cuda.synchronize()
+            if pt.next_index != alloc.ring.next_index:
+                raise RuntimeError("page-table ring and descriptor ring out of step")
+            self.mode = (f"allocator + tables in one CUDA graph per descriptor buffer and "
+                         f"launch form ({len(self.graphs)} graphs)")
+
+        def execute(self, planned) -> None:
+            self.t_exec = time.perf_counter_ns()
+            self.last = planned
+            alloc, pt = self.alloc, self.tables
+            tp = pt.plan(self.batch, alloc.seq_lens(), alloc.frontiers())
+            i = planned.buffer_index
+            if tp.buffer_index != i:
+                raise RuntimeError(f"page tables planned into buffer {tp.buffer_index}, the "
+                                   f"step into {i}: the rings must move together")
+            fused = planned.fusable and alloc.kernels.fused
+            self.clock.device_begin()
+            if self.graphs:
+                self.graphs[(i, fused)].replay()
+            else:
+                self.body(i, planned.fusable)
+            self.clock.device_end()
+            pt.mark_submitted(tp)
+            self.count(fused)
+
+    return TimedStepGraph, TablesExecutor
+
+
 class GraphallocDriver:
     """One allocator replaying the trace (module docstring). ``last_counts`` = (FULL
     allocated, SWA allocated, FULL freed, SWA freed) of the last step, from its
-    ``PlannedStep``."""
+    ``PlannedStep``; ``plan_ns``: the last step's planning alone (from the block's end to
+    the executor call)."""
 
     def __init__(self, cfg, *, n_requests: int, tables: bool = False):
         from graphalloc import HybridAllocator
 
+        timed_graph, tables_executor = _executors()
         self.name = "graphalloc_tables" if tables else "graphalloc"
         self.config = cfg
-        self.is_cuda = cfg.device.type == "cuda"
         self.row_of = np.full(n_requests, -1, dtype=np.int64)
+        self.executor = tables_executor() if tables else timed_graph()
+        self.alloc = HybridAllocator(cfg, executor=self.executor)
         self.tables = None
-        self.graphs: dict = {}
         self.table_mode = None
-        # Without tables the allocator's own graph executor replays each step; with them
-        # the driver captures allocator + tables into its own graphs (the eager executor
-        # compiles every kernel at construction).
-        self.alloc = HybridAllocator(cfg, executor="eager" if tables else "graph")
         if tables:
             from graphalloc.page_tables import PageTables
 
             self.tables = PageTables.for_allocator(
                 self.alloc, cfg.max_alloc_rows, forms=("block_table",),
                 layers=("full", "swa"), n_bufs=len(self.alloc.ring))
-            self.table_mode = "eager launches (no CUDA)"
-            if self.is_cuda:
-                self._capture()
-        self._planned = None
+            self.executor.attach(self.tables)
+            self.table_mode = self.executor.mode
+        self.plan_ns = 0
 
-    # ---- tables: one graph per (descriptor buffer, launch form) -------------------------
-    def _body(self, i: int, fusable: bool) -> None:
-        self.alloc.launch(i, fusable=fusable)
-        self.tables.launch(i)
-
-    def _capture(self) -> None:
-        from graphalloc import capture_graph
-
-        alloc, pt = self.alloc, self.tables
-        empty = np.zeros(0, dtype=np.int64)
-        torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: empty steps (all rows padded), both rings
-            for _ in range(2 * len(alloc.ring)):
-                p = alloc.plan()
-                tp = pt.plan(empty, alloc.seq_lens(), alloc.frontiers())
-                self._body(p.buffer_index, False)
-                alloc.mark_submitted(p)
-                pt.mark_submitted(tp)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        forms = (False, True) if alloc.kernels.fused else (False,)
-        pool = None
-        for i in range(len(alloc.ring)):
-            for fusable in forms:
-                g = capture_graph(lambda i=i, f=fusable: self._body(i, f), pool=pool)
-                pool = g.pool()
-                self.graphs[(i, fusable)] = g
-        torch.cuda.synchronize()
-        if pt.next_index != alloc.ring.next_index:
-            raise RuntimeError("page-table ring and descriptor ring out of step after capture")
-        self.table_mode = (f"allocator + tables in one CUDA graph per descriptor buffer and "
-                           f"launch form ({len(self.graphs)} graphs)")
-
-    # ---- one scheduler iteration -----------------------------------------------------
     def step(self, st, clock) -> None:
-        alloc, row_of = self.alloc, self.row_of
-        for rid in st.admit.tolist():
-            row_of[rid] = alloc.admit()
-        release = row_of[st.release] if len(st.release) else None
-        evict = row_of[st.evict] if len(st.evict) else None
-        decode = row_of[st.decode] if len(st.decode) else None
-        extend = (row_of[st.extend_ids], st.extend_n) if len(st.extend_ids) else None
-        p = alloc.plan(release=release, evict=evict, decode=decode, extend=extend)
-        pt = self.tables
-        if pt is None:
-            clock.device_begin()
-            alloc.run(p)
-            clock.device_end()
-        else:
-            parts = [a for a in (decode, None if extend is None else extend[0])
-                     if a is not None]
-            batch = parts[0] if len(parts) == 1 else (
-                np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
-            tp = pt.plan(batch, alloc.seq_lens(), alloc.frontiers())
-            i = p.buffer_index
-            if tp.buffer_index != i:
-                raise RuntimeError(f"page tables planned into buffer {tp.buffer_index}, the "
-                                   f"step into {i}: the rings must move together")
-            clock.device_begin()
-            if self.graphs:
-                self.graphs[(i, p.fusable and alloc.kernels.fused)].replay()
-            else:
-                self._body(i, p.fusable)
-            clock.device_end()
-            alloc.mark_submitted(p)
-            pt.mark_submitted(tp)
-        for rid in st.release.tolist():
-            row_of[rid] = -1
-        self._planned = p
+        alloc, row_of, ex = self.alloc, self.row_of, self.executor
+        ex.clock = clock
+        with alloc.scheduler_step() as it:
+            if len(st.release):
+                it.release(row_of[st.release])
+            if len(st.evict):
+                it.evict(row_of[st.evict])
+            for rid in st.admit.tolist():
+                row_of[rid] = it.admit()
+            decode = row_of[st.decode] if len(st.decode) else None
+            if decode is not None:
+                it.decode(decode)
+            extend = row_of[st.extend_ids] if len(st.extend_ids) else None
+            if extend is not None:
+                it.extend(extend, st.extend_n)
+            if self.tables is not None:
+                ex.batch = (decode if extend is None else extend if decode is None
+                            else np.concatenate([decode, extend]))
+            t_body = time.perf_counter_ns()
+        self.plan_ns = ex.t_exec - t_body
+        ex.clock = _NO_CLOCK
+        if len(st.release):
+            row_of[st.release] = -1
 
     @property
     def last_counts(self) -> tuple:
-        p = self._planned
+        p = self.executor.last
         if p is None:
             return (0, 0, 0, 0)
         return (p.pages_allocated["full"], p.pages_allocated["swa"], p.pages_freed["full"],
@@ -201,8 +276,8 @@ class GraphallocDriver:
         return {k: getattr(self.config, k) for k in SHAPES}
 
     def close(self) -> None:
-        self.graphs.clear()
-        executor = self.alloc.executor
+        ex = self.executor
         for name in ("graphs", "fused_graphs"):
-            if hasattr(executor, name):
-                getattr(executor, name).clear()
+            graphs = getattr(ex, name, None)
+            if graphs is not None:
+                graphs.clear()
