@@ -53,6 +53,7 @@ class _NoClock:
 
 
 _NO_CLOCK = _NoClock()
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 def pool_pages(trace) -> tuple[int, int]:
@@ -236,8 +237,9 @@ class GraphallocDriver:
             if extend is not None:
                 it.extend(extend, st.extend_n)
             if self.tables is not None:
-                ex.batch = (decode if extend is None else extend if decode is None
-                            else np.concatenate([decode, extend]))
+                parts = [a for a in (decode, extend) if a is not None]
+                ex.batch = (parts[0] if len(parts) == 1 else np.concatenate(parts) if parts
+                            else _NO_ROWS)
             t_body = time.perf_counter_ns()
         self.plan_ns = ex.t_exec - t_body
         ex.clock = _NO_CLOCK
