@@ -221,7 +221,16 @@ def schedule_loop(mgr, reqs, *, budget, max_seqs, k=0, rng=None, max_iters=600, 
             scheduled[req.request_id] = (req, n_hit, n, k)
             tokens_left -= n
         work = 1 if mgr.pending else 0  # nothing recorded (every target covered): no step
+        # the recorder's page accounting is exact: free after the step = its prediction
+        # plus what the cache's eviction gave back inside the step
+        predicted = [mgr.pending.free_pages(pool) for pool in ("full", "swa")]
+        cached = alloc.prefix_cache
+        given = (0, 0) if cached is None else (cached.evicted_pages, cached.tombstoned_pages)
         mgr.run_step()
+        if cached is not None:
+            given = (cached.evicted_pages - given[0], cached.tombstoned_pages - given[1])
+        assert [alloc.n_free("full"), alloc.n_free("swa")] == [predicted[0] + given[0],
+                                                                predicted[1] + given[1]]
         assert alloc.steps_run - before == work + mgr.cache_steps - cache_before  # ONE step
         assert mgr.steps_last_run == work
         # the forward ran: the KV of every scheduled position; update_from_output

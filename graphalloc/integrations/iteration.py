@@ -21,8 +21,9 @@ handle starts at the handle's whole pages and allocates none for them). So, per 
 returns ``ceil(L / ps)`` FULL and ``ceil(L / ps) - f / ps`` SWA pages, an advance to g
 ``(g - f) / ps`` SWA pages. With handles, pages may be shared and the count is
 :meth:`HybridAllocator.pages_released` over all the recorded frees together (a page
-goes only with its last reference), computed when asked and kept until the records,
-the steps or the cache change. ``reclaimable`` (with a prefix cache) is what evicting
+goes only with its last reference), kept as per-page counts of the references the
+recorded frees drop: O(pages of a record) per record, recounted once when a step ran or
+the cache changed. ``reclaimable`` (with a prefix cache) is what evicting
 every unlocked cache entry would add once the frees ran; the allocator runs that
 eviction itself inside the step when an allocation needs it.
 
@@ -57,6 +58,122 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _record(name: str, key: int, value) -> tuple:
+    """The free counter's record of ``releases`` / ``advances`` / ``trims`` entries."""
+    if name == "rel":
+        return ("rel", key)
+    return (name, key, value[0] if name == "adv" else value)
+
+
+class _FreedPages:
+    """What the recorded frees return, kept up to date as records come and go.
+
+    A record is ``("rel", row)``, ``("adv", row, new_frontier)`` or ``("trim", row,
+    new_len)``. Without sharing each record's (FULL, SWA) count is arithmetic. With
+    sharing, the references each record drops are added to per-page counts (``drop``, one
+    dense array per pool), next to the references the unlocked cache entries hold
+    (``cache``); a page is freed when ``drop == refs``, reclaimable when ``drop + cache
+    == refs``, and both totals move by the pages a record touches. :meth:`toggle` costs
+    O(pages of the record); :meth:`counts` is O(1) unless a step ran (the references
+    changed) or the cache changed since, which rebuilds it (O(pages of every record and
+    entry + pool size)). ``journal`` lets the recorder undo a refused batch.
+    """
+
+    def __init__(self, alloc, shared: bool):
+        self.alloc, self.shared, self.ps = alloc, shared, alloc.config.page_size
+        cfg = alloc.config
+        sizes = (cfg.num_full_pages + 1, cfg.num_swa_pages + 1)
+        self.drop = [np.zeros(n, dtype=np.int64) for n in sizes]
+        self.cache = [np.zeros(n, dtype=np.int64) for n in sizes]
+        self.applied: dict = {}  # record -> its (FULL, SWA) pages (or counts)
+        self.journal: list = []  # (record, +1 | -1), for undo
+        self.freed, self.both = [0, 0], [0, 0]
+        self.state = None
+
+    def toggle(self, key, sign: int) -> None:
+        """Add (``sign`` 1) or remove (-1) a record."""
+        self.journal.append((key, sign))
+        if sign > 0:
+            self.applied[key] = self._pages(key)
+            self._apply(self.applied[key], 1)
+        else:
+            self._apply(self.applied.pop(key), -1)
+
+    def undo(self, mark: int) -> None:
+        while len(self.journal) > mark:
+            key, sign = self.journal.pop()
+            self.toggle(key, -sign)
+            self.journal.pop()
+
+    def clear(self) -> None:
+        self.applied, self.journal, self.state = {}, [], None
+
+    def counts(self, cache_handles, state):
+        """((freed FULL, SWA), (reclaimable FULL, SWA)); ``cache_handles()`` lists the
+        entries' handles to count when ``state`` (the references' and the cache's)
+        changed since the last call."""
+        if state != self.state:
+            self._rebuild(cache_handles() if self.shared else ())
+            self.state = state
+        return tuple(self.freed), (self.both[0] - self.freed[0], self.both[1] - self.freed[1])
+
+    def _rebuild(self, handles) -> None:
+        keys, self.freed, self.both = list(self.applied), [0, 0], [0, 0]
+        if self.shared:
+            refs, cfg, led = self.alloc.ledger.refs, self.alloc.config, self.alloc.ledger
+            for arr in self.drop + self.cache:
+                arr[:] = 0
+            for h in handles:
+                n, start = int(led.h_len[h]) // self.ps, int(led.h_swa_start[h]) // self.ps
+                pages = refs.page_of[cfg.max_reqs + h, :n].astype(np.int64)
+                np.add.at(self.cache[0], pages, 1)
+                np.add.at(self.cache[1], refs.swa_of[pages[start:]].astype(np.int64), 1)
+            for i, ref in enumerate((refs.full_ref, refs.swa_ref)):
+                c = self.cache[i]
+                self.both[i] = int(np.count_nonzero((c > 0) & (c == ref)))
+        for key in keys:
+            self.applied[key] = self._pages(key)
+            self._apply(self.applied[key], 1)
+
+    def _pages(self, key):
+        """The record's dropped references: (FULL pages, SWA pages), or its counts."""
+        alloc, ps = self.alloc, self.ps
+        kind, row = key[0], key[1]
+        end, front = _ceil_div(alloc.seq_len(row), ps), alloc.frontier(row) // ps
+        if kind == "rel":
+            lo, hi, slo, shi = 0, end, front, end
+        elif kind == "adv":
+            lo, hi, slo, shi = 0, 0, front, key[2] // ps
+        else:  # trim: [ceil_page(new), end) of both pools (above the frontier)
+            lo = _ceil_div(key[2], ps)
+            hi, slo, shi = end, lo, end
+        if not self.shared:
+            return max(hi - lo, 0), max(shi - slo, 0)
+        refs = alloc.ledger.refs
+        full = refs.page_of[row, lo:hi].astype(np.int64)
+        swa = refs.swa_of[refs.page_of[row, slo:shi].astype(np.int64)].astype(np.int64)
+        return full, swa
+
+    def _apply(self, pages, sign: int) -> None:
+        if not self.shared:
+            self.freed = [self.freed[0] + sign * pages[0], self.freed[1] + sign * pages[1]]
+            self.both = list(self.freed)
+            return
+        refs = self.alloc.ledger.refs
+        for i, ref in enumerate((refs.full_ref, refs.swa_ref)):
+            if not len(pages[i]):
+                continue
+            u = pages[i]  # distinct: one row's pages
+            d, c, r = self.drop[i], self.cache[i], ref[u]
+            du, cu = d[u], c[u]
+            before = (du > 0) & (du == r), (du + cu > 0) & (du + cu == r)
+            du += sign
+            d[u] = du
+            after = (du > 0) & (du == r), (du + cu > 0) & (du + cu == r)
+            self.freed[i] += int(after[0].sum()) - int(before[0].sum())
+            self.both[i] += int(after[1].sum()) - int(before[1].sum())
+
+
 class IterationStep:
     """The frees, frontier moves, admits and allocations recorded for the next step.
 
@@ -66,9 +183,10 @@ class IterationStep:
     allocations) and running totals. Invariants: a row is in at most one of ``releases``
     and ``extends``/``advances`` (a release cancels the row's other records); every
     recorded row is live in ``alloc``; ``needed`` / ``n_tokens`` / ``n_rows`` equal the
-    sums over the records. Cost: every record is O(1) per row; the queries are O(1)
-    without sharing, :meth:`HybridAllocator.pages_released` (O(pages of the recorded
-    frees and the cache's entries)) once per change with it; :meth:`run` is one step.
+    sums over the records. Cost: every record is O(1) per row without sharing, O(pages
+    it frees) with it; the queries are O(1), except the first after a step ran or the
+    cache changed (O(pages of the records and the cache's entries + pool size)); :meth:`run`
+    is one step.
     """
 
     def __init__(self, alloc: HybridAllocator, owner: str):
@@ -93,8 +211,8 @@ class IterationStep:
         self.admitted: dict[int, int] = {}  # after run(): key -> the row it got
         self.needed = self.n_tokens = self.n_rows = 0  # pages per pool, tokens, alloc rows
         self._next_key = -1
-        self._version = 0  # bumped by every change of the frees
-        self._counted = None  # (state key, (freed FULL, SWA), (reclaimable FULL, SWA))
+        self._version = 0  # bumped by every change of the records
+        self._freed = _FreedPages(alloc, self.shared)
 
     # ---- queries ---------------------------------------------------------------------
     def __bool__(self) -> bool:
@@ -156,46 +274,25 @@ class IterationStep:
     def _counts(self):
         """(freed FULL, SWA) by the recorded frees, (reclaimable FULL, SWA) after them."""
         cache = self.cache
-        state = (self._version, self.alloc.steps_run, id(self.alloc.ledger),
-                 None if cache is None else cache.version)
-        if self._counted is not None and self._counted[0] == state:
-            return self._counted[1:]
-        cut = self._trimmed_pages()
-        if not self.shared:
-            freed = (sum(v[0] for v in self.releases.values()) + cut[0],
-                     sum(v[1] for v in self.releases.values())
-                     + sum(v[1] for v in self.advances.values()) + cut[1])
-            reclaim = (0, 0)
-        else:
-            rel = list(self.releases)
-            adv = (list(self.advances), [v[0] for v in self.advances.values()])
-            freed = self.alloc.pages_released(rel, advance=adv)
-            freed = (freed[0] + cut[0], freed[1] + cut[1])
-            reclaim = (0, 0)
-            if cache is not None:
-                busy = {h for h, _ in self.admits.values() if h is not None}
-                handles = [h for h in cache.reclaimable_handles() if h not in busy]
-                if handles:
-                    both = self.alloc.pages_released(rel, advance=adv, handles=handles)
-                    reclaim = (both[0] - freed[0], both[1] - freed[1])
-        self._counted = (state, freed, reclaim)
-        return freed, reclaim
+        busy = frozenset(h for h, _ in self.admits.values() if h is not None)
 
-    def _trimmed_pages(self) -> tuple[int, int]:
-        """(FULL, SWA) pages the recorded trims give back: the rows' pages wholly past
-        their new lengths that nobody else references (a request's own tail)."""
-        if not self.trims:
-            return 0, 0
-        ps, refs, full, swa = self.ps, self.alloc.ledger.refs, 0, 0
-        for row, new_len in self.trims.items():
-            lo, hi = _ceil_div(new_len, ps), _ceil_div(self.alloc.seq_len(row), ps)
-            if refs is None or not self.shared:
-                full, swa = full + hi - lo, swa + hi - lo
-                continue
-            pages = refs.page_of[row, lo:hi].astype(np.int64)
-            full += int(np.count_nonzero(refs.full_ref[pages] == 1))
-            swa += int(np.count_nonzero(refs.swa_ref[refs.swa_of[pages]] == 1))
-        return full, swa
+        def handles():
+            if cache is None:
+                return ()
+            return [h for h in cache.reclaimable_handles() if h not in busy]
+
+        state = (self.alloc.steps_run, id(self.alloc.ledger),
+                 None if cache is None else (cache.version, busy))
+        return self._freed.counts(handles, state)
+
+    def _set(self, records: dict, name: str, key: int, value) -> None:
+        """``records[key] = value`` (``None``: delete), told to the free counter."""
+        old = records.pop(key, None)
+        if old is not None:
+            self._freed.toggle(_record(name, key, old), -1)
+        if value is not None:
+            records[key] = value
+            self._freed.toggle(_record(name, key, value), 1)
 
     # ---- recording ---------------------------------------------------------------------
     def release(self, key: int) -> None:
@@ -206,7 +303,7 @@ class IterationStep:
             del self.admits[key]
             self._version += 1
             return
-        self.releases[key] = self.held_pages(key)
+        self._set(self.releases, "rel", key, self.held_pages(key))
         self._version += 1
 
     def reserve(self, items, *, trim: bool = False) -> list[int] | None:
@@ -245,6 +342,7 @@ class IterationStep:
                     f"request {key} would allocate {n} tokens in one step; the frozen "
                     f"max_tokens_per_alloc_row is {cfg.max_tokens_per_alloc_row}: schedule "
                     "smaller chunks, or size the allocator with AllocatorConfig.for_engine")
+        mark = len(self._freed.journal)
         saved = (dict(self.releases), dict(self.advances), dict(self.extends),
                  dict(self.admits), dict(self.trims), self.needed, self.n_tokens, self.n_rows,
                  self._next_key)
@@ -265,6 +363,7 @@ class IterationStep:
             return keys
         (self.releases, self.advances, self.extends, self.admits, self.trims, self.needed,
          self.n_tokens, self.n_rows, self._next_key) = saved
+        self._freed.undo(mark)
         self._version += 1
         if short is False:
             return None
@@ -277,13 +376,14 @@ class IterationStep:
             self.n_rows += handle is not None  # the prefix copy is an allocation row
         elif key >= 0 and new_front is not None and new_front > self.frontier(key):
             old = self.alloc.frontier(key)
-            self.advances[key] = (int(new_front), (int(new_front) - old) // self.ps)
+            self._set(self.advances, "adv", key,
+                      (int(new_front), (int(new_front) - old) // self.ps))
         length = self.admits[key][1] if key < 0 else self.alloc.seq_len(key)
-        self.trims.pop(key, None)
+        self._set(self.trims, "trim", key, None)
         ps, window = self.ps, self.alloc.config.sliding_window
         if trim and key >= 0 and _ceil_div(int(target), ps) < _ceil_div(length, ps) and (
                 self.alloc.frontier(key) == 0 or target >= self.alloc.frontier(key) + window):
-            self.trims[key] = int(target)
+            self._set(self.trims, "trim", key, int(target))
             length = int(target)
         n, pages = self.extends.pop(key, (0, 0))
         self.needed -= pages
@@ -303,8 +403,8 @@ class IterationStep:
         self.needed -= pages
         self.n_tokens -= n
         self.n_rows -= n > 0
-        self.advances.pop(key, None)
-        self.trims.pop(key, None)
+        self._set(self.advances, "adv", key, None)
+        self._set(self.trims, "trim", key, None)
         if key < 0 and self.admits[key][0] is not None:
             self.n_rows -= 1
 
@@ -346,6 +446,7 @@ class IterationStep:
         self.releases.clear()
         self.advances.clear()
         self.trims.clear()
+        self._freed.clear()
         self.extends.clear()
         self.admits.clear()
         self.needed = self.n_tokens = self.n_rows = 0

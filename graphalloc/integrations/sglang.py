@@ -181,9 +181,9 @@ class SGLangAllocator:
     refuses it); ``available_size()`` counts the pages of recorded frees, which the
     next step returns before it allocates; a matched entry stays locked until the next
     step the seam runs. Cost: O(batch) host work per call, one step per ``prepare_*``
-    (plus one per new cache entry); the queries are O(1) without prefix handles, and
-    :meth:`HybridAllocator.pages_released` over the recorded frees (and the cache's
-    entries) once per change with them; no device read.
+    (plus one per new cache entry); the queries are O(1) (shared pages counted by
+    reference as the frees are recorded; recounted once after a step or a cache change);
+    no device read.
     """
 
     def __init__(self, alloc: HybridAllocator, *, swa_eviction_interval: int = 1,
