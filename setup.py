@@ -1,0 +1,40 @@
+"""Build of the one compiled part: the optional step planner ``graphalloc._cplan`` (C).
+
+Everything else is in pyproject.toml. The extension is optional: without a C compiler (or
+Python headers) the build goes on without it and prints one line; ``graphalloc.fast_plan``
+then warns once at import and every step runs the numpy planner (the reference).
+"""
+
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class OptionalBuildExt(build_ext):
+    """build_ext that never fails the install: a failed compile leaves the numpy planner."""
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as exc:  # no compiler at all (a platform error before any compile)
+            self._skip(exc)
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # a compile or link error
+            self._skip(exc)
+
+    @staticmethod
+    def _skip(exc):
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        print(f"graphalloc: compiled planner not built ({reason}); the numpy planner will be "
+              "used", file=sys.stderr)
+
+
+setup(
+    ext_modules=[Extension("graphalloc._cplan", sources=["graphalloc/_cplan.c"],
+                           extra_compile_args=["-O2"], optional=True)],
+    cmdclass={"build_ext": OptionalBuildExt},
+)
