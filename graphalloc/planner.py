@@ -96,6 +96,7 @@ class StepBuilder(ReleasePlanning, HandlePlanning):
         self.released = np.zeros(config.max_reqs, dtype=bool)
         self.allocated = np.zeros(config.max_reqs, dtype=bool)
         self.cut = np.zeros(config.max_reqs, dtype=bool)  # rows trimmed / committed (freed)
+        self.ring_admitted = np.zeros(config.max_reqs, dtype=bool)  # ring admits of this step
         self.pending = None  # rows released in an open free group (set by FreeGroup)
         self.release_parts: list[np.ndarray] = []
         self.alloc_parts: list[np.ndarray] = []
@@ -167,6 +168,7 @@ class StepBuilder(ReleasePlanning, HandlePlanning):
         out[0, AL_N_PAGES] = n_ring
         self.pages_allocated["swa"] += n_ring
         self.allocated[row] = True
+        self.ring_admitted[row] = True
         self.alloc_parts.append(out)
 
     def extend(self, rows: np.ndarray, n_tokens, what: str = "alloc_extend",
@@ -179,6 +181,10 @@ class StepBuilder(ReleasePlanning, HandlePlanning):
         n_tokens = as_counts(n_tokens, len(rows), f"{what} token counts")
         if self.allocated[rows].any():
             r = int(rows[self.allocated[rows]][0])
+            if self.ring_admitted[r]:
+                raise OverlapError(
+                    f"{what}: request {r} is admitted in this step (ring mode): its ring pages "
+                    "are written by this step, so it allocates from the next step on")
             raise OverlapError(f"{what}: request {r} already allocates in this step; "
                                "merge its tokens into one call")
         spec = led.spec_steps[rows]

@@ -143,3 +143,22 @@ def test_random_blocks_equal_the_same_work_done_by_step(ops):
         assert err_a == err_b
         same_device(a, b)
         a.check_integrity()
+
+
+def test_ring_mode_admit_then_extend_in_one_block_is_refused_with_the_reason():
+    """Ring mode: a request admitted in a step gets its ring pages from that step, so it
+    allocates from the next step on (the refusal says so; nothing is admitted)."""
+    cfg = ga.AllocatorConfig(page_size=4, num_full_pages=32, num_swa_pages=24, max_reqs=2,
+                             max_context_len=32, sliding_window=4, swa_ring_pages=3,
+                             device="cpu", backend="torch")
+    a = ga.HybridAllocator(cfg)
+    with pytest.raises(ga.OverlapError, match="allocates from the next step"):
+        with a.scheduler_step() as it:
+            r = it.admit()
+            it.extend([r], [5])
+    assert a.n_live == 0
+    with a.scheduler_step() as it:
+        r = it.admit()
+    with a.scheduler_step() as it:
+        it.extend([r], [5])
+    assert a.seq_len(r) == 5
