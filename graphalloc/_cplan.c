@@ -71,6 +71,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     /* config (graphalloc/config.py) */
+    int ps_shift;               /* log2(page_size) when it is a power of two, else -1 */
     int64_t ps, max_reqs, ring_pages, window, max_ctx, max_tok_row, row_cap, max_rel_rows,
         max_step_pages, max_alloc_rows, max_step_tokens, nf, ns, ppr, n_ref_rows;
     int n_bufs;
@@ -118,15 +119,24 @@ typedef struct {
 
 static PyObject *S_head, *S_n_free;
 
-static inline int64_t ceil_div(int64_t a, int64_t b) {
-    /* a >= 0, b > 0 */
-    return (a + b - 1) / b;
-}
-
 static inline int64_t pmod(int64_t a, int64_t m) {
     int64_t r = a % m;
     return r < 0 ? r + m : r;
 }
+
+/* Page arithmetic on non-negative positions: shifts for a power-of-two page size (a 64-bit
+ * division costs tens of cycles, and a step does several per row). */
+#define PDIV(P, a) ((P)->ps_shift >= 0 ? (a) >> (P)->ps_shift : (a) / (P)->ps)
+#define PCEIL(P, a) PDIV(P, (a) + (P)->ps - 1)
+#define PFLOOR(P, a) ((P)->ps_shift >= 0 ? (a) & ~((P)->ps - 1) : (a) / (P)->ps * (P)->ps)
+/* the residue in [0, ps) of any position (a negative one too) */
+#define PMOD(P, a) ((P)->ps_shift >= 0 ? (a) & ((P)->ps - 1) : pmod(a, (P)->ps))
+
+/* x mod m for the ring positions of a valid ledger (x < 2m) without a division. */
+static inline int64_t wrap(int64_t x, int64_t m) {
+    return x < m ? x : (x < 2 * m ? x - m : x % m);
+}
+
 
 /* ---- undo log (phase B) ----------------------------------------------------------------- */
 static int undo_reserve(Planner *P, Py_ssize_t extra) {
@@ -283,13 +293,13 @@ static int add_release(Planner *P, Step *S, int64_t r, int64_t start_pos, int64_
         row[REL_N_PAGES] = n;
         row[REL_FLAGS] = flags;
         if (flags & (REL_SWA | REL_RING_RETURN)) {
-            row[REL_SWA_PUSH] = (S->swa_head + S->swa_free) % P->ns;
+            row[REL_SWA_PUSH] = wrap(S->swa_head + S->swa_free, P->ns);
             S->swa_free += n; S->freed_swa += n;
         } else {
             row[REL_SWA_PUSH] = 0;
         }
         if (flags & REL_FULL) {
-            row[REL_FULL_PUSH] = (S->full_head + S->full_free) % P->nf;
+            row[REL_FULL_PUSH] = wrap(S->full_head + S->full_free, P->nf);
             S->full_free += n; S->freed_full += n;
         } else {
             row[REL_FULL_PUSH] = 0;
@@ -385,8 +395,8 @@ static int drop_emit(Planner *P, Step *S, Py_ssize_t m, int64_t *swa_freed) {
         memcpy(P->ex_ord, tmp, (size_t)n_keep * sizeof(int64_t));
     }
     /* pass 3 (_emit): segments of consecutive pages of one row with one action */
-    int64_t full_tail = (S->full_head + S->full_free) % P->nf;
-    int64_t swa_tail = (S->swa_head + S->swa_free) % P->ns;
+    int64_t full_tail = wrap(S->full_head + S->full_free, P->nf);
+    int64_t swa_tail = wrap(S->swa_head + S->swa_free, P->ns);
     Py_ssize_t n_seg = 0;
     for (Py_ssize_t q = 0; q < n_keep; q++) {
         Py_ssize_t j = P->ex_ord[q];
@@ -412,9 +422,9 @@ static int drop_emit(Planner *P, Step *S, Py_ssize_t m, int64_t *swa_freed) {
         Py_ssize_t j = P->ex_ord[q];
         int act = P->ex_act[j];
         int64_t page = P->ex_pg[j];
-        if (act != ACT_SWA) set32(P, &P->full_ring[(full_tail + fi++) % P->nf], (int32_t)page);
+        if (act != ACT_SWA) set32(P, &P->full_ring[wrap(full_tail + fi++, P->nf)], (int32_t)page);
         if (act != ACT_FULL)
-            set32(P, &P->swa_ring[(swa_tail + si++) % P->ns], P->swa_of[page]);
+            set32(P, &P->swa_ring[wrap(swa_tail + si++, P->ns)], P->swa_of[page]);
     }
     for (Py_ssize_t q = 0; q < n_keep; q++) {
         Py_ssize_t j = P->ex_ord[q];
@@ -474,6 +484,9 @@ static int Planner_init(Planner *P, PyObject *args, PyObject *kwds) {
     P->max_step_pages = v[8]; P->max_alloc_rows = v[9]; P->max_step_tokens = v[10];
     P->nf = v[11]; P->ns = v[12]; P->ppr = v[13]; P->n_ref_rows = v[14];
     P->n_bufs = (int)v[15];
+    P->ps_shift = -1;
+    if (P->ps > 0 && (P->ps & (P->ps - 1)) == 0)
+        for (P->ps_shift = 0; ((int64_t)1 << P->ps_shift) < P->ps; P->ps_shift++) {}
     if (P->ps < 1 || P->max_reqs < 1 || P->nf < 1 || P->ns < 1 || P->row_cap < 1 ||
         P->n_bufs < 1 || P->ppr < 1) {
         PyErr_SetString(PyExc_ValueError, "compiled planner: bad config");
@@ -699,7 +712,7 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
     if (check_rows(P, &A_rel, F_REL)) { S.refusal = R_ROWS; goto refused_early; }
     for (Py_ssize_t i = 0; i < A_rel.n; i++) {
         int64_t r = A_rel.v[i];
-        int64_t end_page = ceil_div(P->seq[r], P->ps);
+        int64_t end_page = PCEIL(P, P->seq[r]);
         if (end_page > P->ppr) { S.refusal = R_MIRROR; goto refused_early; }
         n_exam += end_page;
     }
@@ -720,11 +733,11 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
         P->flags[r] |= F_EV;
         int64_t thr = P->seq[r] - P->window;
         if (thr < 0) thr = 0;
-        thr = thr / P->ps * P->ps;
+        thr = PFLOOR(P, thr);
         int64_t nfr = P->front[r] > thr ? P->front[r] : thr;
         P->ev_front[r] = nfr;
         P->nfront[r] = nfr;
-        n_exam += (nfr - P->front[r]) / P->ps;
+        n_exam += PDIV(P, nfr - P->front[r]);
     }
     /* advance: aligned, forward only, inside the whole committed pages at the step's start */
     if (adv_given) {
@@ -734,10 +747,10 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
             int64_t r = A_advr.v[i], pos = A_advp.v[i];
             int64_t old = (P->flags[r] & F_EV) ? P->nfront[r] : P->front[r];
             if (has_tail(P, r)) { S.refusal = R_SPECULATIVE; goto refused_early; }
-            if (pmod(pos, P->ps) != 0 || pos < old || pos > P->seq[r] / P->ps * P->ps)
+            if (PMOD(P, pos) != 0 || pos < old || pos > PFLOOR(P, P->seq[r]))
                 { S.refusal = R_POSITIONS; goto refused_early; }
             P->nfront[r] = pos;
-            n_exam += (pos - old) / P->ps;
+            n_exam += PDIV(P, pos - old);
         }
     }
     /* decode: one committed token per row */
@@ -748,7 +761,7 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
             int64_t r = A_dec.v[i], start = P->seq[r];
             if (has_tail(P, r)) { S.refusal = R_SPECULATIVE; goto refused_early; }
             if (start + 1 > P->max_ctx || 1 > P->max_tok_row) { S.refusal = R_LENGTH; goto refused_early; }
-            need_dec += ceil_div(start + 1, P->ps) - ceil_div(start, P->ps);
+            need_dec += PMOD(P, start) == 0;  /* a new page where the position starts one */
         }
         n_tok_total += n_dec;
         n_alloc_rows += n_dec;
@@ -768,7 +781,7 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
             if (n < 0) { S.refusal = R_INPUT; goto refused_early; }
             if (has_tail(P, r)) { S.refusal = R_SPECULATIVE; goto refused_early; }
             if (n > P->max_tok_row || start + n > P->max_ctx) { S.refusal = R_LENGTH; goto refused_early; }
-            need_ext += ceil_div(start + n, P->ps) - ceil_div(start, P->ps);
+            need_ext += PCEIL(P, start + n) - PCEIL(P, start);
             n_tok_total += n;
             n_alloc_rows += n > 0;
         }
@@ -784,7 +797,7 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
                 int64_t r = rows->v[i];
                 int64_t n = pass ? A_extn.v[i] : 1;
                 int64_t f = (P->flags[r] & (F_EV | F_ADV)) ? P->nfront[r] : P->front[r];
-                if (ceil_div(P->seq[r] + n, P->ps) - f / P->ps > P->ring_pages)
+                if (PCEIL(P, P->seq[r] + n) - PDIV(P, f) > P->ring_pages)
                     { S.refusal = R_RING; goto refused_early; }
             }
         }
@@ -803,9 +816,9 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
                 for (Py_ssize_t i = 0; i < A_rel.n; i++) {
                     int64_t r = A_rel.v[i], f = P->front[r], p = P->prot[r];
                     int rc;
-                    if (part == 0) rc = add_release(P, &S, r, p, (f - p) / P->ps, REL_FULL);
+                    if (part == 0) rc = add_release(P, &S, r, p, PDIV(P, f - p), REL_FULL);
                     else if (part == 1)
-                        rc = add_release(P, &S, r, f, ceil_div(P->seq[r], P->ps) - f / P->ps,
+                        rc = add_release(P, &S, r, f, PCEIL(P, P->seq[r]) - PDIV(P, f),
                                          REL_FULL | REL_CLEAR);
                     else rc = add_release(P, &S, r, 0, P->ring_pages, REL_RING_RETURN);
                     n_written = S.n_rel;
@@ -813,9 +826,9 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
                 }
         } else {  /* drop FULL [0, L) and SWA [f, L) */
             for (Py_ssize_t i = 0; i < A_rel.n; i++) {
-                int64_t r = A_rel.v[i], end_page = ceil_div(P->seq[r], P->ps);
+                int64_t r = A_rel.v[i], end_page = PCEIL(P, P->seq[r]);
                 P->d_rows[i] = r; P->d_flo[i] = 0; P->d_fhi[i] = end_page;
-                P->d_slo[i] = P->front[r] / P->ps; P->d_shi[i] = end_page;
+                P->d_slo[i] = PDIV(P, P->front[r]); P->d_shi[i] = end_page;
             }
             int64_t dummy;
             int rc = drop_emit(P, &S, A_rel.n, &dummy);
@@ -843,17 +856,17 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
             for (Py_ssize_t i = 0; i < m; i++) {
                 int64_t r = rows[i];
                 int64_t old = P->front[r], new_pos = pass ? A_advp.v[i] : P->ev_front[r];
-                int rc = add_release(P, &S, r, old, (new_pos - old) / P->ps, REL_CLEAR);
+                int rc = add_release(P, &S, r, old, PDIV(P, new_pos - old), REL_CLEAR);
                 n_written = S.n_rel;
                 if (rc) goto refused;
-                freed += (new_pos - old) / P->ps;
+                freed += PDIV(P, new_pos - old);
             }
         } else {  /* drop the SWA references of [old, new) */
             for (Py_ssize_t i = 0; i < m; i++) {
                 int64_t r = rows[i];
                 int64_t new_pos = pass ? A_advp.v[i] : P->ev_front[r];
                 P->d_rows[i] = r; P->d_flo[i] = 0; P->d_fhi[i] = 0;
-                P->d_slo[i] = P->front[r] / P->ps; P->d_shi[i] = new_pos / P->ps;
+                P->d_slo[i] = PDIV(P, P->front[r]); P->d_shi[i] = PDIV(P, new_pos);
             }
             int rc = drop_emit(P, &S, m, &freed);
             n_written = S.n_rel;
@@ -883,12 +896,12 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
                 int64_t end = start + n;
                 res_r[n_res] = r; res_f[n_res] = lane; res_n[n_res] = n; n_res++;
                 if (n > 0) {
-                    int64_t first_page = ceil_div(start, P->ps);
-                    int64_t n_pages = ceil_div(end, P->ps) - first_page;
+                    int64_t first_page = PCEIL(P, start);
+                    int64_t n_pages = PCEIL(P, end) - first_page;
                     int64_t *row = al + n_al * ROW_WIDTH;
                     row[AL_REQ] = r; row[AL_START_POS] = start; row[AL_N_TOKENS] = n;
-                    row[AL_FULL_POP] = fpos % P->nf;
-                    row[AL_SWA_POP] = ring ? 0 : spos % P->ns;
+                    row[AL_FULL_POP] = fpos;  /* kept in [0, capacity) */
+                    row[AL_SWA_POP] = ring ? 0 : spos;
                     row[AL_OUT] = lane;
                     row[AL_FLAGS] = ring ? AL_RING : 0;
                     row[AL_N_PAGES] = n_pages;
@@ -896,16 +909,16 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
                     if (!ring) {  /* _hold_new_pages: the mirror of the pops, one ref each */
                         int32_t *prow = P->page_of + r * P->ppr + first_page;
                         for (int64_t j = 0; j < n_pages; j++) {
-                            int32_t fp = P->full_ring[(fpos + j) % P->nf];
-                            int32_t sp = P->swa_ring[(spos + j) % P->ns];
+                            int32_t fp = P->full_ring[wrap(fpos + j, P->nf)];
+                            int32_t sp = P->swa_ring[wrap(spos + j, P->ns)];
                             prow[j] = fp;
                             P->swa_of[fp] = sp;
                             P->full_ref[fp] = 1;
                             P->swa_ref[sp] = 1;
                         }
-                        spos += n_pages;
+                        spos = wrap(spos + n_pages, P->ns);
                     }
-                    fpos += n_pages;
+                    fpos = wrap(fpos + n_pages, P->nf);
                     lane += n;
                 }
                 P->seq[r] = end;
@@ -913,10 +926,10 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
             }
         }
         int64_t need = need_dec + need_ext;
-        S.full_head = (S.full_head + need) % P->nf;
+        S.full_head = wrap(S.full_head + need, P->nf);
         S.full_free -= need;
         if (!ring) {
-            S.swa_head = (S.swa_head + need) % P->ns;
+            S.swa_head = wrap(S.swa_head + need, P->ns);
             S.swa_free -= need;
         }
         /* rows past this step's, up to what the buffer held before: padding again */

@@ -165,15 +165,17 @@ class _Slot:
     def held(self, bound: bool) -> bool:
         """Whether anything outside this slot (and the compiled planner's binding) holds
         one of its objects: then it must not be rewritten."""
+        # Counts with no local names bound to the objects: the argument of getrefcount is
+        # the only temporary reference.
         rc = sys.getrefcount
-        result = self.result
-        if rc(self.planned) > 2 or rc(result) > 2 + (self.planned.result is result):
-            return True
-        if rc(result.rows) > 2 or rc(result.first_lane) > 2 or rc(result.n_tokens) > 2:
-            return True
-        limit = 3 + bound  # the tuple, the result's view, the argument (+ the binding)
-        b0, b1, b2 = self.bases
-        return rc(b0) > limit or rc(b1) > limit or rc(b2) > limit
+        if rc(self.planned) > 2 or rc(self.result) > 2 + (self.planned.result is self.result):
+            return True  # (the slot, the planned step's result, the argument)
+        if rc(self.result.rows) > 2 or rc(self.result.first_lane) > 2 or (
+                rc(self.result.n_tokens) > 2):
+            return True  # (the result's attribute, the argument)
+        limit = 3 + bound  # the tuple, the result's view, the argument (+ the C binding)
+        bases = self.bases
+        return rc(bases[0]) > limit or rc(bases[1]) > limit or rc(bases[2]) > limit
 
 
 class FastPlanner:
@@ -192,7 +194,7 @@ class FastPlanner:
             cfg.max_reqs + cfg.max_handles, len(ring))
         self._ledger = None
         self._refs = None
-        self._ledger_ok = False
+        self._ledger_ok = self._refs_ok = False
         self._n_rows = cfg.max_reqs
         self._slots: list[list[_Slot]] = [[] for _ in range(len(ring))]
         self._bound: list[_Slot | None] = [None] * len(ring)
@@ -214,17 +216,21 @@ class FastPlanner:
 
     # ---- binding ---------------------------------------------------------------------------
     def _bind_ledger(self, led) -> None:
-        self._ledger, self._refs, self._ledger_ok = led, led.refs, False
-        c = self._c
+        """Bind the C planner to ``led``'s arrays (after the numpy planner committed a new
+        ledger; the page mirror, shared by every copy, only when it changed). ~1 us."""
+        c, refs = self._c, led.refs
+        self._ledger, self._ledger_ok = led, False
         try:
             c.bind_ledger(led.live, led.seq_len, led.frontier, led.protected,
                           getattr(led, "committed", None), getattr(led, "spec_steps", None))
-            refs = led.refs
-            if refs is None:
-                c.bind_refs(None)
-            else:
-                c.bind_refs(refs.page_of, refs.swa_of, refs.full_ring, refs.swa_ring,
-                            refs.full_ref, refs.swa_ref)
+            if refs is not self._refs or not self._refs_ok:
+                self._refs, self._refs_ok = refs, False
+                if refs is None:
+                    c.bind_refs(None)
+                else:
+                    c.bind_refs(refs.page_of, refs.swa_of, refs.full_ring, refs.swa_ring,
+                                refs.full_ref, refs.swa_ref)
+                self._refs_ok = True
         except (ValueError, BufferError, TypeError):
             return  # a ledger of other arrays (a foreign copy): the numpy planner plans
         self._ledger_ok = True
