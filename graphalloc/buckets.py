@@ -100,7 +100,9 @@ class GridPolicy:
         growth: ratio between consecutive row buckets (an int >= 2); ``None`` for one
             bucket per table, the frozen maximum (every step on the full grid).
         long_programs: programs a long allocation row is spread over (divided among the
-            bucket's rows, at least one per row); 0 turns chunking off.
+            bucket's rows, at least one per row); 0 turns chunking off. 64 by measurement
+            (H200, ``benchmarks/results/grid_h200``): a 4,096-token prefill row took 8.9 us
+            of GPU time over 64 programs (one token block each), 11.9 us over 128.
         block_tokens: token lanes per block of the allocation kernel (its
             ``BLOCK_TOKENS``).
 
@@ -108,7 +110,7 @@ class GridPolicy:
     rows; ``shapes()`` contains every grid ``bucket`` can return.
     """
 
-    def __init__(self, config, *, growth: int | None = 4, long_programs: int = 256,
+    def __init__(self, config, *, growth: int | None = 4, long_programs: int = 64,
                  block_tokens: int = 64):
         if growth is not None and (isinstance(growth, bool) or not isinstance(growth, int)
                                    or growth < 2):
