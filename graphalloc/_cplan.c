@@ -91,11 +91,11 @@ typedef struct {
     uint8_t *buf_bound;
     /* scratch */
     uint8_t *flags;
-    int64_t *ev_front;          /* the window rule's frontier of an evicted row */
-    int64_t *nfront;            /* frontier after this step's evict / advance, per row */
+    int64_t *ev_front;          /* the window rule's new frontier of ev_rows[i] */
+    int64_t *nfront;            /* an advanced row's new frontier, per row */
     int64_t *args[7];           /* copies of list / strided arguments */
     int64_t *saved_rel;         /* release rows overwritten in phase B (for a rollback) */
-    int64_t *ev_rows;           /* evict_all's rows */
+    int64_t *ev_rows;           /* the evicted rows whose frontier moves */
     int64_t *d_rows, *d_flo, *d_fhi, *d_slo, *d_shi;  /* one drop call's per-row ranges */
     uint32_t *stamp; uint32_t gen;  /* first-occurrence marks per FULL page */
     int64_t *ex_r, *ex_k, *ex_pg, *ex_sp, *ex_ord; uint8_t *ex_act; Py_ssize_t ex_cap;
@@ -617,6 +617,19 @@ static inline int has_tail(Planner *P, int64_t r) {
     return 0;
 }
 
+/* min(L, C): the committed length (C == L without speculation). */
+static inline int64_t committed_len(const Planner *P, int64_t r) {
+    return P->comm && P->comm[r] < P->seq[r] ? P->comm[r] : P->seq[r];
+}
+
+/* The window rule (release_rows.window_frontier): floor_page(max(f, min(L, C) - W)), L the
+ * length when the step began (a row is evicted before anything allocates for it). */
+static inline int64_t window_front(const Planner *P, int64_t r) {
+    int64_t thr = committed_len(P, r) - P->window;
+    thr = thr < 0 ? 0 : PFLOOR(P, thr);
+    return P->front[r] > thr ? P->front[r] : thr;
+}
+
 /* Rows of one operation: in range, live, not released in this step, each once. */
 static int check_rows(Planner *P, const IntArg *a, uint8_t bit) {
     for (Py_ssize_t i = 0; i < a->n; i++) {
@@ -716,28 +729,30 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
         if (end_page > P->ppr) { S.refusal = R_MIRROR; goto refused_early; }
         n_exam += end_page;
     }
-    /* evict: the window rule on the committed length (== L: no row here has a tail) */
-    const int64_t *ev = NULL;
+    /* evict: the window rule on the committed length. Only rows whose frontier moves are
+     * kept (ev_rows, ev_front): a row with nothing to free writes nothing (drop_actions of an
+     * empty range examines no page). */
+    const int64_t *ev = P->ev_rows;
     Py_ssize_t n_ev = 0;
     if (evict_all) {
-        for (int64_t r = 0; r < P->max_reqs; r++)
-            if (P->live[r] && !(P->flags[r] & F_REL)) P->ev_rows[n_ev++] = r;
-        ev = P->ev_rows;
+        for (int64_t r = 0; r < P->max_reqs; r++) {
+            if (!P->live[r] || (P->flags[r] & F_REL)) continue;
+            P->flags[r] |= F_EV;
+            int64_t nfr = window_front(P, r);
+            if (nfr > P->front[r]) {
+                P->ev_rows[n_ev] = r; P->ev_front[n_ev++] = nfr;
+                n_exam += PDIV(P, nfr - P->front[r]);
+            }
+        }
     } else if (A_ev.present) {
         if (check_rows(P, &A_ev, F_EV)) { S.refusal = R_ROWS; goto refused_early; }
-        ev = A_ev.v; n_ev = A_ev.n;
-    }
-    for (Py_ssize_t i = 0; i < n_ev; i++) {
-        int64_t r = ev[i];
-        if (has_tail(P, r)) { S.refusal = R_SPECULATIVE; goto refused_early; }
-        P->flags[r] |= F_EV;
-        int64_t thr = P->seq[r] - P->window;
-        if (thr < 0) thr = 0;
-        thr = PFLOOR(P, thr);
-        int64_t nfr = P->front[r] > thr ? P->front[r] : thr;
-        P->ev_front[r] = nfr;
-        P->nfront[r] = nfr;
-        n_exam += PDIV(P, nfr - P->front[r]);
+        for (Py_ssize_t i = 0; i < A_ev.n; i++) {
+            int64_t r = A_ev.v[i], nfr = window_front(P, r);
+            if (nfr > P->front[r]) {
+                P->ev_rows[n_ev] = r; P->ev_front[n_ev++] = nfr;
+                n_exam += PDIV(P, nfr - P->front[r]);
+            }
+        }
     }
     /* advance: aligned, forward only, inside the whole committed pages at the step's start */
     if (adv_given) {
@@ -745,9 +760,8 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
         if (per_row(&A_advp, A_advr.n, P->args[3])) { S.refusal = R_INPUT; goto refused_early; }
         for (Py_ssize_t i = 0; i < A_advr.n; i++) {
             int64_t r = A_advr.v[i], pos = A_advp.v[i];
-            int64_t old = (P->flags[r] & F_EV) ? P->nfront[r] : P->front[r];
-            if (has_tail(P, r)) { S.refusal = R_SPECULATIVE; goto refused_early; }
-            if (PMOD(P, pos) != 0 || pos < old || pos > PFLOOR(P, P->seq[r]))
+            int64_t old = (P->flags[r] & F_EV) ? window_front(P, r) : P->front[r];
+            if (PMOD(P, pos) != 0 || pos < old || pos > PFLOOR(P, committed_len(P, r)))
                 { S.refusal = R_POSITIONS; goto refused_early; }
             P->nfront[r] = pos;
             n_exam += PDIV(P, pos - old);
@@ -796,7 +810,8 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
             for (Py_ssize_t i = 0; i < rows->n; i++) {
                 int64_t r = rows->v[i];
                 int64_t n = pass ? A_extn.v[i] : 1;
-                int64_t f = (P->flags[r] & (F_EV | F_ADV)) ? P->nfront[r] : P->front[r];
+                int64_t f = (P->flags[r] & F_ADV) ? P->nfront[r]
+                    : (P->flags[r] & F_EV) ? window_front(P, r) : P->front[r];
                 if (PCEIL(P, P->seq[r] + n) - PDIV(P, f) > P->ring_pages)
                     { S.refusal = R_RING; goto refused_early; }
             }
@@ -855,7 +870,7 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
         if (ring) {  /* the ring pages stay: only clear the mapping */
             for (Py_ssize_t i = 0; i < m; i++) {
                 int64_t r = rows[i];
-                int64_t old = P->front[r], new_pos = pass ? A_advp.v[i] : P->ev_front[r];
+                int64_t old = P->front[r], new_pos = pass ? A_advp.v[i] : P->ev_front[i];
                 int rc = add_release(P, &S, r, old, PDIV(P, new_pos - old), REL_CLEAR);
                 n_written = S.n_rel;
                 if (rc) goto refused;
@@ -864,7 +879,7 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
         } else {  /* drop the SWA references of [old, new) */
             for (Py_ssize_t i = 0; i < m; i++) {
                 int64_t r = rows[i];
-                int64_t new_pos = pass ? A_advp.v[i] : P->ev_front[r];
+                int64_t new_pos = pass ? A_advp.v[i] : P->ev_front[i];
                 P->d_rows[i] = r; P->d_flo[i] = 0; P->d_fhi[i] = 0;
                 P->d_slo[i] = PDIV(P, P->front[r]); P->d_shi[i] = PDIV(P, new_pos);
             }
@@ -873,7 +888,7 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
             if (rc) goto refused;
         }
         for (Py_ssize_t i = 0; i < m; i++)
-            set64(P, &P->front[rows[i]], pass ? A_advp.v[i] : P->ev_front[rows[i]]);
+            set64(P, &P->front[rows[i]], pass ? A_advp.v[i] : P->ev_front[i]);
         S.evicted += freed;
     }
     /* capacity after the frees (a prefix cache's reclaim is the numpy planner's) */

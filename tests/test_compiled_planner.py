@@ -10,10 +10,13 @@ the eager CPU executor having run every step -- the same device tables.
 
 Random sequences cover pool mode with shared pages (handles taken, admitted on, dropped and
 tombstoned interleaved, so later compiled steps free pages with reference counts > 1, and a
-prefix cache reclaiming inside a step), ring mode, page sizes 1, 3, 16 and 64, int32 and
-int64 tables, rows split at ``max_pages_per_row``, every frozen shape exceeded, capacity
-shortage and invalid steps of every kind. A refused step is checked to change nothing, with
-the C planner's own rollback tested directly (not hidden by the numpy fallback).
+prefix cache reclaiming inside a step), speculative decoding interleaved (lookahead decodes
+and commits by the numpy planner: compiled evictions follow the committed length, and a
+plain decode of a row with a speculative tail is refused alike), ring mode, page sizes 1, 3,
+16 and 64, int32 and int64 tables, rows split at ``max_pages_per_row``, every frozen shape
+exceeded, capacity shortage and invalid steps of every kind. A refused step is checked to
+change nothing, with the C planner's own rollback tested directly (not hidden by the numpy
+fallback).
 """
 
 from __future__ import annotations
@@ -202,6 +205,8 @@ def step_args(pair: Pair, rng) -> dict:
             pos = int(target[0])  # one position broadcast to every row
         args["advance"] = (_form(rng, rows), pos)
     room = rest[led.seq_len[rest] < cfg.max_context_len]
+    if rng.random() < 0.9:  # mostly rows without a speculative tail (a plain decode of one
+        room = room[led.spec_steps[room, 0] == 0]  # is refused: commit first)
     decode = _subset(rng, room, 0.7) if rng.random() < 0.8 else room[:0]
     if len(decode):
         args["decode"] = _form(rng, decode)
@@ -244,6 +249,19 @@ def other_op(pair: Pair, rng) -> None:
     if roll < 0.55:
         rel = _subset(rng, live, 0.3)
         pair.apply(lambda a: _group(a, rel))
+        return
+    spec = led.spec_steps
+    if roll < 0.62:  # speculative decoding: later compiled steps see rows with a tail
+        rows = _subset(rng, live[led.seq_len[live] < cfg.max_context_len - 8], 0.5)
+        if len(rows):
+            k = int(rng.integers(0, 4))
+            pair.apply(lambda a: a.step(evict_all=True, decode=rows, lookahead=k))
+        return
+    if roll < 0.68:
+        rows = live[spec[live, 0] > 0]
+        if len(rows):
+            n = [int(rng.integers(0, s + 1)) for s in spec[rows, 0]]
+            pair.apply(lambda a: a.step(commit=(rows, n), evict_all=True))
         return
     if led.n_handles == 0 or cfg.ring_mode:
         pair.apply(lambda a: a.evict_window())
@@ -367,6 +385,40 @@ def test_an_eviction_frees_around_pages_another_window_still_holds():
     pair.compare(device=True)
     buf = pair.ref.ring.np_bufs[(pair.ref.steps_run - 1) % len(pair.ref.ring)]
     assert buf[:2, 1].tolist() == [0, 4 * ps] and buf[:2, 2].tolist() == [2, 2]
+    assert pair.fast.audit() == []
+
+
+@pytest.mark.parametrize("name", ["pool-ps16-shared", "ring-ps16"])
+def test_rows_with_a_speculative_tail(name):
+    """Rows with speculative steps in flight (the numpy planner's lookahead decodes): the
+    compiled steps evict them by the committed length, refuse a frontier past it, release
+    them (committed and spec_steps zeroed) and decode the other rows."""
+    pair = Pair(name)
+    ps, w = pair.cfg.page_size, pair.cfg.sliding_window
+    a, _ = pair.apply(lambda x: x.admit())
+    b, _ = pair.apply(lambda x: x.admit())
+    for _ in range(-(-(w + 3 * ps) // 24)):
+        pair.apply(lambda x: x.step(evict_all=True, extend=([a, b], [24, 24])))
+    fast = pair.fast._fast
+    for k in (3, 2):  # two speculative steps in flight on a
+        pair.apply(lambda x, k=k: x.step(evict_all=True, decode=[a], lookahead=k))
+    assert pair.ref.spec_len(a) == 7
+    n = fast.n_planned
+    for _ in range(2 * ps):  # a's window follows C while b decodes
+        pair.apply(lambda x: x.step(evict_all=True, decode=[b]))
+        pair.compare()
+    assert fast.n_planned == n + 2 * ps
+    c = pair.ref.committed_len(a)
+    limit = c // ps * ps
+    _, err = pair.apply(lambda x: x.step(advance=([a], [limit + ps])))
+    assert err is not None and fast.last_refusal == fast_plan._cplan.R_POSITIONS
+    pair.apply(lambda x: x.step(advance=([a], [limit]), decode=[b]))
+    assert fast.last_refusal == 0
+    _, err = pair.apply(lambda x: x.step(decode=[a]))  # a plain decode of a tail: refused
+    assert err is not None and err.__name__ == "SpeculativeStateError"
+    pair.apply(lambda x: x.step(release=[a], evict_all=True, decode=[b]))
+    assert fast.last_refusal == 0
+    pair.compare(device=True)
     assert pair.fast.audit() == []
 
 
