@@ -612,3 +612,23 @@ def test_planner_argument(monkeypatch):
     monkeypatch.setattr(fast_plan, "AVAILABLE", False)
     with pytest.raises(ConfigError, match="unavailable"):
         HybridAllocator(cfg, planner="compiled")
+
+
+def test_benchmark_quick_run(tmp_path):
+    """benchmarks/bench_planner.py --quick: both planners, the same descriptors, no step
+    handed back to the numpy planner, both outputs written."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_planner.py"),
+                           "--quick", "--device", "cpu", "--out", str(out)], cwd=root,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["bench_planner.json", "bench_planner.md"]
+    res = json.loads((out / "bench_planner.json").read_text())
+    for row in res["results"]:
+        assert row["identical"] and row["compiled"]["fallbacks"] == 0
+        assert row["compiled"]["plan_us"]["p50"] > 0 and row["numpy"]["plan_us"]["p50"] > 0
