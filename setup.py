@@ -35,6 +35,6 @@ class OptionalBuildExt(build_ext):
 
 setup(
     ext_modules=[Extension("graphalloc._cplan", sources=["graphalloc/_cplan.c"],
-                           extra_compile_args=["-O2"], optional=True)],
+                           extra_compile_args=["-O3"], optional=True)],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -612,7 +612,7 @@ static int set_ring(PyObject *ring, int64_t head, int64_t n_free) {
 
 /* A row of a speculative tail, the window rule's length (C), per the ledger's arrays. */
 static inline int has_tail(Planner *P, int64_t r) {
-    if (P->comm && P->comm[r] != P->seq[r]) return 1;
+    if (P->comm) return P->comm[r] != P->seq[r];  /* L == C + the speculative steps */
     if (P->spec) for (int j = 0; j < P->spec_depth; j++) if (P->spec[r * P->spec_depth + j]) return 1;
     return 0;
 }
