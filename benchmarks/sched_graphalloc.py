@@ -1,13 +1,12 @@
 """graphalloc's side of the scheduler benchmark: one allocator step per scheduler iteration.
 
 :class:`GraphallocDriver` replays a :class:`sched_workload.TraceStep` through the public
-API only, as ONE ``alloc.scheduler_step()`` block per iteration::
+API only, as ONE ``alloc.step(...)`` per iteration (the compiled planner's fast path;
+``api="context"`` uses one ``alloc.scheduler_step()`` block instead, the numpy planner)::
 
-    with alloc.scheduler_step() as it:
-        it.release(rows)  it.evict(rows)           frees (window rule for the evictions)
-        row = it.admit()                           rows of new requests, reserved
-        it.decode(rows)   it.extend(rows, chunks)  allocations
-    # block end: ONE plan of all of it, then ONE executor call: one CUDA-graph replay
+    row = alloc.admit()                            rows of new requests (host only, O(1))
+    alloc.step(release=rows, evict=rows,           frees (window rule for the evictions)
+               decode=rows, extend=(rows, chunks)) allocations: ONE plan, ONE replay
 
 The executor is graphalloc's :class:`~graphalloc.StepGraph` subclassed only to put the
 benchmark's clock (CUDA events) around its ``execute`` -- the replay alone, planning
@@ -199,8 +198,12 @@ class GraphallocDriver:
     ``PlannedStep``; ``plan_ns``: the last step's planning alone (from the block's end to
     the executor call)."""
 
-    def __init__(self, cfg, *, n_requests: int, tables: bool = False):
+    def __init__(self, cfg, *, n_requests: int, tables: bool = False, api: str = "step"):
         from graphalloc import HybridAllocator
+
+        if api not in ("step", "context"):
+            raise ValueError(f"api must be 'step' or 'context', got {api!r}")
+        self.api = api
 
         timed_graph, tables_executor = _executors()
         self.name = "graphalloc_tables" if tables else "graphalloc"
@@ -221,6 +224,8 @@ class GraphallocDriver:
         self.plan_ns = 0
 
     def step(self, st, clock) -> None:
+        if self.api == "step":
+            return self._step_call(st, clock)
         alloc, row_of, ex = self.alloc, self.row_of, self.executor
         ex.clock = clock
         with alloc.scheduler_step() as it:
@@ -241,6 +246,27 @@ class GraphallocDriver:
                 ex.batch = (parts[0] if len(parts) == 1 else np.concatenate(parts) if parts
                             else _NO_ROWS)
             t_body = time.perf_counter_ns()
+        self.plan_ns = ex.t_exec - t_body
+        ex.clock = _NO_CLOCK
+        if len(st.release):
+            row_of[st.release] = -1
+
+    def _step_call(self, st, clock) -> None:
+        """The iteration as admits (host only) and ONE ``alloc.step``."""
+        alloc, row_of, ex = self.alloc, self.row_of, self.executor
+        ex.clock = clock
+        for rid in st.admit.tolist():
+            row_of[rid] = alloc.admit()
+        decode = row_of[st.decode] if len(st.decode) else None
+        extend = row_of[st.extend_ids] if len(st.extend_ids) else None
+        if self.tables is not None:
+            parts = [a for a in (decode, extend) if a is not None]
+            ex.batch = (parts[0] if len(parts) == 1 else np.concatenate(parts) if parts
+                        else _NO_ROWS)
+        t_body = time.perf_counter_ns()
+        alloc.step(release=row_of[st.release] if len(st.release) else None,
+                   evict=row_of[st.evict] if len(st.evict) else None, decode=decode,
+                   extend=None if extend is None else (extend, st.extend_n))
         self.plan_ns = ex.t_exec - t_body
         ex.clock = _NO_CLOCK
         if len(st.release):

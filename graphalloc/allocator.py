@@ -188,15 +188,18 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
         cfg = self.config
         taken = self.ledger.live if self._group is None else self.ledger.live | self._group.pending
         free_rows = np.flatnonzero(~taken)
-        if handle is None and not cfg.ring_mode:  # nothing for the device to do
+        if handle is None and not cfg.ring_mode:  # nothing for the device to do: O(1) host
             self._refuse_planning()
             if len(free_rows) == 0:
                 raise CapacityError(f"all {cfg.max_reqs} request rows are in use; release one "
                                     "first")
-            b = self._builder()
-            b.admit(int(free_rows[0]))
-            self._commit(b)
-            return int(free_rows[0])
+            row, led = int(free_rows[0]), self.ledger
+            led.live[row] = led.admitted_once[row] = True  # in place: an empty request
+            led.seq_len[row] = led.frontier[row] = led.protected[row] = led.committed[row] = 0
+            led.spec_steps[row] = 0
+            if self._group is not None:
+                self._group.sync_rows(np.array([row], dtype=np.int64))
+            return row
 
         def op(b):
             if len(free_rows) == 0:
