@@ -17,7 +17,7 @@ allocator frees positions below ``floor_page(L - W_alloc)`` at that step
 never frees a position the model still reads. It is the same off-by-one
 SGLang's models apply (``sliding_window - 1``).
 
-Paged K/V (one cache per layer kind, all float32)::
+Paged K/V (one cache per layer kind, in the model's dtype)::
 
     full_k/full_v  [n_full_layers, (num_full_pages + 1) * ps, n_kv_heads, head_dim]
     swa_k/swa_v    [n_swa_layers,  (num_swa_pages + 1) * ps,  n_kv_heads, head_dim]
@@ -31,7 +31,19 @@ unmasked. Every read is a fixed-shape gather, so the forward can be captured.
 Slot ``page * ps + off`` of a cache is offset ``off`` of page ``page``, so one layer's
 cache viewed as ``[n_pages + 1, ps, n_kv_heads, head_dim]`` (``cache.view(-1, ps, Hkv,
 D)``, no copy) is the page-indexed layout the paged decode attention kernel reads
-(``graphalloc.kernels.paged_attention``; ``paged_decode.TableAttention``).
+(``graphalloc.kernels.paged_attention``; ``paged_decode.TableAttention``), and FlashInfer's
+NHD paged layout (``paged_decode.FlashInferAttention``).
+
+Half precision (``TinyHybridLM(..., dtype=torch.float16)`` or ``bfloat16``): weights, K/V
+caches and activations in that dtype, and the math follows what transformers' Qwen2 does in
+it, op for op, so that greedy tokens can agree: RMSNorm in float32 and cast back before the
+weight (``Qwen2RMSNorm``), rotary cos/sin computed in float32 on the model's device and cast
+to the dtype, attention scores and softmax in float32 with the probabilities cast to the
+dtype for the product with V (what SDPA's fused kernels do), everything else (linear layers,
+SwiGLU, residual adds, logits) in the dtype. In float32 every one of these is the float32
+computation of before, bit for bit. :func:`to_transformers` casts the reference's
+parameters only (``Module.to(dtype)`` would also round its rotary ``inv_freq`` buffer to
+the dtype, which loading with ``from_pretrained(dtype=...)`` does not do).
 """
 
 from __future__ import annotations
@@ -42,9 +54,10 @@ import math
 import torch
 
 __all__ = ["ModelConfig", "PagedKV", "KeyTable", "TinyHybridLM", "allocator_window",
-           "random_weights", "to_transformers"]
+           "random_weights", "to_transformers", "DTYPES"]
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def allocator_window(model_window: int) -> int:
@@ -97,9 +110,10 @@ class ModelConfig:
     def n_full_layers(self) -> int:
         return self.layer_types.count(FULL)
 
-    def kv_bytes_per_token_layer(self) -> int:
-        """K and V of one token in one layer (float32)."""
-        return 2 * self.num_kv_heads * self.head_dim * 4
+    def kv_bytes_per_token_layer(self, elt_bytes: int = 4) -> int:
+        """K and V of one token in one layer (``elt_bytes`` per element: 4 for float32,
+        2 for float16 / bfloat16)."""
+        return 2 * self.num_kv_heads * self.head_dim * elt_bytes
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -139,14 +153,17 @@ class PagedKV:
     """The model's paged K/V caches, allocated once (their addresses are captured).
 
     ``n_full_slots`` / ``n_swa_slots`` are the allocator's pool sizes in slots,
-    sink page included: ``(num_*_pages + 1) * page_size``.
+    sink page included: ``(num_*_pages + 1) * page_size``; ``dtype`` the model's.
     """
 
-    def __init__(self, cfg: ModelConfig, n_full_slots: int, n_swa_slots: int, device):
+    def __init__(self, cfg: ModelConfig, n_full_slots: int, n_swa_slots: int, device,
+                 dtype: torch.dtype = torch.float32):
         shape = (cfg.num_kv_heads, cfg.head_dim)
-        self.full_k = torch.zeros(cfg.n_full_layers, n_full_slots, *shape, device=device)
+        self.full_k = torch.zeros(cfg.n_full_layers, n_full_slots, *shape, device=device,
+                                  dtype=dtype)
         self.full_v = torch.zeros_like(self.full_k)
-        self.swa_k = torch.zeros(cfg.n_swa_layers, n_swa_slots, *shape, device=device)
+        self.swa_k = torch.zeros(cfg.n_swa_layers, n_swa_slots, *shape, device=device,
+                                 dtype=dtype)
         self.swa_v = torch.zeros_like(self.swa_k)
 
 
@@ -174,8 +191,11 @@ class KeyTable:
 
 
 def _rms_norm(x, weight, eps):
-    var = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(var + eps))
+    """Qwen2RMSNorm: normalised in float32, cast back to ``x``'s dtype, then the weight (a
+    no-op cast in float32)."""
+    h = x.float()
+    var = h.pow(2).mean(-1, keepdim=True)
+    return weight * (h * torch.rsqrt(var + eps)).to(x.dtype)
 
 
 def _rotate_half(x):
@@ -187,20 +207,30 @@ class TinyHybridLM:
     """The decoder in plain torch, reading and writing K/V through graphalloc's tables.
 
     :meth:`forward` is fixed-shape for fixed input shapes and never synchronises,
-    so a decode step can be captured into a CUDA graph.
+    so a decode step can be captured into a CUDA graph. ``dtype``: float32 (default),
+    float16 or bfloat16 (see the module docstring: the half-precision math follows
+    transformers').
     """
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device,
+                 dtype: torch.dtype = torch.float32):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype}")
         self.cfg = cfg
         self.device = torch.device(device)
-        self.w = {k: v.to(self.device) for k, v in weights.items()}
+        self.dtype = dtype
+        self.w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
         hd = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64)
                                               .float() / hd))
         pos = torch.arange(cfg.max_position).float()
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(self.device), emb.sin().to(self.device)
+        if dtype == torch.float32:  # cos/sin on the CPU, where the float32 reference runs
+            self.cos, self.sin = emb.cos().to(self.device), emb.sin().to(self.device)
+        else:  # on the device in float32, then cast: what transformers does in this dtype
+            emb = emb.to(self.device)
+            self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
         # index of each layer within its kind's cache
         self.kind_index = []
         counts = {SLIDING: 0, FULL: 0}
@@ -282,21 +312,32 @@ def _attend(q, k, v, mask, n_kv_heads: int):
     """Grouped-query attention: ``q`` [B, Q, H, D], ``k``/``v`` [B, K, Hkv, D], ``mask``
     [B, Q, K]. Head h uses KV head ``h // (H / Hkv)`` (transformers' ``repeat_kv``).
     Masked scores become the dtype's minimum, not -inf, so a fully masked (padded) lane
-    stays finite."""
+    stays finite. Scores and softmax in float32; in half precision the probabilities are
+    cast to ``v``'s dtype for the product with V (SDPA's fused kernels do the same); in
+    float32 every cast is a no-op."""
     B, Q, H, D = q.shape
     rep = H // n_kv_heads
     qg = q.view(B, Q, n_kv_heads, rep, D)
-    scores = torch.einsum("bqgrd,bkgd->bgrqk", qg, k) * (D ** -0.5)
+    scores = torch.einsum("bqgrd,bkgd->bgrqk", qg.float(), k.float()) * (D ** -0.5)
     scores = torch.where(mask[:, None, None, :, :], scores, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.einsum("bgrqk,bkgd->bqgrd", probs, v)
     return out.reshape(B, Q, H * D)
 
 
-def to_transformers(cfg: ModelConfig, weights: dict[str, torch.Tensor]):
-    """The matching ``transformers`` ``Qwen2ForCausalLM`` (float32, CPU, eager attention)
-    with ``weights`` loaded strictly. Checked with transformers 5.17 and 5.24."""
+def to_transformers(cfg: ModelConfig, weights: dict[str, torch.Tensor], *, device="cpu",
+                    dtype: torch.dtype = torch.float32, attn_implementation: str = "eager"):
+    """The matching ``transformers`` ``Qwen2ForCausalLM`` with ``weights`` loaded strictly
+    (default: float32, CPU, eager attention). Checked with transformers 5.17 and 5.24.
+
+    ``dtype``: the parameters are cast to it after loading (the rotary ``inv_freq``
+    buffers stay float32, as ``from_pretrained(dtype=...)`` leaves them; ``.to(dtype)``
+    would round them). ``attn_implementation``: ``"eager"`` or ``"sdpa"``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if attn_implementation not in ("eager", "sdpa"):
+        raise ValueError(f"attn_implementation must be 'eager' or 'sdpa', got "
+                         f"{attn_implementation!r}")
 
     kwargs = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
@@ -312,10 +353,14 @@ def to_transformers(cfg: ModelConfig, weights: dict[str, torch.Tensor]):
                                                "rope_theta": cfg.rope_theta}, **kwargs)
     except TypeError:  # transformers 4.x: rope_theta is a plain field
         hf_cfg = Qwen2Config(rope_theta=cfg.rope_theta, **kwargs)
-    hf_cfg._attn_implementation = "eager"
+    hf_cfg._attn_implementation = attn_implementation
     if list(hf_cfg.layer_types) != cfg.layer_types or hf_cfg.sliding_window != cfg.sliding_window:
         raise RuntimeError(f"transformers rewrote the layer layout: {hf_cfg.layer_types}, "
                            f"window {hf_cfg.sliding_window}")
     model = Qwen2ForCausalLM(hf_cfg).eval()
     model.load_state_dict(weights, strict=True)
+    model.to(device)
+    if dtype != torch.float32:
+        for prm in model.parameters():
+            prm.data = prm.data.to(dtype)
     return model

@@ -59,6 +59,23 @@ length before the step) never frees. The prefill still attends by gather
 (``attention="gather"``: every layer gathers slots from ``req_to_token`` /
 ``full_to_swa`` as before).
 
+FlashInfer (``attention="flashinfer"``, CUDA, float16 or bfloat16: FlashInfer's decode has
+no float32 kernels). The same page tables and the same graph, with FlashInfer's paged decode
+as the attention (:class:`FlashInferAttention`): one FULL and one SWA
+``BatchDecodeWithPagedKVCacheWrapper`` per descriptor buffer, built with
+``use_cuda_graph=True`` on the tables' own ``kv_indptr`` / ``kv_indices`` /
+``kv_last_page_len`` buffers (``flashinfer_tables.FlashInferDecode``, the GPU-checked
+construction). Right after ``page_tables.plan(...)`` the host plans pair
+``p.buffer_index`` from the tables' pinned host copies (FlashInfer's host plan, async
+copies only, no sync); the graph runs FULL layers through the FULL wrapper
+(``window_left=-1``) and SWA layers through the SWA wrapper (``window_left = W - 1``: the
+query at ``L - 1`` reads positions ``>= L - W``), every layer over its own NHD cache view
+``[num_pages + 1, ps, Hkv, D]``. Pair i is planned only when the allocator hands out
+buffer i again, i.e. after the replay that read its previous plan has finished (the ring's
+event), so FlashInfer's one pinned work-partition buffer per wrapper is never rewritten
+while its copy is still queued. The warm-up before capture runs a plan and a ``run()`` of
+every pair (JIT compile, FlashInfer's cached buffers) outside the captured region.
+
 A shared system prompt (``shared_prefix``, the allocator built with ``prefix_cache=True``):
 the first request carrying it prefills it and ``alloc.prefix_cache.insert(row, prefix)``
 takes a handle on its whole pages; every later carrier gets ``m = cache.match(prompt)``,
@@ -77,7 +94,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hybrid_model import FULL, PagedKV, TinyHybridLM
+from hybrid_model import FULL, SLIDING, PagedKV, TinyHybridLM
 
 import graphalloc as ga
 from graphalloc.kernels import paged_decode_attention, paged_decode_attention_torch
@@ -86,7 +103,11 @@ from graphalloc.page_tables import PageTables
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from timing import StepEvents, graph_nodes  # noqa: E402
 
-__all__ = ["Request", "DecodeLoop", "LoopResult", "TableAttention"]
+__all__ = ["Request", "DecodeLoop", "LoopResult", "TableAttention", "FlashInferAttention",
+           "FLASHINFER_HEAD_DIMS"]
+
+# head dims FlashInfer's decode kernels are built for
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 # rows of the per-step lane input table [N_LANE_FIELDS, max_batch]
 ROW, POS, VALID, OUT, SERIAL, GEN = range(6)
@@ -140,6 +161,59 @@ class TableAttention:
         return out.reshape(B, 1, H * D)
 
 
+class FlashInferAttention:
+    """The decode step's attention through FlashInfer's paged decode, over the same CSR
+    page tables as :class:`TableAttention` (stands in for a ``hybrid_model.KeyTable``).
+
+    ``flashinfer_tables.FlashInferDecode`` holds one FULL + SWA
+    ``BatchDecodeWithPagedKVCacheWrapper`` pair per descriptor buffer, built with
+    ``use_cuda_graph=True`` on the tables' own indptr / indices / last-page-length buffers
+    and sharing one 128 MiB float workspace. :meth:`plan` (host, per step: FlashInfer's C++
+    plan over the pinned host indptr, async copies only) plans pair ``i``; :meth:`attend`
+    runs pair :attr:`index` (set by the loop before it runs or captures the step of
+    descriptor buffer ``index``) on one layer's cache, capture-safe. ``flashinfer``: the
+    imported module. SWA window ``tables.spec.sliding_window`` (``window_left = W - 1``).
+    """
+
+    def __init__(self, flashinfer, tables: PageTables, n_ring: int, *, num_qo_heads: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_batch: int):
+        from flashinfer_tables import FlashInferDecode
+        spec = tables.spec
+        if not (spec.has("csr", "full") and spec.has("csr", "swa")):
+            raise ValueError("FlashInferAttention needs the CSR form for both layer kinds")
+        self.tables, self.page_size, self.window = tables, spec.page_size, spec.sliding_window
+        self.decode = FlashInferDecode(flashinfer, tables, n_ring, num_qo_heads=num_qo_heads,
+                                       num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                       dtype=dtype, window=self.window)
+        self.index = 0
+        # one output per layer kind (layers of a kind run one after the other in the stream)
+        self.outs = {kind: torch.zeros(max_batch, num_qo_heads, head_dim, dtype=dtype,
+                                       device=spec.device) for kind in (FULL, SLIDING)}
+
+    def plan(self, i: int, planned) -> None:
+        """Plan pair ``i`` for the step whose tables ``planned`` describes (host only)."""
+        self.decode.plan(i, planned)
+
+    def attend(self, kind: str, q, cache_k, cache_v, n_kv_heads: int):
+        """``q`` ``[B, 1, H, D]`` over one layer's slot-indexed caches ``[n_slots, Hkv, D]``
+        viewed as NHD pages ``[n_slots / ps, ps, Hkv, D]``: ``[B, 1, H * D]``."""
+        B, n_q, H, D = q.shape
+        if n_q != 1:
+            raise ValueError(f"FlashInferAttention is decode attention (one query per lane), "
+                             f"got {n_q}")
+        ps = self.page_size
+        kv = (cache_k.view(-1, ps, n_kv_heads, D), cache_v.view(-1, ps, n_kv_heads, D))
+        full, swa = self.decode.pairs[self.index]
+        run_kwargs = self.decode.run_kwargs
+        if kind == FULL:
+            out = self.outs[FULL]
+            full.run(q[:, 0], kv, out=out, **run_kwargs)
+        else:
+            out = self.outs[SLIDING]
+            swa.run(q[:, 0], kv, out=out, window_left=self.window - 1, **run_kwargs)
+        return out.reshape(B, 1, H * D)
+
+
 @dataclasses.dataclass
 class LoopResult:
     tokens: dict[int, list[int]]  # serial -> generated tokens
@@ -174,11 +248,13 @@ class DecodeLoop:
             allocator step, if any, and the replay; not planning or lane filling): GPU time
             per step (``timing.StepEvents``).
         attention: ``"gather"`` (decode attention gathers slots through ``req_to_token`` /
-            ``full_to_swa``) or ``"tables"`` (through the page tables, written in the
-            step; see the module docstring).
-        attention_window: with ``"tables"``, the window W of the SWA tables and of the
-            attention mask (a query at ``L - 1`` reads positions ``>= L - W``); default the
-            model's window (a smaller one must change tokens).
+            ``full_to_swa``), ``"tables"`` (through the page tables, written in the
+            step; see the module docstring) or ``"flashinfer"`` (FlashInfer's paged decode
+            over the same tables: CUDA, a float16 / bfloat16 model, head dim 64, 128 or
+            256; FlashInfer is imported here, ImportError if it is not installed).
+        attention_window: with ``"tables"`` / ``"flashinfer"``, the window W of the SWA
+            tables and of the attention mask (a query at ``L - 1`` reads positions
+            ``>= L - W``); default the model's window (a smaller one must change tokens).
         attention_backend: with ``"tables"``, ``"triton"`` (the paged kernel), ``"torch"``
             (its twin) or ``"auto"``: Triton on CUDA, the twin on a CPU.
         shared_prefix: token ids of a system prompt served from ``alloc.prefix_cache``
@@ -187,13 +263,17 @@ class DecodeLoop:
             one is admitted on the cached handle (``admit(handle=, n_tokens=)``) and
             prefills only its positions ``>= cached_tokens``, attending over the shared
             KV through ``req_to_token``. ``None``: no sharing.
+        flashinfer: with ``"flashinfer"``, the module whose
+            ``BatchDecodeWithPagedKVCacheWrapper`` is used; ``None`` (default) imports
+            FlashInfer and requires a CUDA allocator. A stand-in with the same wrapper
+            contract may be passed (the CPU tests run this path that way).
     """
 
     def __init__(self, model: TinyHybridLM, alloc: ga.HybridAllocator, *, max_batch: int,
                  n_serials: int, max_out: int, graph: bool = False, alloc_in_graph: bool = True,
                  keep_logits: bool = True, time_steps: bool = False,
                  attention: str = "gather", attention_window: int | None = None,
-                 attention_backend: str = "auto", shared_prefix=None):
+                 attention_backend: str = "auto", shared_prefix=None, flashinfer=None):
         acfg, mcfg = alloc.config, model.cfg
         if shared_prefix is not None and alloc.prefix_cache is None:
             raise ValueError("shared_prefix needs an allocator built with prefix_cache=True")
@@ -215,7 +295,7 @@ class DecodeLoop:
         dev = acfg.device
         self.device = dev
         self.kv = PagedKV(mcfg, acfg.num_full_slots, (acfg.num_swa_pages + 1) * acfg.page_size,
-                          dev)
+                          dev, dtype=getattr(model, "dtype", torch.float32))
         self.n_serials = n_serials
         # *_buf(s): allocated once, updated in place only (a captured graph holds their addresses)
         self.tokens_buf = torch.zeros(max_batch, dtype=torch.int64, device=dev)
@@ -230,31 +310,54 @@ class DecodeLoop:
                            if keep_logits else None)
         self.arange_ctx = torch.arange(acfg.max_context_len, device=dev)
         self.graphs: list = []
-        if attention not in ("gather", "tables"):
-            raise ValueError(f"attention must be 'gather' or 'tables', got {attention!r}")
+        if attention not in ("gather", "tables", "flashinfer"):
+            raise ValueError(f"attention must be 'gather', 'tables' or 'flashinfer', got "
+                             f"{attention!r}")
+        if attention == "flashinfer":  # imported only in this mode
+            if flashinfer is None:
+                from flashinfer_tables import import_flashinfer
+                flashinfer = import_flashinfer()
+                if dev.type != "cuda":
+                    raise ValueError(f"attention='flashinfer' needs a CUDA allocator "
+                                     f"(FlashInfer runs on CUDA only), got {dev}")
+            mdtype = getattr(model, "dtype", torch.float32)
+            if mdtype not in (torch.float16, torch.bfloat16):
+                raise ValueError(f"attention='flashinfer' needs a float16 or bfloat16 model "
+                                 f"(FlashInfer's decode has no float32 kernels), got {mdtype}")
+            if mcfg.head_dim not in FLASHINFER_HEAD_DIMS:
+                raise ValueError(f"attention='flashinfer' needs head_dim in "
+                                 f"{FLASHINFER_HEAD_DIMS}, got {mcfg.head_dim}")
         if attention_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"attention_backend must be 'auto', 'triton' or 'torch', got "
                              f"{attention_backend!r}")
         self.attention = attention
         self.page_tables: PageTables | None = None
         self.table_attention: TableAttention | None = None
-        if attention == "tables":
+        self.flashinfer_attention: FlashInferAttention | None = None
+        if attention in ("tables", "flashinfer"):
             window = attention_window or mcfg.sliding_window
             # one row table per descriptor buffer: graph i launches both with index i
             self.page_tables = PageTables.for_allocator(
                 alloc, max_batch, forms=("csr",), sliding_window=window,
                 n_bufs=len(alloc.ring))
-            if attention_backend == "auto":
-                attention_backend = "triton" if dev.type == "cuda" else "torch"
-            fn = (paged_decode_attention if attention_backend == "triton"
-                  else paged_decode_attention_torch)
-            self.table_attention = TableAttention(self.page_tables, fn)
+            if attention == "flashinfer":
+                attention_backend = "flashinfer"
+                self.flashinfer_attention = FlashInferAttention(
+                    flashinfer, self.page_tables, len(alloc.ring),
+                    num_qo_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
+                    head_dim=mcfg.head_dim, dtype=model.dtype, max_batch=max_batch)
+            else:
+                if attention_backend == "auto":
+                    attention_backend = "triton" if dev.type == "cuda" else "torch"
+                fn = (paged_decode_attention if attention_backend == "triton"
+                      else paged_decode_attention_torch)
+                self.table_attention = TableAttention(self.page_tables, fn)
             # host inputs of the table planner: request row per lane, and per request row
             # the length and frontier after the step's plan (public queries, lanes only)
             self.pt_lane_rows = np.full(max_batch, -1, dtype=np.int64)
             self.pt_seq_len = np.zeros(acfg.max_reqs, dtype=np.int64)
             self.pt_frontier = np.zeros(acfg.max_reqs, dtype=np.int64)
-        self.attention_backend = attention_backend if attention == "tables" else None
+        self.attention_backend = attention_backend if attention != "gather" else None
 
     # ---- the step body (captured) -------------------------------------------------------
     def _body(self, i: int) -> None:
@@ -278,6 +381,9 @@ class DecodeLoop:
         swa_slot = torch.where(ok, alloc.state.out_swa_buf[out].long(), 0)
         if self.table_attention is not None:
             keys = self.table_attention  # reads only the page tables written in the step
+        elif self.flashinfer_attention is not None:
+            keys = self.flashinfer_attention  # pair i, planned with this step's tables
+            keys.index = i
         else:
             r2t = alloc.req_to_token[rows].long()
             keys = model.key_table(r2t, alloc.full_to_swa.long(), pos[:, None],
@@ -288,7 +394,7 @@ class DecodeLoop:
         self.tokens_buf.copy_(nxt)
         self.history_buf[serial, gen] = nxt
         if self.logits_buf is not None:
-            self.logits_buf[serial, gen] = logits
+            self.logits_buf[serial, gen] = logits.float()  # exact: every half value is a float32
 
     def capture(self) -> None:
         """Warm up and capture one graph per descriptor buffer. Call before any request."""
@@ -340,6 +446,8 @@ class DecodeLoop:
         if planned.buffer_index != index:
             raise RuntimeError(f"page tables planned into buffer {planned.buffer_index}, the "
                                f"allocator's step into {index}: the rings must move together")
+        if self.flashinfer_attention is not None:  # pair `index`: its last copy has run
+            self.flashinfer_attention.plan(index, planned)
         return planned
 
     def _mark_submitted(self, p, pt) -> None:
@@ -412,7 +520,7 @@ class DecodeLoop:
             self.tokens_buf[lane] = nxt
             self.history_buf[req.serial, 0] = nxt
             if self.logits_buf is not None:
-                self.logits_buf[req.serial, 0] = logits
+                self.logits_buf[req.serial, 0] = logits.float()
             state[lane] = {"row": row, "len": n, "serial": req.serial, "n_gen": 1,
                            "n_out": req.n_out}
         if self.shared_prefix is None:
