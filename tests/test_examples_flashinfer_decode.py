@@ -376,20 +376,36 @@ def test_teacher_forced_counts_near_ties_and_beyond(transformers_available):
 def test_the_flashinfer_command_path_runs_with_a_stand_in(transformers_available, stand_in,
                                                           monkeypatch, tmp_path):
     """decode_loop's FlashInfer mode end to end on the CPU (eager steps), the stand-in in
-    FlashInfer's place: the JIT stage falls back to plan()'s lazy compile, every page size
+    FlashInfer's place: the JIT stage falls back to plan()'s lazy compile, the run and
     and both negative controls run, the report names FlashInfer."""
     def check(ap, args):  # parse_args' FlashInfer checks, minus "needs CUDA"
         args.flashinfer_module = stand_in
     monkeypatch.setattr(decode_loop, "_check_flashinfer", check)
     out = decode_loop.main([*TINY, "--attention", "flashinfer", "--dtype", "float16",
                             "--hidden", "128", "--heads", "2", "--kv-heads", "1",
-                            "--negative-control", "--out", str(tmp_path)])
+                            "--page-sizes", "16", "--negative-control", "--out", str(tmp_path)])
     assert out["config"]["flashinfer"]["jit"].startswith("lazy in plan()")
     assert out["runs_ok"] and out["controls_ok"] and out["ok"]
     for run in out["runs"]:
         assert run["attention"] == "flashinfer" and run["attention_backend"] == "flashinfer"
         assert run["attention_window"] == 8 and run["verdict"] != "mismatch"
-    assert [c["detected"] for c in out["controls"]] == [True] * 4
+    assert [c["detected"] for c in out["controls"]] == [True] * 2
     assert {w for kind, _, w in _StandInWrapper.calls if kind == "plan"} == {-1, 7, 6}
     md = (tmp_path / "decode_loop.md").read_text()
     assert "attention=flashinfer" in md and "FlashInfer" in md
+
+
+@pytest.mark.cuda
+def test_flashinfer_in_one_graph_per_step_on_cuda_without_syncs(transformers_available):
+    """The GPU command at tiny sizes: FlashInfer (installed) in every step's graph, under
+    sync debug 'error', float16 against transformers' float16 SDPA on the GPU."""
+    pytest.importorskip("flashinfer")
+    out = decode_loop.main([*TINY, "--device", "cuda", "--graph", "--sync-debug",
+                            "--attention", "flashinfer", "--dtype", "float16",
+                            "--page-sizes", "1", "16", "--negative-control"])
+    assert out["ok"], (out["verdicts"], [r["comparison"]["differences"] for r in out["runs"]])
+    for run in out["runs"]:
+        assert run["attention_backend"] == "flashinfer" and run["host_syncs_in_loop"] == 0
+        assert run["summary"]["swa_clipped_lanes"] == 0
+        assert run["summary"]["graph_nodes"].get("host", 0) == 0
+    assert out["config"]["reference_device"] == "cuda"
