@@ -377,7 +377,7 @@ def test_the_flashinfer_command_path_runs_with_a_stand_in(transformers_available
                                                           monkeypatch, tmp_path):
     """decode_loop's FlashInfer mode end to end on the CPU (eager steps), the stand-in in
     FlashInfer's place: the JIT stage falls back to plan()'s lazy compile, the run and
-    and both negative controls run, the report names FlashInfer."""
+    both negative controls run (page size 16), the report names FlashInfer."""
     def check(ap, args):  # parse_args' FlashInfer checks, minus "needs CUDA"
         args.flashinfer_module = stand_in
     monkeypatch.setattr(decode_loop, "_check_flashinfer", check)
