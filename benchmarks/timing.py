@@ -39,6 +39,7 @@ import os
 import platform
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -518,6 +519,9 @@ def _driver_version():
 
 
 def _git_commit():
+    stamp = Path(REPO) / "COMMIT"  # an exported tree (git archive) names its commit here
+    if stamp.is_file() and not (Path(REPO) / ".git").exists():
+        return stamp.read_text().strip() + " (exported tree)"
     commit = _run_quiet(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO)
     if commit and _run_quiet(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO):
         commit += "-dirty"
