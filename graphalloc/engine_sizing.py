@@ -35,7 +35,8 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
                max_releases_per_step: int | None = None, max_reqs: int | None = None,
                max_pages_per_row: int | None = None, swa_ring_pages: int = 0,
                index_dtype: torch.dtype = torch.int64, device: str | torch.device = "cpu",
-               backend: str = "torch", validate: bool = False) -> AllocatorConfig:
+               backend: str = "torch", validate: bool = False, max_handles: int = 0,
+               max_prefix_hits_per_step: int | None = None) -> AllocatorConfig:
     """A config derived from what a serving engine knows; every shape from a budget.
 
     Example (a 4096-token window model, 256 running requests, 8192 prefill tokens
@@ -81,13 +82,18 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
       planned, so an engine that admits before releasing needs N + F rows.
     * ``max_pages_per_row`` (c, default ``ceil(max_context_len / ps)``: a release is
       two rows): fewer pages per row spread a long release over more programs.
+    * ``max_handles`` (default 0): shared-prefix handles (a prefix cache's entries;
+      pool mode only). ``max_prefix_hits_per_step`` (H, default N when there are
+      handles, else 0): requests admitted on a cached prefix in one step; each adds
+      one allocation row (the prefix copy) to the step.
     * ``swa_ring_pages``, ``index_dtype``, ``device``, ``backend``, ``validate``: as in
       the constructor. A ring must hold the window plus one row's allocation:
       ``R >= ceil((max(W, ps) + max_tokens_per_alloc_row - 1) / ps) + 1``.
 
     Derived shapes (P = ``min(ceil(max_context_len / ps), num_full_pages)``)::
 
-        max_alloc_rows           = N                    one row per running request
+        max_alloc_rows           = N + H                one row per running request, one
+                                                        per prefix hit admitted
         max_tokens_per_alloc_row = min(max_context_len, max(C, 1 + k))
         max_step_tokens          = C + N x (1 + k)      prefill budget + decode rows
         max_release_rows         = F x (1 + ceil((P - 1) / c) [+ ceil(R / c)])
@@ -115,6 +121,9 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
     ps = _as_int(where, "page_size", page_size, 1)
     w_model = _as_int(where, "model_sliding_window", model_sliding_window, 1)
     k = _as_int(where, "num_lookahead_tokens", num_lookahead_tokens, 0)
+    n_handles = _as_int(where, "max_handles", max_handles, 0)
+    hits = (n_run if n_handles else 0) if max_prefix_hits_per_step is None else _as_int(
+        where, "max_prefix_hits_per_step", max_prefix_hits_per_step, 0)
     ring = _as_int(where, "swa_ring_pages", swa_ring_pages, 0, "0 is pool mode")
     rows = n_run if max_reqs is None else _as_int(where, "max_reqs", max_reqs, n_run,
                                                   "at least max_running_requests")
@@ -146,9 +155,10 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
     cfg = cls(page_size=ps, num_full_pages=n_full, num_swa_pages=n_swa, max_reqs=rows,
               max_context_len=ctx, sliding_window=window, index_dtype=index_dtype,
               device=device, backend=backend, swa_ring_pages=ring,
-              max_release_rows=release_rows, max_pages_per_row=c, max_alloc_rows=n_run,
-              max_tokens_per_alloc_row=row_tokens, max_step_tokens=step_tokens,
-              max_step_pages=step_pages, validate=validate)
+              max_release_rows=release_rows, max_pages_per_row=c,
+              max_alloc_rows=n_run + hits, max_tokens_per_alloc_row=row_tokens,
+              max_step_tokens=step_tokens, max_step_pages=step_pages, validate=validate,
+              max_handles=n_handles)
     ring_rows = " + ceil(R / c)" if ring else ""
     ring_pages = " + min(F x R, num_swa_pages)" if ring else ""
     _ORIGINS[id(cfg)].update({
@@ -157,7 +167,9 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
         "max_reqs": "max_running_requests" if max_reqs is None else "given",
         "max_pages_per_row": ("ceil(max_context_len / page_size)" if max_pages_per_row
                               is None else "given"),
-        "max_alloc_rows": "max_running_requests",
+        "max_alloc_rows": (f"max_running_requests + max_prefix_hits_per_step = {n_run} + "
+                           f"{hits}"),
+        "max_handles": "given" if n_handles else "default",
         "max_tokens_per_alloc_row": (f"min(max_context_len, max(chunked_prefill_size, "
                                      f"1 + lookahead)) = min({ctx}, max({prefill}, {1 + k}))"),
         "max_step_tokens": (f"chunked_prefill_size + max_running_requests x (1 + "

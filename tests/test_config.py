@@ -447,3 +447,20 @@ def test_engine_config_builds_a_working_allocator():
     alloc.check_integrity()
     assert alloc.stats()["full_free_pages"] == cfg.num_full_pages
     assert math.isclose(cfg.max_step_tokens, 64 + 8)
+
+
+def test_for_engine_sizes_handles_and_prefix_hits():
+    """A prefix cache's handles, and one allocation row per hit admitted in a step."""
+    base = dict(max_running_requests=8, chunked_prefill_size=64, max_context_len=256,
+                page_size=16, model_sliding_window=32, num_full_pages=128, num_swa_pages=64)
+    plain = ga.AllocatorConfig.for_engine(**base)
+    assert (plain.max_handles, plain.max_alloc_rows) == (0, 8)
+    cached = ga.AllocatorConfig.for_engine(**base, max_handles=4)
+    assert (cached.max_handles, cached.max_alloc_rows) == (4, 16)
+    few = ga.AllocatorConfig.for_engine(**base, max_handles=4, max_prefix_hits_per_step=2)
+    assert few.max_alloc_rows == 10
+    with pytest.raises(ga.ConfigError):
+        ga.AllocatorConfig.for_engine(**base, max_handles=-1)
+    with pytest.raises(ga.ConfigError):  # handles need pool mode
+        ga.AllocatorConfig.for_engine(**{**base, "num_swa_pages": 80}, max_handles=2,
+                                      swa_ring_pages=10)
