@@ -21,7 +21,13 @@ results (:class:`StepSlots`) refuse access before the step ran and after a later
 overwrote the outputs (``StaleResultError``).
 
 Cost: recording is O(1) per call (the arguments are kept); the step at the end costs what
-:meth:`HybridAllocator.step` with the same work costs.
+:meth:`HybridAllocator.step` with the same work costs. A block in ``step()``'s own form --
+each kind of free at most once and in step()'s order (release, commit, trim, evict or
+evict_all, advance), plain admits in pool mode that no free names, at most one decode then
+at most one extend, none of them empty -- IS run as one ``alloc.step(...)`` (its admits
+made in place first, undone if the step is refused), so the compiled planner plans it
+where it covers the step (:func:`step_form`); any other block is planned call by call.
+Both give the same state and slots (tested).
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class StepContext:
     def __init__(self, alloc):
         self.alloc = alloc
         self.frees: list = []
+        self.free_calls: list = []  # (kind, args) of each free, in call order
         self.admits: list = []  # (row, handle, n_tokens)
         self.allocs: list = []  # ("decode", rows) | ("extend", rows, n)
         self.result = None
@@ -88,31 +95,39 @@ class StepContext:
     # ---- frees -------------------------------------------------------------------------
     def release(self, rows) -> None:
         self.frees.append(lambda b, rows=rows: b.release(b.live_rows(rows, "release")))
+        self.free_calls.append(("release", rows))
 
     def evict(self, rows) -> None:
         self.frees.append(lambda b, rows=rows: b.evict(b.live_rows(rows, "evict")))
+        self.free_calls.append(("evict", rows))
 
     def evict_all(self) -> None:
         self.frees.append(lambda b: b.evict(np.flatnonzero(b.ledger.live)))
+        self.free_calls.append(("evict_all", None))
 
     def advance(self, rows, new_frontier_pos) -> None:
         self.frees.append(lambda b, rows=rows, pos=new_frontier_pos: b.advance_frontier(
             b.live_rows(rows, "advance"), pos, "advance"))
+        self.free_calls.append(("advance", (rows, new_frontier_pos)))
 
     def commit(self, rows, n_accepted) -> None:
         """Speculative decoding: resolve each row's oldest speculative step (a free)."""
         self.frees.append(lambda b, rows=rows, n=n_accepted: b.commit(
             b.live_rows(rows, "commit"), n))
+        self.free_calls.append(("commit", (rows, n_accepted)))
 
     def trim(self, rows, new_len) -> None:
         """Cut requests back to ``new_len`` tokens (a free)."""
         self.frees.append(lambda b, rows=rows, n=new_len: b.trim(b.live_rows(rows, "trim"), n))
+        self.free_calls.append(("trim", (rows, new_len)))
 
     def drop_handle(self, handle) -> None:
         self.frees.append(lambda b, h=handle: b.drop_handle(h))
+        self.free_calls.append(("drop_handle", handle))
 
     def drop_handle_swa(self, handle) -> None:
         self.frees.append(lambda b, h=handle: b.drop_handle(h, swa_only=True))
+        self.free_calls.append(("drop_handle", handle))
 
     # ---- admits and allocations ----------------------------------------------------------
     def admit(self, handle=None, n_tokens=None) -> int:
@@ -162,11 +177,84 @@ class StepContext:
             start += len(arr)
 
 
+_STEP_ORDER = {"release": 0, "commit": 1, "trim": 2, "evict": 3, "evict_all": 3, "advance": 4}
+
+
+def _host_rows(rows):
+    """``rows`` as a flat int array when that is plain host data, else ``None``."""
+    try:
+        arr = np.asarray(rows)
+    except Exception:  # a CUDA tensor, an odd object: the planner path reports it
+        return None
+    return arr.ravel() if arr.dtype.kind in "iu" else None
+
+
+def step_form(ctx: StepContext):
+    """The block as ONE ``alloc.step(...)`` call, when that is exactly the same step: each
+    free kind at most once and in step()'s order, plain admits (pool mode) that no free
+    names, at most one decode then at most one extend, none empty. ``None`` otherwise
+    (the block is planned call by call). Cost: O(rows)."""
+    alloc = ctx.alloc
+    if ctx.admits and (alloc.config.ring_mode or any(h is not None for _, h, _ in ctx.admits)):
+        return None
+    order = [_STEP_ORDER.get(kind, -1) for kind, _ in ctx.free_calls]
+    if -1 in order or any(b <= a for a, b in zip(order, order[1:], strict=False)):
+        return None
+    kinds = [kind for kind, _, _ in ctx.allocs]
+    if kinds not in ([], ["decode"], ["extend"], ["decode", "extend"]):
+        return None
+    reserved = np.array([row for row, _, _ in ctx.admits], dtype=np.int64)
+    if len(reserved) and alloc.ledger.live[reserved].any():
+        return None
+    args: dict = {}
+    for kind, value in ctx.free_calls:
+        rows = None if kind == "evict_all" else value if kind in ("release", "evict") \
+            else value[0]
+        if rows is not None:
+            arr = _host_rows(rows)
+            if arr is None or (len(reserved) and np.isin(arr, reserved).any()):
+                return None
+        args["evict_all" if kind == "evict_all" else kind] = True if kind == "evict_all" \
+            else value
+    for kind, rows, n in ctx.allocs:
+        arr = _host_rows(rows)
+        if arr is None or len(arr) == 0:
+            return None
+        if kind == "decode":
+            args["decode"], args["lookahead"] = rows, n
+        else:
+            args["extend"] = (rows, n)
+    return args, [len(_host_rows(rows)) for _, rows, _ in ctx.allocs]
+
+
 def run_context(alloc, ctx: StepContext) -> None:
     """The block's end: one planned step (refused whole with nothing changed)."""
     if alloc._group is not None:
         raise NestedGroupError("scheduler_step() inside free_group(): the block is one step of "
                                "its own; close the free group first")
+    form = step_form(ctx)
+    if form is not None:  # one alloc.step(...): the compiled planner's path where it covers it
+        args, sizes = form
+        led = alloc.ledger
+        rows = np.array([row for row, _, _ in ctx.admits], dtype=np.int64)
+        saved = [(name, getattr(led, name)[rows].copy()) for name in led.ROW_ARRAYS]
+        for row in rows.tolist():  # the block's admits, in place (undone if the step fails)
+            led.live[row] = led.admitted_once[row] = True
+            led.seq_len[row] = led.frontier[row] = led.protected[row] = 0
+            led.committed[row] = 0
+            led.spec_steps[row] = 0
+        try:
+            result = alloc.step(**args)
+        except BaseException:
+            for name, old in saved:
+                getattr(alloc.ledger, name)[rows] = old
+            raise
+        start = 0
+        for n in sizes:
+            ctx.parts.append((start, start + n))
+            start += n
+        ctx.result = result
+        return
     results: list = []
     planned = alloc._plan(lambda b: ctx.plan_into(b, results), results)
     ctx.result = alloc.run(planned)
