@@ -7,16 +7,20 @@
  * tests/test_compiled_planner.py compares the two byte for byte.
  *
  * One call, Planner.step(...), plans one step in three phases:
- *   A  validate every input rule that needs no page mirror (rows live and once, frontier
- *      moves aligned / forward / inside the committed pages, lengths, frozen shapes of the
- *      allocation side, ring spans); nothing is written. Any doubt: return None.
- *   B  the frees (release, evict, advance), written in place into the ledger and page-mirror
+ *   A  validate every input rule that needs no page mirror (rows live and once, commit
+ *      counts within the oldest speculative step, trim lengths within [f + W, L], frontier
+ *      moves aligned / forward / inside the committed pages, lengths, speculative steps in
+ *      flight, frozen shapes of the allocation side, ring spans); nothing is written, the
+ *      lengths a commit / trim leaves are staged (st_seq, st_comm, st_spec) for the rules
+ *      after it. Any doubt: return None.
+ *   B  the frees (release, commit, trim, evict, advance), written in place into the ledger and page-mirror
  *      arrays and as release rows into the pinned descriptor buffer. What a free gives back
  *      depends on reference counts the same frees change (a page two released rows share),
  *      so the checks that need it (capacity, max_release_rows, max_step_pages) run here;
  *      every write of this phase goes through an undo log, and a refusal rolls it back and
  *      zeroes the rows written before returning None.
- *   C  the allocations (decode, extend): cannot fail (phase A and B checked everything).
+ *   C  the allocations (decode with or without lookahead, extend): cannot fail (phase A and
+ *      B checked everything).
  * None means "not planned, nothing changed": the caller runs the numpy planner, which plans
  * the step or raises its precise typed error.
  */
@@ -55,6 +59,12 @@ enum {
 #define F_ADV 4
 #define F_DEC 8
 #define F_EXT 16
+#define F_COM 32    /* committed in this step */
+#define F_TRIM 64   /* trimmed in this step */
+#define F_CUT 128   /* a commit or trim dropped pages of its tail (release_rows._cut) */
+#define F_STG (F_COM | F_TRIM)  /* lengths staged in st_seq / st_comm / st_spec */
+#define N_ARGS 12
+#define MAX_SPEC 4  /* speculative steps in flight the staging holds (Ledger.SPEC_DEPTH: 2) */
 
 typedef struct { void *p; int64_t old; int size; } UndoEntry;
 
@@ -93,7 +103,11 @@ typedef struct {
     uint8_t *flags;
     int64_t *ev_front;          /* the window rule's new frontier of ev_rows[i] */
     int64_t *nfront;            /* an advanced row's new frontier, per row */
-    int64_t *args[7];           /* copies of list / strided arguments */
+    int64_t *args[N_ARGS];      /* copies of list / strided arguments */
+    /* commit / trim: a row's length, committed length and speculative steps after this
+     * step's commits and trims (phase A stages them; valid where flags & F_STG) */
+    int64_t *st_seq, *st_comm, *st_spec;
+    int64_t *com_len, *trim_len;  /* the length a commit / trim leaves, per call index */
     int64_t *saved_rel;         /* release rows overwritten in phase B (for a rollback) */
     int64_t *ev_rows;           /* the evicted rows whose frontier moves */
     int64_t *d_rows, *d_flo, *d_fhi, *d_slo, *d_shi;  /* one drop call's per-row ranges */
@@ -462,7 +476,8 @@ static void Planner_dealloc(Planner *P) {
     free(P->b_desc); free(P->b_rrows); free(P->b_rfirst); free(P->b_rntok);
     free(P->desc); free(P->rrows); free(P->rfirst); free(P->rntok); free(P->buf_bound);
     free(P->flags); free(P->nfront); free(P->ev_front); free(P->saved_rel); free(P->ev_rows);
-    for (int i = 0; i < 7; i++) free(P->args[i]);
+    for (int i = 0; i < N_ARGS; i++) free(P->args[i]);
+    free(P->st_seq); free(P->st_comm); free(P->st_spec); free(P->com_len); free(P->trim_len);
     free(P->d_rows); free(P->d_flo); free(P->d_fhi); free(P->d_slo); free(P->d_shi);
     free(P->stamp);
     free(P->ex_r); free(P->ex_k); free(P->ex_pg); free(P->ex_sp); free(P->ex_ord);
@@ -503,7 +518,9 @@ static int Planner_init(Planner *P, PyObject *args, PyObject *kwds) {
     P->ev_front = calloc(n, 8);
     P->saved_rel = calloc((size_t)P->max_rel_rows * ROW_WIDTH + 1, 8);
     P->ev_rows = calloc(n, 8);
-    for (int i = 0; i < 7; i++) P->args[i] = calloc(n + 1, 8);
+    for (int i = 0; i < N_ARGS; i++) P->args[i] = calloc(n + 1, 8);
+    P->st_seq = calloc(n, 8); P->st_comm = calloc(n, 8); P->st_spec = calloc(n * MAX_SPEC, 8);
+    P->com_len = calloc(n, 8); P->trim_len = calloc(n, 8);
     P->d_rows = calloc(n, 8); P->d_flo = calloc(n, 8); P->d_fhi = calloc(n, 8);
     P->d_slo = calloc(n, 8); P->d_shi = calloc(n, 8);
     P->stamp = calloc((size_t)P->nf + 1, sizeof(uint32_t));
@@ -511,7 +528,8 @@ static int Planner_init(Planner *P, PyObject *args, PyObject *kwds) {
               !P->rrows || !P->rfirst || !P->rntok || !P->buf_bound || !P->flags ||
               !P->nfront || !P->ev_front || !P->saved_rel || !P->ev_rows || !P->d_rows || !P->d_flo || !P->d_fhi ||
               !P->d_slo || !P->d_shi || !P->stamp;
-    for (int i = 0; i < 7; i++) bad |= !P->args[i];
+    for (int i = 0; i < N_ARGS; i++) bad |= !P->args[i];
+    bad |= !P->st_seq || !P->st_comm || !P->st_spec || !P->com_len || !P->trim_len;
     if (bad) { PyErr_NoMemory(); return -1; }
     return 0;
 }
@@ -610,20 +628,43 @@ static int set_ring(PyObject *ring, int64_t head, int64_t n_free) {
     return rc;
 }
 
-/* A row of a speculative tail, the window rule's length (C), per the ledger's arrays. */
+/* A row's length, committed length and speculative step j after this step's commits and
+ * trims (phase A): the staged values where the row was committed or trimmed, else the
+ * ledger's. In phase B and C the ledger holds them (written by the commit / trim frees). */
+static inline int64_t cur_seq(const Planner *P, int64_t r) {
+    return (P->flags[r] & F_STG) ? P->st_seq[r] : P->seq[r];
+}
+static inline int64_t cur_comm(const Planner *P, int64_t r) {
+    return (P->flags[r] & F_STG) ? P->st_comm[r] : (P->comm ? P->comm[r] : P->seq[r]);
+}
+static inline int64_t cur_spec(const Planner *P, int64_t r, int j) {
+    return (P->flags[r] & F_STG) ? P->st_spec[r * MAX_SPEC + j] : P->spec[r * P->spec_depth + j];
+}
+
+/* A row of a speculative tail (after this step's commits and trims). */
 static inline int has_tail(Planner *P, int64_t r) {
-    if (P->comm) return P->comm[r] != P->seq[r];  /* L == C + the speculative steps */
-    if (P->spec) for (int j = 0; j < P->spec_depth; j++) if (P->spec[r * P->spec_depth + j]) return 1;
+    if (P->comm) return cur_comm(P, r) != cur_seq(P, r);  /* L == C + the speculative steps */
+    if (P->spec) for (int j = 0; j < P->spec_depth; j++) if (cur_spec(P, r, j)) return 1;
     return 0;
 }
 
-/* min(L, C): the committed length (C == L without speculation). */
+/* min(L at the step's start, C after its commits and trims): the window rule's length. */
 static inline int64_t committed_len(const Planner *P, int64_t r) {
-    return P->comm && P->comm[r] < P->seq[r] ? P->comm[r] : P->seq[r];
+    int64_t c = cur_comm(P, r);
+    return c < P->seq[r] ? c : P->seq[r];
+}
+
+/* Stage row r's ledger values (its first commit or trim of the step). */
+static inline void stage(Planner *P, int64_t r) {
+    P->st_seq[r] = P->seq[r];
+    P->st_comm[r] = P->comm[r];
+    for (int j = 0; j < P->spec_depth; j++)
+        P->st_spec[r * MAX_SPEC + j] = P->spec[r * P->spec_depth + j];
 }
 
 /* The window rule (release_rows.window_frontier): floor_page(max(f, min(L, C) - W)), L the
- * length when the step began (a row is evicted before anything allocates for it). */
+ * length when the step began, C after the step's commits and trims (a row is evicted
+ * before anything allocates for it). */
 static inline int64_t window_front(const Planner *P, int64_t r) {
     int64_t thr = committed_len(P, r) - P->window;
     thr = thr < 0 ? 0 : PFLOOR(P, thr);
@@ -660,26 +701,30 @@ static int per_row(const IntArg *a, Py_ssize_t n, int64_t *scratch) {
 
 /* step(index, epoch, full_ring, swa_ring, release, evict, evict_all, advance_rows,
  *      advance_pos, decode, extend_rows, extend_n, advance_given, extend_given,
- *      old_release_rows, old_alloc_rows)
+ *      old_release_rows, old_alloc_rows, commit_rows, commit_n, trim_rows, trim_len,
+ *      commit_given, trim_given, lookahead)
  * -> None (not planned, nothing changed) or (n_release_rows, n_alloc_rows, n_tokens,
  *    freed_full, freed_swa, allocated_full, allocated_swa, evicted, fusable, n_result,
  *    has_result) */
 static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) {
-    if (nargs != 16) {
-        PyErr_SetString(PyExc_TypeError, "Planner.step takes 16 arguments");
+    if (nargs != 23) {
+        PyErr_SetString(PyExc_TypeError, "Planner.step takes 23 arguments");
         return NULL;
     }
     Step S;
     memset(&S, 0, sizeof S);
-    IntArg A_rel, A_ev, A_advr, A_advp, A_dec, A_extr, A_extn;
-    IntArg *all[7] = {&A_rel, &A_ev, &A_advr, &A_advp, &A_dec, &A_extr, &A_extn};
-    for (int i = 0; i < 7; i++) { all[i]->has_view = 0; all[i]->n = 0; all[i]->present = 0; }
+    IntArg A_rel, A_ev, A_advr, A_advp, A_dec, A_extr, A_extn, A_comr, A_comn, A_trr, A_trn,
+        A_look;
+    IntArg *all[N_ARGS] = {&A_rel, &A_ev, &A_advr, &A_advp, &A_dec, &A_extr, &A_extn,
+                           &A_comr, &A_comn, &A_trr, &A_trn, &A_look};
+    for (int i = 0; i < N_ARGS; i++) { all[i]->has_view = 0; all[i]->n = 0; all[i]->present = 0; }
     Py_ssize_t index = PyLong_AsSsize_t(a[0]);
     S.epoch = PyLong_AsLongLong(a[1]);
     PyObject *full_ring_obj = a[2], *swa_ring_obj = a[3];
     int evict_all = a[6] == Py_True;
     int adv_given = PyObject_IsTrue(a[12]) == 1, ext_given = PyObject_IsTrue(a[13]) == 1;
     int64_t old_rel = PyLong_AsLongLong(a[14]), old_al = PyLong_AsLongLong(a[15]);
+    int com_given = PyObject_IsTrue(a[20]) == 1, trim_given = PyObject_IsTrue(a[21]) == 1;
     if (PyErr_Occurred()) return NULL;
     int ring = P->ring_pages > 0;
     Py_ssize_t n_written = 0;  /* release rows written (zeroed again on a refusal) */
@@ -714,10 +759,20 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
                        parse_arg(a[8], &A_advp, P->args[3], P->max_reqs, 0))) ||
         parse_arg(a[9], &A_dec, P->args[4], P->max_reqs, 1) ||
         (ext_given && (parse_arg(a[10], &A_extr, P->args[5], P->max_reqs, 0) ||
-                       parse_arg(a[11], &A_extn, P->args[6], P->max_reqs, 0))))
+                       parse_arg(a[11], &A_extn, P->args[6], P->max_reqs, 0))) ||
+        (com_given && (parse_arg(a[16], &A_comr, P->args[7], P->max_reqs, 0) ||
+                       parse_arg(a[17], &A_comn, P->args[8], P->max_reqs, 0))) ||
+        (trim_given && (parse_arg(a[18], &A_trr, P->args[9], P->max_reqs, 0) ||
+                        parse_arg(a[19], &A_trn, P->args[10], P->max_reqs, 0))) ||
+        parse_arg(a[22], &A_look, P->args[11], P->max_reqs, 0))
         { S.refusal = R_INPUT; goto refused_early; }
-    if ((adv_given && !A_advr.present) || (ext_given && !A_extr.present))
+    if ((adv_given && !A_advr.present) || (ext_given && !A_extr.present) ||
+        (com_given && !A_comr.present) || (trim_given && !A_trr.present))
         { S.refusal = R_INPUT; goto refused_early; }
+    /* speculative decoding needs the ledger's committed lengths and speculative steps */
+    if ((com_given || trim_given || A_look.present) &&
+        (!P->comm || !P->spec || P->spec_depth > MAX_SPEC))
+        { S.refusal = R_SPECULATIVE; goto refused_early; }
 
     /* ==== phase A: every rule that needs no page mirror; nothing is written ==== */
     memset(P->flags, 0, (size_t)P->max_reqs);
@@ -728,6 +783,56 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
         int64_t end_page = PCEIL(P, P->seq[r]);
         if (end_page > P->ppr) { S.refusal = R_MIRROR; goto refused_early; }
         n_exam += end_page;
+    }
+    /* commit (release_rows.commit): the oldest speculative step of size s resolved with
+     * 0 <= n <= s accepted; C' = C + n, L' = C' + the later steps; pages past L' cut */
+    if (com_given) {
+        if (check_rows(P, &A_comr, F_COM)) { S.refusal = R_ROWS; goto refused_early; }
+        if (per_row(&A_comn, A_comr.n, P->args[8])) { S.refusal = R_INPUT; goto refused_early; }
+        for (Py_ssize_t i = 0; i < A_comr.n; i++) {
+            int64_t r = A_comr.v[i], n = A_comn.v[i];
+            stage(P, r);
+            int64_t *sp = P->st_spec + r * MAX_SPEC;
+            if (n < 0) { S.refusal = R_INPUT; goto refused_early; }
+            if (sp[0] == 0) { S.refusal = R_SPECULATIVE; goto refused_early; }
+            if (n > sp[0]) { S.refusal = R_POSITIONS; goto refused_early; }
+            int64_t c = P->st_comm[r] + n, later = 0;
+            for (int j = 1; j < P->spec_depth; j++) { later += sp[j]; sp[j - 1] = sp[j]; }
+            sp[P->spec_depth - 1] = 0;
+            int64_t new_len = c + later, old_page = PCEIL(P, P->st_seq[r]);
+            if (new_len > P->st_seq[r] || old_page > P->ppr)
+                { S.refusal = R_MIRROR; goto refused_early; }  /* not a valid ledger */
+            n_exam += old_page - PCEIL(P, new_len);
+            P->com_len[i] = new_len;
+            P->st_seq[r] = new_len;
+            P->st_comm[r] = c;
+        }
+    }
+    /* trim (release_rows.trim): L' = new_len <= L, and >= f + W once the frontier f moved;
+     * C' = min(C, L'), the speculative steps cut at L' (oldest kept first) */
+    if (trim_given) {
+        if (check_rows(P, &A_trr, F_TRIM)) { S.refusal = R_ROWS; goto refused_early; }
+        if (per_row(&A_trn, A_trr.n, P->args[10])) { S.refusal = R_INPUT; goto refused_early; }
+        for (Py_ssize_t i = 0; i < A_trr.n; i++) {
+            int64_t r = A_trr.v[i], nl = A_trn.v[i], f = P->front[r];
+            if (!(P->flags[r] & F_COM)) stage(P, r);
+            int64_t len = P->st_seq[r], old_page = PCEIL(P, len);
+            if (nl < 0) { S.refusal = R_INPUT; goto refused_early; }
+            if (nl > len) { S.refusal = R_POSITIONS; goto refused_early; }
+            if (f > 0 && nl < f + P->window) { S.refusal = R_POSITIONS; goto refused_early; }
+            if (old_page > P->ppr) { S.refusal = R_MIRROR; goto refused_early; }
+            n_exam += old_page - PCEIL(P, nl);
+            P->trim_len[i] = nl;
+            int64_t c = P->st_comm[r], keep = nl - c, before = 0;
+            int64_t *sp = P->st_spec + r * MAX_SPEC;
+            for (int j = 0; j < P->spec_depth; j++) {  /* clip(keep - before, 0, step) */
+                int64_t s_j = sp[j], v = keep - before;
+                sp[j] = v < 0 ? 0 : (v > s_j ? s_j : v);
+                before += s_j;
+            }
+            P->st_comm[r] = c < nl ? c : nl;
+            P->st_seq[r] = nl;
+        }
     }
     /* evict: the window rule on the committed length. Only rows whose frontier moves are
      * kept (ev_rows, ev_front): a row with nothing to free writes nothing (drop_actions of an
@@ -767,18 +872,32 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
             n_exam += PDIV(P, pos - old);
         }
     }
-    /* decode: one committed token per row */
+    /* decode: one committed token per row; with lookahead k, 1 + k tokens per row as one
+     * speculative step (planner.StepBuilder.extend(..., speculative=True)) */
+    int look = A_look.present;
     if (A_dec.present) {
         if (check_rows(P, &A_dec, F_DEC)) { S.refusal = R_ROWS; goto refused_early; }
         n_dec = A_dec.n;
+        if (look && per_row(&A_look, n_dec, P->args[11])) { S.refusal = R_INPUT; goto refused_early; }
         for (Py_ssize_t i = 0; i < n_dec; i++) {
-            int64_t r = A_dec.v[i], start = P->seq[r];
-            if (has_tail(P, r)) { S.refusal = R_SPECULATIVE; goto refused_early; }
-            if (start + 1 > P->max_ctx || 1 > P->max_tok_row) { S.refusal = R_LENGTH; goto refused_early; }
-            need_dec += PMOD(P, start) == 0;  /* a new page where the position starts one */
+            int64_t r = A_dec.v[i], start = cur_seq(P, r), n = 1;
+            if (look) {
+                int64_t k = A_look.v[i];
+                if (k < 0 || k >= P->max_tok_row) { S.refusal = R_LENGTH; goto refused_early; }
+                n = 1 + k;
+                /* SPEC_DEPTH steps in flight already: commit the oldest first */
+                if (cur_spec(P, r, P->spec_depth - 1)) { S.refusal = R_SPECULATIVE; goto refused_early; }
+            } else if (has_tail(P, r)) {
+                S.refusal = R_SPECULATIVE; goto refused_early;
+            }
+            if (start + n > P->max_ctx || n > P->max_tok_row) { S.refusal = R_LENGTH; goto refused_early; }
+            need_dec += n == 1 ? PMOD(P, start) == 0  /* a new page where the position starts one */
+                               : PCEIL(P, start + n) - PCEIL(P, start);
+            n_tok_total += n;
         }
-        n_tok_total += n_dec;
         n_alloc_rows += n_dec;
+    } else if (look) {
+        S.refusal = R_INPUT; goto refused_early;  /* lookahead= without decode rows */
     }
     /* extend: rows not decoding in this step, counts >= 0, lengths and per-row tokens */
     if (ext_given) {
@@ -791,7 +910,7 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
         if (per_row(&A_extn, A_extr.n, P->args[6])) { S.refusal = R_INPUT; goto refused_early; }
         n_ext = A_extr.n;
         for (Py_ssize_t i = 0; i < n_ext; i++) {
-            int64_t r = A_extr.v[i], n = A_extn.v[i], start = P->seq[r];
+            int64_t r = A_extr.v[i], n = A_extn.v[i], start = cur_seq(P, r);
             if (n < 0) { S.refusal = R_INPUT; goto refused_early; }
             if (has_tail(P, r)) { S.refusal = R_SPECULATIVE; goto refused_early; }
             if (n > P->max_tok_row || start + n > P->max_ctx) { S.refusal = R_LENGTH; goto refused_early; }
@@ -809,18 +928,19 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
             if (pass ? !ext_given : !A_dec.present) continue;
             for (Py_ssize_t i = 0; i < rows->n; i++) {
                 int64_t r = rows->v[i];
-                int64_t n = pass ? A_extn.v[i] : 1;
+                int64_t n = pass ? A_extn.v[i] : (look ? 1 + A_look.v[i] : 1);
                 int64_t f = (P->flags[r] & F_ADV) ? P->nfront[r]
                     : (P->flags[r] & F_EV) ? window_front(P, r) : P->front[r];
-                if (PCEIL(P, P->seq[r] + n) - PDIV(P, f) > P->ring_pages)
+                if (PCEIL(P, cur_seq(P, r) + n) - PDIV(P, f) > P->ring_pages)
                     { S.refusal = R_RING; goto refused_early; }
             }
         }
     }
     /* worst-case scratch for phase B, so nothing there can fail for memory */
-    if (undo_reserve(P, (6 + P->spec_depth) * A_rel.n + n_ev + A_advr.n + 5 * n_exam + 16) ||
+    if (undo_reserve(P, (6 + P->spec_depth) * A_rel.n + n_ev + A_advr.n + 5 * n_exam +
+                     (2 + P->spec_depth) * (A_comr.n + A_trr.n) + 16) ||
         (!ring && ensure_exam(P, n_exam + 1))) {
-        for (int i = 0; i < 7; i++) drop_arg(all[i]);
+        for (int i = 0; i < N_ARGS; i++) drop_arg(all[i]);
         return NULL;
     }
 
@@ -859,6 +979,40 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
             if (P->comm) set64(P, &P->comm[r], 0);
             if (P->spec) for (int j = 0; j < P->spec_depth; j++)
                 set64(P, &P->spec[r * P->spec_depth + j], 0);
+        }
+    }
+    /* commit, then trim (release_rows._cut): each a call of its own; pool mode drops the
+     * rows' FULL and SWA references of the pages wholly past the new length (a partial
+     * page stays), ring mode frees those FULL pages and clears their mapping */
+    for (int pass = 0; pass < 2; pass++) {
+        const IntArg *rows = pass ? &A_trr : &A_comr;
+        const int64_t *new_len = pass ? P->trim_len : P->com_len;
+        if (!(pass ? trim_given : com_given) || rows->n == 0) continue;
+        for (Py_ssize_t i = 0; i < rows->n; i++) {
+            int64_t r = rows->v[i];
+            int64_t lo = PCEIL(P, new_len[i]), hi = PCEIL(P, P->seq[r]);
+            if (hi > lo) P->flags[r] |= F_CUT;
+            if (ring) {
+                int rc = add_release(P, &S, r, lo * P->ps, hi - lo, REL_FULL | REL_CLEAR);
+                n_written = S.n_rel;
+                if (rc) goto refused;
+            } else {
+                P->d_rows[i] = r; P->d_flo[i] = lo; P->d_fhi[i] = hi;
+                P->d_slo[i] = lo; P->d_shi[i] = hi;
+            }
+        }
+        if (!ring) {
+            int64_t dummy;
+            int rc = drop_emit(P, &S, rows->n, &dummy);
+            n_written = S.n_rel;
+            if (rc) goto refused;
+        }
+        for (Py_ssize_t i = 0; i < rows->n; i++) {
+            int64_t r = rows->v[i];
+            set64(P, &P->seq[r], new_len[i]);
+            set64(P, &P->comm[r], P->st_comm[r]);
+            for (int j = 0; j < P->spec_depth; j++)
+                set64(P, &P->spec[r * P->spec_depth + j], P->st_spec[r * MAX_SPEC + j]);
         }
     }
     /* evict, then advance: frontier moves (release_rows.advance_frontier) */
@@ -903,12 +1057,15 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
         int64_t *res_r = P->rrows[index], *res_f = P->rfirst[index], *res_n = P->rntok[index];
         int64_t fpos = S.full_head, spos = S.swa_head, lane = 0, n_al = 0;
         Py_ssize_t n_res = 0;
+        int cut_alloc = 0;  /* a row that cut its tail and allocates again in this step */
         for (int pass = 0; pass < 2; pass++) {
             const IntArg *rows = pass ? &A_extr : &A_dec;
             if (pass ? !ext_given : !A_dec.present) continue;
             for (Py_ssize_t i = 0; i < rows->n; i++) {
-                int64_t r = rows->v[i], n = pass ? A_extn.v[i] : 1, start = P->seq[r];
+                int64_t r = rows->v[i], start = P->seq[r];
+                int64_t n = pass ? A_extn.v[i] : (look ? 1 + A_look.v[i] : 1);
                 int64_t end = start + n;
+                cut_alloc |= (P->flags[r] & F_CUT) != 0;
                 res_r[n_res] = r; res_f[n_res] = lane; res_n[n_res] = n; n_res++;
                 if (n > 0) {
                     int64_t first_page = PCEIL(P, start);
@@ -937,7 +1094,14 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
                     lane += n;
                 }
                 P->seq[r] = end;
-                if (P->comm) P->comm[r] = end;
+                if (!pass && look) {  /* the step joins the row's speculative steps */
+                    int64_t *sp = P->spec + r * P->spec_depth;
+                    int slot = 0;
+                    for (int j = 0; j < P->spec_depth; j++) slot += sp[j] != 0;
+                    sp[slot] = n;
+                } else if (P->comm) {
+                    P->comm[r] = end;
+                }
             }
         }
         int64_t need = need_dec + need_ext;
@@ -953,13 +1117,14 @@ static PyObject *Planner_step(Planner *P, PyObject *const *a, Py_ssize_t nargs) 
         if (old_al > P->max_alloc_rows) old_al = P->max_alloc_rows;
         if (old_al > n_al) memset(al + n_al * ROW_WIDTH, 0,
                                   (size_t)(old_al - n_al) * ROW_WIDTH * 8);
-        for (int i = 0; i < 7; i++) drop_arg(all[i]);
+        for (int i = 0; i < N_ARGS; i++) drop_arg(all[i]);
         P->undo_n = 0;
         if (set_ring(full_ring_obj, S.full_head, S.full_free) ||
             set_ring(swa_ring_obj, S.swa_head, S.swa_free))
             return NULL;
         int64_t alloc_swa = ring ? 0 : need;
-        int fusable = need <= n_free_before_full && alloc_swa <= n_free_before_swa;
+        int fusable = need <= n_free_before_full && alloc_swa <= n_free_before_swa &&
+                      !cut_alloc;
         P->last_refusal = R_NONE;
         P->n_planned++;
         return Py_BuildValue("(nnLLLLLLOnO)", (Py_ssize_t)S.n_rel, (Py_ssize_t)n_al,
@@ -979,7 +1144,7 @@ refused:
                    (size_t)(n_written - n_old) * ROW_WIDTH * sizeof(int64_t));
     }
 refused_early:
-    for (int i = 0; i < 7; i++) drop_arg(all[i]);
+    for (int i = 0; i < N_ARGS; i++) drop_arg(all[i]);
     P->undo_n = 0;
     P->last_refusal = S.refusal;
     P->n_refused++;

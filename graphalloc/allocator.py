@@ -308,9 +308,9 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
         window follows C only. Cost: O(rows) numpy per argument, one launch or replay.
         """
         # ---- compiled planner fast path (graphalloc.fast_plan): None -> the numpy planner ----
-        if self._fast is not None and self._group is None and commit is None and trim is None \
-                and lookahead is None:
-            planned = self._fast.plan(self, release, evict, evict_all, advance, decode, extend)
+        if self._fast is not None and self._group is None:
+            planned = self._fast.plan(self, release, evict, evict_all, advance, decode, extend,
+                                      commit, trim, lookahead)
             if planned is not None:
                 return self.run(planned)
         # ---- end of the fast path ----
@@ -375,8 +375,9 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
                                    "end, a separately planned step could not keep that order; "
                                    "use step() (it runs at once) or plan after the block")
         # ---- compiled planner fast path (graphalloc.fast_plan): None -> the numpy planner ----
-        if self._fast is not None and commit is None and trim is None and lookahead is None:
-            planned = self._fast.plan(self, release, evict, evict_all, advance, decode, extend)
+        if self._fast is not None:
+            planned = self._fast.plan(self, release, evict, evict_all, advance, decode, extend,
+                                      commit, trim, lookahead)
             if planned is not None:
                 return planned
         # ---- end of the fast path ----

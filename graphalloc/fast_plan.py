@@ -7,16 +7,20 @@ planner (:class:`graphalloc.planner.StepBuilder`, still the one validator and th
 reference: ``tests/test_compiled_planner.py`` compares the two byte for byte on random
 steps). What it covers, in ``step()`` / ``plan()``::
 
-    release=rows, evict=rows | evict_all=True, advance=(rows, pos), decode=rows,
-    extend=(rows, n)        pool mode (page mirror, reference counts, drop_actions' push
+    release=rows, commit=(rows, n_accepted), trim=(rows, new_len), evict=rows |
+    evict_all=True, advance=(rows, pos), decode=rows [, lookahead=k], extend=(rows, n)
+                            pool mode (page mirror, reference counts, drop_actions' push
                             order, shared pages) and ring mode
 
+so a speculative engine's round ``step(commit=(rows, n), evict=rows, decode=rows,
+lookahead=k)`` is planned in C (the commit and the trim each one drop call, as
+release_rows._cut; the window rule and frontier moves on the committed length after them).
 Everything else -- handles, admits, load-back, ``AL_COPY`` rows, an open ``free_group()``,
-``fits()`` dry runs, ``scheduler_step()``, speculative decoding (``commit``, ``trim``,
-``lookahead``, and any step touching a row with a speculative tail), argument forms other
-than ``None`` / a Python int / a list or tuple of Python ints / a 1-D int64 numpy array, and
-every step the C code refuses -- runs the numpy planner as before, which plans it or raises
-its precise typed error. So behaviour is exactly the numpy planner's; only the cost differs.
+``fits()`` dry runs, ``scheduler_step()``, argument forms other than ``None`` / a Python
+int / a list or tuple of Python ints / a 1-D int64 numpy array (``commit`` / ``trim`` /
+``advance`` / ``extend`` a tuple or list of two), a negative trim length, and every step
+the C code refuses -- runs the numpy planner as before, which plans it or raises its
+precise typed error. So behaviour is exactly the numpy planner's; only the cost differs.
 
 How a step is planned (``graphalloc/_cplan.c``): phase A checks every rule that needs no
 page mirror (rows live and once, frontier moves aligned / forward / inside the pages that
@@ -254,7 +258,8 @@ class FastPlanner:
         return slot
 
     # ---- one step --------------------------------------------------------------------------
-    def plan(self, alloc, release, evict, evict_all, advance, decode, extend):
+    def plan(self, alloc, release, evict, evict_all, advance, decode, extend, commit=None,
+             trim=None, lookahead=None):
         """Plan ``alloc.step(...)``'s arguments here: the :class:`PlannedStep` (set as the
         allocator's pending step), or ``None`` with nothing changed when the numpy planner
         must plan it. The caller has checked that no free group is open."""
@@ -279,6 +284,20 @@ class FastPlanner:
         else:
             self.n_fallback += 1
             return None
+        if commit is None:
+            com_given, com_rows, com_n = False, None, None
+        elif (type(commit) is tuple or type(commit) is list) and len(commit) == 2:
+            com_given, (com_rows, com_n) = True, commit
+        else:
+            self.n_fallback += 1
+            return None
+        if trim is None:
+            trim_given, trim_rows, trim_len = False, None, None
+        elif (type(trim) is tuple or type(trim) is list) and len(trim) == 2:
+            trim_given, (trim_rows, trim_len) = True, trim
+        else:
+            self.n_fallback += 1
+            return None
         ring = alloc.ring
         index = ring.acquire()
         slot = self._slot(alloc, index)
@@ -286,7 +305,8 @@ class FastPlanner:
         epoch = alloc.steps_run + 1
         out = self._c.step(index, epoch, led.full, led.swa, release, evict, evict_all,
                            adv_rows, adv_pos, decode, ext_rows, ext_n, adv_given, ext_given,
-                           old_rel, old_al)
+                           old_rel, old_al, com_rows, com_n, trim_rows, trim_len, com_given,
+                           trim_given, lookahead)
         if out is None:
             self.n_fallback += 1
             return None

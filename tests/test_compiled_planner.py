@@ -10,9 +10,9 @@ the eager CPU executor having run every step -- the same device tables.
 
 Random sequences cover pool mode with shared pages (handles taken, admitted on, dropped and
 tombstoned interleaved, so later compiled steps free pages with reference counts > 1, and a
-prefix cache reclaiming inside a step), speculative decoding interleaved (lookahead decodes
-and commits by the numpy planner: compiled evictions follow the committed length, and a
-plain decode of a row with a speculative tail is refused alike), ring mode, page sizes 1, 3,
+prefix cache reclaiming inside a step), speculative decoding planned in C (commits of any
+count, trims, lookahead decodes one or two steps in flight, in one step with releases,
+evictions and extends; counted: the C planner planned them), ring mode, page sizes 1, 3,
 16 and 64, int32 and int64 tables, rows split at ``max_pages_per_row``, every frozen shape
 exceeded, capacity shortage and invalid steps of every kind. A refused step is checked to
 change nothing, with the C planner's own rollback tested directly (not hidden by the numpy
@@ -99,6 +99,7 @@ class Pair:
         self.fast = HybridAllocator(cfg, planner="compiled", **kwargs)
         assert self.ref._fast is None and self.fast._fast is not None
         self.n_ops = 0
+        self.n_spec_planned = {"commit": 0, "trim": 0, "lookahead": 0}  # planned in C
 
     def apply(self, fn):
         """``fn(alloc)`` on both; the same error type or none; the same result."""
@@ -204,12 +205,52 @@ def step_args(pair: Pair, rng) -> dict:
         if len(rows) > 1 and rng.random() < 0.2:
             pos = int(target[0])  # one position broadcast to every row
         args["advance"] = (_form(rng, rows), pos)
-    room = rest[led.seq_len[rest] < cfg.max_context_len]
-    if rng.random() < 0.9:  # mostly rows without a speculative tail (a plain decode of one
-        room = room[led.spec_steps[room, 0] == 0]  # is refused: commit first)
+    spec = led.spec_steps
+    committing = rest[:0]
+    if rng.random() < 0.35 and len(rest):  # commit the oldest step's accepted counts
+        committing = _subset(rng, rest[spec[rest, 0] > 0], 0.7)
+        if rng.random() < 0.05:  # broken: a row with nothing to commit
+            committing = np.union1d(committing, rest[:1])
+        n = [int(rng.integers(0, s + 1)) for s in spec[committing, 0]]
+        if rng.random() < 0.05 and len(n):
+            n[0] += 1  # broken: more accepted than drafted
+        if len(n) > 1 and rng.random() < 0.15:
+            n = int(min(n))  # one count broadcast to every row
+        elif rng.random() < 0.5:
+            n = np.asarray(n, dtype=np.int64)
+        args["commit"] = (_form(rng, committing), n)
+    if rng.random() < 0.15 and len(rest):  # trim: back to C, a page boundary or L
+        rows = _subset(rng, np.setdiff1d(rest, committing), 0.5)
+        f, length = led.frontier[rows], led.seq_len[rows]
+        low = np.where(f > 0, f + cfg.sliding_window, 0)
+        pick = rng.integers(0, 3, len(rows))
+        new = np.where(pick == 0, led.committed[rows],
+                       np.where(pick == 1, led.committed[rows] // ps * ps, length))
+        new = np.minimum(np.maximum(new, low), length)
+        if rng.random() < 0.1 and len(rows):
+            # broken: below f + W, or past L (a negative length is the numpy planner's
+            # own matter: the C planner refuses it to the numpy planner)
+            new[0] = low[0] - 1 if low[0] > 0 and rng.random() < 0.5 else length[0] + 1
+        args["trim"] = (_form(rng, rows), [int(x) for x in new] if rng.random() < 0.5
+                        else new)
+    room = rest[led.seq_len[rest] < cfg.max_context_len - 4]
+    lookahead = rng.random() < 0.4
+    if lookahead:  # verify tokens: rows with a free speculative slot (after the commit)
+        free_slot = (spec[room, -1] == 0) | np.isin(room, committing)
+        if rng.random() < 0.9:
+            room = room[free_slot]
+    elif rng.random() < 0.9:  # mostly rows without a speculative tail (a plain decode of
+        # one is refused: commit first; all of it committed in this step is fine)
+        room = room[(spec[room, 0] == 0) | (np.isin(room, committing) & (spec[room, 1] == 0))]
     decode = _subset(rng, room, 0.7) if rng.random() < 0.8 else room[:0]
     if len(decode):
         args["decode"] = _form(rng, decode)
+        if lookahead:
+            k = rng.integers(0, 4, len(decode))
+            args["lookahead"] = int(k[0]) if rng.random() < 0.5 else (
+                [int(x) for x in k] if rng.random() < 0.5 else k)
+    elif lookahead and rng.random() < 0.1:
+        args["lookahead"] = 1  # broken: lookahead without decode rows
     if rng.random() < 0.35:
         rows = _subset(rng, np.setdiff1d(room, decode), 0.6)
         big = rng.random() < 0.3  # long chunks: the pools run short (refused after frees)
@@ -232,6 +273,8 @@ def step_args(pair: Pair, rng) -> dict:
         args["extend"] = ([int(live[-1])], [cfg.max_context_len])
     elif roll < 0.10 and "release" in args and args["release"] is not None and len(live):
         args["decode"] = args["release"]  # released earlier in this step
+    elif roll < 0.11 and "release" in args and args["release"] is not None:
+        args["commit"] = (args["release"], 0)  # released earlier in this step
     return args
 
 
@@ -300,7 +343,17 @@ def _group(alloc, rows) -> None:
 
 
 def run_step(pair: Pair, rng, args: dict) -> None:
-    """One step through step(), plan() + run(), or try_step()."""
+    """One step through step(), plan() + run(), or try_step(); counts the speculative
+    operations the C planner planned."""
+    fast = pair.fast._fast
+    before = fast.n_planned
+    _run_step(pair, rng, args)
+    if fast.n_planned > before:
+        for key in pair.n_spec_planned:
+            pair.n_spec_planned[key] += key in args
+
+
+def _run_step(pair: Pair, rng, args: dict) -> None:
     how = rng.random()
     if how < 0.15:
         def plan_run(a):
@@ -338,6 +391,47 @@ def test_random_steps_match_the_numpy_planner(name, seed):
     # the comparison means something only if most steps were planned in C
     assert fast.n_planned >= 0.5 * (fast.n_planned + fast.n_fallback), (
         fast.n_planned, fast.n_fallback)
+    SPEC_PLANNED.setdefault(name, {"commit": 0, "trim": 0, "lookahead": 0})
+    for key, n in pair.n_spec_planned.items():
+        SPEC_PLANNED[name][key] += n
+
+
+SPEC_PLANNED: dict = {}  # per config: speculative operations the C planner planned
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_random_speculative_steps_were_planned_in_c(name):
+    """The random steps above planned commits, trims and lookahead decodes in C (not only
+    through the numpy fallback): the byte comparison covered them."""
+    if name not in SPEC_PLANNED:  # run alone: drive one sequence here
+        test_random_steps_match_the_numpy_planner(name)
+    counts = SPEC_PLANNED[name]
+    assert counts["commit"] > 0 and counts["lookahead"] > 0 and counts["trim"] > 0, counts
+
+
+@pytest.mark.parametrize("name", ["pool-ps16-shared", "pool-ps3-tight", "ring-ps16", "ring-ps1"])
+def test_workload_speculative_rounds_are_planned_in_c(name):
+    """tests/workload.py's random steps (speculative rounds commit + evict + lookahead
+    decode, overlap, trims, handles, groups) on both allocators: byte-identical, and the
+    speculative ones were planned in C."""
+    from workload import random_step
+
+    pair = Pair(name)
+    rng = np.random.default_rng(7)
+    fast = pair.fast._fast
+    planned = {"spec_round": 0, "spec_overlap": 0, "trim": 0}
+    drawn = dict(planned)
+    for i in range(200):
+        before = fast.n_planned
+        what = random_step([pair.ref, pair.fast], rng)
+        if what in planned:
+            drawn[what] += 1
+            planned[what] += fast.n_planned > before
+        pair.compare(device=i % 25 == 0)
+    pair.compare(device=True)
+    assert planned["spec_round"] > 0 and planned["spec_overlap"] > 0, planned
+    assert planned["trim"] == drawn["trim"], (planned, drawn)  # (the drawn trims are valid)
+    assert pair.fast.audit() == []
 
 
 def test_shared_pages_freed_by_compiled_steps():
@@ -419,6 +513,189 @@ def test_rows_with_a_speculative_tail(name):
     pair.apply(lambda x: x.step(release=[a], evict_all=True, decode=[b]))
     assert fast.last_refusal == 0
     pair.compare(device=True)
+    assert pair.fast.audit() == []
+
+
+def _plan_run(**args):
+    """plan() then run(): the PlannedStep (its pages freed and allocated)."""
+    def fn(alloc):
+        planned = alloc.plan(**args)
+        alloc.run(planned)
+        return planned
+    return fn
+
+
+def _in_c(pair: Pair, fn):
+    """``fn`` on both allocators: no error, and the compiled one planned it in C."""
+    fast = pair.fast._fast
+    n = fast.n_planned
+    out, err = pair.apply(fn)
+    assert err is None, err
+    assert fast.n_planned == n + 1, fast.last_refusal
+    pair.compare(device=True)
+    return out
+
+
+def _refused(pair: Pair, code: int, error: str, **args) -> None:
+    """The C planner refuses ``step(**args)`` with ``code`` and changes nothing; the step
+    then raises ``error`` in both allocators, nothing changed."""
+    alloc, fast = pair.fast, pair.fast._fast
+    before = _state(alloc)
+    got = fast.plan(alloc, args.get("release"), args.get("evict"), args.get("evict_all", False),
+                    args.get("advance"), args.get("decode"), args.get("extend"),
+                    args.get("commit"), args.get("trim"), args.get("lookahead"))
+    assert got is None and fast.last_refusal == code, (got, fast.last_refusal)
+    _assert_same(before, _state(alloc))
+    _, err = pair.apply(lambda a: a.step(**args))
+    assert err is not None and err.__name__ == error, err
+    _assert_same(before, _state(alloc))
+    pair.compare(device=True)
+
+
+@pytest.mark.parametrize("name", ["pool-ps16-shared", "ring-ps16", "pool-ps3-tight"])
+def test_speculative_rounds_planned_in_c(name):
+    """A speculative engine's rounds, each ``step(commit=, evict=, decode=, lookahead=)``
+    planned in C: drafts across a page boundary, all rejected (the new page freed, the
+    partial page kept) and all accepted, two steps in flight (overlap) and a third refused,
+    a commit that keeps the later step, a plain decode once the tail is resolved, a
+    release of rows with a tail."""
+    pair = Pair(name)
+    ps, led = pair.cfg.page_size, lambda: pair.ref.ledger
+    a, _ = pair.apply(lambda x: x.admit())
+    b, _ = pair.apply(lambda x: x.admit())
+    pair.apply(lambda x: x.step(extend=([a, b], [2 * ps - 2, ps])))
+    _in_c(pair, lambda x: x.step(decode=[a, b], lookahead=3))  # a: [2ps-2, 2ps+2)
+    assert led().spec_steps[a].tolist() == [4, 0] and led().committed[a] == 2 * ps - 2
+    full_before = pair.ref.n_free("full")
+    planned = _in_c(pair, _plan_run(commit=([a, b], [0, 4]), evict=[a, b]))
+    assert planned.pages_freed["full"] == 1  # a's page past 2ps - 2: all rejected
+    assert pair.ref.n_free("full") == full_before + 1
+    assert led().seq_len[a] == led().committed[a] == 2 * ps - 2
+    assert led().seq_len[b] == led().committed[b] == ps + 4  # all accepted
+    _refused(pair, fast_plan._cplan.R_SPECULATIVE, "SpeculativeStateError",
+             commit=([a], [0]))  # nothing left to commit
+    _in_c(pair, lambda x: x.step(evict=[a, b], decode=[a, b], lookahead=[2, 0]))
+    _in_c(pair, lambda x: x.step(decode=[a, b], lookahead=1))  # overlap: two in flight
+    assert led().spec_steps[a].tolist() == [3, 2] and led().spec_steps[b].tolist() == [1, 2]
+    _refused(pair, fast_plan._cplan.R_SPECULATIVE, "SpeculativeStateError", decode=[a],
+             lookahead=1)  # a third step in flight
+    _refused(pair, fast_plan._cplan.R_SPECULATIVE, "SpeculativeStateError",
+             commit=([a], [1]), decode=[a])  # a plain decode: the later step still in flight
+    _refused(pair, fast_plan._cplan.R_POSITIONS, "PositionError", commit=([a, b], [4, 1]))
+    c = int(led().committed[a])
+    _in_c(pair, lambda x: x.step(commit=([a, b], [2, 1]), evict_all=True, decode=[a, b],
+                                 lookahead=3))  # the later step kept, a new one drafted
+    assert led().committed[a] == c + 2 and led().spec_steps[a].tolist() == [2, 4]
+    assert led().seq_len[a] == c + 2 + 2 + 4
+    _in_c(pair, lambda x: x.step(commit=([a, b], [2, 2])))
+    _in_c(pair, lambda x: x.step(commit=([a, b], [4, 0]), evict_all=True, decode=[a, b]))
+    assert led().spec_steps[a].tolist() == [0, 0] and led().seq_len[a] == led().committed[a]
+    for _ in range(3 * ps):  # rounds until the window moves (evicted on the committed length)
+        n = [int(s) // 2 for s in led().spec_steps[[a, b], 0]]
+        rows = [r for r, k in zip([a, b], n, strict=True) if led().spec_steps[r, 0]]
+        commit = (rows, [k for r, k in zip([a, b], n, strict=True) if r in rows])
+        k = 1 if pair.cfg.ring_mode else 2  # (a ring holds W + 1 + 1 positions past f)
+        _in_c(pair, lambda x, commit=commit, k=k: x.step(commit=commit, evict=[a, b],
+                                                         decode=[a, b], lookahead=k))
+    assert led().frontier[a] > 0 and led().frontier[b] > 0
+    _in_c(pair, lambda x: x.step(release=[a], commit=([b], [1]), decode=[b], lookahead=1))
+    assert pair.fast.audit() == []
+
+
+@pytest.mark.parametrize("name", ["pool-ps16-shared", "ring-ps16"])
+def test_trim_planned_and_refused_in_c(name):
+    """Trims: refused below frontier + window and past the length (the C call and the step
+    change nothing), planned at exactly f + W, back to C, to a page boundary inside the
+    committed part; a commit and a trim of one row in one step."""
+    pair = Pair(name)
+    ps, w, led = pair.cfg.page_size, pair.cfg.sliding_window, lambda: pair.ref.ledger
+    a, _ = pair.apply(lambda x: x.admit())
+    b, _ = pair.apply(lambda x: x.admit())
+    for r, n in [(a, ps)] * 5 + [(b, ps + 3), (b, ps)]:  # (page chunks: a ring fits W)
+        _in_c(pair, lambda x, r=r, n=n: x.step(evict_all=True, extend=([r], [n])))
+    _in_c(pair, lambda x: x.step(evict_all=True, decode=[a, b], lookahead=3))
+    f = int(led().frontier[a])
+    assert f > 0 and led().frontier[b] == 0
+    _refused(pair, fast_plan._cplan.R_POSITIONS, "FrontierError", trim=([a], [f + w - 1]))
+    _refused(pair, fast_plan._cplan.R_POSITIONS, "PositionError",
+             trim=([b], [int(led().seq_len[b]) + 1]))
+    cb = int(led().committed[b])
+    _in_c(pair, lambda x: x.step(trim=([a, b], [f + w, cb])))
+    assert led().seq_len[a] == led().committed[a] == f + w
+    assert led().spec_steps[[a, b]].sum() == 0
+    _in_c(pair, lambda x: x.step(decode=[a, b], lookahead=2))
+    _in_c(pair, lambda x: x.step(decode=[a, b], lookahead=1))
+    c = int(led().committed[b])  # b: frontier 0, a trim into the committed part
+    _in_c(pair, lambda x: x.step(trim=([b], [c - c % ps - ps]), decode=[a], lookahead=2,
+                                 commit=([a], [3])))
+    assert led().committed[b] == led().seq_len[b] == c - c % ps - ps
+    t = int(led().committed[a]) + 2  # trimmed after the commit of 1: one token of the next
+    _in_c(pair, lambda x: x.step(commit=([a], [1]), trim=([a], [t])))
+    assert led().spec_steps[a].tolist() == [1, 0]
+    _in_c(pair, lambda x: x.step(evict_all=True, decode=[b]))
+    assert pair.fast.audit() == []
+
+
+def test_trim_a_tail_a_handle_shares():
+    """A handle and a second request hold a's committed pages: a trim of a into them drops
+    only a's references (the shared pages stay), the pages past the handle's are freed; a
+    commit of a row admitted on the handle; the shared pages freed by the last holder."""
+    pair = Pair("pool-ps16-shared")
+    ps, led = pair.cfg.page_size, lambda: pair.ref.ledger
+    a, _ = pair.apply(lambda x: x.admit())
+    _in_c(pair, lambda x: x.step(extend=([a], [2 * ps])))
+    _in_c(pair, lambda x: x.step(extend=([a], [2 * ps + 5])))
+    h, err = pair.apply(lambda x: x.take_handle(a, 4 * ps))
+    b, err2 = pair.apply(lambda x: x.admit(handle=h))
+    assert err is None and err2 is None
+    _in_c(pair, lambda x: x.step(extend=([b], [3])))
+    _in_c(pair, lambda x: x.step(decode=[a, b], lookahead=3))
+    assert led().full_ref.max() == 3
+    full_free = pair.ref.n_free("full")
+    planned = _in_c(pair, _plan_run(trim=([a], [2 * ps + 1])))
+    assert planned.pages_freed["full"] == 1  # a's page 4; pages 3 and 2 stay shared
+    assert pair.ref.n_free("full") == full_free + 1
+    _in_c(pair, lambda x: x.step(commit=([b], [1]), decode=[b], lookahead=2))
+    pair.apply(lambda x: x.drop_handle(h))
+    _in_c(pair, lambda x: x.step(trim=([b], [ps])))  # pages 1.. only b held: freed
+    _in_c(pair, lambda x: x.step(release=[a, b]))
+    assert pair.ref.n_free("full") == pair.cfg.num_full_pages
+    assert pair.fast.audit() == []
+
+
+@pytest.mark.parametrize("name", ["pool-ps16-shared", "ring-ps16"])
+def test_a_refused_speculative_step_rolls_back(name):
+    """A commit / trim whose frees the C planner wrote (release rows, page mirror, ledger),
+    then refused for capacity (the step's allocation needs more than it freed): the C call
+    rolls every write back, the numpy planner raises CapacityError, nothing changed; one
+    page less is planned in C."""
+    pair = Pair(name)
+    cfg, ps = pair.cfg, pair.cfg.page_size
+    a, _ = pair.apply(lambda x: x.admit())
+    _in_c(pair, lambda x: x.step(extend=([a], [ps + 4])))
+    _in_c(pair, lambda x: x.step(decode=[a], lookahead=ps))  # [ps + 4, 2 ps + 5): a new page
+    others = [pair.apply(lambda x: x.admit())[0] for _ in range(cfg.max_reqs - 1)]
+
+    def free() -> int:
+        ref = pair.ref
+        return ref.n_free("full") if cfg.ring_mode else min(ref.n_free("full"),
+                                                            ref.n_free("swa"))
+    for i in range(200):  # one page at a time (the window evicted) until one page is free
+        if free() <= 1:
+            break
+        r = others[i % len(others)]
+        _in_c(pair, lambda x, r=r: x.step(evict_all=True, extend=([r], [ps])))
+    assert free() == 1
+    three = others[:3]  # each starts a page (the ring holds one more page past the window)
+    assert all(pair.ref.seq_len(r) % ps == 0 for r in three)
+    _refused(pair, fast_plan._cplan.R_CAPACITY, "CapacityError", commit=([a], [0]),
+             evict_all=True, decode=three)
+    _refused(pair, fast_plan._cplan.R_CAPACITY, "CapacityError", trim=([a], [ps + 4]),
+             evict_all=True, decode=three, lookahead=0)
+    _refused(pair, fast_plan._cplan.R_CAPACITY, "CapacityError", commit=([a], [2]),
+             trim=([a], [ps + 5]), evict_all=True, decode=three)
+    _in_c(pair, lambda x: x.step(commit=([a], [0]), evict_all=True, decode=three[:2]))
+    assert free() == 0
     assert pair.fast.audit() == []
 
 
