@@ -14,7 +14,14 @@ new one (``admit()``, outside the timed call) and plans ONE step::
 
 -- B decode rows, the window eviction of every request, one release (its FULL and SWA
 pages) and one 256-token prefill chunk -- with the rows passed as int64 numpy arrays, as an
-engine's scheduler holds them. Timed per step with ``perf_counter_ns``, garbage collection
+engine's scheduler holds them. The speculative case (B in {16, 256}) is a speculative
+engine's round on the same workload: every decoding row drafts ``SPEC_K`` = 3 tokens
+(``1 + 3`` verify slots), and the next step commits each row's accepted count (uniform in
+[0, 4]: all rejected and all accepted included; the rejected tail's pages freed)::
+
+    plan(release=[done], commit=(rows, n_accepted), evict=rows, decode=rows, lookahead=3,
+         extend=([new], [256]))
+ Timed per step with ``perf_counter_ns``, garbage collection
 off: ``plan`` (host planning, the descriptor written into its pinned buffer: what this
 benchmark is about), ``submit`` (``mark_submitted``: the bookkeeping after a launch) and,
 on a GPU, ``run`` (the launch of a captured graph, ``executor="graph"``). On a CPU device
@@ -48,6 +55,8 @@ PAGE_SIZE = 16
 MODEL_WINDOW = 4096
 CHUNK = 256
 BATCHES = (16, 64, 256, 1024)
+SPEC_BATCHES = (16, 256)  # the speculative round
+SPEC_K = 3  # draft tokens per row and step: 1 + 3 verify slots
 
 
 def make_alloc(batch: int, planner: str, device, executor: str) -> ga.HybridAllocator:
@@ -67,8 +76,10 @@ def make_alloc(batch: int, planner: str, device, executor: str) -> ga.HybridAllo
 class Workload:
     """The steps of one run: lengths, who finishes, who is admitted (see the module)."""
 
-    def __init__(self, alloc: ga.HybridAllocator, batch: int, seed: int):
+    def __init__(self, alloc: ga.HybridAllocator, batch: int, seed: int,
+                 speculative: bool = False):
         self.alloc, self.rng = alloc, np.random.default_rng(seed)
+        self.speculative = speculative
         cfg = alloc.config
         lengths = self.rng.integers(MODEL_WINDOW // 2, 2 * MODEL_WINDOW, batch)
         for n in lengths:  # prefill in chunks, the window evicted as it goes (untimed)
@@ -93,15 +104,22 @@ class Workload:
         done = int(live[np.argmax(alloc.ledger.seq_len[live])])
         new = alloc.admit()
         rows = live[live != done]
-        return dict(release=np.array([done], dtype=np.int64), evict_all=True, decode=rows,
-                    extend=(np.array([new], dtype=np.int64), np.array([CHUNK])))
+        release = np.array([done], dtype=np.int64)
+        extend = (np.array([new], dtype=np.int64), np.array([CHUNK]))
+        if not self.speculative:
+            return dict(release=release, evict_all=True, decode=rows, extend=extend)
+        spec = alloc.ledger.spec_steps[rows, 0]  # the step drafted last round (0: none)
+        pending = rows[spec > 0]
+        accepted = self.rng.integers(0, spec[spec > 0] + 1)
+        return dict(release=release, commit=(pending, accepted), evict=rows, decode=rows,
+                    lookahead=SPEC_K, extend=extend)
 
 
 def measure(batch: int, planner: str, device, n_warmup: int, n_steps: int, seed: int,
-            keep: int) -> dict:
+            keep: int, speculative: bool = False) -> dict:
     executor = "eager" if torch.device(device).type == "cpu" else "graph"
     alloc = make_alloc(batch, planner, device, executor)
-    work = Workload(alloc, batch, seed)
+    work = Workload(alloc, batch, seed, speculative)
     on_gpu = alloc.config.device.type == "cuda"
     plan_us, submit_us, run_us, bufs = [], [], [], []
     gc.collect()
@@ -148,15 +166,17 @@ def run(args, argv, device, backend, note) -> int:
     if not fast_plan.AVAILABLE:
         print(f"compiled planner unavailable: {fast_plan.UNAVAILABLE_REASON}", file=sys.stderr)
         return 1
-    batches = (16, 64) if args.quick else BATCHES
+    cases = [("decode", b) for b in ((16, 64) if args.quick else BATCHES)] + [
+        ("speculative", b) for b in ((16,) if args.quick else SPEC_BATCHES)]
     n_warmup, n_steps = (5, 30) if args.quick else (50, 1000)
     keep = 20 if args.quick else 200
     results = []
-    for batch in batches:
-        row = {"batch": batch}
+    for case, batch in cases:
+        row = {"case": case, "batch": batch}
         ref_bufs = None
         for planner in ("numpy", "compiled"):
-            out, bufs = measure(batch, planner, device, n_warmup, n_steps, seed=batch, keep=keep)
+            out, bufs = measure(batch, planner, device, n_warmup, n_steps, seed=batch, keep=keep,
+                                speculative=case == "speculative")
             row[planner] = out
             if ref_bufs is None:
                 ref_bufs = bufs
@@ -166,14 +186,15 @@ def run(args, argv, device, backend, note) -> int:
         row["speedup"] = row["numpy"]["plan_us"]["p50"] / row["compiled"]["plan_us"]["p50"]
         results.append(row)
         c, n = row["compiled"], row["numpy"]
-        print(f"B={batch:5d}  numpy plan {n['plan_us']['p50']:8.1f} us (p90 "
+        print(f"{case:11s} B={batch:5d}  numpy plan {n['plan_us']['p50']:8.1f} us (p90 "
               f"{n['plan_us']['p90']:8.1f})  compiled plan {c['plan_us']['p50']:6.1f} us (p90 "
               f"{c['plan_us']['p90']:6.1f})  x{row['speedup']:.1f}  identical "
               f"{row['identical']}  fallbacks {c['fallbacks']}", flush=True)
     info = machine_info(device)
     doc = {"benchmark": "bench_planner", "command": "python benchmarks/bench_planner.py "
            + " ".join(argv), "device": str(device), "page_size": PAGE_SIZE,
-           "model_window": MODEL_WINDOW, "chunk": CHUNK, "warmup_steps": n_warmup,
+           "model_window": MODEL_WINDOW, "chunk": CHUNK, "spec_k": SPEC_K,
+           "warmup_steps": n_warmup,
            "machine": info, "results": results}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_planner.json"), "w") as f:
@@ -184,16 +205,20 @@ def run(args, argv, device, backend, note) -> int:
         f"One step = `plan(release=[longest], evict_all=True, decode=B - 1 rows, "
         f"extend=([new], [{CHUNK}]))`, page size {PAGE_SIZE}, model window {MODEL_WINDOW}, "
         f"pool mode; {n_steps} measured steps after {n_warmup} warm-up, microseconds, "
-        "GC off. `submit` = `mark_submitted` (the bookkeeping after a launch)"
+        "GC off. Case `speculative`: the same step as a speculative round, "
+        f"`plan(release=[longest], commit=(rows, n_accepted), evict=rows, decode=rows, "
+        f"lookahead={SPEC_K}, extend=([new], [{CHUNK}]))`, n_accepted uniform in "
+        f"[0, {SPEC_K + 1}]. `submit` = `mark_submitted` (the bookkeeping after a launch)"
         + ("; `run` = graph replay enqueue." if device.type == "cuda" else
            "; no kernel runs on the CPU (host planning only)."), "",
-        "| B | numpy plan p50 (p90) | compiled plan p50 (p90) | speedup | compiled plan + "
-        "submit p50 | fallbacks | descriptors identical |",
-        "|---:|---:|---:|---:|---:|---:|:---:|"]
+        "| case | B | numpy plan p50 (p90) | compiled plan p50 (p90) | speedup | compiled "
+        "plan + submit p50 | fallbacks | descriptors identical |",
+        "|:---|---:|---:|---:|---:|---:|---:|:---:|"]
     for row in results:
         n, c = row["numpy"], row["compiled"]
         lines.append(
-            f"| {row['batch']} | {n['plan_us']['p50']:.1f} ({n['plan_us']['p90']:.1f}) | "
+            f"| {row['case']} | {row['batch']} | "
+            f"{n['plan_us']['p50']:.1f} ({n['plan_us']['p90']:.1f}) | "
             f"{c['plan_us']['p50']:.1f} ({c['plan_us']['p90']:.1f}) | "
             f"{row['speedup']:.1f}x | {c['plan_us']['p50'] + c['submit_us']['p50']:.1f} | "
             f"{c['fallbacks']} | {row['identical']} |")
