@@ -196,6 +196,10 @@ class ReleasePlanning:
         led, window = self.ledger, self.config.sliding_window
         new_len = as_positions(new_len, len(rows), "trim lengths")
         length, frontier = led.seq_len[rows], led.frontier[rows]
+        if (new_len < 0).any():
+            i = int(np.flatnonzero(new_len < 0)[0])
+            raise PositionError(f"trim: request {rows[i]}: a length must be >= 0, got "
+                                f"{new_len[i]}")
         if (new_len > length).any():
             i = int(np.flatnonzero(new_len > length)[0])
             raise PositionError(f"trim: request {rows[i]} holds {length[i]} tokens, cannot "

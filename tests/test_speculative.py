@@ -124,6 +124,9 @@ def test_trim_below_the_window_is_refused_with_nothing_changed():
         a.trim([r], [19])  # 19 < 12 + 8: the window of 19 would need evicted pages
     assert_same_snapshot(before, a.snapshot())
     assert a.stats() == stats
+    with pytest.raises(E.PositionError):  # a negative length
+        a.trim([r], [-1])
+    assert_same_snapshot(before, a.snapshot())
     a.trim([r], [20])  # exactly frontier + window: allowed
     with pytest.raises(E.PositionError):
         a.trim([r], [21])  # a trim only shortens
@@ -253,3 +256,13 @@ def test_checkpoint_keeps_the_speculative_state():
     with pytest.raises(E.StateError):
         make().load_state_dict(bad)
     healthy(b)
+
+
+def test_negative_trim_is_refused_before_the_window_rule():
+    a = make()
+    r = prefilled(a, 5)
+    before = a.snapshot()
+    with pytest.raises(E.PositionError):
+        a.trim([r], [-1])
+    assert_same_snapshot(before, a.snapshot())
+    healthy(a)
