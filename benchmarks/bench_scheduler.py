@@ -738,8 +738,9 @@ decisions and keep their own lengths and frontiers.
 of the trace's peak plus 2%, `max_reqs` = B + the most releases in one step; where the trace
 frees more in one step than for_engine's every-step-eviction sizing allows (the 128-token
 interval), `max_step_pages` / `max_release_rows` are raised to the trace's need (recorded
-per configuration under `allocator.raised_from_for_engine`). Per iteration the new requests' `alloc.admit()` (host only, O(1)) and ONE
-`alloc.step(release=, evict=, decode=, extend=)`, planned by the compiled planner and run as one CUDA-graph replay
+per configuration under `allocator.raised_from_for_engine`). Per iteration the new
+requests' `alloc.admit()` (host only, O(1)) and ONE `alloc.step(release=, evict=, decode=,
+extend=)`, planned by the compiled planner and run as one CUDA-graph replay
 (graphalloc's `StepGraph`, subclassed only to put the CUDA events around the replay).
 **graphalloc + tables** adds `PageTables.plan` of the step's batch (block-table form, FULL
 and SWA) and replays one graph holding the allocator's launch and the tables' launch
