@@ -230,13 +230,16 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
     def commit(self, rows, n_accepted) -> None:
         """Speculative decoding: keep ``n_accepted[i]`` tokens of each row's oldest
         speculative step and give back the pages wholly past what stays (``step(commit=)``;
-        one step, refused whole when its frees exceed the frozen step shape)."""
+        one step, refused whole when its frees exceed the frozen step shape). Cost: O(rows +
+        pages freed) host work (the compiled planner where built) and one launch or
+        replay."""
         self.step(commit=(rows, n_accepted))
 
     def trim(self, rows, new_len) -> None:
         """Cut requests to ``new_len`` tokens, giving back the pages wholly past it (a
         partial page stays and is continued); refused below the frontier plus the window
-        (``step(trim=)``; one step)."""
+        (``step(trim=)``; one step). Cost: O(rows + pages freed) host work and one launch or
+        replay."""
         self.step(trim=(rows, new_len))
 
     def evict_window(self, rows=None) -> None:
