@@ -38,36 +38,29 @@ from .errors import (
     NestedGroupError,
     PendingStepError,
     RingOverflowError,
-    SpeculativeStateError,
 )
 from .executor import make_executor
 from .fast_plan import FastPlanner  # the compiled planner (fast path of step() / plan())
 from .free_group import FreeGroup, GroupedFrees
 from .handles import HandleInfo, HandleOps
-from .inputs import as_counts, as_index, is_empty
+from .inputs import as_index
 from .inspection import Inspection
-from .kernels.abi import ROW_WIDTH
 from .ledger import Ledger
 from .planner import StepBuilder
 from .prefix_cache import PrefixCache
 from .queries import HostQueries
 from .results import AllocResult, PlannedStep
+from .single_ops import SingleOps
+from .step_arguments import StepArguments
 from .step_context import StepContext, run_context
 
 __all__ = ["HybridAllocator", "AllocResult", "PlannedStep", "HandleInfo"]
 
-_EMPTY_ROWS = np.zeros((0, ROW_WIDTH), dtype=np.int64)
 _SHORTAGE = (CapacityError, BatchTooLargeError, RingOverflowError)
 
 
-def _pair(value, what: str, second: str):
-    """``(rows, values)`` of a two-part step argument, refused unless exactly two parts."""
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise ContractError(f"{what} takes a pair (rows, {second}); got {value!r}")
-    return value
-
-
-class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
+class HybridAllocator(SingleOps, StepArguments, GroupedFrees, HandleOps, HostQueries,
+                      Inspection):
     """Paged KV-cache allocator for hybrid full-attention + sliding-window models.
 
     Owns: the host :class:`~graphalloc.ledger.Ledger` (lengths, frontiers, free-ring
@@ -211,80 +204,6 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
                 b.admit_on_handle(int(free_rows[0]), handle, n_tokens)
         self._run(op)
         return int(free_rows[0])
-
-    def alloc_extend(self, rows, extend_lens) -> AllocResult:
-        """Prefill / chunked prefill: ``extend_lens[i]`` new positions for ``rows[i]``.
-
-        Exact page estimate: a request at length L needs ``ceil((L + n) / ps) - ceil(L / ps)``
-        new pages in each pool (none from the SWA pool in ring mode). Refused whole if
-        either pool is short.
-        """
-        return self.step(extend=(rows, extend_lens))
-
-    def alloc_decode(self, rows, lookahead=None) -> AllocResult:
-        """One token for each request: a new page in both pools only where the position
-        starts a page. ``lookahead=k`` (an int, or one per row): ``1 + k`` speculative tokens
-        per row instead (see :meth:`step`)."""
-        return self.step(decode=rows, lookahead=lookahead)
-
-    def commit(self, rows, n_accepted) -> None:
-        """Speculative decoding: keep ``n_accepted[i]`` tokens of each row's oldest
-        speculative step and give back the pages wholly past what stays (``step(commit=)``;
-        one step, refused whole when its frees exceed the frozen step shape). Cost: O(rows +
-        pages freed) host work (the compiled planner where built) and one launch or
-        replay."""
-        self.step(commit=(rows, n_accepted))
-
-    def trim(self, rows, new_len) -> None:
-        """Cut requests to ``new_len`` tokens, giving back the pages wholly past it (a
-        partial page stays and is continued); refused below the frontier plus the window
-        (``step(trim=)``; one step). Cost: O(rows + pages freed) host work and one launch or
-        replay."""
-        self.step(trim=(rows, new_len))
-
-    def evict_window(self, rows=None) -> None:
-        """Advance frontiers by the window rule (``rows=None``: every live request)."""
-        self._deferred(lambda b: self._evict_rows(b, rows))
-
-    def advance_frontier(self, rows, new_frontier_pos) -> None:
-        """Move frontiers to the given page-aligned positions, freeing the SWA pages of
-        ``[old, new)`` (the low-level form of :meth:`evict_window`)."""
-        def op(b):
-            arr = b.live_rows(rows, "advance_frontier")
-            b.advance_frontier(arr, new_frontier_pos)
-            return arr
-        self._deferred(op)
-
-    def release(self, rows) -> None:
-        """Free everything the requests own (finished or retracted) and return their rows.
-
-        Positions below the frontier free only FULL pages; the rest free both; a partial
-        tail page is freed whole; a protected prefix is not freed.
-        """
-        def op(b):
-            arr = b.live_rows(rows, "release")
-            b.release(arr)
-            return arr
-        self._deferred(op)
-
-    def load_back(self, row, new_frontier_pos) -> torch.Tensor:
-        """Re-pair the full pages of ``[new_frontier_pos, frontier)`` with fresh SWA pages
-        after their KV came back from host memory (pool mode); returns the ``[n * ps]`` SWA
-        slots to fill (a view of the output buffer: copy the KV in before the next step).
-        One planned step (an ``AL_SWA_ONLY`` descriptor row), refused whole on any broken
-        rule. The frontier moves back: the one backward move."""
-        if self._group is not None and self._group.touched[
-                as_index(row, "load_back row", self.config.max_reqs)]:
-            raise NestedGroupError(f"load_back: request {row} is freed or evicted in the open "
-                                   "free_group(); load it back after the block")
-        results: list = []
-
-        def op(b):
-            first = b.load_back(row, new_frontier_pos)
-            n = b.n_tokens - first
-            results.append((np.array([row], dtype=np.int64), np.array([first]), np.array([n])))
-        result = self.run(self._plan(op, results))
-        return result.swa_slots[int(result.first_lane[0]):]
 
     # ---- one scheduler step --------------------------------------------------------------
     def step(self, *, release=None, commit=None, trim=None, evict=None,
@@ -542,67 +461,6 @@ class HybridAllocator(GroupedFrees, HandleOps, HostQueries, Inspection):
 
     def _run(self, apply) -> AllocResult | None:
         return self.run(self._plan(apply, []))
-
-    def _apply_step(self, b: StepBuilder, release, commit, trim, evict, evict_all, advance,
-                    decode, lookahead, extend, results: list) -> None:
-        if not is_empty(release):
-            b.release(b.live_rows(release, "release"))
-        if commit is not None:
-            rows, n = _pair(commit, "commit", "n_accepted")
-            b.commit(b.live_rows(rows, "commit"), n)
-        if trim is not None:
-            rows, n = _pair(trim, "trim", "new_len")
-            b.trim(b.live_rows(rows, "trim"), n)
-        if not isinstance(evict_all, bool):
-            raise ContractError(f"evict_all must be a bool, got {evict_all!r}")
-        if isinstance(evict, (bool, np.bool_)):
-            raise ContractError("evict takes rows; for every live request pass "
-                                "evict_all=True (evict=0 would mean row 0)")
-        if evict_all:
-            b.evict(np.flatnonzero(b.ledger.live if b.pending is None
-                                   else b.ledger.live & ~b.pending))
-        elif not is_empty(evict):
-            b.evict(b.live_rows(evict, "evict"))
-        if advance is not None:
-            rows, pos = _pair(advance, "advance", "new_frontier_pos")
-            b.advance_frontier(b.live_rows(rows, "advance"), pos, "advance")
-        if not is_empty(decode):
-            d_rows = b.live_rows(decode, "alloc_decode")
-            if lookahead is None:
-                ones = np.ones(len(d_rows), dtype=np.int64)
-                results.append((d_rows, b.extend(d_rows, ones, "alloc_decode"), ones))
-            else:
-                n = 1 + as_counts(lookahead, len(d_rows), "lookahead")
-                results.append((d_rows, b.extend(d_rows, n, "alloc_decode", True), n))
-        elif lookahead is not None:
-            raise SpeculativeStateError("lookahead= applies to decode rows; none were given")
-        if extend is not None:
-            rows, n = _pair(extend, "extend", "n_tokens")
-            e_rows = b.live_rows(rows, "alloc_extend")
-            n = as_counts(n, len(e_rows), "alloc_extend token counts")
-            results.append((e_rows, b.extend(e_rows, n), n))
-
-    @staticmethod
-    def _evict_rows(b: StepBuilder, rows):
-        if rows is None:
-            live = b.ledger.live if b.pending is None else b.ledger.live & ~b.pending
-            arr = np.flatnonzero(live)
-        else:
-            arr = b.live_rows(rows, "evict_window")
-        b.evict(arr)
-        return arr
-
-    def _refuse_frees_in_group(self, release, commit, trim, evict, evict_all, advance,
-                               *_allocs) -> None:
-        if commit is not None or trim is not None:
-            raise NestedGroupError("commit / trim inside free_group(): they shorten a request "
-                                   "that the block's deferred frees may still read; commit "
-                                   "before or after the block")
-        if not is_empty(release) or evict_all or (evict is not None and not isinstance(
-                evict, bool) and not is_empty(evict)) or advance is not None:
-            raise NestedGroupError("inside free_group() call release() / evict_window() / "
-                                   "advance_frontier() (deferred to the block's end) instead "
-                                   "of step(release=, evict=, advance=)")
 
     def _check_planned(self, planned, what: str) -> None:
         if not isinstance(planned, PlannedStep):
