@@ -189,6 +189,7 @@ def test_blocks_run_as_one_step_call_equal_blocks_planned_call_by_call(ring, mon
         grow = [r for r in rest if fast.seq_len(r) < 40]
         n_admit = int(rng.integers(0, 2))
         chunk = int(rng.integers(1, 9))
+        evict_all = bool(rng.random() < 0.4)
         results = []
         for alloc, use_form in ((fast, True), (slow, False)):
             monkeypatch.setattr(sc, "step_form", form if use_form else lambda ctx: None)
@@ -196,7 +197,9 @@ def test_blocks_run_as_one_step_call_equal_blocks_planned_call_by_call(ring, mon
                 with alloc.scheduler_step() as it:
                     if done:
                         it.release(done)
-                    if rest:
+                    if rest and evict_all:
+                        it.evict_all()
+                    elif rest:
                         it.evict(rest)
                     new = [it.admit() for _ in range(n_admit)]
                     d = it.decode(grow) if grow else None
