@@ -230,6 +230,28 @@ class LoopResult:
     sharing: dict | None = None  # with a shared prefix: what the prefix cache saved
 
 
+def capture_step_graphs(alloc, body, empty_step) -> list:
+    """Warm up on a side stream with ``2 x len(alloc.ring)`` calls of ``empty_step()`` (an
+    empty planned step through ``body``: every kernel variant compiled, nothing changed),
+    then capture ``body(i)`` as one graph per descriptor buffer ``i``, in one memory pool.
+    One-time set-up: it synchronises."""
+    torch.cuda.synchronize()  # sync ok: one-time set-up
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2 * len(alloc.ring)):
+            empty_step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()  # sync ok: one-time set-up
+    graphs, pool = [], None
+    for i in range(len(alloc.ring)):
+        g = ga.capture_graph(lambda i=i: body(i), pool=pool)
+        pool = g.pool()
+        graphs.append(g)
+    torch.cuda.synchronize()  # sync ok: one-time set-up
+    return graphs
+
+
 class DecodeLoop:
     """Runs ``requests`` through ``model`` with KV paged by ``alloc``.
 
@@ -399,24 +421,14 @@ class DecodeLoop:
     def capture(self) -> None:
         """Warm up and capture one graph per descriptor buffer. Call before any request."""
         alloc = self.alloc
-        torch.cuda.synchronize()  # sync ok: one-time set-up
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2 * len(alloc.ring)):  # empty steps: every row padded
-                p = alloc.plan()
-                pt = self._plan_tables(p.buffer_index, [], [])
-                self._fill_lanes(p.buffer_index, [], [])
-                self._body(p.buffer_index)
-                self._mark_submitted(p, pt)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()  # sync ok: one-time set-up
-        pool = None
-        for i in range(len(alloc.ring)):
-            g = ga.capture_graph(lambda i=i: self._body(i), pool=pool)
-            pool = g.pool()
-            self.graphs.append(g)
-        torch.cuda.synchronize()  # sync ok: one-time set-up
+
+        def empty_step() -> None:  # every row and lane padded
+            p = alloc.plan()
+            pt = self._plan_tables(p.buffer_index, [], [])
+            self._fill_lanes(p.buffer_index, [], [])
+            self._body(p.buffer_index)
+            self._mark_submitted(p, pt)
+        self.graphs.extend(capture_step_graphs(alloc, self._body, empty_step))
 
     def describe(self) -> dict | None:
         """Node counts of the first step graph (``timing.graph_nodes``); None before capture."""

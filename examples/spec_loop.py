@@ -67,7 +67,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from hybrid_model import KeyTable, PagedKV, TinyHybridLM
-from paged_decode import Request
+from paged_decode import Request, capture_step_graphs
 
 import graphalloc as ga
 from graphalloc.sync_points import sync_allowed
@@ -265,23 +265,13 @@ class SpecLoop:
     def capture(self) -> None:
         """Warm up and capture one graph per descriptor buffer. Call before any request."""
         alloc = self.alloc
-        torch.cuda.synchronize()  # sync ok: one-time set-up
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2 * len(alloc.ring)):  # empty rounds: every lane padded
-                p = alloc.plan()
-                self._fill_lanes(p.buffer_index, [], [], None)
-                self._body(p.buffer_index)
-                alloc.mark_submitted(p)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()  # sync ok: one-time set-up
-        pool = None
-        for i in range(len(alloc.ring)):
-            g = ga.capture_graph(lambda i=i: self._body(i), pool=pool)
-            pool = g.pool()
-            self.graphs.append(g)
-        torch.cuda.synchronize()  # sync ok: one-time set-up
+
+        def empty_round() -> None:  # every lane padded
+            p = alloc.plan()
+            self._fill_lanes(p.buffer_index, [], [], None)
+            self._body(p.buffer_index)
+            alloc.mark_submitted(p)
+        self.graphs.extend(capture_step_graphs(alloc, self._body, empty_round))
 
     def describe(self) -> dict | None:
         """Node counts of the first round graph (``timing.graph_nodes``); None before

@@ -186,10 +186,8 @@ class HybridAllocator(SingleOps, StepArguments, GroupedFrees, HandleOps, HostQue
             if len(free_rows) == 0:
                 raise CapacityError(f"all {cfg.max_reqs} request rows are in use; release one "
                                     "first")
-            row, led = int(free_rows[0]), self.ledger
-            led.live[row] = led.admitted_once[row] = True  # in place: an empty request
-            led.seq_len[row] = led.frontier[row] = led.protected[row] = led.committed[row] = 0
-            led.spec_steps[row] = 0
+            row = int(free_rows[0])
+            self.ledger.reset_rows(row, live=True)  # in place: an empty request
             if self._group is not None:
                 self._group.sync_rows(np.array([row], dtype=np.int64))
             return row

@@ -99,6 +99,17 @@ class Ledger:
         self.full = FreeRing(config.num_full_pages, 0, config.num_full_pages)
         self.swa = FreeRing(config.num_swa_pages, 0, config.num_swa_pages)
 
+    def reset_rows(self, rows, live: bool) -> None:
+        """Rows ``rows`` become empty requests (``live=True``: admitted, length 0) or free
+        rows (``live=False``): every length, frontier and speculative step 0. The page
+        mirror is not touched (an empty request holds nothing; a release drops its
+        references first). O(len(rows))."""
+        self.live[rows] = live
+        if live:
+            self.admitted_once[rows] = True
+        for name in ("seq_len", "frontier", "protected", "committed", "spec_steps"):
+            getattr(self, name)[rows] = 0
+
     @property
     def full_ref(self) -> np.ndarray:
         """Pool mode: the FULL pages' reference counts (``refs.full_ref``, the same array)."""
@@ -154,7 +165,7 @@ class Ledger:
             raise IntegrityError(
                 f"request {r}: protected={self.protected[r]} frontier={self.frontier[r]} "
                 f"committed={self.committed[r]} len={self.seq_len[r]} speculative steps "
-                f"{self.spec_steps[r].tolist()} break 'protected <= frontier <= "
+                f"{list(map(int, self.spec_steps[r]))} break 'protected <= frontier <= "
                 f"floor_page(committed)', page-aligned (page_size {ps}), 'len == committed + "
                 "speculative'")
         if self.refs is not None:

@@ -151,13 +151,7 @@ class StepBuilder(ReleasePlanning, HandlePlanning):
             raise CapacityError(
                 f"admitting a request in ring mode needs {cfg.swa_ring_pages} SWA pages, "
                 f"{led.swa.n_free} are free")
-        led.live[row] = True
-        led.admitted_once[row] = True
-        led.seq_len[row] = 0
-        led.frontier[row] = 0
-        led.protected[row] = 0
-        led.committed[row] = 0
-        led.spec_steps[row] = 0
+        led.reset_rows(row, live=True)
         if not cfg.ring_mode:
             return
         n_ring = cfg.swa_ring_pages

@@ -117,8 +117,9 @@ class HostQueries:
                                    "released row's frontier cannot move in the same step")
             old, limit = led.frontier[adv_rows], led.seq_len[adv_rows] // ps * ps
             if (adv_pos % ps).any():
-                raise AlignmentError(f"pages_released: frontiers {adv_pos.tolist()} must be "
-                                     f"multiples of page_size {ps}")
+                i = int(np.flatnonzero(adv_pos % ps)[0])
+                raise AlignmentError(f"pages_released: frontier {adv_pos[i]} (row "
+                                     f"{adv_rows[i]}) must be a multiple of page_size {ps}")
             if (adv_pos < old).any():
                 raise FrontierError("pages_released: a frontier would move backwards")
             if (adv_pos > limit).any():

@@ -155,19 +155,14 @@ class ReleasePlanning:
         else:  # drop FULL [0, L) and SWA [f, L): pages nobody else holds are freed
             zero = np.zeros(len(rows), dtype=np.int64)
             self._emit(*drop_actions(led.refs, rows, zero, end_page, frontier // ps, end_page))
-        led.live[rows] = False
-        led.seq_len[rows] = 0
-        led.frontier[rows] = 0
-        led.protected[rows] = 0
-        led.committed[rows] = 0
-        led.spec_steps[rows] = 0
+        led.reset_rows(rows, live=False)
         self.released[rows] = True
 
     # ---- speculative decoding: commit, trim ------------------------------------------------
-    def commit(self, rows: np.ndarray, n_accepted) -> int:
+    def commit(self, rows: np.ndarray, n_accepted) -> None:
         """Resolve each row's oldest speculative step (size s): keep ``n_accepted[i] <= s`` of
         its tokens, keep the next step still in flight (s2), trim the rest: C' = C + n,
-        L' = C' + s2. Returns the pages freed (FULL + SWA)."""
+        L' = C' + s2."""
         led = self.ledger
         n = as_counts(n_accepted, len(rows), "commit accepted counts")
         if (led.spec_steps[rows, 0] == 0).any():
@@ -182,17 +177,15 @@ class ReleasePlanning:
                                 f"speculative step of {oldest[i]}")
         committed = led.committed[rows] + n
         later = led.spec_steps[rows, 1:]
-        freed = self._cut(rows, committed + later.sum(axis=1))
+        self._cut(rows, committed + later.sum(axis=1))
         led.committed[rows] = committed
         led.spec_steps[rows, :-1] = later
         led.spec_steps[rows, -1] = 0
-        return freed
 
-    def trim(self, rows: np.ndarray, new_len) -> int:
+    def trim(self, rows: np.ndarray, new_len) -> None:
         """Cut each row to ``new_len[i]`` tokens (the general rollback): pages wholly past it
         lose this row's references; C' = min(C, L'); the speculative steps are cut at L'.
-        Refused above L, and below ``f + W`` once the frontier f has moved. Returns the pages
-        freed (FULL + SWA)."""
+        Refused above L, and below ``f + W`` once the frontier f has moved."""
         led, window = self.ledger, self.config.sliding_window
         new_len = as_positions(new_len, len(rows), "trim lengths")
         length, frontier = led.seq_len[rows], led.frontier[rows]
@@ -211,29 +204,26 @@ class ReleasePlanning:
                 f"trim: request {rows[i]}: length {new_len[i]} is below frontier "
                 f"{frontier[i]} + window {window}: the window of the new length would need "
                 "SWA pages already evicted. Release the request instead (or load_back)")
-        freed = self._cut(rows, new_len)
+        self._cut(rows, new_len)
         committed = led.committed[rows]
         keep = new_len - committed  # speculative tokens kept, cut step by step (oldest first)
         steps = led.spec_steps[rows]
         before = np.cumsum(steps, axis=1) - steps
         led.spec_steps[rows] = np.clip(keep[:, None] - before, 0, steps)
         led.committed[rows] = np.minimum(committed, new_len)
-        return freed
 
-    def _cut(self, rows: np.ndarray, new_len: np.ndarray) -> int:
+    def _cut(self, rows: np.ndarray, new_len: np.ndarray) -> None:
         """Set the rows' lengths to ``new_len`` (<= L): drop their references to the pages
         wholly past it (pool mode; ring mode frees the FULL pages and clears their mapping,
         the ring stays). Marks the rows ``cut`` (not fusable with their own allocation)."""
         led, ps = self.ledger, self.config.page_size
         lo, hi = _ceil_div(new_len, ps), _ceil_div(led.seq_len[rows], ps)
-        before = self.pages_freed["full"] + self.pages_freed["swa"]
         if self.config.ring_mode:
             self._add_release(rows, lo * ps, hi - lo, REL_FULL | REL_CLEAR)
         else:
             self._emit(*drop_actions(led.refs, rows, lo, hi, lo, hi))
         led.seq_len[rows] = new_len
         self.cut[rows] |= hi > lo
-        return self.pages_freed["full"] + self.pages_freed["swa"] - before
 
     def _emit(self, r: np.ndarray, k: np.ndarray, action: np.ndarray) -> int:
         """Release rows for freed pages ``(row, page index, action)`` in push order (from

@@ -498,10 +498,11 @@ class ReplicatedAllocator(ReplicaOps):
             ledger = unpack_ledger(cfg, header)
             if not cfg.ring_mode:
                 ps, n_rows = cfg.page_size, cfg.max_reqs + ledger.n_handles
+                # off the fast path: a check point (or sync_ledger()) reads the tables
+                tables = (state.req_to_token_buf[:n_rows, ::ps], state.full_to_swa_buf[::ps],
+                          state.full_free, state.swa_free)
                 ledger.refs = rebuild_page_refs(
-                    cfg, ledger, state.req_to_token_buf[:n_rows, ::ps].cpu().numpy(),
-                    state.full_to_swa_buf[::ps].cpu().numpy(), state.full_free.cpu().numpy(),
-                    state.swa_free.cpu().numpy())  # sync ok: check point / explicit
+                    cfg, ledger, *(t.cpu().numpy() for t in tables))  # off the fast path
         own = host_digests(ledger)
         return ledger, {k: own[k] for k in _REBUILT}, planned_digests(header), steps_run_of(
             header)

@@ -182,7 +182,7 @@ def _entry_values(entry) -> list[int]:
         elif isinstance(value, list):
             out.append(len(value))
             if value and isinstance(value[-1], bytes):
-                out += np.frombuffer(value[-1], dtype=np.uint8).tolist()
+                out += list(value[-1])  # the bytes' values
         elif hasattr(value, "handle"):
             out.append(int(value.handle))
     return out
@@ -270,8 +270,8 @@ def pack_ledger(ledger: Ledger, header: np.ndarray, cache=None,
 
 def planned_digests(header: np.ndarray) -> dict[str, int]:
     """The sender's host digests a header carries, by part."""
-    return dict(zip(HOST_PARTS, header[0, META_LEDGER:META_LEDGER + len(HOST_PARTS)].tolist(),
-                    strict=True))
+    values = header[0, META_LEDGER:META_LEDGER + len(HOST_PARTS)]  # host numpy
+    return {part: int(v) for part, v in zip(HOST_PARTS, values, strict=True)}
 
 
 def steps_run_of(header: np.ndarray) -> int:

@@ -216,15 +216,17 @@ def step_form(ctx: StepContext):
                 return None
         args["evict_all" if kind == "evict_all" else kind] = True if kind == "evict_all" \
             else value
+    sizes = []
     for kind, rows, n in ctx.allocs:
         arr = _host_rows(rows)
         if arr is None or len(arr) == 0:
             return None
+        sizes.append(len(arr))
         if kind == "decode":
             args["decode"], args["lookahead"] = rows, n
         else:
             args["extend"] = (rows, n)
-    return args, [len(_host_rows(rows)) for _, rows, _ in ctx.allocs]
+    return args, sizes
 
 
 def run_context(alloc, ctx: StepContext) -> None:
@@ -238,11 +240,7 @@ def run_context(alloc, ctx: StepContext) -> None:
         led = alloc.ledger
         rows = np.array([row for row, _, _ in ctx.admits], dtype=np.int64)
         saved = [(name, getattr(led, name)[rows].copy()) for name in led.ROW_ARRAYS]
-        for row in rows.tolist():  # the block's admits, in place (undone if the step fails)
-            led.live[row] = led.admitted_once[row] = True
-            led.seq_len[row] = led.frontier[row] = led.protected[row] = 0
-            led.committed[row] = 0
-            led.spec_steps[row] = 0
+        led.reset_rows(rows, live=True)  # the block's admits, in place (undone on refusal)
         try:
             result = alloc.step(**args)
         except BaseException:
