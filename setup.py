@@ -34,7 +34,7 @@ class OptionalBuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("graphalloc._cplan", sources=["graphalloc/_cplan.c"],
+    ext_modules=[Extension("graphalloc.plan._cplan", sources=["graphalloc/plan/_cplan.c"],
                            extra_compile_args=["-O3"], optional=True)],
     cmdclass={"build_ext": OptionalBuildExt},
 )

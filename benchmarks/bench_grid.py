@@ -243,7 +243,7 @@ def build_variants(wl: CaseWorkload, is_cuda: bool, errors: list) -> dict:
     """``{variant: run(planned)}``: each replays (CPU: launches) its form for the planned
     step's buffer, then marks it submitted. Captures on CUDA (synchronises)."""
     from graphalloc import capture_graph
-    from graphalloc.executor import warm_up
+    from graphalloc.device.executor import warm_up
 
     alloc = wl.alloc
     kernels, ring = alloc.kernels, alloc.ring
@@ -301,7 +301,7 @@ def build_variants(wl: CaseWorkload, is_cuda: bool, errors: list) -> dict:
 def tight_grid(wl, bucket):
     """``bucket`` with no more programs per allocation row than the case's longest row
     has token blocks (the policy sizes chunks for the longest row the config allows)."""
-    from graphalloc.buckets import StepGrid
+    from graphalloc.device.buckets import StepGrid
     from graphalloc.kernels.allocate import allocate_meta
 
     block = allocate_meta(wl.ps)["BLOCK_TOKENS"]
@@ -527,8 +527,8 @@ def host_case(ctx, case: str) -> dict:
 def run_parts(ctx) -> dict:
     """Host time of each part of a step's submission, pipelined and cold."""
     from graphalloc import AllocatorConfig
-    from graphalloc.buckets import GridPolicy
-    from graphalloc.descriptor import DescriptorRing
+    from graphalloc.device.buckets import GridPolicy
+    from graphalloc.device.descriptor import DescriptorRing
 
     p = ctx.params
     n, n_cold = p["parts_samples"], p["cold_samples"]

@@ -189,7 +189,7 @@ def same_tables(pt, eager: EagerTables, planned) -> bool:
 
 # ---- one case -----------------------------------------------------------------------------
 def measure_case(ctx, b: int, ps: int) -> dict:
-    from graphalloc.page_tables import PageTables, PageTableSpec
+    from graphalloc.attention.page_tables import PageTables, PageTableSpec
 
     p, dev, sampler = ctx.params, ctx.device, ctx.sampler
     wl = TableWorkload(b, ps, p["max_context"], p["window"], p["median_len"], dev,

@@ -12,7 +12,7 @@ The executor is graphalloc's :class:`~graphalloc.StepGraph` subclassed only to p
 benchmark's clock (CUDA events) around its ``execute`` -- the replay alone, planning
 outside -- and to keep the step's :class:`~graphalloc.PlannedStep` (its page counts).
 With ``tables=True`` the step also writes the attention block tables of the step's batch
-(``graphalloc.page_tables.PageTables``, block-table form, FULL and SWA layers, like the
+(``graphalloc.attention.page_tables.PageTables``, block-table form, FULL and SWA layers, like the
 vLLM baseline's upload): an executor whose ``execute`` plans the tables
 (``PageTables.plan`` over ``alloc.seq_lens()`` / ``alloc.frontiers()``, the ledger
 after the step's plan) and replays ONE graph holding the allocator's launch and the
@@ -88,7 +88,7 @@ def _executors():
     """The two executor classes (defined on first use: graphalloc imports Triton kernels,
     and the scripts settle TRITON_INTERPRET before that)."""
     from graphalloc import StepGraph
-    from graphalloc.executor import Executor, warm_up
+    from graphalloc.device.executor import Executor, warm_up
 
     class TimedStepGraph(StepGraph):
         """graphalloc's StepGraph; the driver's clock around each replay."""
@@ -214,7 +214,7 @@ class GraphallocDriver:
         self.tables = None
         self.table_mode = None
         if tables:
-            from graphalloc.page_tables import PageTables
+            from graphalloc.attention.page_tables import PageTables
 
             self.tables = PageTables.for_allocator(
                 self.alloc, cfg.max_alloc_rows, forms=("block_table",),

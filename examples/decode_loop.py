@@ -11,7 +11,7 @@ CUDA graph per descriptor buffer on a GPU (``--graph``) and run eagerly on a CPU
 
 Decode attention reads K/V through the page tables written in the same step
 (``--attention tables``, the default): the graph of a step holds the allocator's step,
-the FULL and SWA CSR page tables of the step's lanes (``graphalloc.page_tables``), the
+the FULL and SWA CSR page tables of the step's lanes (``graphalloc.attention.page_tables``), the
 model whose attention layers read only those tables (the paged Triton kernel on a GPU,
 its Torch twin on a CPU: ``graphalloc.kernels.paged_attention``) and the argmax.
 ``--attention gather`` keeps the earlier path (every layer gathers its slots from

@@ -4,7 +4,7 @@ The check an engine would make before handing graphalloc's CSR tables to FlashIn
 seeded workload (admits, chunked prefill extends, decodes, window eviction every step,
 releases, a shared prefix through ``take_handle`` / ``admit(handle=)``) runs on a
 :class:`graphalloc.HybridAllocator` (pool mode, the default eager executor) with
-:class:`graphalloc.page_tables.PageTables` (``forms=("csr",)``), and every step is::
+:class:`graphalloc.attention.page_tables.PageTables` (``forms=("csr",)``), and every step is::
 
     host:   p  = alloc.plan(release=..., evict_all=True, decode=..., extend=...)
             t  = tables.plan(lane_rows, alloc.seq_lens(), alloc.frontiers())
@@ -140,7 +140,7 @@ import timing  # noqa: E402
 
 import graphalloc as ga  # noqa: E402
 from graphalloc.kernels import paged_decode_attention, paged_decode_attention_torch  # noqa: E402
-from graphalloc.page_tables import PageTables  # noqa: E402
+from graphalloc.attention.page_tables import PageTables  # noqa: E402
 
 __all__ = ["main", "content", "dense_attention", "make_requests", "CorrectnessRun",
            "TimingRun", "FlashInferDecode", "Report"]

@@ -36,7 +36,7 @@ On a CPU (or with ``graph=False``) the same step body runs eagerly.
 Attention through the page tables (``attention="tables"``). The decode step's attention
 batch is the model's lanes in lane order (lane b: the request that holds it, or padding:
 an empty range). Right after ``alloc.plan(...)`` the host plans the FULL and SWA CSR page
-tables of those lanes (``graphalloc.page_tables.PageTables``, a ring of ``len(alloc.ring)``
+tables of those lanes (``graphalloc.attention.page_tables.PageTables``, a ring of ``len(alloc.ring)``
 pinned row tables, from host-side lengths and frontiers only), and the graph of
 descriptor buffer ``i`` becomes::
 
@@ -98,7 +98,7 @@ from hybrid_model import FULL, SLIDING, PagedKV, TinyHybridLM
 
 import graphalloc as ga
 from graphalloc.kernels import paged_decode_attention, paged_decode_attention_torch
-from graphalloc.page_tables import PageTables
+from graphalloc.attention.page_tables import PageTables
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from timing import StepEvents, graph_nodes  # noqa: E402

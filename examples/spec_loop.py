@@ -31,7 +31,7 @@ pending token x (sampled by the target, not yet in any cache)::
                     later read of one would change the logits (masked keys still get an
                     exact 0 weight, so finite poison never leaks into a masked read)
     the ONE read    n_accepted of every lane (``[max_batch]`` int64) copied into pinned host
-                    memory, then an event waited on, inside ``graphalloc.sync_points.
+                    memory, then an event waited on, inside ``graphalloc.diagnostics.sync_points.
                     sync_allowed()``: the round's single host/device synchronisation
 
 Positions the round reads and writes, per request (C committed, k lookahead)::
@@ -70,7 +70,7 @@ from hybrid_model import KeyTable, PagedKV, TinyHybridLM
 from paged_decode import Request, capture_step_graphs
 
 import graphalloc as ga
-from graphalloc.sync_points import sync_allowed
+from graphalloc.diagnostics.sync_points import sync_allowed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from timing import graph_nodes  # noqa: E402

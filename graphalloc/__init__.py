@@ -3,21 +3,27 @@ full-attention + sliding-window-attention models.
 
 Layers, highest first (most users want the first):
 
-* :class:`HybridAllocator` -- admit / extend / decode / evict / release, one step each,
-  or :meth:`HybridAllocator.step` for a whole scheduler step;
+* :class:`HybridAllocator` -- every operation is one :class:`Step`: ``alloc.step(...)`` for a
+  whole scheduler step, the single operations, ``scheduler_step()`` / ``free_group()`` blocks;
 * :class:`StepGraph` -- replays each step from a captured CUDA graph;
-* ``graphalloc.planner`` / ``graphalloc.kernels`` -- the descriptor planner and the kernels.
+* ``graphalloc.plan`` / ``graphalloc.kernels`` -- the planner pair and the kernels.
+
+Rooms by stage: ``state`` (ledger, page references, journal), ``plan`` (Step, planners,
+refusals, recorder), ``device`` (descriptor ring, tables, executors, graphs), ``sharing``
+(prefix cache), ``attention`` (page tables), ``diagnostics``, ``replicas``,
+``integrations``; ``kernels`` at the bottom.
 """
 
 from .allocator import AllocResult, HybridAllocator, PlannedStep
 from .config import AllocatorConfig
+from .device.graph import StepGraph, capture_graph, describe_graph
 from .errors import *  # noqa: F403
 from .errors import __all__ as _errors_all
-from .graph import StepGraph, capture_graph, describe_graph
-from .replicas import ReplicatedAllocator
+from .plan.step import Step
+from .replicas.allocator import ReplicatedAllocator
 
 __all__ = [
-    "HybridAllocator", "AllocatorConfig", "AllocResult", "PlannedStep", "StepGraph",
+    "HybridAllocator", "AllocatorConfig", "Step", "AllocResult", "PlannedStep", "StepGraph",
     "ReplicatedAllocator",
     "capture_graph", "describe_graph", *_errors_all,
 ]

@@ -1,21 +1,38 @@
-"""The public allocator: host planning + device state + an executor, one step at a time.
+"""The public allocator: a ledger, a planner pipeline, device tables and an executor, composed.
 
 Example::
 
-    cfg = AllocatorConfig(page_size=16, num_full_pages=1024, num_swa_pages=256,
-                          max_reqs=64, max_context_len=4096, sliding_window=512,
-                          device="cuda", backend="triton")
-    alloc = HybridAllocator(cfg, executor="graph")  # every step is one graph replay
+    cfg = AllocatorConfig(page_size=16, num_full_pages=1024, num_swa_pages=256, max_reqs=64,
+                          max_context_len=4096, sliding_window=511, device="cuda",
+                          backend="triton")
+    alloc = HybridAllocator(cfg, executor="graph")   # every step is one graph replay
     r = alloc.admit()
-    out = alloc.alloc_extend([r], [100])       # prefill: out.full_slots, out.swa_slots
-    for _ in range(steps):                      # each iteration is ONE replay
+    out = alloc.alloc_extend([r], [100])              # prefill: out.full_slots, out.swa_slots
+    for _ in range(steps):                             # each iteration is ONE step
         out = alloc.step(evict_all=True, decode=[r])
     alloc.release([r])
-    alloc.check()                               # where the engine synchronises anyway
+    alloc.check()                                      # where the engine synchronises anyway
 
-Every operation is planned on the host by the planner (numpy, never captured; the
-one validator) and executed as one step by the executor the allocator was built
-with. Nothing on the fast path reads the device back.
+Every operation is one :class:`~graphalloc.plan.step.Step` (the single operations are
+one-line Steps; ``step()`` takes a Step or its keywords; ``scheduler_step()`` and
+``free_group()`` record Steps), planned on the host by the planner pair and run by the
+executor chosen at construction (:mod:`graphalloc.plan.pipeline`: plan, run, submit,
+cancel). A refused step raises a typed error with nothing changed; a launch that raises
+leaves the allocator as before the plan. Nothing on the per-step path reads the device.
+
+Invariants: page 0 of each pool is never handed out; a request's frontier is page-aligned
+and only moves forward (``load_back`` is the one backward move); per pool, free + held ==
+pages; ``full_to_swa`` is page-dense; a slot of a page more than one holder references is
+never written. Cost: each operation is one plan (O(rows + pages) host work) and at most
+one launch or graph replay; the queries are O(1) unless stated; ``check()``, ``audit()``,
+``snapshot()``, ``state_dict()`` read the device on purpose.
+
+Parts, for the layers above (graphs, replicas, seams, diagnostics use these, never
+privates): ``config``, ``ledger`` (host state, read-only outside a step), ``state`` (device
+tables), ``ring`` (descriptor buffers), ``kernels``, ``executor``, ``pipeline``,
+``queries``, ``prefix_cache``, ``group`` / ``recorder`` (the open block), :meth:`launch`.
+The logic of the operations is in :mod:`graphalloc.operations`; each method here is one
+line.
 """
 
 from __future__ import annotations
@@ -26,140 +43,89 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from .backend import StepKernels
+from . import operations as ops
+from .attention.tables import AttentionTables
 from .config import AllocatorConfig
-from .descriptor import DescriptorRing
-from .device_state import DeviceState
-from .errors import (
-    BatchTooLargeError,
-    CapacityError,
-    ConfigError,
-    ContractError,
-    NestedGroupError,
-    PendingStepError,
-    RingOverflowError,
-)
-from .executor import make_executor
-from .fast_plan import FastPlanner  # the compiled planner (fast path of step() / plan())
-from .free_group import FreeGroup, GroupedFrees
-from .handles import HandleInfo, HandleOps
-from .inputs import as_index
-from .inspection import Inspection
-from .ledger import Ledger
-from .planner import StepBuilder
-from .prefix_cache import PrefixCache
-from .queries import HostQueries
-from .results import AllocResult, PlannedStep
-from .single_ops import SingleOps
-from .step_arguments import StepArguments
-from .step_context import StepContext, run_context
+from .device.backend import StepKernels
+from .device.descriptor import DescriptorRing
+from .device.executor import make_executor
+from .device.tables import DeviceState
+from .plan.compiled import CompiledPlanner
+from .plan.free_group import FreeGroup
+from .plan.pipeline import StepPipeline
+from .plan.recorder import StepRecorder
+from .plan.results import AllocResult, PlannedStep
+from .plan.step import Step
+from .sharing.prefix_cache import PrefixCache
+from .state.ledger import Ledger
+from .state.queries import HostQueries
 
-__all__ = ["HybridAllocator", "AllocResult", "PlannedStep", "HandleInfo"]
-
-_SHORTAGE = (CapacityError, BatchTooLargeError, RingOverflowError)
+__all__ = ["HybridAllocator", "AllocResult", "PlannedStep", "Step"]
 
 
-class HybridAllocator(SingleOps, StepArguments, GroupedFrees, HandleOps, HostQueries,
-                      Inspection):
+class HybridAllocator:
     """Paged KV-cache allocator for hybrid full-attention + sliding-window models.
-
-    Owns: the host :class:`~graphalloc.ledger.Ledger` (lengths, frontiers, free-ring
-    positions), the :class:`~graphalloc.device_state.DeviceState` tables, a ring of
-    pinned step descriptors and its executor.
-
-    Invariants: page 0 of each pool is never handed out; a request's frontier is
-    page-aligned and only moves forward (``load_back`` is the one backward move); per
-    pool, free + owned == pages; ``full_to_swa`` is page-dense. Each public operation
-    validates all its inputs first and raises a :class:`~graphalloc.errors.ContractError`
-    with nothing changed, host or device.
 
     Args:
         config: the geometry and frozen step shape (:class:`AllocatorConfig`).
-        executor: how steps reach the device: ``"eager"`` (kernel launches, the default),
-            ``"graph"`` (one CUDA graph replay per step, :class:`graphalloc.StepGraph`), or
-            an :class:`graphalloc.executor.Executor`. Chosen once, here.
-        n_descriptor_bufs: pinned descriptor buffers in the ring (>= 1; 2 lets the host plan
-            step k+1 while the GPU runs step k).
+        executor: ``"eager"`` (kernel launches of the step's rows, the default),
+            ``"graph"`` (one CUDA graph replay per step), or an
+            :class:`~graphalloc.device.executor.Executor`. Chosen once, here.
+        n_descriptor_bufs: pinned descriptor buffers in the ring (2 lets the host plan step
+            k+1 while the GPU runs step k).
         fused_step: a step whose pops fit in what each free ring held before it runs as ONE
-            kernel (measured about 2.6 us less per replay on an H200); otherwise release,
-            then allocation.
-        prefix_cache: own a :class:`~graphalloc.prefix_cache.PrefixCache` (``alloc.prefix_cache``)
-            on the handles; an allocation that would be refused for lack of pages first
-            reclaims cached pages (SWA by tombstoning, then FULL by evicting), in the same step.
-        planner: ``"auto"`` (the compiled planner when it was built, else numpy),
-            ``"compiled"`` (refused with ``ConfigError`` when it was not built) or ``"numpy"``:
-            who plans the hot steps of ``step()`` / ``plan()``; same results either way
-            (:mod:`graphalloc.fast_plan`).
-
-    Cost: each operation is O(rows) numpy on the host plus one step (one or two kernel
-    launches, or one graph replay); the host queries (``n_free``, ``seq_len``, ...) are
-    O(1); no host/device synchronisation except ``check()``, ``snapshot()``,
-    ``state_dict()`` and the integrity checks, which read the device on purpose.
-
-    Protocol for the layers above (checkpointing, graphs, replicas use this, not
-    privates): ``ledger`` (the host state, read-only outside a step), ``state``, ``ring``,
-    ``kernels``, ``executor``, ``pending`` (the planned step not yet submitted),
-    ``faulted``, :meth:`install_ledger` and :meth:`launch`.
+            kernel (about 2.6 us less per replay on an H200).
+        prefix_cache: own a :class:`~graphalloc.sharing.prefix_cache.PrefixCache` on the
+            handles (pool mode, ``max_handles > 0``).
+        planner: ``"auto"`` (the compiled twin when built, else numpy), ``"compiled"`` or
+            ``"numpy"``: who plans steps; same results either way.
+        page_tables: a :class:`~graphalloc.attention.spec.PageTableSpec`: every step also
+            writes the attention page tables of its batch (``alloc.tables``; host copies on
+            ``PlannedStep.tables``), in the same replay.
     """
 
     def __init__(self, config: AllocatorConfig, *, executor="eager",
                  n_descriptor_bufs: int = 2, fused_step: bool = True,
-                 prefix_cache: bool = False, planner: str = "auto"):
-        if not isinstance(config, AllocatorConfig):
-            raise ConfigError(f"HybridAllocator takes an AllocatorConfig, got "
-                              f"{type(config).__name__}")
-        if isinstance(n_descriptor_bufs, bool) or not isinstance(n_descriptor_bufs, int) or (
-                n_descriptor_bufs < 1):
-            raise ConfigError(f"n_descriptor_bufs must be an int >= 1, got {n_descriptor_bufs!r}")
-        if not isinstance(fused_step, bool):
-            raise ConfigError(f"fused_step must be a bool, got {fused_step!r}")
-        if not isinstance(prefix_cache, bool):
-            raise ConfigError(f"prefix_cache must be a bool, got {prefix_cache!r}")
-        if prefix_cache and (config.ring_mode or config.max_handles == 0):
-            raise ConfigError("prefix_cache=True needs pool mode and max_handles > 0 (each "
-                              "cache entry is a handle)")
+                 prefix_cache: bool = False, planner: str = "auto", page_tables=None):
+        ops.check_arguments(config, n_descriptor_bufs, fused_step, prefix_cache, page_tables)
         self.config = config
         self.ledger = Ledger(config)
         self.state = DeviceState(config)
+        self.tables = (None if page_tables is None else
+                       AttentionTables(page_tables, config, self.state, n_descriptor_bufs))
         self.ring = DescriptorRing(config.max_release_rows, config.max_alloc_rows, config.device,
-                                   n_bufs=n_descriptor_bufs)
-        self.kernels = StepKernels(config, self.state, fused=fused_step)
-        self._pending: PlannedStep | None = None
-        self._group: FreeGroup | None = None  # the open free_group() block, if any
-        self._faulted = False
-        self.steps_run = 0
+                                   n_bufs=n_descriptor_bufs,
+                                   n_lane_rows=0 if self.tables is None else
+                                   self.tables.spec.max_batch)
+        self.kernels = StepKernels(config, self.state, fused=fused_step, tables=self.tables)
+        self.queries = HostQueries(config, self.ledger)
+        self.group: FreeGroup | None = None  # the open free_group() block
+        self.recorder: StepRecorder | None = None  # the open scheduler_step() block
+        self.faulted = False  # a device fault reported by check(), until reset_faults()
         self.prefix_cache = PrefixCache(self) if prefix_cache else None
-        # ---- compiled planner (graphalloc.fast_plan): None plans every step in numpy ----
-        self._fast = FastPlanner.for_allocator(self, planner)
+        self.pipeline = StepPipeline(self, CompiledPlanner.for_allocator(self, planner))
         self.executor = make_executor(executor)
         self.executor.bind(self)
 
-    # ---- protocol for the layers above ---------------------------------------------------
+    # ---- state of the parts ----------------------------------------------------------------
     @property
     def pending(self) -> PlannedStep | None:
-        """The planned step not yet submitted (``None`` when there is none)."""
-        return self._pending
+        """The planned step neither submitted nor cancelled (``None`` when there is none)."""
+        return self.pipeline.pending
 
     @property
-    def faulted(self) -> bool:
-        """True after ``check()`` reported a device fault, until ``reset_faults()``."""
-        return self._faulted
+    def steps_run(self) -> int:
+        """Steps submitted so far."""
+        return self.pipeline.steps_run
 
-    def install_ledger(self, ledger: Ledger, *, steps_run: int | None = None) -> None:
-        """Replace the host ledger (a checkpoint load, a broadcast follower catching up).
-        The caller guarantees the device tables match it. Refused while a step is pending
-        or a free group is open."""
-        if self._pending is not None or self._group is not None:
-            raise PendingStepError("install_ledger() while a step is planned or a "
-                                   "free_group() is open")
-        self.ledger = ledger
-        if steps_run is not None:
-            self.steps_run = int(steps_run)
+    @property
+    def output_epoch(self) -> int:
+        """Submitted steps that wrote output lanes (an older result is stale)."""
+        return self.pipeline.output_epoch
 
-    # ---- views ---------------------------------------------------------------------------
     @property
     def req_to_token(self) -> torch.Tensor:
-        """``[max_reqs, max_context_len]``: full slot of each (request, position)."""
+        """``[max_reqs, max_context_len]``: the full slot of each (request, position)."""
         return self.state.req_to_token
 
     @property
@@ -167,307 +133,225 @@ class HybridAllocator(SingleOps, StepArguments, GroupedFrees, HandleOps, HostQue
         """``[(num_full_pages + 1) * page_size]``: SWA slot of each full slot, 0 = none."""
         return self.state.full_to_swa
 
-    # ---- request lifecycle ---------------------------------------------------------------
-    def admit(self, handle=None, n_tokens=None) -> int:
-        """Take the lowest free request row; returns it.
+    @property
+    def handle_to_token(self) -> torch.Tensor:
+        """``[max_handles, max_context_len]``: the slots each handle holds."""
+        return self.state.handle_to_token
 
-        ``handle`` (optional, from :meth:`take_handle`): the request starts sharing the
-        handle's pages -- length n (the handle's tokens), frontier the handle's SWA start --
-        and holds references to them; its ``req_to_token`` prefix is written on the device
-        inside the step (one step, no host gather, no sync). ``n_tokens`` (whole pages, at
-        most the handle's): share only that much of it. Without a handle, admit is host-only
-        in pool mode; in ring mode the request's R ring pages are popped (one step).
-        """
-        cfg = self.config
-        taken = self.ledger.live if self._group is None else self.ledger.live | self._group.pending
-        free_rows = np.flatnonzero(~taken)
-        if handle is None and not cfg.ring_mode:  # nothing for the device to do: O(1) host
-            self._refuse_planning()
-            if len(free_rows) == 0:
-                raise CapacityError(f"all {cfg.max_reqs} request rows are in use; release one "
-                                    "first")
-            row = int(free_rows[0])
-            self.ledger.reset_rows(row, live=True)  # in place: an empty request
-            if self._group is not None:
-                self._group.sync_rows(np.array([row], dtype=np.int64))
-            return row
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self, step: Step | None = None, **kinds) -> AllocResult:
+        """Plan and run one :class:`Step` (or its keywords; :mod:`graphalloc.plan.step` states
+        the kinds and their order). Returns the slots it allocated (an empty result when
+        none); refused whole, nothing changed, with the first broken rule's typed error.
+        Cost: one plan, one launch or replay."""
+        return self.pipeline.run(self.pipeline.plan(
+            ops.step_of(self, step, kinds, "step", free_ok=False)))
 
-        def op(b):
-            if len(free_rows) == 0:
-                raise CapacityError(f"all {cfg.max_reqs} request rows are in use; release "
-                                    "one first")
-            if handle is None:
-                b.admit(int(free_rows[0]))
-            else:
-                b.admit_on_handle(int(free_rows[0]), handle, n_tokens)
-        self._run(op)
-        return int(free_rows[0])
+    def try_step(self, step: Step | None = None, **kinds) -> AllocResult | None:
+        """:meth:`step`, but ``None`` (nothing changed) when refused for lack of room (pages,
+        ring space, the frozen step shape): the scheduler's back-pressure signal."""
+        return ops.try_step(self, ops.step_of(self, step, kinds, "try_step", free_ok=False))
 
-    # ---- one scheduler step --------------------------------------------------------------
-    def step(self, *, release=None, commit=None, trim=None, evict=None,
-             evict_all: bool = False, advance=None, decode=None, lookahead=None,
-             extend=None) -> AllocResult | None:
-        """One scheduler step as one launch (or one graph replay).
+    def fits(self, step: Step | None = None, **kinds) -> bool:
+        """Whether :meth:`step` would run (a dry run; nothing changes): ``False`` for lack of
+        room, other errors raise as :meth:`step` would. Cost: one plan."""
+        return ops.fits(self, ops.step_of(self, step, kinds, "fits", free_ok=False,
+                                          mutates=False))
 
-        In this order: ``release`` (rows of finished requests), ``commit`` (``(rows,
-        n_accepted)``: speculative decoding's accepted counts, resolving each row's oldest
-        speculative step), ``trim`` (``(rows, new_len)``: cut requests back), ``evict``
-        (rows) or ``evict_all=True`` (every live request): window-rule frontier advance on
-        the committed length, ``advance`` (``(rows, new_frontier_pos)``: explicit
-        page-aligned frontier moves, the engine's own SWA segment frees), then allocation:
-        ``decode`` (rows, one token each; with ``lookahead=k``, an int or one per decode row,
-        ``1 + k`` speculative tokens each, the verify tokens) and ``extend`` (``(rows,
-        n_tokens)``). Pages freed by the step may be allocated by it. Returns the allocated
-        slots (``None`` when nothing was allocated); lanes: decode rows in the order given
-        (``1 + k`` lanes each), then extend rows.
+    def plan(self, step: Step | None = None, **kinds) -> PlannedStep:
+        """Host half of :meth:`step` (validate, update the ledger journaled, write the next
+        descriptor buffer); never captured, never syncs. Then :meth:`run`, or a replay and
+        :meth:`mark_submitted`, or :meth:`cancel`."""
+        return self.pipeline.plan(ops.step_of(self, step, kinds, "plan", free_ok=True,
+                                              plan=True))
 
-        Speculative decoding (C committed, L allocated): a lookahead decode allocates
-        ``[L, L + 1 + k)`` as one speculative step; ``commit`` with n accepted of a step of
-        s keeps ``C + n`` plus the next step still in flight (at most two: overlap
-        scheduling), freeing the pages wholly past it; ``trim`` is the general cut. The
-        window follows C only. Cost: O(rows) numpy per argument, one launch or replay.
-        """
-        # ---- compiled planner fast path (graphalloc.fast_plan): None -> the numpy planner ----
-        if self._fast is not None and self._group is None:
-            planned = self._fast.plan(self, release, evict, evict_all, advance, decode, extend,
-                                      commit, trim, lookahead)
-            if planned is not None:
-                return self.run(planned)
-        # ---- end of the fast path ----
-        args = (release, commit, trim, evict, evict_all, advance, decode, lookahead, extend)
-        if self._group is not None:
-            self._refuse_frees_in_group(*args)
-        results: list = []
-        return self.run(self._plan(lambda b: self._apply_step(b, *args, results), results))
+    def run(self, planned: PlannedStep) -> AllocResult:
+        """Device half: launch or replay ``planned``, then submit it; never syncs. A launch
+        that raises cancels the step first and raises ``LaunchError`` from the cause."""
+        return self.pipeline.run(planned)
 
-    @contextlib.contextmanager
-    def scheduler_step(self) -> Iterator[StepContext]:
-        """Record one scheduler iteration -- releases, evictions, frontier moves, handle
-        drops, admits, prefill chunks, decodes -- as ordinary calls on the yielded
-        :class:`~graphalloc.step_context.StepContext`, and run them as ONE step at the
-        block's end (frees, then admits, then allocations; refused whole with nothing
-        changed). An exception inside the block runs nothing. See
-        :mod:`graphalloc.step_context`."""
-        ctx = StepContext(self)
-        yield ctx
-        run_context(self, ctx)
-
-    def try_step(self, **step_args) -> AllocResult | None:
-        """:meth:`step`, but a step that cannot be met for lack of pages returns ``None``
-        (nothing changed) instead of raising :class:`CapacityError` -- the scheduler's
-        back-pressure signal, as vLLM's ``allocate_slots`` returns ``None``. Every other
-        contract error still raises."""
-        try:
-            return self.step(**step_args)
-        except CapacityError:
-            return None
-
-    def fits(self, *, release=None, commit=None, trim=None, evict=None,
-             evict_all: bool = False, advance=None, decode=None, lookahead=None,
-             extend=None) -> bool:
-        """Whether :meth:`step` with these arguments would run (dry run on a ledger copy;
-        nothing changes). ``False`` for shortage (pages, ring space, frozen step shape);
-        other contract errors (an unknown row, ...) raise. Cost: one plan, no device work."""
-        args = (release, commit, trim, evict, evict_all, advance, decode, lookahead, extend)
-        b = self._builder()
-        refs = b.ledger.refs
-        mark = refs.mark() if refs is not None else 0
-        try:
-            self._apply_step(b, *args, [])
-            b.finish()
-        except _SHORTAGE:
-            return False
-        finally:
-            if refs is not None:
-                refs.rollback(mark)  # a dry run: nothing stays
-        return True
-
-    def plan(self, *, release=None, commit=None, trim=None, evict=None,
-             evict_all: bool = False, advance=None, decode=None, lookahead=None,
-             extend=None) -> PlannedStep:
-        """Host half of :meth:`step`: validate, update the ledger, write the next descriptor
-        buffer. Pure host work, never captured, never synchronises (except to wait for a
-        descriptor buffer the GPU has not consumed, counted in ``ring.stalls``). Must be
-        followed by :meth:`run` (or the engine's replay and :meth:`mark_submitted`).
-        Refused inside a ``free_group()`` block (steps there run at once: use ``step()``)."""
-        if self._group is not None:
-            raise NestedGroupError("plan() inside free_group(): the block defers frees to its "
-                                   "end, a separately planned step could not keep that order; "
-                                   "use step() (it runs at once) or plan after the block")
-        # ---- compiled planner fast path (graphalloc.fast_plan): None -> the numpy planner ----
-        if self._fast is not None:
-            planned = self._fast.plan(self, release, evict, evict_all, advance, decode, extend,
-                                      commit, trim, lookahead)
-            if planned is not None:
-                return planned
-        # ---- end of the fast path ----
-        args = (release, commit, trim, evict, evict_all, advance, decode, lookahead, extend)
-        results: list = []
-        return self._plan(lambda b: self._apply_step(b, *args, results), results)
-
-    def run(self, planned: PlannedStep) -> AllocResult | None:
-        """Device half of :meth:`step`: launch (or replay) the planned step. Never
-        synchronises; returns before the device has finished. Host cost: the executor's
-        launch (one graph replay) and one event record."""
-        self._check_planned(planned, "run")
-        self.executor.execute(planned)
-        # mark_submitted(planned), without checking the same step a second time
-        self.ring.submitted(planned.buffer_index)
-        planned.submitted = True
-        self._pending = None
-        self.steps_run += 1
-        return planned.result
-
-    def launch(self, buffer_index: int, fusable: bool = False, n_rows=None) -> None:
-        """Enqueue the step kernels reading descriptor buffer ``buffer_index``.
-
-        Capture-safe: call it inside an engine's own graph capture, one captured graph per
-        descriptor buffer (``len(alloc.ring)`` of them). Outside a capture it launches the
-        pending planned step only (``buffer_index`` must be its buffer). ``fusable=True``
-        (only for steps whose ``PlannedStep.fusable`` is set) makes it one fused launch when
-        the allocator was built with ``fused_step=True``; see ``StepKernels``.
-
-        ``n_rows``: the rows launched, ``(n_release_rows, n_alloc_rows)`` or a
-        :class:`~graphalloc.buckets.StepGrid` (with programs per row); None launches every
-        row inside a capture and exactly the pending step's rows outside one. Rows past a
-        step's are padding, so a launch of R release and A allocation rows leaves the same
-        state as the full grid for any step with ``p.fits_rows(R, A)``, for programs in
-        proportion to R + A: an engine that captures one graph per batch size captures
-        ``launch(i, n_rows=(R, A))`` sized to it and replays it only for steps that fit
-        (``alloc.kernels.grids.bucket(...)`` gives the allocator's own buckets). Outside a
-        capture a step that does not fit is refused (``BatchTooLargeError``)."""
-        from .buckets import StepGrid
-
-        index = as_index(buffer_index, "buffer_index", len(self.ring))
-        if not isinstance(fusable, bool):
-            raise ContractError(f"fusable must be a bool, got {fusable!r}")
-        grid = None
-        if n_rows is not None:
-            cfg = self.config
-            if isinstance(n_rows, StepGrid):
-                grid = n_rows
-            elif isinstance(n_rows, (tuple, list)) and len(n_rows) == 2:
-                grid = StepGrid(n_rows[0], 1, n_rows[1], 1)
-            else:
-                raise ContractError(f"n_rows takes (n_release_rows, n_alloc_rows) or a "
-                                    f"StepGrid, got {n_rows!r}")
-            for value, top in zip(grid, (cfg.max_release_rows, None, cfg.max_alloc_rows, None),
-                                  strict=True):
-                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or (
-                        value < (0 if top is not None else 1)) or (
-                        top is not None and value > top):
-                    raise ContractError(
-                        f"launch(n_rows={n_rows!r}): row counts must be ints in [0, "
-                        f"max_release_rows={cfg.max_release_rows}] and [0, max_alloc_rows="
-                        f"{cfg.max_alloc_rows}], chunks ints >= 1")
-            grid = StepGrid(*(int(v) for v in grid))
-        capturing = self.config.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            pending = self._pending
-            if pending is None or pending.buffer_index != index:
-                raise PendingStepError(
-                    f"launch({index}) outside a graph capture runs only the pending planned "
-                    f"step's buffer ({'none pending' if pending is None else pending.buffer_index})"
-                    "; plan() first, and launch the buffer its PlannedStep names")
-            if fusable and not pending.fusable:
-                raise ContractError("launch(fusable=True) for a step the planner did not mark "
-                                    "fusable: its pops may read this step's pushes")
-            if grid is None:
-                grid = self.kernels.grids.exact(pending.n_release_rows, pending.n_alloc_rows,
-                                                pending.n_tokens)
-            elif not pending.fits_rows(grid.n_release_rows, grid.n_alloc_rows):
-                raise BatchTooLargeError(
-                    f"launch(n_rows={n_rows!r}): the pending step has {pending.n_release_rows} "
-                    f"release and {pending.n_alloc_rows} allocation rows; launch at least "
-                    "that many (the step's PlannedStep.fits_rows tells which captured launch "
-                    "fits)")
-            if grid.n_programs == 0:
-                return  # a step with no rows: nothing to run
-        self.kernels(self.ring.release_rows(index), self.ring.alloc_rows(index), fusable=fusable,
-                     grid=grid)
+    def cancel(self, planned: PlannedStep) -> None:
+        """Take back a planned, unsubmitted step: the allocator is as before the plan.
+        O(writes of the step)."""
+        self.pipeline.cancel(planned)
 
     def mark_submitted(self, planned: PlannedStep) -> None:
-        """Tell the allocator the planned step was enqueued (engines that replay their own
-        graph call this right after the replay, on the stream of the replay): records the
-        event that guards the step's descriptor buffer. Once per planned step."""
-        self._check_planned(planned, "mark_submitted")
-        self.ring.submitted(planned.buffer_index)
-        planned.submitted = True
-        self._pending = None
-        self.steps_run += 1
+        """After replaying your own graph over ``planned``'s buffer (on its stream): records
+        the buffer's event and makes the step final. Once per step."""
+        self.pipeline.mark_submitted(planned)
 
-    # ---- internals -----------------------------------------------------------------------
-    def _refuse_planning(self) -> None:
-        if self._pending is not None:
-            raise PendingStepError("the previous planned step was never run(); run it first")
-        if self._faulted:
-            raise PendingStepError("a device fault was reported by check(); the allocator "
-                                   "refuses steps until reset_faults() (or rebuild it)")
-        if not self.executor.plans_locally:
-            raise ContractError(f"this allocator's executor ({self.executor.name}) only replays "
-                                "steps planned elsewhere; call the replica layer instead")
+    def launch(self, buffer_index: int, fusable: bool = False, n_rows=None) -> None:
+        """Enqueue the step kernels reading descriptor buffer ``buffer_index``; capture-safe
+        (see :func:`graphalloc.operations.launch` for ``fusable`` and ``n_rows``)."""
+        ops.launch(self, buffer_index, fusable, n_rows)
 
-    def _builder(self) -> StepBuilder:
-        b = StepBuilder(self.config, self.ledger.copy(), epoch=self.steps_run + 1)
-        group = self._group
-        if group is not None:  # see what the open block decided (the page mirror already does)
-            g, rows = group.builder.ledger, np.flatnonzero(group.touched)
-            b.ledger.frontier[rows] = g.frontier[rows]
-            handles = np.flatnonzero(group.touched_handles)
-            for name in g.HANDLE_ARRAYS:
-                getattr(b.ledger, name)[handles] = getattr(g, name)[handles]
-            b.pending = group.pending
-            b.pending_handles = group.pending_handles
-        if self.prefix_cache is not None:
-            b.reclaim = self.prefix_cache.reclaim
-        return b
+    @contextlib.contextmanager
+    def scheduler_step(self) -> Iterator[StepRecorder]:
+        """Record one scheduler iteration on the yielded recorder; it runs as ONE step at the
+        block's end (:mod:`graphalloc.plan.recorder`)."""
+        with ops.recording(self) as recorder:
+            yield recorder
 
-    def _commit(self, b: StepBuilder) -> None:
-        touched = np.flatnonzero(b.allocated | (b.ledger.live != self.ledger.live))
-        self.ledger = b.ledger
-        if self._group is not None and len(touched):
-            self._group.sync_rows(touched)
+    @contextlib.contextmanager
+    def free_group(self) -> Iterator[None]:
+        """Defer the block's frees to one step at its end (:mod:`graphalloc.plan.free_group`)."""
+        with ops.grouping(self):
+            yield
 
-    def _plan(self, apply, results: list) -> PlannedStep:
-        self._refuse_planning()
-        b = self._builder()
-        refs = b.ledger.refs
-        mark = refs.mark() if refs is not None else 0
-        try:
-            apply(b)  # raises with nothing committed (the shared page mirror rolled back)
-            release, alloc = b.finish()
-        except Exception:
-            if refs is not None:
-                refs.rollback(mark)
-            raise
-        if refs is not None:
-            refs.release_mark(mark)
-        index = self.ring.acquire()
-        self.ring.write(index, release, alloc, fusable=b.fusable)
-        self._commit(b)
-        result = None
-        if results:
-            rows = np.concatenate([r[0] for r in results])
-            first = np.concatenate([r[1] for r in results])
-            n_tok = np.concatenate([r[2] for r in results])
-            result = AllocResult(rows, first, n_tok, self.state.out_full_buf,
-                                 self.state.out_swa_buf, b.n_tokens, self.steps_run + 1, self)
-        self._pending = PlannedStep(index, len(release), len(alloc), b.n_tokens,
-                                    b.pages_freed, b.pages_allocated, result, b.fusable,
-                                    b.pages_evicted, owner=self)
-        return self._pending
+    def dry_run(self, step: Step, *, use_group: bool = True):
+        """Plan ``step`` and roll it back: its :class:`~graphalloc.plan.reference.PlanOutcome`
+        (or the typed error :meth:`step` would raise). Cost: one plan."""
+        return self.pipeline.outcome(step, dry_run=True, use_group=use_group)
 
-    def _run(self, apply) -> AllocResult | None:
-        return self.run(self._plan(apply, []))
+    # ---- single operations: one Step each ------------------------------------------------
+    def admit(self, handle=None, n_tokens=None) -> int:
+        """Take the lowest free row (optionally sharing ``handle``'s first ``n_tokens``);
+        returns it. One step (no device work in pool mode without a handle)."""
+        return ops.admit(self, handle, n_tokens)
 
-    def _check_planned(self, planned, what: str) -> None:
-        if not isinstance(planned, PlannedStep):
-            raise PendingStepError(f"{what}() takes the PlannedStep returned by plan(), got "
-                                   f"{type(planned).__name__}")
-        if planned.owner is not self:
-            raise PendingStepError(f"{what}(): that PlannedStep belongs to another allocator")
-        if planned.submitted:
-            raise PendingStepError(f"{what}(): this step was already submitted (a second "
-                                   "mark_submitted would count it twice)")
-        if planned is not self._pending:
-            raise PendingStepError(f"{what}() takes the step returned by the latest plan()")
+    def alloc_extend(self, rows, extend_lens) -> AllocResult:
+        """Prefill: ``extend_lens[i]`` positions for ``rows[i]`` (``Step(extend=)``)."""
+        return self.step(extend=(rows, extend_lens))
+
+    def alloc_decode(self, rows, lookahead=None) -> AllocResult:
+        """One token per row, or ``1 + k`` speculative (``Step(decode=, lookahead=)``)."""
+        return self.step(decode=rows, lookahead=lookahead)
+
+    def commit(self, rows, n_accepted) -> None:
+        """Keep ``n_accepted`` of each row's oldest speculative step (``Step(commit=)``)."""
+        ops.no_group(self, "commit")
+        self.step(commit=(rows, n_accepted))
+
+    def trim(self, rows, new_len) -> None:
+        """Cut requests to ``new_len`` (``Step(trim=)``; refused below f + W and inside a
+        shared page)."""
+        ops.no_group(self, "trim")
+        self.step(trim=(rows, new_len))
+
+    def release(self, rows) -> None:
+        """Free everything the requests hold and return their rows (deferred in a group)."""
+        ops.free(self, "release", rows)
+
+    def evict_window(self, rows=None) -> None:
+        """Advance frontiers by the window rule (``None``: every live request)."""
+        ops.free(self, "evict", rows)
+
+    def advance_frontier(self, rows, new_frontier_pos) -> None:
+        """Move frontiers forward to page-aligned positions, freeing SWA pages below."""
+        ops.free(self, "advance", (rows, new_frontier_pos))
+
+    def load_back(self, row, new_frontier_pos) -> torch.Tensor:
+        """Re-pair ``[new_frontier_pos, frontier)`` with fresh SWA pages; returns their SWA
+        slots (copy the KV in before the next step). One step."""
+        return ops.load_back(self, row, new_frontier_pos)
+
+    def take_handle(self, row, n_tokens) -> int:
+        """A handle on the first ``n_tokens`` (whole pages) of ``row``; returns it. One step
+        (the prefix copied on the device). O(n / page_size)."""
+        return ops.take_handle(self, row, n_tokens)
+
+    def drop_handle(self, handle) -> None:
+        """Drop every reference ``handle`` holds (deferred inside a free group)."""
+        ops.free(self, "drop", handle)
+
+    def drop_handle_swa(self, handle) -> None:
+        """Drop only ``handle``'s SWA references: a tombstone (deferred in a group)."""
+        ops.free(self, "drop_swa", handle)
+
+    # ---- queries (host only) -----------------------------------------------------------------
+    def n_free(self, pool: str = "full") -> int:
+        """Free pages of ``pool`` (``"full"`` or ``"swa"``). O(1)."""
+        return self.queries.n_free(pool)
+
+    @property
+    def n_live(self) -> int:
+        """Live request rows. O(max_reqs)."""
+        return self.queries.n_live()
+
+    def live_rows(self) -> np.ndarray:
+        """The live request rows, ascending (a new array). O(max_reqs)."""
+        return self.queries.live_rows()
+
+    def is_live(self, row) -> bool:
+        """Whether ``row`` is live. O(1)."""
+        return self.queries.is_live(row)
+
+    def seq_len(self, row) -> int:
+        """Allocated length L of ``row``. O(1)."""
+        return self.queries.seq_len(row)
+
+    def frontier(self, row) -> int:
+        """SWA frontier (page-aligned position) of ``row``. O(1)."""
+        return self.queries.frontier(row)
+
+    def committed_len(self, row) -> int:
+        """Committed length C of ``row``. O(1)."""
+        return self.queries.committed_len(row)
+
+    def spec_len(self, row) -> int:
+        """Speculative tail ``L - C`` of ``row``. O(1)."""
+        return self.queries.spec_len(row)
+
+    def seq_lens(self) -> np.ndarray:
+        """Every row's L (a copy). O(max_reqs)."""
+        return self.ledger.seq_len.copy()
+
+    def frontiers(self) -> np.ndarray:
+        """Every row's frontier (a copy). O(max_reqs)."""
+        return self.ledger.frontier.copy()
+
+    def committed_lens(self) -> np.ndarray:
+        """Every row's C (a copy). O(max_reqs)."""
+        return self.ledger.committed.copy()
+
+    def pages_needed(self, rows, n_tokens) -> int:
+        """New pages per pool that extending ``rows`` by ``n_tokens`` needs. O(rows)."""
+        return self.queries.pages_needed(rows, n_tokens)
+
+    def pages_released(self, rows=(), *, advance=None, handles=()) -> tuple[int, int]:
+        """``(FULL, SWA)`` pages these frees together would give back, sharing counted: a dry
+        run of the planner's own frees (the one rule site). Cost: one plan."""
+        return ops.pages_released(self, rows, advance, handles)
+
+    def live_handles(self) -> np.ndarray:
+        """Handles held (a new array). O(max_handles)."""
+        return self.queries.live_handles()
+
+    def handle_info(self, handle):
+        """What ``handle`` holds and what dropping it would free now. Cost: one dry run."""
+        return ops.handle_info(self, handle)
+
+    # ---- diagnostics: the sanctioned sync points ---------------------------------------------
+    def check(self, sync: bool = False) -> None:
+        """Raise ``DeviceFaultError`` if a kernel recorded a fault (reads the error word: call
+        it where the engine synchronises anyway)."""
+        ops.check(self, sync)
+
+    def reset_faults(self) -> None:
+        """Clear the error word and accept steps again."""
+        ops.reset_faults(self)
+
+    def stats(self) -> dict:
+        """Host-side counts for humans (no device read)."""
+        return ops.stats(self)
+
+    def snapshot(self) -> dict:
+        """A full copy of host and device state (reads the device)."""
+        return ops.snapshot(self)
+
+    def audit(self) -> list:
+        """Every discrepancy between device tables and host ledger (reads the device); empty
+        when healthy, at any point (inside open blocks too)."""
+        return ops.audit(self)
+
+    def check_integrity(self) -> None:
+        """Raise ``IntegrityError`` on any broken invariant (reads the device)."""
+        ops.check_integrity(self)
+
+    def state_dict(self) -> dict:
+        """Host ledger + device tables on the CPU (reads the device)."""
+        return ops.state_dict(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Validate ``sd`` and copy it in place; ``StateError`` (state kept) when it fails."""
+        ops.load_state_dict(self, sd)

@@ -30,7 +30,7 @@ import torch
 
 from .errors import ContractError, PositionError, TensorSpecError, UnknownRequestError
 
-__all__ = ["as_rows", "as_counts", "as_positions", "as_index", "is_empty"]
+__all__ = ["as_rows", "as_counts", "as_positions", "as_index", "as_int64", "is_empty"]
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -77,6 +77,12 @@ def _as_int64(values, what: str, error: type[ContractError]) -> np.ndarray:
     if arr.dtype == np.uint64 and arr.max() > _INT64_MAX:
         raise error(f"{what}: {arr.max()} does not fit int64")
     return arr.astype(np.int64, copy=False)
+
+
+def as_int64(values, what: str, error: type[ContractError]) -> np.ndarray:
+    """``values`` as a 1-D int64 array, refused with ``error`` (the class the caller's
+    rule names) for anything but integers. No range check."""
+    return _as_int64(values, what, error)
 
 
 def _short(values) -> str:

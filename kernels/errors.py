@@ -47,6 +47,9 @@ __all__ = [
     "SpeculativeStateError",
     "StaleResultError",
     "StateError",
+    "SharedPageError",
+    "RecorderError",
+    "LaunchError",
     "IntegrityError",
     "DeviceFaultError",
     "ReplicaDivergenceError",
@@ -127,6 +130,22 @@ class SpeculativeStateError(ContractError):
 
 class StateError(ContractError):
     """A state dict or load-back was refused; the allocator keeps its previous state."""
+
+
+class SharedPageError(ContractError):
+    """A write into a page more than one holder references: a slot of a shared page is never
+    written (a trim into a shared page, then an allocation, would overwrite the prefix every
+    holder reads)."""
+
+
+class RecorderError(ContractError):
+    """A ``scheduler_step()`` / ``free_group()`` block used wrongly: a call on a block that
+    has closed, or a direct allocator mutation while a ``scheduler_step()`` block is open."""
+
+
+class LaunchError(GraphallocError, RuntimeError):
+    """Launching a planned step raised; the step was taken back (the allocator is exactly as
+    before the plan). The original exception is the ``__cause__``."""
 
 
 class IntegrityError(GraphallocError, AssertionError):

@@ -59,12 +59,15 @@ import torch.distributed as dist
 from graphalloc.allocator import HybridAllocator
 from graphalloc.config import AllocatorConfig
 from graphalloc.errors import ContractError, ReplicaDivergenceError
-from graphalloc.executor import Executor
-from graphalloc.graph import StepGraph
-from graphalloc.ledger import Ledger
-from graphalloc.planner import StepBuilder
-from graphalloc.replicas import ReplicatedAllocator
-from graphalloc.state_digest import ledger_digest
+from graphalloc.device.executor import Executor
+from graphalloc.device.graph import StepGraph
+from graphalloc.state.ledger import Ledger
+from graphalloc.plan.context import PlanContext
+from graphalloc.plan.reference import plan_step
+from graphalloc.plan.refusals import Refusal
+from graphalloc.plan.step import Step, normalize
+from graphalloc.replicas.allocator import ReplicatedAllocator
+from graphalloc.replicas.digest import ledger_digest
 
 __all__ = ["RandomWorkload", "Scenario", "SelftestWorkerError", "default_scenarios",
            "selftest_config", "plan_trace", "spawn_selftest", "summarize", "main"]
@@ -80,37 +83,17 @@ def selftest_config(device: str | torch.device, backend: str, ring: bool,
                            max_step_tokens=256, max_handles=max_handles)
 
 
-def _dry_run(config: AllocatorConfig, ledger: Ledger, plan) -> StepBuilder | None:
-    """``plan(builder)`` on a throwaway planner over a copy of ``ledger`` (pure host); the
-    builder when it planned, ``None`` when refused. Ledger copies share the page mirror,
-    whose writes are journaled: they are rolled back here, so nothing stays."""
-    refs = ledger.refs
-    mark = refs.mark() if refs is not None else 0
-    b = StepBuilder(config, ledger.copy())
-    try:
-        plan(b)
-        b.finish()
-        return b
-    except ContractError:
-        return None
-    finally:
-        if refs is not None:
-            refs.rollback(mark)
-
-
 def _fits(config: AllocatorConfig, ledger: Ledger, step: dict) -> bool:
-    """Dry run of ``HybridAllocator.plan`` with ``step``'s arguments (pure host)."""
-    def plan(b):
-        if len(step.get("release", ())):
-            b.release(b.live_rows(step["release"], "release"))
-        if step.get("evict_all"):
-            b.evict(np.flatnonzero(b.ledger.live))
-        if len(step.get("decode", ())):
-            rows = b.live_rows(step["decode"], "decode")
-            b.extend(rows, np.ones(len(rows), dtype=np.int64))
-        if step.get("extend") is not None:
-            b.extend(b.live_rows(step["extend"][0], "extend"), step["extend"][1])
-    return _dry_run(config, ledger, plan) is not None
+    """Dry run of ``HybridAllocator.plan`` with ``step``'s arguments on ``ledger`` (pure
+    host: the reference planner, its writes rolled back)."""
+    mark = ledger.journal.mark()
+    try:
+        plan_step(PlanContext(config, ledger, 1), normalize(Step(**step), config))
+        return True
+    except Refusal:
+        return False
+    finally:
+        ledger.journal.rollback(mark)
 
 
 class RandomWorkload:

@@ -49,7 +49,7 @@ def test_eager_baseline_matches_page_tables_on_awkward_sizes():
     """The baseline is only a baseline if it builds what the page tables build: ps 1 and 3,
     a window longer than some lengths, frontiers lagging the window."""
     bench = _load("bench_page_tables")
-    from graphalloc.page_tables import PageTables, PageTableSpec
+    from graphalloc.attention.page_tables import PageTables, PageTableSpec
 
     dev = torch.device("cpu")
     for b, ps, window in ((5, 1, 7), (6, 3, 10), (3, 16, 100)):

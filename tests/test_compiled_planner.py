@@ -31,7 +31,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import graphalloc.fast_plan as fast_plan
+import graphalloc.plan.compiled as fast_plan
 from graphalloc import (
     AllocatorConfig,
     ConfigError,
@@ -39,7 +39,7 @@ from graphalloc import (
     HybridAllocator,
     StaleResultError,
 )
-from graphalloc.ledger import Ledger
+from graphalloc.state.ledger import Ledger
 
 if os.environ.get("CI") and not fast_plan.AVAILABLE:  # CI must build it: never skip there
     raise AssertionError(f"the compiled planner was not built: {fast_plan.UNAVAILABLE_REASON}")

@@ -25,8 +25,10 @@ from graphalloc.kernels import (
     run_step_fused_torch,
 )
 from graphalloc.kernels.abi import AL_N_PAGES, AL_N_TOKENS, REL_N_PAGES
-from graphalloc.ledger import Ledger
-from graphalloc.planner import StepBuilder
+from graphalloc.state.ledger import Ledger
+from graphalloc.plan.context import PlanContext
+from graphalloc.plan.reference import plan_step
+from graphalloc.plan.step import Step, normalize
 
 
 def make_config(backend, *, ring=False, validate=False, ps=3, device="cpu", **overrides):
@@ -197,24 +199,19 @@ def test_non_fusable_step_is_detected_and_runs_as_two_launches(device):
 
 def test_fusable_boundary_pops_equal_to_free_before():
     """Pops that exactly use up what was free before the step are still fusable; one more
-    page is not. Checked on the planner alone (pure host)."""
+    page is not. Checked on the planner alone (pure host, every plan rolled back)."""
     cfg = make_config("torch", ps=2, num_full_pages=6, num_swa_pages=6, max_reqs=3)
     ledger = Ledger(cfg)
-    b = StepBuilder(cfg, ledger.copy())
-    rows = np.array([0, 1])
-    b.ledger.live[rows] = True
-    b.extend(rows, np.array([4, 4]))  # 4 of the 6 pages of each pool
-    ledger = b.ledger
+    plan_step(PlanContext(cfg, ledger, 1), normalize(Step(admit=[0, 1]), cfg))
+    plan_step(PlanContext(cfg, ledger, 2), normalize(Step(extend=([0, 1], [4, 4])), cfg))
+    ledger.journal.commit()  # 4 of the 6 pages of each pool
     for extra_tokens, fusable in ((4, True), (5, False)):
-        mark = ledger.refs.mark()  # copies share the page mirror: roll back each dry run
-        b = StepBuilder(cfg, ledger.copy(), epoch=7)
-        b.release(np.array([0]))
-        b.extend(np.array([1]), np.array([extra_tokens]))  # 2 pages fit, 3 do not
-        assert b.n_free_before == {"full": 2, "swa": 2}
-        assert b.fusable is fusable
-        release, _ = b.finish()
-        assert (release[:, 7] == 7).all()  # REL_EPOCH
-        ledger.refs.rollback(mark)
+        ctx = PlanContext(cfg, ledger, 7)
+        out = plan_step(ctx, normalize(Step(release=[0], extend=([1], [extra_tokens])), cfg))
+        assert ctx.n_free_before == (2, 2)  # 2 pages fit, 3 do not
+        assert out.fusable is fusable
+        assert (out.release_rows[:, 7] == 7).all()  # REL_EPOCH
+        ledger.journal.rollback()
 
 
 def test_padded_and_empty_descriptors(device):

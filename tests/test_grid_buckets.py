@@ -1,4 +1,4 @@
-"""Launch grids that follow the step (graphalloc.buckets): row buckets, exact eager grids
+"""Launch grids that follow the step (graphalloc.device.buckets): row buckets, exact eager grids
 and long rows shared by several programs, against the full grid.
 
 A step's rows are packed at the front of each descriptor table and the rest are padding,
@@ -20,9 +20,9 @@ import torch
 from workload import apply_all, random_step
 
 import graphalloc as ga
-from graphalloc.buckets import LONG_EXTRA_TOKENS, GridPolicy, StepGrid, ladder
+from graphalloc.device.buckets import LONG_EXTRA_TOKENS, GridPolicy, StepGrid, ladder
 from graphalloc.errors import ConfigError, TensorSpecError
-from graphalloc.executor import Executor
+from graphalloc.device.executor import Executor
 from graphalloc.kernels import allocate_tokens, release_pages
 
 # Tables whose last entry (row) is scratch the Torch twins' padded lanes write to.

@@ -31,7 +31,7 @@ PROBE = (
     "from graphalloc import HybridAllocator, AllocatorConfig\n"
     "cfg = AllocatorConfig(page_size=2, num_full_pages=8, num_swa_pages=8, max_reqs=2,\n"
     "                      max_context_len=8, sliding_window=2)\n"
-    "import graphalloc.fast_plan as fp\n"
+    "import graphalloc.plan.compiled as fp\n"
     "a = HybridAllocator(cfg); r = a.admit(); a.alloc_extend([r], [5]); a.release([r])\n"
     "a.check_integrity()\n"
     "assert (a._fast is not None) == fp.AVAILABLE\n"
@@ -74,7 +74,7 @@ def test_editable_install_is_what_the_suite_runs():
     assert os.path.realpath(graphalloc.kernels.__file__).startswith(os.path.join(ROOT,
                                                                                  "kernels"))
     if shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc"):  # built in place
-        import graphalloc.fast_plan as fp
+        import graphalloc.plan.compiled as fp
         assert fp.AVAILABLE, fp.UNAVAILABLE_REASON
         assert os.path.realpath(fp._cplan.__file__).startswith(os.path.join(ROOT, "graphalloc"))
     # (In-process, a third-party package may probe a top-level ``kernels`` on the source

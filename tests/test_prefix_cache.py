@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import graphalloc as ga
-from graphalloc.prefix_cache import page_keys
+from graphalloc.sharing.prefix_cache import page_keys
 
 
 def make(ps=4, n_full=40, n_swa=24, window=8, ctx=64, handles=8, reqs=4):

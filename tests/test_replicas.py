@@ -52,9 +52,9 @@ from graphalloc import (
     ReplicaDivergenceError,
     UnknownRequestError,
 )
-from graphalloc.ledger import Ledger
-from graphalloc.replicas import ReplicatedAllocator
-from graphalloc.state_digest import (
+from graphalloc.state.ledger import Ledger
+from graphalloc.replicas.allocator import ReplicatedAllocator
+from graphalloc.replicas.digest import (
     HOST_PARTS,
     StateDigest,
     host_digests,

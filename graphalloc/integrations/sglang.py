@@ -51,7 +51,7 @@ changed) when a pool or the request rows are short.
 
 The prefix cache (SGLang's radix cache; ``SWARadixCache`` for hybrid models): when the
 allocator was built with ``HybridAllocator(cfg, prefix_cache=True)`` the seam plays
-SGLang's ``tree_cache`` on :class:`graphalloc.prefix_cache.PrefixCache`; without one it
+SGLang's ``tree_cache`` on :class:`graphalloc.sharing.prefix_cache.PrefixCache`; without one it
 behaves as SGLang's ChunkCache (``--disable-radix-cache``: a release frees everything).
 
 * :meth:`SGLangAllocator.match_prefix` (``tree_cache.match_prefix`` in
@@ -87,7 +87,7 @@ What an engine must still write: call the seam where SGLang calls its allocator 
 tree cache (the methods above, in its order; ``match_prefix`` in the iteration that
 prefills the request); build ``ForwardBatch.out_cache_loc`` from the returned views
 (valid until the next step runs) and its attention metadata (e.g.
-:class:`graphalloc.page_tables.PageTables`, or gathers of ``alloc.req_to_token``);
+:class:`graphalloc.attention.page_tables.PageTables`, or gathers of ``alloc.req_to_token``);
 write ``ScheduleBatch`` state (``req_pool_indices``, ``seq_lens`` +1 after a decode);
 call :meth:`SGLangAllocator.flush` on an idle iteration (no batch) so recorded frees
 do not wait for the next batch; ``alloc.check()`` where it synchronises anyway.

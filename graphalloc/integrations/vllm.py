@@ -38,7 +38,7 @@ READS THE DEVICE: one device-to-host copy per group, which waits for every queue
 step (a synchronisation). It is the inspection and debugging path (a public host
 query of a row's page ids would make it sync-free). The hot path never needs
 ids on the host: the model writes KV to :meth:`~GraphallocKVCacheManager.token_slots`
-(device views) and reads block tables from :class:`graphalloc.page_tables.PageTables`
+(device views) and reads block tables from :class:`graphalloc.attention.page_tables.PageTables`
 (``block_table[B, max_pages]`` in vLLM's layout, null block 0 outside the window,
 written on the device in the step). ``allocate_slots`` returns block *positions*
 (which block indices are new, known on the host); ``GraphallocBlocks.get_block_ids``
@@ -109,7 +109,7 @@ import numpy as np
 
 from ..allocator import AllocResult, HybridAllocator
 from ..errors import ConfigError, ContractError, PendingStepError, PositionError
-from ..sync_points import sync_allowed
+from ..diagnostics.sync_points import sync_allowed
 from .iteration import IterationStep
 
 __all__ = ["GraphallocKVCacheManager", "GraphallocBlocks", "FULL_GROUP", "SWA_GROUP",

@@ -1,0 +1,107 @@
+"""Backends: which kernels execute a planned step.
+
+``torch`` is the fixed-shape, sync-free reference (any device); ``triton`` runs
+the Triton kernels (a GPU, or the CPU through ``TRITON_INTERPRET=1``). Both
+take the same arguments and must leave identical state.
+
+A step runs as two launches (release, then allocation) or, where the planner
+marked it fusable, as one fused launch (``kernels.step``): programs
+``[0, R)`` release, ``[R, R + A)`` allocate. Fusing is safe only when the
+step's pops of each FIFO ring fit in what was free before the step (then pops
+and pushes touch disjoint ring positions and no allocation program reads what
+a release program writes); ``StepBuilder.fusable`` says so per step, and the
+caller passes it in. A :class:`~graphalloc.device.graph.StepGraph` captures both
+variants per descriptor buffer and replays the one the step allows.
+
+Grid: a launch covers the first rows of each table that a
+:class:`~graphalloc.device.buckets.StepGrid` names (the eager executor: exactly the step's
+rows, ``StepKernels.grids.exact``; a graph: the bucket it was captured for), with
+long allocation rows shared by several programs. Without a grid it covers every row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .buckets import GridPolicy, StepGrid
+from ..config import AllocatorConfig
+from .tables import DeviceState
+
+__all__ = ["StepKernels"]
+
+
+class StepKernels:
+    """Launches one step's kernels for a descriptor buffer.
+
+    Args:
+        config: the allocator's configuration (backend, geometry, ``validate``).
+        state: its device tables.
+        fused: allow the one-launch variant. Off, every call is two launches.
+
+    ``grids`` (a :class:`~graphalloc.device.buckets.GridPolicy`) chooses launch grids for the
+    executors. Never synchronises; safe to call inside CUDA graph capture. Returns before
+    the device has finished.
+    """
+
+    def __init__(self, config: AllocatorConfig, state: DeviceState, *, fused: bool = False,
+                 tables=None):
+        self.config = config
+        self.tables = tables  # the step's attention tables (AttentionTables), or None
+        self.state = state
+        self.fused = bool(fused)
+        self.grids = GridPolicy(config)
+        self.num_warps: int | None = None  # warps per program (None: Triton's default)
+        # Per-call constants, built once (a launch is on every step's path).
+        self._common = dict(page_size=config.page_size, n_full_cap=config.num_full_pages,
+                            n_swa_cap=config.num_swa_pages, validate=config.validate)
+        self._epochs = (state.full_epoch_buf, state.swa_epoch_buf)
+        self._tables = (state.req_to_token_buf, state.full_to_swa_buf, state.full_free_buf,
+                        state.swa_free_buf, state.ring_pages_buf)
+        if config.backend == "triton":
+            from ..kernels.allocate import allocate_tokens
+            from ..kernels.release import release_pages
+            from ..kernels.step import run_step_fused
+            self._release, self._allocate = release_pages, allocate_tokens
+            self._step = run_step_fused
+        else:
+            from ..kernels.allocate import allocate_tokens_torch
+            from ..kernels.release import release_pages_torch
+            from ..kernels.step import run_step_fused_torch
+            self._release, self._allocate = release_pages_torch, allocate_tokens_torch
+            self._step = run_step_fused_torch
+
+    def __call__(self, release_rows: torch.Tensor, alloc_rows: torch.Tensor, *,
+                 fusable: bool = False, grid: StepGrid | None = None,
+                 lane_rows: torch.Tensor | None = None) -> None:
+        """Run the step in ``release_rows`` / ``alloc_rows``. ``fusable``: the step's
+        ``PlannedStep.fusable``; with it and ``fused=True`` the step is one launch,
+        otherwise release then allocation (a table with no rows in ``grid`` is not
+        launched). ``grid``: the rows and chunks to launch (None: every row, one program
+        each); it must cover the step's rows."""
+        cfg, st, common = self.config, self.state, self._common
+        if grid is None:
+            n_rel = n_al = None
+            rel_chunks = al_chunks = 1
+        else:
+            n_rel, rel_chunks, n_al, al_chunks = grid
+        if fusable and self.fused:
+            self._step(release_rows, alloc_rows, *self._tables, st.out_full_buf,
+                       st.out_swa_buf, st.err_buf, n_release_lanes=cfg.max_step_pages,
+                       n_alloc_lanes=cfg.max_step_tokens, epochs=self._epochs,
+                       n_release_rows=n_rel, n_alloc_rows=n_al, n_release_chunks=rel_chunks,
+                       n_alloc_chunks=al_chunks, **common, **self._warps())
+            if lane_rows is not None:
+                self.tables.launch(lane_rows)
+            return
+        self._release(release_rows, *self._tables, st.err_buf, n_lanes=cfg.max_step_pages,
+                      epochs=self._epochs, n_rows=n_rel, n_chunks=rel_chunks, **common,
+                      **self._warps())
+        self._allocate(alloc_rows, *self._tables, st.out_full_buf, st.out_swa_buf, st.err_buf,
+                       n_lanes=cfg.max_step_tokens, n_rows=n_al, n_chunks=al_chunks, **common,
+                       **self._warps())
+        if lane_rows is not None:
+            self.tables.launch(lane_rows)
+
+    def _warps(self) -> dict:
+        # Passed only when set, so a launcher (or a test's stand-in) without the option works.
+        return {} if self.num_warps is None else {"num_warps": self.num_warps}

@@ -1,0 +1,143 @@
+"""The ring of pinned step-descriptor buffers.
+
+A step's descriptor (two tables of int64 rows: release rows, then allocation rows)
+has the layout of the device ABI, :mod:`graphalloc.kernels.abi`; the planner writes
+it and the kernels read it. This module owns where descriptors live between the two:
+a ring of pinned host buffers, each guarded by an event, so the host never rewrites
+a buffer the GPU has not consumed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..kernels.abi import ROW_WIDTH
+
+__all__ = ["DescriptorRing"]
+
+
+class DescriptorRing:
+    """A ring of ``n_bufs`` step descriptors, pinned when the device is CUDA.
+
+    Each buffer is one int64 tensor ``[max_release_rows + max_alloc_rows + n_lane_rows,
+    8]`` (release rows, allocation rows, the attention lanes' rows when the allocator has
+    page tables); ``release_rows(i)``, ``alloc_rows(i)`` and ``lane_rows(i)`` are views of it
+    that never change address, so a captured graph can read them on every replay. The GPU reads a
+    buffer *when the step runs*, so a buffer is rewritten only after the event
+    recorded behind its last step has completed. With two or more buffers the
+    host plans step k+1 while the GPU runs step k and, in steady state, never
+    waits; ``stalls`` counts the times it had to.
+    """
+
+    def __init__(self, n_release_rows: int, n_alloc_rows: int, device: torch.device,
+                 n_bufs: int = 2, n_lane_rows: int = 0):
+        if n_bufs < 1:
+            raise ValueError(f"n_bufs must be >= 1, got {n_bufs}")
+        self.n_release_rows = n_release_rows
+        self.n_alloc_rows = n_alloc_rows
+        self.is_cuda = device.type == "cuda"
+        self.n_lane_rows = n_lane_rows
+        shape = (n_release_rows + n_alloc_rows + n_lane_rows, ROW_WIDTH)
+        self.bufs = [torch.zeros(shape, dtype=torch.int64, pin_memory=self.is_cuda)
+                     for _ in range(n_bufs)]
+        # numpy views share memory with the (pinned) tensors: the planner writes here.
+        self.np_bufs = [b.numpy() for b in self.bufs]
+        # Fixed views the kernels read (made once: slicing a tensor costs microseconds).
+        self._release_views = [b[:n_release_rows] for b in self.bufs]
+        self._alloc_views = [b[n_release_rows:n_release_rows + n_alloc_rows] for b in self.bufs]
+        self._lane_views = [b[n_release_rows + n_alloc_rows:] for b in self.bufs]
+        self.events: list[torch.cuda.Event | None] = [None] * n_bufs
+        # The stream submitted() records on, cached by its raw handle: building a Stream
+        # object (torch.cuda.current_stream()) costs microseconds on every step.
+        self._device_index = (device.index if device.index is not None else
+                              torch.cuda.current_device()) if self.is_cuda else -1
+        self._raw_stream = _raw_stream_getter() if self.is_cuda else None
+        self._stream_handle = None
+        self._stream = None
+        self.used = [(0, 0)] * n_bufs  # rows written last time, per buffer
+        self.fusable = [False] * n_bufs  # per buffer: its step may run as one fused launch
+        self.next_index = 0
+        self.stalls = 0
+
+    def __len__(self) -> int:
+        return len(self.bufs)
+
+    def release_rows(self, index: int) -> torch.Tensor:
+        return self._release_views[index]
+
+    def alloc_rows(self, index: int) -> torch.Tensor:
+        return self._alloc_views[index]
+
+    def lane_rows(self, index: int) -> torch.Tensor:
+        """The attention lanes' rows of buffer ``index`` (``[n_lane_rows, 8]``; empty when
+        the allocator has no page tables)."""
+        return self._lane_views[index]
+
+    def write_lanes(self, index: int, rows: np.ndarray) -> None:
+        """Copy a step's lane rows in (all ``n_lane_rows`` of them: padding lanes carry the
+        running offsets). O(B)."""
+        self.np_bufs[index][self.n_release_rows + self.n_alloc_rows:] = rows
+
+    def acquire(self) -> int:
+        """Index of the next buffer, after making sure the GPU is done reading it."""
+        index = self.next_index
+        event = self.events[index]
+        if event is not None and not event.query():
+            self.stalls += 1
+            event.synchronize()  # sync ok: only when the GPU is len(ring) steps behind
+        return index
+
+    def write(self, index: int, release: np.ndarray, alloc: np.ndarray,
+              fusable: bool = False) -> None:
+        """Copy the planned rows in; rows past them become padding (all zeros).
+        ``fusable``: the step's ``StepBuilder.fusable``, kept for the step runner."""
+        buf = self.np_bufs[index]
+        n_rel, n_al = len(release), len(alloc)
+        old_rel, old_al = self.used[index]
+        buf[:n_rel] = release
+        if old_rel > n_rel:  # only rows this buffer used before need zeroing
+            buf[n_rel:old_rel] = 0
+        base = self.n_release_rows
+        buf[base:base + n_al] = alloc
+        if old_al > n_al:
+            buf[base + n_al:base + old_al] = 0
+        self.used[index] = (n_rel, n_al)
+        self.fusable[index] = fusable
+
+    def submitted(self, index: int) -> None:
+        """Record that the step reading buffer ``index`` was enqueued on the current stream.
+        Cost: one event record (a Stream object is built only when the current stream
+        changed since the last step)."""
+        if self.is_cuda:
+            event = self.events[index]
+            if event is None:
+                event = self.events[index] = torch.cuda.Event()
+            _record(event, self.current_stream())
+        self.next_index = (index + 1) % len(self.bufs)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        """The current CUDA stream of the ring's device (cached by its raw handle)."""
+        getter = self._raw_stream
+        if getter is None:  # this torch has no raw-stream query: build the object
+            return torch.cuda.current_stream(self._device_index)
+        handle = getter(self._device_index)
+        if handle != self._stream_handle:
+            self._stream = torch.cuda.current_stream(self._device_index)
+            self._stream_handle = handle
+        return self._stream
+
+
+def _raw_stream_getter():
+    """``torch._C._cuda_getCurrentRawStream`` (the current stream's ``cudaStream_t`` as an
+    int, without building a Stream object) where this torch has it, else None."""
+    return getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _record(event, stream) -> None:
+    """``event.record(stream)`` without the Python wrapper's default-stream lookup."""
+    base = getattr(torch._C, "_CudaEventBase", None)
+    if base is not None and isinstance(event, base):
+        base.record(event, stream)
+    else:
+        event.record(stream)

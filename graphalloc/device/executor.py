@@ -1,0 +1,146 @@
+"""How a planned step reaches the device: the executor strategy an allocator is built with.
+
+The allocator plans on the host and hands each planned step to its executor; the
+executor enqueues the device work that reads the step's descriptor buffer. The
+strategy is chosen once, at construction (``HybridAllocator(cfg, executor=...)``), and
+never replaced: layers stack (a graph executor holds captured graphs of the allocator's
+own launch; a replica layer builds its allocator with its own executor), so the order
+of construction is the only order.
+
+================  ===================================================================
+executor          what ``execute(planned)`` does
+================  ===================================================================
+``"eager"``       :class:`EagerExecutor`: launches the step kernels (one fused launch,
+                  or release then allocation) over exactly the step's rows
+``"graph"``       :class:`graphalloc.device.graph.StepGraph`: replays the graph captured for
+                  the step's descriptor buffer and row bucket (eager on a CPU device)
+replicas          ``graphalloc.replicas``: broadcast a planner's step, or replay one
+================  ===================================================================
+
+The protocol (for writing another strategy): ``bind(alloc)`` is called once by the
+allocator's constructor, after its device tables and descriptor ring exist;
+``execute(planned)`` must enqueue the step and return without synchronising;
+``plans_locally = False`` makes the allocator refuse ``plan()`` before anything changes
+(a broadcast follower replays steps planned elsewhere). ``n_fused`` / ``n_two_launch``
+count executed steps of each launch form.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from ..errors import ConfigError
+
+__all__ = ["Executor", "EagerExecutor", "make_executor", "warm_up", "launch_exact", "lanes_of"]
+
+
+class Executor:
+    """Base class of the executor strategies (see the module docstring)."""
+
+    name = "executor"
+    plans_locally = True
+
+    def __init__(self) -> None:
+        self._alloc = None
+        self.n_fused = 0
+        self.n_two_launch = 0
+
+    @property
+    def alloc(self):
+        """The allocator served (held weakly: the allocator holds its executor, so no
+        reference cycle keeps either alive -- or, for replicas, a process group)."""
+        return None if self._alloc is None else self._alloc()
+
+    def bind(self, alloc) -> None:
+        """Attach to ``alloc`` (once, from its constructor)."""
+        if self._alloc is not None:
+            raise ConfigError(f"this {type(self).__name__} already serves another allocator; "
+                              "build one executor per allocator")
+        self._alloc = weakref.ref(alloc)
+
+    def execute(self, planned) -> None:
+        """Enqueue the device work of ``planned`` (never synchronises)."""
+        raise NotImplementedError
+
+    def count(self, fused: bool) -> None:
+        if fused:
+            self.n_fused += 1
+        else:
+            self.n_two_launch += 1
+
+
+def warm_up(alloc, n: int = 1) -> None:
+    """Compile every kernel variant a step can use, now: launch the step kernels over an
+    all-padding descriptor (nothing changes) in both launch forms. On a CUDA device this is
+    done at construction, so no Triton compilation ever happens mid-serving (a first
+    compile costs a step seconds). Synchronises (once, at construction)."""
+    import torch
+
+    from ..diagnostics.sync_points import sync_allowed
+
+    ring = alloc.ring
+    with sync_allowed():
+        torch.cuda.synchronize()  # sync ok: one-time construction
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(len(ring)):
+                ring.write(i, ring.np_bufs[i][:0], ring.np_bufs[i][:0])
+            lanes = lanes_of(alloc, 0)
+            for _ in range(n):
+                alloc.kernels(ring.release_rows(0), ring.alloc_rows(0), lane_rows=lanes)
+                if alloc.kernels.fused:
+                    alloc.kernels(ring.release_rows(0), ring.alloc_rows(0), fusable=True,
+                                  lane_rows=lanes)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()  # sync ok: one-time construction
+
+
+def launch_exact(alloc, planned) -> bool:
+    """Launch ``planned``'s kernels over exactly its rows (``StepKernels.grids.exact``: no
+    program for a padded row, a long allocation row shared by several programs); a step
+    with no rows launches nothing. Returns whether it was one fused launch."""
+    kernels, ring, index = alloc.kernels, alloc.ring, planned.buffer_index
+    fused = planned.fusable and kernels.fused
+    grid = kernels.grids.exact(planned.n_release_rows, planned.n_alloc_rows, planned.n_tokens)
+    if grid.n_release_rows or grid.n_alloc_rows:
+        kernels(ring.release_rows(index), ring.alloc_rows(index), fusable=planned.fusable,
+                grid=grid, lane_rows=lanes_of(alloc, index))
+    return fused
+
+
+def lanes_of(alloc, index: int):
+    """Buffer ``index``'s lane rows when the allocator writes page tables, else None."""
+    return alloc.ring.lane_rows(index) if alloc.kernels.tables is not None else None
+
+
+class EagerExecutor(Executor):
+    """Launch the step kernels directly: one fused launch where the step allows it
+    (``PlannedStep.fusable`` and an allocator built with ``fused_step=True``), otherwise
+    the release kernel then the allocation kernel, each over exactly the step's rows
+    (:func:`launch_exact`). Host cost: one or two kernel launches (none for a step with
+    no rows). On a CUDA device every kernel variant is compiled at construction
+    (:func:`warm_up`)."""
+
+    name = "eager"
+
+    def bind(self, alloc) -> None:
+        super().bind(alloc)
+        if alloc.config.device.type == "cuda":
+            warm_up(alloc)
+
+    def execute(self, planned) -> None:
+        self.count(launch_exact(self._alloc(), planned))
+
+
+def make_executor(executor) -> Executor:
+    """An executor from its name (``"eager"``, ``"graph"``) or an :class:`Executor`."""
+    if isinstance(executor, Executor):
+        return executor
+    if executor == "eager":
+        return EagerExecutor()
+    if executor == "graph":
+        from .graph import StepGraph
+        return StepGraph()
+    raise ConfigError(f"executor must be 'eager', 'graph' or an Executor instance, got "
+                      f"{executor!r}")

@@ -1,0 +1,107 @@
+"""Device tables: write-only projections of the host's decisions.
+
+Every tensor is allocated once here and afterwards updated only in place, so
+the addresses a captured graph holds stay valid for the allocator's lifetime.
+Each table carries one scratch entry that padded lanes of the Torch twins may
+write to; the public views exclude it.
+
+================  ===========================================  ======================
+name              shape (index dtype unless noted)             meaning
+================  ===========================================  ======================
+full_to_swa_buf   [(num_full_pages + 1) * ps]                  SWA slot of a full slot, 0 = none
+req_to_token_buf  [max_reqs + max_handles + 1, max_context_len] full slot of (row, position):
+                                                               requests, then handles
+full_free_buf     [num_full_pages + 1]                         FULL free ring (+ scratch)
+swa_free_buf      [num_swa_pages + 1]                          SWA free ring (+ scratch)
+ring_pages_buf    [max_reqs + 1, max(1, swa_ring_pages)]       ring mode: a request's SWA pages
+out_full_buf      [max_step_tokens + 1]                        this step's new full slots
+out_swa_buf       [max_step_tokens + 1]                        this step's new SWA slots
+err_buf           [8] int64                                    device error word
+full_epoch_buf    [num_full_pages + 1] int64                   validate mode: the epoch
+swa_epoch_buf     [num_swa_pages + 1] int64                    (step) that last pushed
+                                                               each page to its ring
+================  ===========================================  ======================
+
+The epoch tables are scratch of the validate-mode duplicate-push check (see
+``kernels.release``), not allocator state: they are not in :meth:`tables`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import AllocatorConfig
+from ..kernels.error_word import new_error_word
+
+__all__ = ["DeviceState"]
+
+
+class DeviceState:
+    def __init__(self, config: AllocatorConfig):
+        cfg = config
+        dev, dt = cfg.device, cfg.index_dtype
+        self.config = cfg
+        self.full_to_swa_buf = torch.zeros(cfg.num_full_slots, dtype=dt, device=dev)
+        self.n_handles = getattr(cfg, "max_handles", 0)
+        self.req_to_token_buf = torch.zeros(cfg.max_reqs + self.n_handles + 1,
+                                            cfg.max_context_len, dtype=dt, device=dev)
+        self.full_free_buf = torch.zeros(cfg.num_full_pages + 1, dtype=dt, device=dev)
+        self.swa_free_buf = torch.zeros(cfg.num_swa_pages + 1, dtype=dt, device=dev)
+        self.ring_pages_buf = torch.zeros(cfg.max_reqs + 1, max(1, cfg.swa_ring_pages), dtype=dt,
+                                          device=dev)
+        self.out_full_buf = torch.zeros(cfg.max_step_tokens + 1, dtype=dt, device=dev)
+        self.out_swa_buf = torch.zeros(cfg.max_step_tokens + 1, dtype=dt, device=dev)
+        self.err_buf = new_error_word(dev)
+        self.full_epoch_buf = torch.zeros(cfg.num_full_pages + 1, dtype=torch.int64, device=dev)
+        self.swa_epoch_buf = torch.zeros(cfg.num_swa_pages + 1, dtype=torch.int64, device=dev)
+        self.reset()
+
+    def reset(self) -> None:
+        """Every page free, in order 1..n; no mappings; no faults. In place."""
+        cfg = self.config
+        for name in ("full_to_swa_buf", "req_to_token_buf", "ring_pages_buf", "out_full_buf",
+                     "out_swa_buf", "err_buf", "full_epoch_buf", "swa_epoch_buf"):
+            getattr(self, name).zero_()
+        dev, dt = cfg.device, cfg.index_dtype
+        self.full_free_buf[:-1].copy_(torch.arange(1, cfg.num_full_pages + 1, dtype=dt, device=dev))
+        self.swa_free_buf[:-1].copy_(torch.arange(1, cfg.num_swa_pages + 1, dtype=dt, device=dev))
+        self.full_free_buf[-1:].zero_()
+        self.swa_free_buf[-1:].zero_()
+
+    # Public views (no scratch entries).
+    @property
+    def full_to_swa(self) -> torch.Tensor:
+        return self.full_to_swa_buf
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self.req_to_token_buf[:self.config.max_reqs]
+
+    @property
+    def handle_to_token(self) -> torch.Tensor:
+        """``[max_handles, max_context_len]``: the slots each handle holds (its row)."""
+        return self.req_to_token_buf[self.config.max_reqs:-1]
+
+    @property
+    def full_free(self) -> torch.Tensor:
+        return self.full_free_buf[:-1]
+
+    @property
+    def swa_free(self) -> torch.Tensor:
+        return self.swa_free_buf[:-1]
+
+    @property
+    def ring_pages(self) -> torch.Tensor:
+        return self.ring_pages_buf[:-1]
+
+    def tables(self) -> dict[str, torch.Tensor]:
+        """The state that defines the allocator (for snapshots, digests and comparisons)."""
+        return {
+            "full_to_swa": self.full_to_swa,
+            "req_to_token": self.req_to_token,
+            "full_free": self.full_free,
+            "swa_free": self.swa_free,
+            "ring_pages": self.ring_pages,
+            "err": self.err_buf,
+            **({"handle_to_token": self.handle_to_token} if self.n_handles else {}),
+        }

@@ -1,0 +1,204 @@
+"""A step's life on the host: normalise, plan, write the descriptor, submit -- or take it back.
+
+:class:`StepPipeline` is the allocator's one path from a :class:`~graphalloc.plan.step.Step`
+to a submitted step. Lifecycle of one step, as facts about state::
+
+    plan(step)        the Step is normalised (typed input errors, nothing changed), the next
+                      descriptor buffer acquired (waits only when the device is that many
+                      steps behind), the planner pair plans it into that buffer, updating the
+                      ledger in place through its journal. A refusal rolls the journal back
+                      and raises the documented typed error: nothing changed. Otherwise the
+                      step is *pending*: its writes stay journaled.
+    run(p)            the executor enqueues the device work, then submit(p). If the launch
+                      raises, the step is cancelled first and LaunchError raised from it.
+    submit(p)         (mark_submitted: an engine replayed its own graph) the buffer's event
+                      is recorded, the journal forgotten: the step is final.
+    cancel(p)         a pending step is taken back: the journal rolled back, the buffer
+                      returned; the allocator is exactly as before plan().
+
+One step is pending at a time. A dry run (``fits()``, the queries) plans into a scratch
+buffer and always rolls back. When an allocation is short and the allocator owns a prefix
+cache, the step is planned once more with the cache's offer of entries to drop
+(:meth:`~graphalloc.sharing.prefix_cache.PrefixCache.offer`), inside the same step.
+
+Cost: normalising O(rows), planning O(rows + pages) (the compiled twin: microseconds), one
+descriptor write, one event record at submit; nothing here reads the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ContractError, LaunchError, PendingStepError
+from ..kernels.abi import REL_EPOCH, REL_N_PAGES, ROW_WIDTH
+from .context import PlanContext
+from .reference import PlanOutcome, plan_step
+from .refusals import Refusal, to_error
+from .results import AllocResult, PlannedStep
+from .step import Step, StepArrays, normalize
+
+__all__ = ["StepPipeline"]
+
+
+class StepPipeline:
+    """Plans, submits and cancels the steps of one allocator (see the module docstring).
+
+    Holds no state of its own beyond the pending step and two counters: ``steps_run``
+    (submitted steps) and ``output_epoch`` (submitted steps that wrote output lanes; an
+    :class:`AllocResult` is stale once it moves past the result's step)."""
+
+    def __init__(self, alloc, compiled=None):
+        self.alloc = alloc
+        self.config, self.ledger, self.ring = alloc.config, alloc.ledger, alloc.ring
+        self.compiled = compiled
+        self.tables_spec = None if alloc.tables is None else alloc.tables.spec
+        self.pending: PlannedStep | None = None
+        self.steps_run = 0
+        self.output_epoch = 0
+        self.n_planned = 0
+        self._mark = 0
+        cfg = self.config
+        self._scratch = np.zeros((cfg.max_release_rows + cfg.max_alloc_rows, ROW_WIDTH),
+                                 dtype=np.int64)
+
+    # ---- planning -----------------------------------------------------------------------
+    def refuse_planning(self) -> None:
+        alloc = self.alloc
+        if self.pending is not None:
+            raise PendingStepError("the previous planned step was neither run() nor "
+                                   "cancel()led: run it (or mark_submitted after your replay), "
+                                   "or cancel it")
+        if alloc.faulted:
+            raise PendingStepError("a device fault was reported by check(); the allocator "
+                                   "refuses steps until reset_faults() (or rebuild it)")
+        if not alloc.executor.plans_locally:
+            raise ContractError(f"this allocator's executor ({alloc.executor.name}) only "
+                                "replays steps planned elsewhere; call the replica layer "
+                                "instead")
+
+    def outcome(self, step: Step | StepArrays, *, dry_run: bool = False, oversize: bool = False,
+                index: int | None = None, use_group: bool = True) -> PlanOutcome:
+        """Plan ``step`` (journaled; rolled back at once when ``dry_run``). Raises the typed
+        error of a refusal with nothing changed. ``use_group``: rows released and handles
+        dropped in an open free group are refused (their frees run when it closes)."""
+        arrays = step if isinstance(step, StepArrays) else normalize(step, self.config)
+        journal = self.ledger.journal
+        mark = journal.mark()
+        group = self.alloc.group if use_group else None
+        excluded = (None, None) if group is None else (group.released, group.dropped)
+        cache = self.alloc.prefix_cache
+        reclaim, offered = None, 0
+        while True:
+            ctx = PlanContext(self.config, self.ledger, self.steps_run + 1, *excluded,
+                              reclaim=reclaim, oversize=oversize, tables=self.tables_spec)
+            try:
+                out = plan_step(ctx, arrays)
+            except Refusal as refusal:
+                journal.rollback(mark)
+                if refusal.code == 28 and cache is not None and cache.n_unlocked > offered:
+                    offered = max(64, 2 * offered)  # the cache's entries, a few at a time
+                    reclaim = cache.offer(offered)
+                    continue
+                raise to_error(refusal) from None
+            except BaseException:
+                journal.rollback(mark)
+                raise
+            break
+        if dry_run:
+            journal.rollback(mark)
+        elif index is not None:
+            self.ring.write(index, out.release_rows, out.alloc_rows, fusable=out.fusable)
+            if out.lanes is not None:
+                self.ring.write_lanes(index, out.lanes.rows)
+        return out
+
+    def plan(self, step: Step | StepArrays) -> PlannedStep:
+        """Plan ``step`` into the next descriptor buffer; it becomes the pending step."""
+        self.refuse_planning()
+        self._mark = self.ledger.journal.mark()
+        index = self.ring.acquire()
+        out = self.outcome(step, index=index)
+        self.n_planned += 1
+        return self._pending(index, out)
+
+    def _pending(self, index: int, out: PlanOutcome) -> PlannedStep:
+        alloc = self.alloc
+        state = alloc.state
+        result = AllocResult(out.result_rows, out.result_first_lane, out.result_n_tokens,
+                             state.out_full_buf, state.out_swa_buf, out.n_tokens,
+                             self.output_epoch + (out.n_tokens > 0), alloc)
+        self.pending = PlannedStep(
+            index, len(out.release_rows), len(out.alloc_rows), out.n_tokens,
+            {"full": out.pages_freed[0], "swa": out.pages_freed[1]},
+            {"full": out.pages_allocated[0], "swa": out.pages_allocated[1]}, result,
+            out.fusable, out.pages_evicted, owner=alloc, reclaimed=out.reclaimed,
+            tables=None if out.lanes is None else alloc.tables.write_host(index, out.lanes))
+        return self.pending
+
+    def plan_rows(self, release_rows: np.ndarray) -> PlannedStep:
+        """A step of release rows planned already (a part of a split free): written as they
+        are into the next buffer (with this step's epoch); the ledger already holds their
+        effect (journaled)."""
+        self.refuse_planning()
+        self._mark = self.ledger.journal.mark()
+        index = self.ring.acquire()
+        empty = np.zeros((0, ROW_WIDTH), dtype=np.int64)
+        release_rows[:, REL_EPOCH] = self.steps_run + 1
+        self.ring.write(index, release_rows, empty, fusable=True)
+        pages = int(release_rows[:, REL_N_PAGES].sum())
+        out = PlanOutcome(release_rows, empty, 0, (pages, 0), (0, 0), 0, True, empty[:, 0],
+                          empty[:, 0], empty[:, 0], [])
+        return self._pending(index, out)
+
+    # ---- the device half ----------------------------------------------------------------
+    def check_planned(self, planned, what: str) -> None:
+        if not isinstance(planned, PlannedStep):
+            raise PendingStepError(f"{what}() takes the PlannedStep returned by plan(), got "
+                                   f"{type(planned).__name__}")
+        if planned.owner is not self.alloc:
+            raise PendingStepError(f"{what}(): that PlannedStep belongs to another allocator")
+        if planned.submitted:
+            raise PendingStepError(f"{what}(): this step was already submitted (a second "
+                                   "mark_submitted would count it twice)")
+        if planned.cancelled:
+            raise PendingStepError(f"{what}(): this step was cancelled; plan it again")
+        if planned is not self.pending:
+            raise PendingStepError(f"{what}() takes the step returned by the latest plan()")
+
+    def run(self, planned: PlannedStep) -> AllocResult:
+        self.check_planned(planned, "run")
+        try:
+            self.alloc.executor.execute(planned)
+        except BaseException as exc:
+            self.cancel(planned)
+            raise LaunchError(f"launching the planned step raised {type(exc).__name__}: "
+                              f"{exc}; the step was cancelled and the allocator is as before "
+                              "it was planned") from exc
+        self.submit(planned, launched=bool(planned.n_release_rows or planned.n_alloc_rows))
+        return planned.result
+
+    def mark_submitted(self, planned: PlannedStep) -> None:
+        """An engine replayed its own graph over ``planned``'s buffer: submit it."""
+        self.check_planned(planned, "mark_submitted")
+        self.submit(planned)
+
+    def submit(self, planned: PlannedStep, launched: bool = True) -> None:
+        """The step is enqueued (``launched=False``: it had no device work and nothing read
+        its buffer, so the buffer is not fenced and is used again next)."""
+        if launched:
+            self.ring.submitted(planned.buffer_index)
+        self.ledger.journal.commit()
+        planned.submitted = True
+        self.pending = None
+        self.steps_run += 1
+        if planned.n_tokens:
+            self.output_epoch += 1
+        cache = self.alloc.prefix_cache
+        if cache is not None and planned.reclaimed:
+            cache.on_reclaimed(planned.reclaimed)
+
+    def cancel(self, planned: PlannedStep) -> None:
+        self.check_planned(planned, "cancel")
+        self.ledger.journal.rollback(self._mark)
+        planned.cancelled = True
+        self.pending = None

@@ -1,0 +1,585 @@
+"""Tensor-parallel replicas: the same allocator state on every rank, over ``torch.distributed``.
+
+In a tensor-parallel engine every GPU rank holds its own KV cache and so its own
+:class:`~graphalloc.HybridAllocator`; all ranks must make exactly the same decisions
+every step or their caches diverge silently. :class:`ReplicatedAllocator` wraps one
+rank's allocator and keeps the ranks equal in one of two modes (gloo for CPU
+allocators, NCCL for CUDA ones, one process per GPU; no other transport):
+
+``mode="replicated"`` (SGLang style)
+    Every rank runs the same deterministic scheduler and plans every step itself.
+    Host planning is a pure function of its inputs and the ledger: numpy only,
+    nothing iterates a dict or set out of insertion order, hashes a string with
+    Python's ``hash`` or reads a clock to decide anything (``tests/test_replicas.py``
+    proves it byte for byte across ``PYTHONHASHSEED`` values). No collective per step.
+    Each rank may have its own prefix cache (deterministic keys and LRU).
+
+``mode="broadcast"`` (vLLM style)
+    One planner rank (``src``) plans; each device step's *payload* is broadcast and the
+    followers replay it. The payload is one fixed-shape int64 tensor on the allocator's
+    device, the same every step::
+
+        rows [0, max_release_rows)              release rows   (the step descriptor,
+        rows [max_release_rows, + max_alloc_rows) allocation rows  see graphalloc.kernels.abi)
+        rows n_desc, n_desc + 1                 meta: step, the planner's host digests,
+                                                ring heads and counts, steps_run
+        rows n_desc + 2 ..                      the planner's ledger: every request array
+                                                (live, seq_len, frontier, committed,
+                                                spec_steps, ...) and every handle array
+                                                (h_live, h_len, h_swa_start)
+
+    (layout: :mod:`graphalloc.replicas.digest`). On every rank, the planner included, the
+    step kernels read the descriptor from this device tensor, so a follower never copies
+    it to the host: its per-step work is the collective plus one replay.
+
+**What a follower carries, and why this way.** Everything a step can contain reaches the
+device as descriptor rows (releases and evictions, commits and trims, allocation,
+``AL_COPY`` rows of handles and of admits on a handle, ``AL_SWA_ONLY`` rows of
+``load_back``, the prefix cache's in-step evictions), so replaying the descriptor gives a
+follower the planner's device tables exactly. Its host ledger is the planner's, rebuilt
+lazily: at every consistency check (and :meth:`ReplicatedAllocator.sync_ledger`) the
+follower unpacks the ledger arrays of the latest payload -- handles, committed lengths and
+speculative steps included -- and rebuilds the page mirror (``page_of``, ``swa_of``, the
+ring contents) from its own device tables and the reference counts from the holders
+(:func:`~graphalloc.replicas.digest.rebuild_page_refs`). The result is installed only when
+its host digests equal the ones the planner packed for that step; otherwise the follower
+keeps its previous ledger and the check names it. The two alternatives were rejected:
+
+* *ledger deltas in the payload*: the page mirror's change in one step is not bounded by a
+  small fixed size -- an admit on a handle references up to ``pages_per_request`` pages,
+  a release of long shared requests drops ``max_reqs x pages_per_request`` references --
+  so a fixed-size message would have to be sized for the whole mirror,
+  ``O((max_reqs + max_handles) x pages_per_request)`` every step;
+* *the step's arguments, replanned by every follower*: a follower would then plan on its
+  host every step, which needs the arguments on its host (under NCCL the broadcast lands
+  in GPU memory: a device-to-host wait per step), an encoding of variable call lists
+  (``scheduler_step`` blocks) in a fixed size, and the prefix cache's decisions, which
+  depend on token ids only the planner's scheduler has.
+
+With descriptor replay a follower never refuses what the planner ran (the planner
+broadcasts only steps it planned; a refused call broadcasts an empty step), and it commits
+host state only after that state's digests matched the planner's. Between checks a
+follower's ``alloc.ledger`` is the one of the last check; call :meth:`sync_ledger` before
+promoting it or reading its queries. A follower holds no prefix cache (the planner's
+decides); its host parts ``ledger, spec, handles, refs, pages`` are its own at a check.
+
+Per device step, for the planner and a follower (broadcast mode)::
+
+    planner                                       follower
+    plan() -> descriptor buffer i (pinned)
+    ledger -> header buffer i (pinned)
+    payload[:n_desc] <- buffer i  (async H2D)
+    payload[n_desc:] <- header i  (async H2D)
+    broadcast(payload) -------------------------> broadcast(payload)   the only collective
+    replay: kernels read payload                  replay: kernels read payload
+    digest -> history row                         digest -> history row
+
+The planner's header buffer ``i`` is guarded by descriptor buffer ``i``'s ring event
+(``DescriptorRing``): the ring never hands buffer ``i`` out again before the copies
+reading it have run, so the planner does not wait either.
+
+**Consistency check.** Every ``digest_every`` steps each rank records a digest row -- the
+host digests by part (``ledger``, ``spec``, ``handles``, ``refs``, ``pages``, ``cache``)
+and one digest per device table -- and every ``check_every`` steps the rows are
+all-gathered and compared; every rank raises the same
+:class:`~graphalloc.errors.ReplicaDivergenceError` naming the first differing step, rank
+and fields (:mod:`graphalloc.replica_checks`). In replicated mode a rank whose host state
+diverges is named at the step it diverged (``digest_every=1``); in broadcast mode the
+device tables are named at the exact step and a follower's rebuilt host state at the
+check.
+
+**Lockstep rule.** Collectives must pair up, so every wrapper operation is a fixed number
+of device steps on every rank, whatever its arguments and whether it succeeds:
+
+====================================================================  ===================
+operation (planner: the allocator's method of that name)              device steps
+====================================================================  ===================
+``step``, ``try_step``, ``release``, ``commit``, ``trim``,            1
+``evict_window``, ``advance_frontier``, ``alloc_extend``,
+``alloc_decode`` (``lookahead=``), ``admit`` (with or without a
+handle, pool or ring mode), ``take_handle``, ``drop_handle``,
+``drop_handle_swa``, ``load_back``, a ``scheduler_step()`` block
+``cache_insert`` (prefix cache)                                       ``cache_insert_steps``
+``free_group()``                                                      replicated mode only
+====================================================================  ===================
+
+A call refused on the planner (any exception, a typed ``ContractError`` for broken
+rules) runs empty steps for the steps it did not run, then re-raises, so a refusal
+never leaves the others waiting in a collective. Frees are one step: a free that
+exceeds the frozen step shape is refused (``BatchTooLargeError``; the allocator's own
+single-op free would split it over a number of steps only the planner knows). Followers
+call the same wrapper methods as the planner, without arguments (given ones are ignored:
+the planner's decisions are the only ones), and get ``None``; their slots are in
+``alloc.state.out_full_buf`` / ``out_swa_buf`` in the planner's lane order. A planner that
+calls the wrapped allocator directly issues one collective per device step it runs; its
+followers must call :meth:`follow` once for each.
+
+Costs (per step): replicated: one device digest (one read of every table, plus a write of
+an int64 scratch of the largest table) and the host digests (one multiply-add per entry of
+the per-row, per-handle and per-page arrays and per held page); broadcast: two async H2D
+copies and the ledger packing on the planner (the O(rows) digests every step, the full
+ones on digest steps) and one broadcast of ``(n_desc + n_header_rows) * 64`` bytes, plus
+the device digest. A follower's check adds one read of ``req_to_token`` at each page's
+first position, ``full_to_swa`` and the free rings, and O(rows x pages) numpy. Measured on
+a 2-core CPU host (256 requests holding 10,034 pages of 16,384 FULL + 17,000 SWA, 64
+handles, page size 16): full host digests 0.17 ms, the O(rows) ones 0.04 ms, a header of
+282 rows packed in 0.20 ms, a follower's rebuild and digest 2.6 ms per check.
+``check_every=0`` turns digests off (``check()`` then compares the current state only; a
+follower's :meth:`sync_ledger` then verifies the O(rows) parts only). Construction
+synchronises (it captures graphs and runs an initial check, inside ``sync_allowed``).
+
+**How the layer stacks.** The wrapper builds its rank's allocator itself, with an
+executor of its own (:class:`ReplicaExecutor`): replicated mode wraps the eager or graph
+executor and records a digest after every step; a broadcast planner's executor
+broadcasts the step's payload and replays it; a broadcast follower's executor plans
+nothing (``plans_locally = False``), so a follower's direct ``alloc.step()`` is refused
+before anything changes. Nothing is patched into an allocator after it was built. The
+operations are :class:`graphalloc.replica_ops.ReplicaOps`.
+
+Limits: the broadcast is eager (not captured): the planner's H2D copies would otherwise
+become copy nodes. An engine that replays its own graph of ``alloc.launch(i)`` (``plan``,
+replay, ``mark_submitted``) bypasses the executor, so the layer sees none of those steps
+(no broadcast, no digest): use ``step()`` / ``run()``. The prefix cache's own ``evict()``
+and ``drop_all()`` run a number of steps only the planner knows: replicated mode only (in
+broadcast mode the cache evicts inside each step that needs pages). Attention page tables
+(:mod:`graphalloc.attention.page_tables`) are planned from the host ledger: on a follower only right
+after a :meth:`sync_ledger`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..allocator import HybridAllocator
+from ..config import AllocatorConfig
+from ..errors import ConfigError, ContractError, IntegrityError, ReplicaDivergenceError
+from ..device.executor import Executor, make_executor
+from ..device.graph import capture_graph
+from ..kernels.abi import ROW_WIDTH
+from .checks import COL_STEP, DigestHistory, check_same_setup, first_divergence
+from .ops import ReplicaOps
+from .digest import (
+    META_STEP,
+    META_STEPS_RUN,
+    has_ledger,
+    host_digests,
+    n_header_rows,
+    pack_ledger,
+    planned_digests,
+    rebuild_page_refs,
+    steps_run_of,
+    unpack_ledger,
+)
+from ..diagnostics.sync_points import sync_allowed
+
+__all__ = ["ReplicatedAllocator", "ReplicaExecutor"]
+
+_UNREADABLE = -0x2152_4110_2152_4111  # a follower's digest when its payload was torn
+_REBUILT = ("ledger", "spec", "handles", "refs", "pages")  # a follower's own host parts
+
+
+# ---- the executor ------------------------------------------------------------------------
+class ReplicaExecutor(Executor):
+    """The executor of a replicated rank's allocator (built by :class:`ReplicatedAllocator`).
+
+    ``role``: ``"replicated"`` (run the step through ``inner``, the eager or graph
+    executor, then record the step's digest), ``"planner"`` (broadcast the step's payload
+    and replay it from the payload) or ``"follower"`` (plans nothing: ``plan()`` is refused
+    before anything changes; steps arrive through :meth:`ReplicatedAllocator.follow`).
+    """
+
+    name = "replica"
+
+    def __init__(self, layer: ReplicatedAllocator, role: str, inner: Executor | None = None):
+        super().__init__()
+        # The layer holds its allocator, which holds this executor: the layer is held
+        # weakly, so nothing cyclic keeps the wrapper (and its process group) alive.
+        self.layer, self.role, self.inner = weakref.proxy(layer), role, inner
+        self.plans_locally = role != "follower"
+
+    def bind(self, alloc) -> None:
+        super().bind(alloc)
+        if self.inner is not None:
+            self.inner.bind(alloc)
+
+    def execute(self, planned) -> None:
+        if self.role == "replicated":
+            self.inner.execute(planned)
+            self.count(planned.fusable and self.alloc.kernels.fused)
+        elif self.role == "planner":
+            self.layer._broadcast_planned(planned)  # the payload runs as two launches
+            self.count(False)
+        else:  # unreachable: the allocator refuses plan() first
+            raise ContractError("a broadcast follower never plans its own steps")
+        self.layer._after_step()
+
+
+# ---- the wrapper -------------------------------------------------------------------------
+class ReplicatedAllocator(ReplicaOps):
+    """One rank's :class:`~graphalloc.HybridAllocator`, kept identical to the other ranks'.
+
+    Example (every rank, one process per GPU)::
+
+        dist.init_process_group("nccl", ...); torch.cuda.set_device(local_rank)
+        cfg = AllocatorConfig(..., device="cuda", backend="triton", max_handles=64)
+        rep = ReplicatedAllocator(cfg, mode="broadcast", check_every=64)  # collective
+        for batch in scheduler_steps:                  # every rank, the same calls
+            with rep.scheduler_step() as it:           # one device step on every rank
+                if it is not None:                     # the planner records the step
+                    it.release(batch.finished); it.commit(batch.spec_rows, batch.accepted)
+                    it.decode(batch.decoding, lookahead=3)
+            h = rep.take_handle(row, 64)               # planner: the handle; followers: None
+
+    Args:
+        config: this rank's allocator configuration; every rank's must have the same
+            geometry (checked at construction). The wrapper builds the allocator
+            (``rep.alloc``) with its own executor.
+        group: the tensor-parallel process group (``None``: the default group).
+        mode: ``"replicated"`` or ``"broadcast"`` (see the module docstring).
+        src: global rank of the planner in broadcast mode (default: the group's first rank).
+        check_every: steps between consistency checks (a multiple of ``digest_every``);
+            0 disables digests and periodic checks.
+        digest_every: steps between recorded digests; with 1 a divergence is named to the
+            exact step, with k to within k steps (``last_equal_step`` bounds it).
+        use_graph: replay the steps (replicated: the allocator's graph executor; broadcast:
+            the payload kernels) and the digest from CUDA graphs (default: on CUDA devices).
+        fused_step, n_descriptor_bufs: as for :class:`~graphalloc.HybridAllocator`.
+        prefix_cache: give the planners (every rank in replicated mode, ``src`` in broadcast
+            mode) a :class:`~graphalloc.sharing.prefix_cache.PrefixCache` (pool mode, max_handles > 0).
+
+    Construction is collective (it compares configurations and the initial state of all
+    ranks) and synchronises. Every operation that may run a device step is collective too.
+    """
+
+    def __init__(self, config: AllocatorConfig, group=None, *, mode: str = "replicated",
+                 src: int | None = None, check_every: int = 64, digest_every: int = 1,
+                 use_graph: bool | None = None, fused_step: bool = True,
+                 n_descriptor_bufs: int = 2, prefix_cache: bool = False):
+        if not isinstance(config, AllocatorConfig):
+            raise ConfigError(f"ReplicatedAllocator takes this rank's AllocatorConfig (it builds "
+                              f"the allocator itself), got {type(config).__name__}")
+        cfg = config
+        if mode not in ("replicated", "broadcast"):
+            raise ConfigError(f"mode must be 'replicated' or 'broadcast', got {mode!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError("torch.distributed is not initialised: call "
+                              "init_process_group() on every rank first")
+        for name, value in (("check_every", check_every), ("digest_every", digest_every)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be an int, got {value!r}")
+        if digest_every < 1 or check_every < 0 or (check_every and check_every % digest_every):
+            raise ConfigError(f"check_every ({check_every}) must be 0 or a positive multiple of "
+                              f"digest_every ({digest_every}, >= 1)")
+        if not isinstance(prefix_cache, bool):
+            raise ConfigError(f"prefix_cache must be a bool, got {prefix_cache!r}")
+        if prefix_cache and (cfg.ring_mode or not cfg.max_handles):  # before any collective
+            raise ConfigError("prefix_cache=True needs pool mode and max_handles > 0 (each "
+                              "cache entry is a handle)")
+        self.group = group if group is not None else dist.group.WORLD
+        backend = str(dist.get_backend(self.group)).lower()
+        wanted = "nccl" if cfg.device.type == "cuda" else "gloo"
+        if wanted not in backend:
+            raise ConfigError(f"an allocator on {cfg.device} needs a process group with the "
+                              f"{wanted} backend, this one is {backend!r}")
+        self.mode = mode
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank()
+        self.global_ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+        self.src = self.global_ranks[0] if src is None else src
+        if self.src not in self.global_ranks:
+            raise ConfigError(f"src={self.src} is not a rank of the group {self.global_ranks}")
+        self.is_planner = mode == "replicated" or self.rank == self.src
+        self.check_every, self.digest_every = check_every, digest_every
+        self.use_graph = cfg.device.type == "cuda" if use_graph is None else bool(use_graph)
+        if self.use_graph and cfg.device.type != "cuda":
+            raise ConfigError("use_graph=True needs a CUDA allocator")
+        self.device = cfg.device
+        self.prefix_cache_option = prefix_cache
+
+        self.n_steps = 0  # device steps run through this wrapper (equal on every rank)
+        self.n_checks = 0
+        self.n_replays = 0
+        self.n_empty_steps = 0  # steps run to keep lockstep (refusals, padding)
+        self.n_ledger_installs = 0  # follower: rebuilt ledgers installed (checks, syncs)
+        self.last_rebuild_error: str | None = None  # follower: why a check could not rebuild
+        self.last_equal_step = -1
+        self.first_divergence: ReplicaDivergenceError | None = None
+        self._error: ReplicaDivergenceError | None = None
+        self._step_graph = self._digest_graph = None
+
+        if mode == "replicated":
+            role, inner = "replicated", make_executor("graph" if self.use_graph else "eager")
+        else:
+            role, inner = ("planner" if self.is_planner else "follower"), None
+        self.executor = ReplicaExecutor(self, role, inner)
+        self.alloc = HybridAllocator(cfg, executor=self.executor, fused_step=fused_step,
+                                     n_descriptor_bufs=n_descriptor_bufs,
+                                     prefix_cache=prefix_cache and self.is_planner)
+        self.cache_insert_steps = 1 + -(-cfg.request_pages // cfg.max_release_rows)
+        with sync_allowed():  # construction may copy weights to the device and capture graphs
+            self._check_same_config()
+            self._allocate_buffers()
+            if self.use_graph:
+                self._capture_graphs()
+            self._record_digest(host=mode == "replicated")
+            self._compare()
+        self._raise_divergence()
+
+    # ---- collective operations (the others: ReplicaOps) ----------------------------------
+    def follow(self) -> None:
+        """Follower: receive and replay one planner device step (the low-level form of the
+        operations, for a planner that runs allocator methods directly). Never synchronises
+        the host beyond the broadcast call itself (except at a periodic check)."""
+        if self.is_planner:
+            raise ContractError(f"rank {self.rank} plans; follow() is for broadcast followers")
+        self._follow_one()
+        self._raise_divergence()
+
+    def check(self) -> None:
+        """Compare all ranks' digests now (collective; synchronises). Records the current
+        state first if the latest step has no digest. Raises
+        :class:`~graphalloc.errors.ReplicaDivergenceError` naming the first differing step."""
+        with sync_allowed():
+            if not self.history.covers(self.n_steps):
+                self._record_digest(host=self.mode == "replicated")
+            self._compare()
+        self._raise_divergence()
+
+    # ---- local operations --------------------------------------------------------------
+    def sync_ledger(self) -> None:
+        """Follower: replace ``alloc.ledger`` by the planner's ledger of the latest step, its
+        page mirror rebuilt from this rank's device tables (reads the device; not
+        collective). Raises :class:`~graphalloc.errors.IntegrityError` -- keeping the
+        previous ledger -- when the rebuilt ledger's digests differ from the planner's. A
+        no-op on planners and before the first planned step."""
+        if self.is_planner:
+            return
+        rebuilt = self._rebuild_ledger()
+        if rebuilt is None:
+            return
+        ledger, own, planned, steps_run = rebuilt
+        bad = [k for k in own if planned[k] and own[k] != planned[k]]
+        if bad:
+            raise IntegrityError(
+                f"rank {self.rank}: the ledger rebuilt from this follower's device tables "
+                f"differs from the planner's in {bad} (step {self.n_steps}); the follower kept "
+                "its previous ledger. The device tables diverged (see check())")
+        self.alloc.install_ledger(ledger, steps_run=steps_run)
+        self.n_ledger_installs += 1
+
+    def current_digest(self) -> dict[str, int]:
+        """This rank's digest of its current state, by column (reads the device; not
+        collective). A follower syncs its ledger first."""
+        self.sync_ledger()
+        with sync_allowed():
+            return self.history.current(self.n_steps, self._own_host_digests())
+
+    def close(self) -> None:
+        """Drop the wrapper's captured graphs (not collective). The allocator keeps its
+        executor: a closed wrapper's allocator is not used again."""
+        self._step_graph = self._digest_graph = None
+
+    # ---- the executor's work (ReplicaExecutor.execute) ---------------------------------
+    def _broadcast_planned(self, planned) -> None:
+        """Planner, broadcast mode: pack the ledger beside descriptor buffer ``i`` (free: the
+        ring waited for buffer i's event), stage both into the payload, broadcast, replay.
+        The full host digests are packed on digest steps, the O(rows) ones every step."""
+        alloc, index = self.alloc, planned.buffer_index
+        header = self._header_np[index]
+        step = self.n_steps + 1
+        full = bool(self.check_every) and step % self.digest_every == 0
+        pack_ledger(alloc.ledger, header, alloc.prefix_cache, full)
+        header[0, META_STEP] = step
+        header[1, META_STEPS_RUN] = alloc.steps_run + 1  # mark_submitted counts it next
+        self._payload_desc.copy_(alloc.ring.bufs[index], non_blocking=True)
+        self._payload_header.copy_(self._header_bufs[index], non_blocking=True)
+        self._broadcast_and_launch()
+
+    def _broadcast_and_launch(self) -> None:
+        dist.broadcast(self.payload_buf, src=self.src, group=self.group)
+        if self._step_graph is not None:
+            self._step_graph.replay()
+            self.n_replays += 1
+        else:
+            self.alloc.kernels(self._payload_release, self._payload_alloc)
+
+    def _follow_one(self) -> None:
+        """Follower: one step, without raising a stored divergence (the caller raises it
+        once every step of its operation ran, so no rank leaves an operation early)."""
+        self._broadcast_and_launch()
+        self._after_step()
+
+    def _empty_step(self) -> None:
+        """Keep lockstep: one device step that changes nothing. A planned empty step (the
+        payload then carries the current ledger); when the allocator cannot plan (a step
+        left pending by a failure), a raw one: an all-padding descriptor."""
+        self.n_empty_steps += 1
+        try:
+            self.alloc.step()
+            return
+        except ContractError:
+            pass
+        if self.mode == "broadcast":
+            self._payload_desc.zero_()
+            self._payload_meta[META_STEP].fill_(self.n_steps + 1)  # a device fill: no sync
+            self._broadcast_and_launch()
+        self._after_step()
+
+    # ---- digests and checks ------------------------------------------------------------
+    def _after_step(self) -> None:
+        self.n_steps += 1
+        if not self.check_every:
+            return
+        if self.n_steps % self.digest_every == 0:
+            self._record_digest(host=self.mode == "replicated")
+        if self.n_steps % self.check_every == 0:
+            with sync_allowed():
+                self._compare()
+
+    def _own_host_digests(self) -> dict[str, int]:
+        """Host digests of this rank's ledger (and cache). A broadcast follower's: of its
+        ledger rebuilt now, with the planner's cache part (it holds no cache)."""
+        if self.is_planner:
+            return host_digests(self.alloc.ledger, self.alloc.prefix_cache)
+        rebuilt = self._rebuild_ledger()
+        if rebuilt is None:
+            return host_digests(self.alloc.ledger)
+        return {**rebuilt[2], **rebuilt[1]}
+
+    def _record_digest(self, host: bool) -> None:
+        digests = host_digests(self.alloc.ledger, self.alloc.prefix_cache) if host else None
+        self.history.record(self.n_steps, digests, self._digest_graph)
+        if self._digest_graph is not None:
+            self.n_replays += 1
+
+    def _compare(self) -> None:
+        """All-gather the history rows and compare them (collective; call under
+        sync_allowed). Stores the error. A broadcast follower first puts the digests of its
+        rebuilt ledger into its latest row, and installs that ledger after the check when
+        they equal the planner's."""
+        rebuilt = None
+        if self.mode == "broadcast" and not self.is_planner and self.n_steps:
+            try:
+                rebuilt = self._rebuild_ledger()
+            except Exception as exc:  # a torn payload: named by the check, never raised
+                self.last_rebuild_error = repr(exc)  # here (the others are in the gather)
+                self.history.set_host({k: _UNREADABLE for k in _REBUILT})
+            if rebuilt is not None:  # the parts the planner computed for this step
+                self.history.set_host({k: v for k, v in rebuilt[1].items() if rebuilt[2][k]})
+        table = self.history.gather(self.group, self.world_size)
+        self.n_checks += 1
+        error = self._first_divergence(table)
+        if error is None:
+            if table.shape[1]:
+                self.last_equal_step = int(table[0, -1, COL_STEP])
+        else:
+            self._error = error
+            self.first_divergence = self.first_divergence or error
+        if rebuilt is not None:
+            ledger, own, planned, steps_run = rebuilt
+            if all(own[k] == planned[k] for k in own if planned[k]):
+                self.alloc.install_ledger(ledger, steps_run=steps_run)
+                self.n_ledger_installs += 1
+
+    def _rebuild_ledger(self):
+        """Follower: ``(ledger, own digests, planner's digests, steps_run)`` of the latest
+        payload, the page mirror rebuilt from this rank's device tables (reads the device;
+        O(rows x pages) numpy); ``None`` before the first planned step. Raises
+        :class:`IntegrityError` on a torn payload."""
+        cfg, state = self.alloc.config, self.alloc.state
+        with sync_allowed():
+            header = self._payload_header.cpu().numpy()  # sync ok: check point / explicit
+            if not has_ledger(header):
+                return None
+            ledger = unpack_ledger(cfg, header)
+            if not cfg.ring_mode:
+                ps, n_rows = cfg.page_size, cfg.max_reqs + ledger.n_handles
+                # off the fast path: a check point (or sync_ledger()) reads the tables
+                tables = (state.req_to_token_buf[:n_rows, ::ps], state.full_to_swa_buf[::ps],
+                          state.full_free, state.swa_free)
+                ledger.refs = rebuild_page_refs(
+                    cfg, ledger, *(t.cpu().numpy() for t in tables))  # off the fast path
+        own = host_digests(ledger)
+        return ledger, {k: own[k] for k in _REBUILT}, planned_digests(header), steps_run_of(
+            header)
+
+    def _first_divergence(self, table: np.ndarray) -> ReplicaDivergenceError | None:
+        """:func:`~graphalloc.replica_checks.first_divergence` with this wrapper's ranks."""
+        return first_divergence(table, self.columns, self.global_ranks, self.src,
+                                self.last_equal_step)
+
+    def _raise_divergence(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    # ---- construction helpers ----------------------------------------------------------
+    def _check_same_config(self) -> None:
+        check_same_setup(self.alloc.config, (self.mode, self.src, self.check_every,
+                                             self.digest_every, len(self.alloc.ring),
+                                             self.prefix_cache_option),
+                         self.group, self.global_ranks, self.device)
+
+    def _allocate_buffers(self) -> None:
+        """Allocated once, updated in place only (graphs hold their addresses)::
+
+            history       DigestHistory, n_hist rows     device  digest rows since the check
+            payload_buf   int64 [n_desc + n_header_rows, 8]
+                                                         device  broadcast mode: the payload
+            _header_bufs  int64 [n_header_rows, 8] x len(alloc.ring)
+                                                         pinned  planner staging, one per
+                                                                 descriptor buffer
+
+        ``n_hist = check_every // digest_every + 1`` (the extra row for ``check()``);
+        ``n_header_rows``: :func:`graphalloc.replicas.digest.n_header_rows`.
+        """
+        cfg, alloc, mode = self.alloc.config, self.alloc, self.mode
+        check_every, digest_every = self.check_every, self.digest_every
+
+        # Broadcast payload (fixed shape, allocated once; views made once).
+        n_desc = cfg.max_release_rows + cfg.max_alloc_rows
+        self.n_desc_rows = n_desc
+        if mode == "broadcast":
+            n_rows = n_desc + n_header_rows(alloc.ledger)
+            self.payload_buf = torch.zeros(n_rows, ROW_WIDTH, dtype=torch.int64,
+                                           device=self.device)
+            self._payload_desc = self.payload_buf[:n_desc]
+            self._payload_release = self.payload_buf[:cfg.max_release_rows]
+            self._payload_alloc = self.payload_buf[cfg.max_release_rows:n_desc]
+            self._payload_header = self.payload_buf[n_desc:]
+            self._payload_meta = self.payload_buf[n_desc]
+            pinned = self.device.type == "cuda"
+            # Planner staging: header buffer i travels with descriptor buffer i.
+            self._header_bufs = [torch.zeros(n_rows - n_desc, ROW_WIDTH, dtype=torch.int64,
+                                             pin_memory=pinned)
+                                 for _ in range(len(alloc.ring) if self.is_planner else 0)]
+            self._header_np = [b.numpy() for b in self._header_bufs]
+
+        n_hist = (check_every // digest_every if check_every else 0) + 1
+        self.history = DigestHistory(alloc.state.tables(), self.device, n_hist,
+                                     self._payload_meta if mode == "broadcast" else None)
+        self.columns = self.history.columns
+
+    def _capture_graphs(self) -> None:
+        """Warm up on a side stream (compiles the kernels; the zero payload is all padding,
+        so nothing changes), then capture. Runs once, under sync_allowed."""
+        fns = [self.history.compute]
+        if self.mode == "broadcast":
+            fns.insert(0, lambda: self.alloc.kernels(self._payload_release, self._payload_alloc))
+        torch.cuda.synchronize()  # sync ok: one-time construction
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for fn in fns:
+                fn()
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()  # sync ok: one-time construction
+        graphs = [capture_graph(fn) for fn in fns]
+        torch.cuda.synchronize()  # sync ok: one-time construction
+        self._digest_graph = graphs[-1]
+        self._step_graph = graphs[0] if self.mode == "broadcast" else None

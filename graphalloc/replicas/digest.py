@@ -1,0 +1,405 @@
+"""Digests of allocator state, the host ledger's wire format, and the page mirror rebuilt.
+
+Used by the tensor-parallel replicas (:mod:`graphalloc.replicas`); everything here is a
+pure function of its inputs, deterministic bit for bit on every rank and every run (no
+Python ``hash``, so ``PYTHONHASHSEED`` cannot change anything).
+
+**Host digests** (:func:`host_digests`): one 64-bit BLAKE2b per part of the host state,
+so a divergence names the part that differs:
+
+==========  ==================================================================  ==========
+part        what it covers                                                      cost
+==========  ==================================================================  ==========
+``ledger``  per request ``live, admitted_once, seq_len, frontier, protected``;   O(rows)
+            both free rings' head and count
+``spec``    speculative decoding: ``committed`` and ``spec_steps`` per request   O(rows)
+``handles`` ``h_live, h_len, h_swa_start`` per handle                            O(handles)
+``refs``    the FULL and SWA reference counts (pool mode)                        O(pages)
+``pages``   the page mirror: the FULL page of every held page index (live rows'  O(held
+            ``[0, ceil(L / ps))``, held handles' ``[0, n / ps)``), ``swa_of``     pages)
+            and both free rings' contents at their free positions
+``cache``   the prefix cache's entries (handle, tokens, last key, LRU clock,     O(entries)
+            parent, children) and counters; 0 without a cache
+==========  ==================================================================  ==========
+
+Stale page ids outside a holder's range and ring positions that are not free are not
+state (nothing reads them) and are not digested.
+
+**Device digests** (:class:`StateDigest`): one 64-bit digest per device table, by Torch
+ops into a caller's buffer, sync-free and capturable.
+
+**Wire format.** A ledger packs into int64 rows of 8 (the descriptor's row width), so it
+travels in the same tensor as a step descriptor (:func:`pack_ledger`)::
+
+    row 0   meta: [step, ledger, spec, handles, refs, pages, cache, magic]
+                   (the replica step number, then the sender's host digests)
+    row 1   meta: [full head, full free, swa head, swa free, steps_run, body digest, 0, 0]
+    rows 2..      every array of Ledger.ROW_ARRAYS (max_reqs entries each; spec_steps
+                  max_reqs x SPEC_DEPTH), then every array of Ledger.HANDLE_ARRAYS
+                  (max_handles each), flattened in that order, padded to a whole row
+
+The page mirror does not travel (it is O(rows x pages); see :mod:`graphalloc.replicas`
+for why): :func:`rebuild_page_refs` rebuilds it from a replica's own device tables and
+the ledger arrays -- page ids from ``req_to_token`` at each held page's first position,
+``swa_of`` from ``full_to_swa``, ring contents from the device free rings, reference
+counts from the holders' ranges -- and the host digests of the result are compared with
+the sender's (row 0).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+from ..config import AllocatorConfig
+from ..errors import IntegrityError
+from ..kernels.abi import ROW_WIDTH
+from ..state.ledger import Ledger
+from ..state.references import PageRefs
+
+__all__ = [
+    "HOST_PARTS",
+    "StateDigest",
+    "host_digests",
+    "ledger_digest",
+    "cache_digest",
+    "pack_ledger",
+    "unpack_ledger",
+    "planned_digests",
+    "has_ledger",
+    "steps_run_of",
+    "holders",
+    "rebuild_page_refs",
+    "n_header_rows",
+    "META_STEP",
+    "META_LEDGER",
+    "META_MAGIC",
+    "META_STEPS_RUN",
+]
+
+HOST_PARTS = ("ledger", "spec", "handles", "refs", "pages", "cache")
+
+# Row 0 of a header: the step, then the host digests in HOST_PARTS order (adjacent: a
+# follower's digest row copies them as one slice), then the magic.
+META_STEP, META_LEDGER = 0, 1
+META_MAGIC = 7
+# Row 1 of a header.
+META_FULL_HEAD, META_FULL_FREE, META_SWA_HEAD, META_SWA_FREE = 0, 1, 2, 3
+META_STEPS_RUN, META_BODY = 4, 5
+_N_META_ROWS = 2
+_MAGIC = 0x6761_7265_706C  # marks a header written by pack_ledger
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+# ---- digests -------------------------------------------------------------------------------
+def _hash64(*arrays: np.ndarray, dtype=np.int64) -> int:
+    """BLAKE2b-64 of the arrays' bytes as ``dtype``, in order (for small arrays)."""
+    h = hashlib.blake2b(digest_size=8)
+    for a in arrays:
+        h.update(np.ascontiguousarray(a, dtype=dtype))
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+_WEIGHTS: dict[int, np.ndarray] = {}  # salt -> odd weights (grown on demand, never changed)
+
+
+def _weights(salt: int, n: int) -> np.ndarray:
+    w = _WEIGHTS.get(salt)
+    if w is None or len(w) < n:
+        w = _odd_weights(max(n, 2 * len(w) if w is not None else 1024), 1_000 + salt)
+        _WEIGHTS[salt] = w
+    return w[:n]
+
+
+def _digest(*arrays: np.ndarray) -> int:
+    """64-bit digest of the arrays, in order: per array its length and
+    ``sum_i w_i * x_i`` (int64, wrapping; odd pseudo-random weights per array position, as
+    :class:`StateDigest`), then BLAKE2b-64 of those numbers. Exact and order-sensitive: a
+    single changed entry always changes it (``delta * odd != 0 mod 2**64``). Cost: one
+    multiply-add per entry (about 20x less host time than BLAKE2b of the bytes)."""
+    sums = np.zeros(2 * len(arrays), dtype=np.int64)
+    for i, a in enumerate(arrays):
+        flat = np.asarray(a).reshape(-1)
+        sums[2 * i] = flat.size
+        if flat.size:
+            sums[2 * i + 1] = (flat.astype(np.int64) * _weights(i, flat.size)).sum()
+    return _hash64(sums)
+
+
+def _ring_counts(ledger: Ledger) -> np.ndarray:
+    return np.array([ledger.full.head, ledger.full.n_free, ledger.swa.head, ledger.swa.n_free],
+                    dtype=np.int64)
+
+
+def _spec_arrays(ledger: Ledger) -> tuple:
+    """``committed`` and ``spec_steps`` (empty on a ledger without speculative decoding)."""
+    return getattr(ledger, "committed", _EMPTY), getattr(ledger, "spec_steps", _EMPTY)
+
+
+def holders(ledger: Ledger) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every holder of pages as ``(row of page_of, n_pages, first SWA page index)``: live
+    request rows in row order, then held handles (rows ``max_reqs + h``) in handle order."""
+    ps, n = ledger.config.page_size, ledger.config.max_reqs
+    rows = np.flatnonzero(ledger.live)
+    handles = np.flatnonzero(ledger.h_live)
+    return (np.concatenate([rows, n + handles]).astype(np.int64),
+            np.concatenate([-(-ledger.seq_len[rows] // ps), ledger.h_len[handles] // ps]),
+            np.concatenate([ledger.frontier[rows] // ps, ledger.h_swa_start[handles] // ps]))
+
+
+def _held_pages(page_of: np.ndarray, rows: np.ndarray, n_pages: np.ndarray,
+                first: np.ndarray | None = None) -> np.ndarray:
+    """``page_of[rows[i], first[i]:n_pages[i]]`` for every i, concatenated (first: 0)."""
+    lo = np.zeros_like(n_pages) if first is None else np.minimum(first, n_pages)
+    count = n_pages - lo
+    total = int(count.sum())
+    if total == 0:
+        return np.zeros(0, dtype=page_of.dtype)
+    base = rows * page_of.shape[1] + lo - (np.cumsum(count) - count)  # flat index - position
+    return page_of.reshape(-1)[np.arange(total) + np.repeat(base, count)]
+
+
+def _free_contents(ring: np.ndarray, head: int, n_free: int) -> np.ndarray:
+    """The ring's entries ``[head, head + n_free)`` (mod its length), in ring order."""
+    cap = len(ring)
+    if head + n_free <= cap:
+        return ring[head:head + n_free]
+    return np.concatenate([ring[head:], ring[:head + n_free - cap]])
+
+
+def _entry_values(entry) -> list[int]:
+    """An entry's fields as ints, in definition order: ints as they are, ``None`` as -1,
+    another entry as its handle, a list of page keys as its length and its last key (the
+    keys are chained: the last one names the whole prefix)."""
+    out: list[int] = []
+    for value in vars(entry).values():
+        if isinstance(value, (bool, int, np.integer)):
+            out.append(int(value))
+        elif value is None:
+            out.append(-1)
+        elif isinstance(value, list):
+            out.append(len(value))
+            if value and isinstance(value[-1], bytes):
+                out += list(value[-1])  # the bytes' values
+        elif hasattr(value, "handle"):
+            out.append(int(value.handle))
+    return out
+
+
+def cache_digest(cache) -> int:
+    """64-bit digest of a :class:`~graphalloc.sharing.prefix_cache.PrefixCache`'s state (0 for
+    ``None``): every entry, in handle order, by its fields (handle, tokens, LRU time,
+    parent, locks, last page key, ...), then the LRU clock and the hit counters. The cache
+    offers no export, so this reads its fields, and never calls a method (a digest must not
+    change what it digests). Cost: O(entries)."""
+    if cache is None:
+        return 0
+    entries = sorted(getattr(cache, "_by_handle", {}).items())
+    counters = [getattr(cache, name, 0) for name in ("_clock", "hits", "misses", "hit_tokens")]
+    return _hash64(np.asarray(counters, dtype=np.int64),
+                   *[np.asarray(_entry_values(e), dtype=np.int64) for _, e in entries])
+
+
+def host_digests(ledger: Ledger, cache=None, full: bool = True) -> dict[str, int]:
+    """The host digests of ``ledger`` (and ``cache``), by part (:data:`HOST_PARTS`; see the
+    module docstring). Equal ledgers give equal digests on every rank. ``full=False``
+    computes only the O(rows) parts (``ledger``, ``spec``, ``handles``) and gives 0 for the
+    others ("not computed"). Cost: O(rows + handles + pages + held pages + entries) numpy
+    and BLAKE2b (``full=False``: O(rows + handles))."""
+    out = {
+        "ledger": _digest(ledger.live, ledger.admitted_once, ledger.seq_len, ledger.frontier,
+                          ledger.protected, _ring_counts(ledger)),
+        "spec": _digest(*_spec_arrays(ledger)),
+        "handles": _digest(ledger.h_live, ledger.h_len, ledger.h_swa_start),
+    }
+    refs = ledger.refs
+    if not full:
+        return {**out, "refs": 0, "pages": 0, "cache": 0}
+    if refs is None:  # ring mode: no page mirror
+        out["refs"] = out["pages"] = _digest()
+    else:
+        rows, n_pages, _ = holders(ledger)
+        held = _held_pages(refs.page_of, rows, n_pages)
+        out["refs"] = _digest(refs.full_ref, refs.swa_ref)
+        out["pages"] = _digest(
+            n_pages, held, refs.swa_of,
+            _free_contents(refs.full_ring, ledger.full.head, ledger.full.n_free),
+            _free_contents(refs.swa_ring, ledger.swa.head, ledger.swa.n_free))
+    out["cache"] = cache_digest(cache)
+    return out
+
+
+def ledger_digest(ledger: Ledger, cache=None) -> int:
+    """One 64-bit digest of all of :func:`host_digests` (for traces and quick comparisons)."""
+    return _hash64(np.fromiter(host_digests(ledger, cache).values(), dtype=np.int64))
+
+
+# ---- wire format ---------------------------------------------------------------------------
+def _body_arrays(ledger: Ledger) -> list[tuple[str, np.ndarray]]:
+    names = [n for n in ledger.ROW_ARRAYS if hasattr(ledger, n)] + list(ledger.HANDLE_ARRAYS)
+    return [(name, getattr(ledger, name)) for name in names]
+
+
+def n_header_rows(ledger: Ledger) -> int:
+    """Rows of a header for ``ledger``'s geometry: 2 meta rows, then the arrays."""
+    n = sum(arr.size for _, arr in _body_arrays(ledger))
+    return _N_META_ROWS + -(-n // ROW_WIDTH)
+
+
+def pack_ledger(ledger: Ledger, header: np.ndarray, cache=None,
+                full: bool = True) -> dict[str, int]:
+    """Write ``ledger`` into a header (int64 ``[n_header_rows, 8]``) with its host digests
+    (and ``cache``'s; ``full`` as for :func:`host_digests`); returns the digests. Leaves
+    ``META_STEP`` and ``META_STEPS_RUN``. Cost: O(rows + handles) copies plus
+    :func:`host_digests`."""
+    body = header[_N_META_ROWS:].reshape(-1)
+    end = 0
+    for _, arr in _body_arrays(ledger):
+        body[end:end + arr.size] = arr.reshape(-1)
+        end += arr.size
+    meta = header[1]
+    meta[META_FULL_HEAD:META_SWA_FREE + 1] = _ring_counts(ledger)
+    meta[META_BODY] = _digest(body[:end], meta[:META_SWA_FREE + 1])
+    digests = host_digests(ledger, cache, full)
+    header[0, META_LEDGER:META_LEDGER + len(HOST_PARTS)] = list(digests.values())
+    header[0, META_MAGIC] = _MAGIC
+    return digests
+
+
+def planned_digests(header: np.ndarray) -> dict[str, int]:
+    """The sender's host digests a header carries, by part."""
+    values = header[0, META_LEDGER:META_LEDGER + len(HOST_PARTS)]  # host numpy
+    return {part: int(v) for part, v in zip(HOST_PARTS, values, strict=True)}
+
+
+def steps_run_of(header: np.ndarray) -> int:
+    return int(header[1, META_STEPS_RUN])
+
+
+def has_ledger(header: np.ndarray) -> bool:
+    """Whether a planner has written a ledger into this header (not all padding)."""
+    return int(header[0, META_MAGIC]) == _MAGIC
+
+
+def unpack_ledger(config: AllocatorConfig, header: np.ndarray) -> Ledger:
+    """The ledger a header carries, with ``refs = None`` (the page mirror does not travel:
+    :func:`rebuild_page_refs`). Raises :class:`IntegrityError` when the header's body digest
+    does not match its contents (a torn or foreign payload)."""
+    ledger = Ledger(config)
+    ledger.refs = None
+    body = header[_N_META_ROWS:].reshape(-1)
+    meta = header[1]
+    arrays = _body_arrays(ledger)
+    end = sum(arr.size for _, arr in arrays)
+    if header.shape[0] != n_header_rows(ledger) or not has_ledger(header) or (
+            meta[META_BODY] != _digest(body[:end], meta[:META_SWA_FREE + 1])):
+        raise IntegrityError("the payload's ledger does not match its digest: the payload was "
+                             "not written by a planner of this geometry, or was torn")
+    start = 0
+    for name, arr in arrays:
+        values = body[start:start + arr.size].reshape(arr.shape)
+        setattr(ledger, name, values != 0 if arr.dtype == bool else values.astype(arr.dtype))
+        start += arr.size
+    ledger.full.head, ledger.full.n_free = int(meta[META_FULL_HEAD]), int(meta[META_FULL_FREE])
+    ledger.swa.head, ledger.swa.n_free = int(meta[META_SWA_HEAD]), int(meta[META_SWA_FREE])
+    return ledger
+
+
+# ---- the page mirror, rebuilt --------------------------------------------------------------
+def rebuild_page_refs(config: AllocatorConfig, ledger: Ledger, first_slots: np.ndarray,
+                      full_to_swa_first: np.ndarray, full_free: np.ndarray,
+                      swa_free: np.ndarray) -> PageRefs:
+    """The page mirror (pool mode) that device tables and a ledger's arrays imply.
+
+    Args:
+        first_slots: ``req_to_token`` rows of requests then handles, at every page's first
+            position (``req_to_token_buf[:max_reqs + max_handles, ::ps]``), as numpy.
+        full_to_swa_first: ``full_to_swa`` at every FULL page's first slot
+            (``full_to_swa_buf[::ps]``, ``num_full_pages + 1`` entries).
+        full_free, swa_free: the device free rings (whole, every position).
+
+    ``page_of`` holds each holder's pages (other entries 0), ``swa_of`` and the rings come
+    from the tables, and the reference counts are the holders' references (FULL
+    ``[0, n)``, SWA ``[swa_start, n)`` of every live row and held handle). Cost:
+    O(rows x pages_per_request + pages) numpy. Never raises on corrupt tables (an id out of
+    range is held as page 0 and counted nowhere): the digests tell.
+    """
+    ps = config.page_size
+    n_rows = config.max_reqs + ledger.n_handles
+    refs = PageRefs(n_rows, config.pages_per_request, config.num_full_pages,
+                    config.num_swa_pages)
+    rows, n_pages, first_swa = holders(ledger)
+    pages = (first_slots[:n_rows, :config.pages_per_request] // ps).astype(np.int32)
+    pages[(pages < 0) | (pages > config.num_full_pages)] = 0  # corrupt: held as no page
+    n_valid = np.zeros(n_rows, dtype=np.int64)
+    n_valid[rows] = n_pages
+    valid = np.arange(config.pages_per_request)[None, :] < n_valid[:, None]
+    refs.page_of[:] = np.where(valid, pages, 0)
+    refs.swa_of[:] = full_to_swa_first[:config.num_full_pages + 1] // ps
+    refs.full_ring[:] = full_free[:config.num_full_pages]
+    refs.swa_ring[:] = swa_free[:config.num_swa_pages]
+    for counts, pages_held, n in (
+            (refs.full_ref, _held_pages(refs.page_of, rows, n_pages), config.num_full_pages),
+            (refs.swa_ref, refs.swa_of[_held_pages(refs.page_of, rows, n_pages, first_swa)],
+             config.num_swa_pages)):
+        ok = pages_held[(pages_held > 0) & (pages_held <= n)]  # a corrupt id counts nowhere
+        counts[:] = np.bincount(ok, minlength=n + 1)
+    return refs
+
+
+# ---- device tables -------------------------------------------------------------------------
+def _odd_weights(n: int, salt: int) -> np.ndarray:
+    """``n`` odd pseudo-random int64 weights (splitmix64 of the position; wraps mod 2**64)."""
+    x = np.arange(n, dtype=np.uint64) + np.full(n, salt, dtype=np.uint64) * np.uint64(
+        0x9E3779B97F4A7C15)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return (x | np.uint64(1)).view(np.int64)
+
+
+class StateDigest:
+    """One 64-bit digest per device table, written into a caller's int64 buffer.
+
+    For a table viewed as ``[R, C]`` (1-D tables as ``[1, n]``)::
+
+        digest = sum_r w_row[r] * sum_c w_col[c] * x[r, c]      (int64, wrapping)
+
+    Weights are fixed odd pseudo-random numbers (a different stream per table) and the
+    int64 ``scratch_bufs`` / ``rowsum_bufs`` are allocated once, so :meth:`compute`
+    allocates nothing, never synchronises and can be captured into a CUDA graph. Integer
+    sums wrap mod 2**64 and are exact, so the reduction order (threads, blocks) cannot
+    change a bit. A single changed entry always changes its table's digest (``delta``
+    times two odd weights is not 0 mod 2**64). Cost: one read of each table and one
+    write of an int64 copy of it.
+    """
+
+    def __init__(self, tables: dict[str, torch.Tensor]):
+        self.names = list(tables)
+        self.tables, self.w_col, self.w_row = [], [], []
+        self.scratch_bufs, self.rowsum_bufs = [], []
+        for j, t in enumerate(tables.values()):
+            t2 = t if t.dim() == 2 else t.reshape(1, -1)
+            n_rows, n_cols = t2.shape
+            dev = t.device
+            self.tables.append(t2)
+            self.w_col.append(torch.from_numpy(_odd_weights(n_cols, 2 * j + 1)).to(dev))
+            self.w_row.append(torch.from_numpy(_odd_weights(n_rows, 2 * j + 2)).to(dev))
+            self.scratch_bufs.append(torch.empty(n_rows, n_cols, dtype=torch.int64, device=dev))
+            self.rowsum_bufs.append(torch.empty(n_rows, dtype=torch.int64, device=dev))
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def compute(self, out: torch.Tensor) -> None:
+        """``out[j]`` = digest of table ``j`` (``out``: int64, at least ``len(self)`` entries)."""
+        for j, t in enumerate(self.tables):
+            scratch, rowsum = self.scratch_bufs[j], self.rowsum_bufs[j]
+            torch.mul(t, self.w_col[j], out=scratch)
+            torch.sum(scratch, dim=1, out=rowsum)
+            rowsum.mul_(self.w_row[j])
+            torch.sum(rowsum, dim=0, out=out[j])

@@ -1,0 +1,352 @@
+"""A built-in prefix cache on the allocator's handles, aware of the sliding window.
+
+Keys are page-granular and chained over token ids: the key of page j covers its ``ps``
+tokens and the key of page j - 1, so equal keys mean equal whole prefixes (BLAKE2b,
+deterministic on every rank and every run). Each entry is one handle on a whole prefix
+``[0, n)`` (:meth:`HybridAllocator.take_handle`); each page key knows the entries holding
+it, so a lookup walks the prompt's keys once.
+
+A hit is only as good as its window: an SWA layer at length m reads positions ``[m - W,
+m)``, so a request admitted on m cached tokens needs the SWA pages of that window.
+:meth:`PrefixCache.match` returns the longest match whose window some entry holding it
+still has (``cached_tokens``), and the longest FULL match (``full_tokens``) with how many
+tokens would then have to be recomputed (``recompute_tokens``).
+
+Eviction (LRU, leaf first: an entry no other entry extends): when an allocation would be
+refused, the allocator plans the step again with :meth:`offer` -- the unlocked entries in
+eviction order -- and the planner drops as many as the step needs, inside the same step:
+SWA by tombstoning first (FULL kept: it still serves as a full-attention prefix), then
+FULL by evicting. An entry frees only the pages nobody else references. The cache forgets
+an entry once the step that dropped its handle was submitted (:meth:`on_reclaimed`); a
+refused, dry-run or cancelled step keeps it. Locks (SGLang's ``inc_lock_ref``) keep an
+entry from both until :meth:`unlock`.
+
+Cost: ``match`` O(pages of the prompt) hashing plus, per page, the entries holding it
+scanned until one has the window (the first, unless the window was tombstoned);
+``insert`` O(pages of the prefix) plus one step (the handle's prefix copy); ``lock`` /
+``unlock`` / touching an entry O(1) (ordered dicts); forgetting an entry O(its pages);
+``offer`` O(entries offered). Nothing scans the table.
+
+Ledger of an entry (positions of its prefix)::
+
+    [0, n)            FULL pages referenced by the entry's handle
+    [swa_start, n)    SWA pages referenced (swa_start = n after a tombstone)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import itertools
+
+import numpy as np
+
+from ..errors import ContractError, UnknownHandleError
+
+__all__ = ["PrefixCache", "CacheMatch", "page_keys"]
+
+
+def page_keys(token_ids, page_size: int) -> list[bytes]:
+    """The chained key of every whole page of ``token_ids`` (a partial last page has none)."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    keys, prev = [], b""
+    for j in range(len(tokens) // page_size):
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(tokens[j * page_size:(j + 1) * page_size].tobytes())
+        prev = h.digest()
+        keys.append(prev)
+    return keys
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheMatch:
+    """``cached_tokens`` usable as they are (window present) with ``handle``;
+    ``full_tokens`` the longest FULL match (``full_handle``), of which ``recompute_tokens``
+    at the end lack their SWA pages. Handles are ``-1`` when there is no match."""
+
+    cached_tokens: int = 0
+    handle: int = -1
+    full_tokens: int = 0
+    full_handle: int = -1
+    recompute_tokens: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    handle: int
+    n_tokens: int
+    keys: list
+    parent: _Entry | None = None
+    children: dict = dataclasses.field(default_factory=dict)  # handle -> entry extending it
+    lock_ref: int = 0
+
+
+class PrefixCache:
+    """Prefix cache over ``alloc``'s handles (see the module docstring).
+
+    ``hits`` / ``misses`` count :meth:`match` calls; ``hit_tokens`` the tokens reused;
+    ``evicted_pages`` / ``tombstoned_pages`` what eviction returned (FULL / SWA pages, steps
+    submitted); ``version`` changes whenever entries, locks or handles may have changed."""
+
+    def __init__(self, alloc):
+        self.alloc = alloc
+        self.page_size = alloc.config.page_size
+        self.window = alloc.config.sliding_window
+        self._holders: dict[bytes, dict[int, _Entry]] = {}  # page key -> handle -> entry
+        self._ends: dict[bytes, _Entry] = {}  # an entry's last page key -> the entry
+        self._entries: dict[int, _Entry] = {}  # handle -> entry
+        # Unlocked entries in eviction order, least recently used first: leaves (no entry
+        # extends them), then the others. Moving an entry is O(1).
+        self._leaves: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
+        self._inner: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
+        self.version = 0
+        self.hits = self.misses = self.hit_tokens = 0
+        self.evicted_pages = self.tombstoned_pages = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def stats(self) -> dict:
+        return {"cache_entries": len(self), "cache_hits": self.hits,
+                "cache_misses": self.misses, "cache_hit_tokens": self.hit_tokens,
+                "cache_evicted_pages": self.evicted_pages,
+                "cache_tombstoned_pages": self.tombstoned_pages}
+
+    # ---- lookup --------------------------------------------------------------------------
+    def match(self, token_ids) -> CacheMatch:
+        """The longest cached prefix of ``token_ids`` (whole pages), see :class:`CacheMatch`.
+        Touches the entries it uses (LRU). Host only."""
+        ps, led = self.page_size, self.alloc.ledger
+        best_full = best = None
+        for j, key in enumerate(page_keys(token_ids, ps)):
+            holders = self._holders.get(key)
+            if not holders:
+                break
+            m = (j + 1) * ps
+            ws = max(0, m - self.window) // ps * ps
+            first = None
+            for entry in holders.values():
+                first = first or entry
+                if led.h_swa_start[entry.handle] <= ws:  # the window before m is held
+                    best = (entry, m)
+                    break
+            best_full = (first, m)
+        if best_full is None:
+            self.misses += 1
+            return CacheMatch()
+        for found in (best_full, best):
+            if found is not None:
+                self._touch(found[0])
+        full_entry, m_full = best_full
+        start = int(led.h_swa_start[full_entry.handle])
+        ws = max(0, m_full - self.window) // ps * ps
+        self.hits += 1
+        cached = best[1] if best else 0
+        self.hit_tokens += cached
+        return CacheMatch(cached, best[0].handle if best else -1, m_full, full_entry.handle,
+                          max(0, min(start, m_full) - ws))
+
+    # ---- locks ---------------------------------------------------------------------------
+    def lock(self, handle) -> None:
+        """Keep the entry on ``handle`` from eviction and tombstoning until :meth:`unlock`
+        (locks count). O(1). ``UnknownHandleError`` if it is not a cache entry's handle."""
+        entry = self._entry(handle, "lock")
+        self._unlist(entry)
+        entry.lock_ref += 1
+        self.version += 1
+
+    def unlock(self, handle) -> None:
+        """Undo one :meth:`lock`. O(1)."""
+        entry = self._entry(handle, "unlock")
+        if entry.lock_ref == 0:
+            raise ContractError(f"unlock: the cache entry on handle {entry.handle} is not "
+                                "locked")
+        entry.lock_ref -= 1
+        self._list(entry)
+        self.version += 1
+
+    def _unlist(self, entry: _Entry) -> None:
+        self._leaves.pop(entry.handle, None)
+        self._inner.pop(entry.handle, None)
+
+    def _list(self, entry: _Entry) -> None:
+        """Put an unlocked entry at the recent end of its eviction list."""
+        if entry.lock_ref:
+            return
+        self._unlist(entry)
+        (self._inner if entry.children else self._leaves)[entry.handle] = entry
+
+    def is_locked(self, handle) -> bool:
+        return self._entry(handle, "is_locked").lock_ref > 0
+
+    def _entry(self, handle, what: str) -> _Entry:
+        entry = None
+        if not isinstance(handle, (bool, np.bool_)) and isinstance(handle, (int, np.integer)):
+            entry = self._entries.get(int(handle))
+        if entry is None:
+            raise UnknownHandleError(f"{what}: {handle!r} is not the handle of a prefix-cache "
+                                     "entry (never cached, or evicted)")
+        return entry
+
+    # ---- insertion -----------------------------------------------------------------------
+    def insert(self, row, token_ids) -> int:
+        """Cache the whole pages of ``token_ids`` that live request ``row`` holds (its first
+        positions hold these tokens): at a request's end or a chunked-prefill boundary.
+        Takes a handle (one step) unless the prefix is cached already; when every handle is
+        held, the LRU unlocked leaf is dropped first (one more step). Returns the tokens
+        cached (0 when nothing could be). Cost: O(pages) + the step(s)."""
+        ps = self.page_size
+        keys = page_keys(token_ids, ps)
+        n = min(len(keys), self.alloc.committed_len(row) // ps) * ps
+        if n == 0:
+            return 0
+        keys = keys[:n // ps]
+        existing = self._ends.get(keys[-1])
+        if existing is not None:  # this prefix is cached already
+            self._touch(existing)
+            return n
+        if not (~self.alloc.ledger.h_live).any():
+            victim = next(iter(self._leaves.values()), None)
+            if victim is None:
+                return 0
+            self.alloc.drop_handle(victim.handle)
+            self._forget(victim, tombstone=False)
+        handle = self.alloc.take_handle(row, n)
+        self.add_entry(handle, keys)
+        return n
+
+    def add_entry(self, handle: int, keys: list) -> None:
+        """Register a handle just taken on the prefix of ``keys`` (its step submitted).
+        O(pages)."""
+        ps, n = self.page_size, len(keys) * self.page_size
+        parent = None
+        for j in range(len(keys) - 2, -1, -1):  # the longest cached strict prefix
+            cand = self._ends.get(keys[j])
+            if cand is not None:
+                parent = cand
+                break
+        entry = _Entry(handle, n, keys, parent)
+        if parent is not None:
+            parent.children[handle] = entry
+            self._list(parent)
+        for key in keys:
+            self._holders.setdefault(key, {})[handle] = entry
+        self._ends[keys[-1]] = entry
+        self._entries[handle] = entry
+        self._list(entry)
+        del ps
+        self.version += 1
+
+    # ---- what the cache could give back --------------------------------------------------
+    def reclaimable_handles(self) -> list[int]:
+        """Handles of the unlocked entries: the ones eviction may drop. O(entries)."""
+        return [h for h, e in self._entries.items() if not e.lock_ref]
+
+    def reclaimable_pages(self) -> tuple[int, int]:
+        """``(FULL, SWA)`` pages evicting every unlocked entry would free now (SGLang's
+        ``evictable_size`` in pages): a dry run of those drops. Cost: one plan."""
+        return self.alloc.pages_released(handles=self.reclaimable_handles())
+
+    # ---- eviction ------------------------------------------------------------------------
+    def offer(self, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """Up to ``limit`` entries the planner may drop, in the order it should: ``(tombstone
+        order, evict order)`` -- unlocked entries, leaves first, least recently used first
+        (the planner skips tombstoned ones when tombstoning). O(limit)."""
+        order = list(itertools.islice(itertools.chain(self._leaves, self._inner), limit))
+        arr = np.array(order, dtype=np.int64)
+        return arr, arr
+
+    @property
+    def n_unlocked(self) -> int:
+        """Entries eviction may drop. O(1)."""
+        return len(self._leaves) + len(self._inner)
+
+    def on_reclaimed(self, reclaimed: list) -> None:
+        """A submitted step dropped these ``(handle, tombstone, FULL freed, SWA freed)``
+        entries: forget the evicted ones, count the pages. O(pages of the entries)."""
+        for handle, tombstone, n_full, n_swa in reclaimed:
+            self.evicted_pages += n_full
+            self.tombstoned_pages += n_swa
+            entry = self._entries.get(handle)
+            if entry is not None:
+                self._forget(entry, tombstone)
+
+    def evict(self, n_full: int = 0, n_swa: int = 0) -> None:
+        """Free at least ``n_full`` FULL and ``n_swa`` SWA pages now if the cache can: one
+        step of drops in eviction order (tombstones first)."""
+        led, ps = self.alloc.ledger, self.page_size
+        tomb, drop, need_swa, need_full = [], [], n_swa, n_full
+        for h, e in itertools.chain(list(self._leaves.items()), list(self._inner.items())):
+            if need_swa <= 0 and need_full <= 0:
+                break
+            if need_swa > 0 and led.h_swa_start[h] < led.h_len[h]:
+                tomb.append(h)
+                need_swa -= (led.h_len[h] - led.h_swa_start[h]) // ps
+            elif need_full > 0 and not e.children:
+                drop.append(h)
+                need_full -= led.h_len[h] // ps
+        tomb = [h for h in tomb if h not in drop]
+        if tomb or drop:
+            full0, swa0 = led.full.n_free, led.swa.n_free
+            with self.alloc.free_group():
+                for h in drop:
+                    self.alloc.drop_handle(h)
+                for h in tomb:
+                    self.alloc.drop_handle_swa(h)
+            self.evicted_pages += led.full.n_free - full0
+            self.tombstoned_pages += led.swa.n_free - swa0
+            for h in drop:
+                self._forget(self._entries[h], tombstone=False)
+
+    def drop_all(self) -> None:
+        """Drop every entry, locked or not (one step; joins an open ``free_group()``)."""
+        entries = list(self._entries.values())
+        if not entries:
+            return
+        if self.alloc.group is not None:
+            for entry in entries:
+                self.alloc.drop_handle(entry.handle)
+        else:
+            with self.alloc.free_group():
+                for entry in entries:
+                    self.alloc.drop_handle(entry.handle)
+        for entry in entries:
+            self._forget(entry, tombstone=False)
+
+    def _touch(self, entry: _Entry | None) -> None:
+        while entry is not None:
+            self._list(entry)
+            entry = entry.parent
+
+    def _forget(self, entry: _Entry, tombstone: bool) -> None:
+        """The step dropping ``entry`` (whole, or only its SWA part) was submitted: forget
+        an evicted entry (its children now extend its parent). O(its pages + children)."""
+        self.version += 1
+        if tombstone or self._entries.get(entry.handle) is not entry:
+            return
+        del self._entries[entry.handle]
+        self._unlist(entry)
+        if self._ends.get(entry.keys[-1]) is entry:
+            del self._ends[entry.keys[-1]]
+        for key in entry.keys:
+            holders = self._holders[key]
+            holders.pop(entry.handle, None)
+            if not holders:
+                del self._holders[key]
+        parent = entry.parent
+        for child in entry.children.values():
+            child.parent = parent
+            if parent is not None:
+                parent.children[child.handle] = child
+        if parent is not None:
+            parent.children.pop(entry.handle, None)
+            self._list(parent)
+
+    def check(self) -> None:
+        """Every entry's handle is held with the entry's length (an integrity aid)."""
+        led = self.alloc.ledger
+        for h, entry in self._entries.items():
+            if not led.h_live[h] or led.h_len[h] != entry.n_tokens:
+                raise ContractError(f"prefix cache entry on handle {h}, which is not held "
+                                    f"with its {entry.n_tokens} tokens")
