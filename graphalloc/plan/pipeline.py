@@ -80,21 +80,29 @@ class StepPipeline:
                 index: int | None = None, use_group: bool = True) -> PlanOutcome:
         """Plan ``step`` (journaled; rolled back at once when ``dry_run``). Raises the typed
         error of a refusal with nothing changed. ``use_group``: rows released and handles
-        dropped in an open free group are refused (their frees run when it closes)."""
+        dropped in an open free group are refused (their frees run when it closes).
+        ``index``: the descriptor buffer to write (``None``: nothing is written). The
+        compiled twin plans unless it is absent or ``oversize`` (a split free: numpy)."""
         arrays = step if isinstance(step, StepArrays) else normalize(step, self.config)
         journal = self.ledger.journal
         mark = journal.mark()
         group = self.alloc.group if use_group else None
         excluded = (None, None) if group is None else (group.released, group.dropped)
         cache = self.alloc.prefix_cache
+        compiled = None if oversize else self.compiled
         reclaim, offered = None, 0
         while True:
-            ctx = PlanContext(self.config, self.ledger, self.steps_run + 1, *excluded,
-                              reclaim=reclaim, oversize=oversize, tables=self.tables_spec)
             try:
-                out = plan_step(ctx, arrays)
+                if compiled is not None:  # writes the descriptor itself (index None: scratch)
+                    out = compiled.plan(arrays, self.steps_run + 1, None if dry_run else index,
+                                        *excluded, reclaim)
+                else:
+                    ctx = PlanContext(self.config, self.ledger, self.steps_run + 1, *excluded,
+                                      reclaim=reclaim, oversize=oversize,
+                                      tables=self.tables_spec)
+                    out = plan_step(ctx, arrays)
             except Refusal as refusal:
-                journal.rollback(mark)
+                journal.rollback(mark)  # (the compiled twin rolled its own writes back)
                 if refusal.code == 28 and cache is not None and cache.n_unlocked > offered:
                     offered = max(64, 2 * offered)  # the cache's entries, a few at a time
                     reclaim = cache.offer(offered)
@@ -102,15 +110,29 @@ class StepPipeline:
                 raise to_error(refusal) from None
             except BaseException:
                 journal.rollback(mark)
+                if compiled is not None:
+                    compiled.rollback()
                 raise
             break
         if dry_run:
-            journal.rollback(mark)
-        elif index is not None:
+            self.rollback(mark)
+        elif index is not None and compiled is None:
             self.ring.write(index, out.release_rows, out.alloc_rows, fusable=out.fusable)
             if out.lanes is not None:
                 self.ring.write_lanes(index, out.lanes.rows)
         return out
+
+    def rollback(self, mark: int) -> None:
+        """Undo every planning write after ``mark`` (both planners' logs)."""
+        self.ledger.journal.rollback(mark)
+        if self.compiled is not None:
+            self.compiled.rollback()
+
+    def commit(self) -> None:
+        """Make every planning write final (both planners' logs)."""
+        self.ledger.journal.commit()
+        if self.compiled is not None:
+            self.compiled.commit()
 
     def plan(self, step: Step | StepArrays) -> PlannedStep:
         """Plan ``step`` into the next descriptor buffer; it becomes the pending step."""
@@ -187,7 +209,7 @@ class StepPipeline:
         its buffer, so the buffer is not fenced and is used again next)."""
         if launched:
             self.ring.submitted(planned.buffer_index)
-        self.ledger.journal.commit()
+        self.commit()
         planned.submitted = True
         self.pending = None
         self.steps_run += 1
@@ -199,6 +221,6 @@ class StepPipeline:
 
     def cancel(self, planned: PlannedStep) -> None:
         self.check_planned(planned, "cancel")
-        self.ledger.journal.rollback(self._mark)
+        self.rollback(self._mark)
         planned.cancelled = True
         self.pending = None
