@@ -356,7 +356,9 @@ class TinyRecurrentLM:
 def to_transformers(cfg: RecurrentConfig, weights: dict[str, torch.Tensor], *, device="cpu"):
     """The matching ``transformers`` ``BambaForCausalLM`` (float32, eager attention, no
     bos/eos/pad ids so that ``generate`` never stops early) with ``weights`` loaded strictly.
-    Checked with transformers 5.24 (its torch fallbacks: no mamba_ssm / causal_conv1d)."""
+    ``time_step_limit`` is (0, inf): transformers clamps ``dt`` to it in its prefill but not
+    in its decode, a no-op only at that limit. Checked with transformers 5.24 (its torch
+    fallbacks: no mamba_ssm / causal_conv1d)."""
     from transformers import BambaConfig, BambaForCausalLM
 
     attn_layers = [i for i, kind in enumerate(cfg.layer_types) if kind == ATTENTION]
