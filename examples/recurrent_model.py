@@ -13,7 +13,7 @@ have no window at all; NemotronH's config carries a ``sliding_window`` its
 modeling code never reads, and Zamba's attention docstring names a window its code
 does not apply. Recurrence next to a window does exist in other families, none
 Mamba-2: RecurrentGemma (RG-LRU), MiniMax (lightning attention), LaraMini (gated
-DeltaNet), Lfm3 and Inkling (short convolutions).
+DeltaNet), Zaya (CCA), Lfm3 and Inkling/Inkling2 (short convolutions).
 
 Recurrent state (``RecurrentState``, allocated once, slot 0 the sink)::
 
