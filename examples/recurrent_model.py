@@ -20,6 +20,9 @@ Recurrent state (``RecurrentState``, allocated once, slot 0 the sink)::
     conv [n_mamba_layers, n_slots + 1, conv_dim, conv_kernel - 1]   last inputs of the conv
     ssm  [n_mamba_layers, n_slots + 1, n_heads, head_dim, d_state]  the SSM state h
 
+(transformers' cache keeps ``conv_kernel`` conv inputs; the oldest never reaches the next
+output, so ``conv_kernel - 1`` is the state, as in vLLM and SGLang.)
+
 Per token, per head: ``dt = softplus(dt_raw + dt_bias)``, ``h = exp(dt * A) * h +
 dt * x B^T``, ``y = h C + D x``; then ``y * silu(gate)`` RMS-normalised per group
 (``n_groups`` groups of B/C, heads of a group share them). A step reads a lane's
