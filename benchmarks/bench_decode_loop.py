@@ -82,7 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--with-eager", action="store_true", help="also run without any graph")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="", help="directory for bench_decode_loop.{json,md,png}")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "bench"
+                                          / "decode-loop"),
+                    help="directory for bench_decode_loop.{json,md,png}; '' writes nothing")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but torch sees no GPU")

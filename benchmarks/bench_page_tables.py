@@ -1,6 +1,6 @@
 """Attention page tables: the GPU time they add to a step, against building them eagerly.
 
-    python benchmarks/bench_page_tables.py --out benchmarks/results/page_tables_h200  # GPU, ~1 min
+    python benchmarks/bench_page_tables.py --out results/bench/page-tables-h200  # GPU, ~1 min
     python benchmarks/bench_page_tables.py --quick --out /tmp/bench_page_tables      # CPU smoke run
 
 One attention batch of B lanes (B in {1, 64, 256, 1024}) x page size {16, 64}, over the
@@ -377,7 +377,7 @@ class Context:
 
 
 def parse_args(argv):
-    ap = bench_parser(__doc__, os.path.join(HERE, "results", "page_tables"),
+    ap = bench_parser(__doc__, os.path.join(REPO, "results", "bench", "page-tables"),
                       "page-table writer: auto = Triton on CUDA, the Torch twin on a CPU")
     ap.add_argument("--b", help="comma-separated lane counts (default 1,64,256,1024)")
     ap.add_argument("--ps", help="comma-separated page sizes (default 16,64)")

@@ -1,6 +1,6 @@
 """Scheduler benchmark: graphalloc's whole step against two engine-style baselines, per iteration.
 
-    python benchmarks/bench_scheduler.py --out benchmarks/results/scheduler_h200 \\
+    python benchmarks/bench_scheduler.py --out results/bench/scheduler-h200 \\
         --time-budget-s 200 --no-progress                           # GPU, under 4 minutes
     python benchmarks/bench_scheduler.py --quick --out /tmp/bench_scheduler   # CPU smoke run
 
@@ -862,7 +862,7 @@ def write_outputs(res: dict, out_dir: str, with_plots: bool) -> list[str]:
 
 # ---- run -----------------------------------------------------------------------------------
 def parse_args(argv):
-    ap = bench_parser(__doc__, os.path.join(HERE, "results", "scheduler"),
+    ap = bench_parser(__doc__, os.path.join(REPO, "results", "bench", "scheduler"),
                       "graphalloc and baseline kernels: auto = Triton on CUDA, the Torch "
                       "twins on a CPU")
     for key in ("b", "ps", "window", "interval"):

@@ -3,7 +3,7 @@
 Everything here is a pure function of the results dict, so a committed JSON
 regenerates the rest on any machine (no GPU needed)::
 
-    python benchmarks/report.py benchmarks/results/h200/bench_frees.json \\
+    python benchmarks/report.py results/bench/frees-h200/bench_frees.json \\
         [--regen] [--readme benchmarks/README.md]
 
 ``--regen`` rewrites the markdown and plots beside the JSON; ``--readme``

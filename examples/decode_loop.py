@@ -114,6 +114,8 @@ import graphalloc as ga  # noqa: E402
 __all__ = ["main", "make_requests", "build_allocator", "reference", "compare",
            "default_atol", "resolve_model_args"]
 
+# the default --out is a folder of the repository's one results tree
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "examples"
 # logit tolerance per dtype (also the near-tie margin): float32 as before; in half precision
 # 16 ulps of a logit of magnitude 8 (fp16 ulp 2^-7 there, bf16 2^-4 -> 8 ulps): at least
 # twice the largest difference seen between our half-precision model and transformers' SDPA
@@ -575,7 +577,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="logit tolerance (default per dtype: " + ", ".join(
                         f"{k} {v:g}" for k, v in ATOL.items()) + ")")
     ap.add_argument("--no-reference", action="store_true", help="skip the transformers check")
-    ap.add_argument("--out", default="decode_loop_out",
+    ap.add_argument("--out", default=str(RESULTS / "decode-loop"),
                     help="directory for decode_loop.{json,md,png}; '' writes nothing")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
