@@ -17,12 +17,14 @@ import json
 import os
 import sys
 
-__all__ = ["write_outputs", "markdown", "targets", "summary_text", "update_readme"]
+from frees_plots import write_plots
+
+__all__ = ["write_outputs", "write_plots", "markdown", "targets", "summary_text",
+           "update_readme"]
 
 IMPLS = (("eager", "eager 8-op Torch"), ("fused", "fused kernel"),
          ("graphalloc", "graphalloc replay"))
 IMPL_NAMES = dict(IMPLS)
-STYLE = {"eager": ("tab:red", "s"), "fused": ("tab:orange", "^"), "graphalloc": ("tab:blue", "o")}
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 JSON_NAME, MD_NAME = "bench_frees.json", "bench_frees.md"
 
@@ -276,78 +278,6 @@ def markdown(res) -> str:
                      f"`{t['graphalloc']}` (open in ui.perfetto.dev)")
     lines += ["### Run notes", "", *extra, ""]
     return "\n".join(lines)
-
-
-# ---- plots -----------------------------------------------------------------------------
-def _plot_grid(plt, res, groups, x_key, x_label, unit, title, path):
-    """One column per (label, records) group; rows: GPU time, host time; one line per
-    implementation (p50, p20-p80 band), the floor as a dashed line."""
-    fig, axes = plt.subplots(2, len(groups), figsize=(4.2 * len(groups), 7.5), squeeze=False)
-    for col, (label, recs) in enumerate(groups):
-        for row, (key, what) in enumerate((("gpu_us", "GPU"), ("cpu_us", "host"))):
-            ax = axes[row][col]
-            for impl, name in IMPLS:
-                pts = sorted(((r[x_key], r[key]) for r in recs
-                              if r["impl"] == impl and r.get(key)), key=lambda p: p[0])
-                if not pts:
-                    continue
-                xs = [p[0] for p in pts]
-                color, marker = STYLE[impl]
-                ax.plot(xs, [p[1]["p50"] for p in pts], marker=marker, color=color, label=name)
-                ax.fill_between(xs, [p[1]["p20"] for p in pts], [p[1]["p80"] for p in pts],
-                                color=color, alpha=0.15)
-            floor = _floor(res, key)
-            if floor:
-                ax.axhline(floor, ls="--", color="gray", label="floor: empty graph")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ticks = sorted({r[x_key] for r in recs})
-            ax.set_xticks(ticks)
-            ax.set_xticklabels([str(t) for t in ticks])
-            ax.xaxis.set_minor_locator(plt.NullLocator())
-            ax.set_xlabel(x_label)
-            ax.set_ylabel(f"{what} us per {unit} (p50)")
-            ax.set_title(f"{what}: {label}", fontsize=10)
-            ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    clock = (res.get("config") or {}).get("device_clock")
-    fig.suptitle(f"{title}  [{(res.get('machine') or {}).get('gpu') or 'CPU'}; "
-                 f"device clock {clock}]", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_plots(res, out_dir) -> list[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        res.setdefault("skipped", []).append("plots: matplotlib is not installed")
-        return []
-    written = []
-    for decode, name, title in ((False, "step_frees.png", "Step of B segment frees (baselines "
-                                 "looped B times)"),
-                                (True, "step_frees_decode.png",
-                                 "Step of B segment frees + B decode tokens")):
-        recs = [r for r in res.get("steps", []) if r["decode"] == decode]
-        cases = sorted({(r["page_size"], r["pages"]) for r in recs})
-        if cases:
-            groups = [(f"ps={ps}, {pages} page(s) per segment",
-                       [r for r in recs if (r["page_size"], r["pages"]) == (ps, pages)])
-                      for ps, pages in cases]
-            _plot_grid(plt, res, groups, "B", "B (frees per step)", "step", title,
-                       os.path.join(out_dir, name))
-            written.append(name)
-    recs = res.get("single_free", [])
-    sizes = sorted({r["page_size"] for r in recs})
-    if sizes:
-        groups = [(f"page_size {ps}", [r for r in recs if r["page_size"] == ps]) for ps in sizes]
-        _plot_grid(plt, res, groups, "pages", "pages per free", "free", "Single segment free",
-                   os.path.join(out_dir, "single_free.png"))
-        written.append("single_free.png")
-    return written
 
 
 # ---- outputs ---------------------------------------------------------------------------
