@@ -1,13 +1,13 @@
-"""Report: the results dict as JSON, markdown, PNG plots, a stdout summary, a README headline.
+"""Report of bench_frees: the results dict as JSON, markdown, PNG plots, a stdout summary.
 
 Everything here is a pure function of the results dict, so a committed JSON
 regenerates the rest on any machine (no GPU needed)::
 
-    python benchmarks/report.py results/bench/frees-h200/bench_frees.json \\
-        [--regen] [--readme benchmarks/README.md]
+    python benchmarks/report.py results/bench/frees-h200/bench_frees.json [--regen]
 
-``--regen`` rewrites the markdown and plots beside the JSON; ``--readme``
-replaces the text between the headline markers of the README.
+prints the headline and the targets; ``--regen`` rewrites the markdown, the JSON and
+the plots beside it (``python benchmarks/replot.py`` redraws the plots alone). The
+plots are drawn by ``frees_plots.py``.
 """
 
 from __future__ import annotations
@@ -19,13 +19,11 @@ import sys
 
 from frees_plots import write_plots
 
-__all__ = ["write_outputs", "write_plots", "markdown", "targets", "summary_text",
-           "update_readme"]
+__all__ = ["write_outputs", "write_plots", "markdown", "targets", "summary_text"]
 
 IMPLS = (("eager", "eager 8-op Torch"), ("fused", "fused kernel"),
          ("graphalloc", "graphalloc replay"))
 IMPL_NAMES = dict(IMPLS)
-BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 JSON_NAME, MD_NAME = "bench_frees.json", "bench_frees.md"
 
 
@@ -307,39 +305,15 @@ def summary_text(res) -> str:
     return "\n".join(lines)
 
 
-def update_readme(readme_path, res, json_path) -> None:
-    """Replace the README's headline block with this run's headline table and plot."""
-    with open(readme_path) as f:
-        text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{readme_path} has no {BEGIN} ... {END} block")
-    rel = os.path.relpath(os.path.dirname(os.path.abspath(json_path)),
-                          os.path.dirname(os.path.abspath(readme_path)))
-    block = "\n".join([
-        BEGIN, "",
-        f"Command: `{res.get('command')}`  ", f"Machine: {_machine_line(res)}", "",
-        f"One step of B = {(res.get('config') or {}).get('headline_b')} segment frees, "
-        "medians in microseconds:", "", headline_table(res), "", _targets_table(res), "",
-        f"![per-step time against B]({rel}/step_frees.png)", "",
-        f"Full report: [{rel}/{MD_NAME}]({rel}/{MD_NAME}).", "", END])
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    with open(readme_path, "w") as f:
-        f.write(head + block + tail)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Regenerate reports from a bench_frees JSON.")
     p.add_argument("json_path")
     p.add_argument("--regen", action="store_true", help="rewrite markdown and plots beside it")
-    p.add_argument("--readme", help="README whose headline block to replace")
     args = p.parse_args(argv)
     with open(args.json_path) as f:
         res = json.load(f)
     if args.regen:
         write_outputs(res, os.path.dirname(os.path.abspath(args.json_path)))
-    if args.readme:
-        update_readme(args.readme, res, args.json_path)
     print(summary_text(res))
     return 0
 
