@@ -24,6 +24,7 @@ __all__ = ["pyplot", "finish", "stat", "machine_name", "set_b_axis", "set_log_y"
            "plot_decode_loop_bench", "plot_decode_loop_example"]
 
 DPI = 110
+MIN_WIDTH_IN = 9.0
 CAPTION_PT, LEGEND_PT, TITLE_PT = 9, 9, 12
 CHARS_PER_INCH = {CAPTION_PT: 13.5, TITLE_PT: 10.0}  # DejaVu Sans, a safe average
 
@@ -95,13 +96,14 @@ def finish(fig, path, *, title: str, caption: str = "", legend=None, ncol: int =
     caption need, so the panels keep the size the caller gave them."""
     import matplotlib.pyplot as plt
     width_in, panels_in = fig.get_size_inches()
+    width_in = max(width_in, MIN_WIDTH_IN)  # room for the legend and the caption
     title_lines = _wrap(title, width_in, TITLE_PT)
     cap_lines = _wrap(caption, width_in - 0.3, CAPTION_PT) if caption else []
     handles, labels = legend if legend else ([], [])
-    if labels and not ncol:
+    if labels:  # as many columns as asked for and as fit across the figure
         longest = max(len(s) for s in labels)
-        ncol = max(1, min(len(labels), int(width_in * CHARS_PER_INCH[CAPTION_PT]
-                                            // (longest + 6))))
+        fit = max(1, int(width_in * CHARS_PER_INCH[CAPTION_PT] // (longest + 6)))
+        ncol = min(ncol or len(labels), fit, len(labels))
     legend_rows = math.ceil(len(labels) / ncol) if labels else 0
     title_in = 0.12 + 0.25 * len(title_lines)
     top_in = title_in + (0.1 + 0.24 * legend_rows if legend_rows else 0.05)

@@ -35,6 +35,11 @@ CLOCKS = (
     "into a graph too), a {flush} MiB L2-evicting write queued before each sample. Host "
     "time: enqueue time (graphalloc: plan() + run()). Lines p50, bands p20-p80, "
     "{samples} samples each.")
+CPU_CLOCKS = (
+    "CPU run: no CUDA device, so no graphs, events or L2 flush; the kernels' Torch twins run "
+    "eagerly, and the device time is the CPU wall clock of that, not GPU time. Host time: "
+    "enqueue time (graphalloc: plan() + run()). Lines p50, bands p20-p80, {samples} samples "
+    "each. A smoke run: it checks the code paths, not the speed.")
 HOST_IN_INTERVAL = (
     "Where graphalloc's GPU line follows its dotted run() line, the interval holds host "
     "time: the host's run() call outlasted the L2 flush queued before the interval, and the "
@@ -70,16 +75,16 @@ def _grid(plt, res, groups, x_key, x_label, unit):
     """Columns: the groups; rows: GPU time, host time."""
     cuda = res["config"].get("device_clock") == "cuda-events"
     fig, axes = plt.subplots(2, len(groups), figsize=(4.3 * len(groups), 6.6), squeeze=False)
+    device = "GPU time" if cuda else "device time (CPU wall clock)"
     for col, (title, recs) in enumerate(groups):
-        for row, (key, what) in enumerate((("gpu_us", "GPU"), ("cpu_us", "host"))):
+        for row, (key, what) in enumerate((("gpu_us", device), ("cpu_us", "host time"))):
             ax = axes[row][col]
             _lines(ax, recs, x_key, key, res, with_run=key == "gpu_us" and cuda)
             set_log_y(ax)
             set_b_axis(ax, [r[x_key] for r in recs], x_label)
             if col == 0:
-                ax.set_ylabel(f"{what} time per {unit} (us)" if cuda or what == "host"
-                              else f"CPU wall time per {unit} (us)")
-            ax.set_title(f"{what} time: {title}", fontsize=10)
+                ax.set_ylabel(f"{what.split(' (')[0]} per {unit} (us)")
+            ax.set_title(f"{title}\n{what}", fontsize=10)
             ax.grid(True, which="both", alpha=0.3)
     return fig, axes
 
@@ -154,8 +159,9 @@ def write_plots(res: dict, out_dir: str) -> list[str]:
         return []
     cfg = res.get("config") or {}
     machine = machine_name(res.get("machine"))
-    clocks = CLOCKS.format(flush=cfg.get("flush_mib"), samples=cfg.get("samples"))
     cuda = cfg.get("device_clock") == "cuda-events"
+    clocks = (CLOCKS if cuda else CPU_CLOCKS).format(flush=cfg.get("flush_mib"),
+                                                     samples=cfg.get("samples"))
     written = []
     for decode, name in ((False, FILES[0]), (True, FILES[1])):
         recs = [r for r in res.get("steps", []) if r["decode"] == decode]
@@ -198,10 +204,10 @@ def write_plots(res: dict, out_dir: str) -> list[str]:
             "allocator step for it, a graph of two kernels (release, then allocation), against "
             "one fused kernel or a few small eager ops; that fixed cost per call pays off when "
             "a step carries many frees (step_frees.png). " + HOST_IN_INTERVAL)
-        note = _single_note(res) if cuda else ""
+        note = _single_note(res)
         finish(fig, os.path.join(out_dir, FILES[2]), title="One SWA segment free: eager Torch "
                f"ops, one fused kernel, or a graphalloc step replay [{machine}]",
-               caption=clocks + "\n" + why + (" " + note if note else ""),
+               caption=clocks + ("\n" + why + (" " + note if note else "") if cuda else ""),
                legend=_legend(axes))
         written.append(FILES[2])
     return written

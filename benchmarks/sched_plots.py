@@ -111,11 +111,11 @@ def _gpu_legend(axes, cuda):
     handles, labels = axes[0][0].get_legend_handles_labels()
     if cuda:
         handles += [Line2D([], [], color="0.2", lw=1.5),
-                    Line2D([], [], color="0.2", lw=1, ls="--"),
-                    Line2D([], [], color="black", lw=1, ls=":")]
+                    Line2D([], [], color="0.2", lw=1, ls="--")]
         labels += ["solid: GPU interval (CUDA events, see below)",
-                   "dashed: GPU busy (CUPTI: kernels and copies only)",
-                   "dotted: empty-graph floor"]
+                   "dashed: GPU busy (CUPTI: kernels and copies only)"]
+    handles.append(Line2D([], [], color="black", lw=1, ls=":"))
+    labels.append("dotted: empty-graph floor")
     return handles, labels
 
 
@@ -135,7 +135,8 @@ def plot(res: dict, out_dir: str) -> list[str]:
     fig, axes = _figure(plt, res, "gpu")
     caption = (GPU_CAPTION.format(profile=params.get("profile")) if cuda else
                "CPU run: no CUDA events or CUPTI; the device part's CPU wall time.")
-    finish(fig, os.path.join(out_dir, FILES[1]), title="Scheduler benchmark: GPU time per "
-           f"step against running requests B, as an interval and as busy time [{machine}]",
+    what = ("GPU time per step against running requests B, as an interval and as busy time"
+            if cuda else "device part of a step against running requests B, CPU wall time")
+    finish(fig, os.path.join(out_dir, FILES[1]), title=f"Scheduler benchmark: {what} [{machine}]",
            caption=caption, legend=_gpu_legend(axes, cuda), ncol=2)
     return list(FILES)
