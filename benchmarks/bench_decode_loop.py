@@ -40,6 +40,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from decode_loop import build_allocator, make_requests  # noqa: E402
+from figures import plot_decode_loop_bench  # noqa: E402
 from hybrid_model import ModelConfig, TinyHybridLM, allocator_window, random_weights  # noqa: E402
 from paged_decode import DecodeLoop  # noqa: E402
 from timing import (  # noqa: E402
@@ -82,7 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--with-eager", action="store_true", help="also run without any graph")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="", help="directory for bench_decode_loop.{json,md,png}")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "bench"
+                                          / "decode-loop"),
+                    help="directory for bench_decode_loop.{json,md,png}; '' writes nothing")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but torch sees no GPU")
@@ -199,37 +202,6 @@ def markdown(out: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(out: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    res = out["results"]
-    labels = [f"b{r['batch']}\n{r['backend']}\n{r['variant']}" for r in res]
-    fig, axes = plt.subplots(1, 3, figsize=(max(10, 1.1 * len(res) * 3), 4))
-    for ax, key, title in ((axes[0], "steps_per_s", "decode steps / s (higher is better)"),
-                           (axes[1], "host_launch_us_per_step",
-                            "host launch us / step (lanes + launches + replay)"),
-                           (axes[2], "gpu_us_per_step", "GPU us / decode step")):
-        if any(not r[key] for r in res):
-            ax.set_visible(False)
-            continue
-        med = [r[key]["p50"] for r in res]
-        err = [[r[key]["p50"] - r[key]["p20"] for r in res],
-               [r[key]["p80"] - r[key]["p50"] for r in res]]
-        colors = ["C0" if r["variant"] == "in_graph" else "C1" if r["variant"] == "eager_alloc"
-                  else "C2" for r in res]
-        ax.bar(range(len(res)), med, yerr=err, color=colors)
-        ax.set_xticks(range(len(res)), labels, fontsize=7)
-        ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.perf_counter()
@@ -242,8 +214,8 @@ def main(argv=None) -> dict:
         d.mkdir(parents=True, exist_ok=True)
         (d / "bench_decode_loop.json").write_text(json.dumps(out, indent=1))
         (d / "bench_decode_loop.md").write_text(markdown(out))
-        plot(out, d / "bench_decode_loop.png")
-        print(f"wrote {d}/bench_decode_loop.json, .md, .png")
+        png = plot_decode_loop_bench(out, d / "bench_decode_loop.png")
+        print(f"wrote {d}/bench_decode_loop.json, .md" + (", .png" if png else ""))
     return out
 
 

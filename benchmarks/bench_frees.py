@@ -1,6 +1,6 @@
 """Graph-replay microbenchmarks: graphalloc against the eager baselines, in one process.
 
-    python benchmarks/bench_frees.py [--quick] [--out benchmarks/results/NAME]
+    python benchmarks/bench_frees.py [--quick] [--out results/bench/NAME]
 
 What runs (each a task of the progress bar; every number is a median of
 ``--samples`` samples after ``--warmup`` untimed ones, with p20/p80 beside it):
@@ -32,6 +32,7 @@ import traceback
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
@@ -67,7 +68,7 @@ SECTIONS = ("floor", "bandwidth", "single", "steps", "decode", "profile", "trace
 
 
 def parse_args(argv):
-    p = bench_parser(__doc__, os.path.join(HERE, "results"),
+    p = bench_parser(__doc__, os.path.join(REPO, "results", "bench", "frees"),
                      "graphalloc backend (auto: triton on CUDA, torch on CPU)")
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated subset of {','.join(SECTIONS)}")

@@ -1,6 +1,6 @@
 """Fused step vs two launches: the GPU time of one step-graph replay, both ways.
 
-    python benchmarks/bench_fused.py --out benchmarks/results/h200_fused   # GPU, a few minutes
+    python benchmarks/bench_fused.py --out results/bench/fused-h200      # GPU, a few minutes
     python benchmarks/bench_fused.py --quick --out /tmp/bench_fused        # CPU smoke run
 
 A step of B requests: each request frees one SWA segment of ``pages`` live
@@ -209,7 +209,7 @@ class Context:
 
 
 def parse_args(argv):
-    p = bench_parser(__doc__, os.path.join(HERE, "results", "fused"),
+    p = bench_parser(__doc__, os.path.join(REPO, "results", "bench", "fused"),
                      "auto: triton on CUDA, torch (the twins) on the CPU")
     p.add_argument("--b", help="comma-separated request counts (default 1,8,64,256,1024)")
     p.add_argument("--ps", help="comma-separated page sizes (default 16,128)")

@@ -1,7 +1,7 @@
 """Cost follows the work: GPU and host time of a step on the full grid, on row buckets and
 with kernel-node grid updates; host time of ``run()`` and of its parts.
 
-    python benchmarks/bench_grid.py --out benchmarks/results/grid_h200   # one GPU, < 2 min
+    python benchmarks/bench_grid.py --out results/bench/grid-h200       # one GPU, < 2 min
     python benchmarks/bench_grid.py --quick --out /tmp/bench_grid        # CPU smoke run
 
 Cases (page_size 16, ``max_reqs`` 256, so the frozen grid is 768 release + 256
@@ -672,7 +672,7 @@ class Context:
 
 
 def parse_args(argv):
-    p = bench_parser(__doc__, os.path.join(HERE, "results", "grid"),
+    p = bench_parser(__doc__, os.path.join(REPO, "results", "bench", "grid"),
                      "auto: triton on CUDA, torch (the twins) on the CPU")
     p.add_argument("--cases", help=f"comma-separated subset of {','.join(CASES)}")
     p.add_argument("--window", type=int, help="steps per GPU window (and descriptor buffers)")

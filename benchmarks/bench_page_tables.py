@@ -1,6 +1,6 @@
 """Attention page tables: the GPU time they add to a step, against building them eagerly.
 
-    python benchmarks/bench_page_tables.py --out benchmarks/results/page_tables_h200  # GPU, ~1 min
+    python benchmarks/bench_page_tables.py --out results/bench/page-tables-h200  # GPU, ~1 min
     python benchmarks/bench_page_tables.py --quick --out /tmp/bench_page_tables      # CPU smoke run
 
 One attention batch of B lanes (B in {1, 64, 256, 1024}) x page size {16, 64}, over the
@@ -51,6 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+from figures import plot_page_tables  # noqa: E402
 from timing import (  # noqa: E402
     Sampler,
     bench_main,
@@ -333,39 +334,6 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict, path: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    page_sizes = sorted({r["ps"] for r in res["cases"]})
-    if not page_sizes:
-        return False
-    fig, axes = plt.subplots(1, len(page_sizes), figsize=(6 * len(page_sizes), 4.2),
-                             squeeze=False)
-    for ax, ps in zip(axes[0], page_sizes, strict=True):
-        cases = sorted((r for r in res["cases"] if r["ps"] == ps), key=lambda r: r["b"])
-        bs = [r["b"] for r in cases]
-        for name in IMPLS:
-            ys = [(r["gpu_us"].get(name) or {}).get("p50") for r in cases]
-            if all(y is None for y in ys):
-                continue
-            ax.plot(bs, ys, marker="o", label=name, ls="--" if name == "floor" else "-")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("lanes B")
-        ax.set_ylabel("us per call (p50)" + ("" if res["device_clock"] == "cuda-events"
-                                             else ", CPU wall"))
-        ax.set_title(f"page size {ps}: FULL + SWA CSR page tables")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
 # ---- run ----------------------------------------------------------------------------------
 class Context:
     def __init__(self, params: dict, device: torch.device, backend: str):
@@ -377,7 +345,7 @@ class Context:
 
 
 def parse_args(argv):
-    ap = bench_parser(__doc__, os.path.join(HERE, "results", "page_tables"),
+    ap = bench_parser(__doc__, os.path.join(REPO, "results", "bench", "page-tables"),
                       "page-table writer: auto = Triton on CUDA, the Torch twin on a CPU")
     ap.add_argument("--b", help="comma-separated lane counts (default 1,64,256,1024)")
     ap.add_argument("--ps", help="comma-separated page sizes (default 16,64)")
@@ -454,7 +422,8 @@ def _run(args, argv, device, backend, note) -> int:
         json.dump(res, f, indent=1)
     with open(os.path.join(args.out, "bench_page_tables.md"), "w") as f:
         f.write(markdown(res))
-    plotted = not args.no_plot and plot(res, os.path.join(args.out, "bench_page_tables.png"))
+    plotted = not args.no_plot and plot_page_tables(
+        res, os.path.join(args.out, "bench_page_tables.png"))
     print(f"wrote {args.out}/bench_page_tables.json, .md" + (", .png" if plotted else "")
           + f" in {res['wall_s']:.1f} s", file=sys.stderr)
     return 1 if res["errors"] else 0

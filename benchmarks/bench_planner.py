@@ -1,8 +1,8 @@
 """Host time of one scheduler step's plan: the numpy planner against the compiled planner.
 
-    python benchmarks/bench_planner.py --out benchmarks/results/planner_cpu           # CPU, ~2 min
+    python benchmarks/bench_planner.py --out results/bench/planner-cpu            # CPU, ~2 min
     python benchmarks/bench_planner.py --quick --out /tmp/bench_planner         # CI smoke run
-    python benchmarks/bench_planner.py --device cuda --out benchmarks/results/planner_h200  # GPU
+    python benchmarks/bench_planner.py --device cuda --out results/bench/planner-h200  # GPU
 
 A continuous-batching decode workload at B in {16, 64, 256, 1024} running requests, page
 size 16, a model window of 4096 (``sliding_window = 4095``), pool mode: lengths start
@@ -45,7 +45,9 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
 from timing import bench_main, bench_parser, machine_info  # noqa: E402
 
 import graphalloc as ga  # noqa: E402
@@ -230,7 +232,7 @@ def run(args, argv, device, backend, note) -> int:
 
 
 def main(argv=None) -> int:
-    parser = bench_parser(__doc__, "benchmarks/results/planner_cpu",
+    parser = bench_parser(__doc__, os.path.join(REPO, "results", "bench", "planner"),
                           "kernels for the GPU run (the CPU run launches none)")
     return bench_main(argv, parser.parse_args, run)
 

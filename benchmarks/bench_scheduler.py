@@ -1,6 +1,6 @@
 """Scheduler benchmark: graphalloc's whole step against two engine-style baselines, per iteration.
 
-    python benchmarks/bench_scheduler.py --out benchmarks/results/scheduler_h200 \\
+    python benchmarks/bench_scheduler.py --out results/bench/scheduler-h200 \\
         --time-budget-s 200 --no-progress                           # GPU, under 4 minutes
     python benchmarks/bench_scheduler.py --quick --out /tmp/bench_scheduler   # CPU smoke run
 
@@ -50,8 +50,8 @@ exit status is 1. Then every implementation's device state is checked against it
 
 Writes ``bench_scheduler.json`` (rewritten after every configuration), ``bench_scheduler.md``
 (tables, targets, the method) and, with matplotlib, ``host_us_vs_b.png`` and
-``gpu_us_vs_b.png`` into ``--out``. A failing configuration is recorded in the JSON's
-``errors`` and the run goes on.
+``gpu_us_vs_b.png`` (drawn by ``sched_plots.py``) into ``--out``. A failing configuration is
+recorded in the JSON's ``errors`` and the run goes on.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 from sched_baselines import NULL_CLOCK, SGLangStyle, VLLMStyle  # noqa: E402
 from sched_graphalloc import SHAPES, GraphallocDriver, engine_config, pool_pages  # noqa: E402
+from sched_plots import plot  # noqa: E402
 from sched_workload import STEP_CLASSES, WorkloadSpec, generate  # noqa: E402
 from timing import (  # noqa: E402
     _COPY_APIS,
@@ -93,8 +94,6 @@ from timing import (  # noqa: E402
 IMPLS = ("graphalloc", "graphalloc_tables", "sglang", "vllm")
 LABELS = {"graphalloc": "graphalloc", "graphalloc_tables": "graphalloc + tables",
           "sglang": "SGLang-style eager", "vllm": "vLLM-style block manager"}
-STYLE = {"graphalloc": ("tab:blue", "o"), "graphalloc_tables": ("tab:cyan", "D"),
-         "sglang": ("tab:red", "s"), "vllm": ("tab:orange", "^")}
 RATIOS = (("sglang", "graphalloc"), ("vllm", "graphalloc"), ("vllm", "graphalloc_tables"),
           ("sglang", "graphalloc_tables"))
 
@@ -788,65 +787,6 @@ preemption (the pools are sized so nothing is ever refused), the model's own wor
 """
 
 
-def plot(res: dict, out_dir: str) -> list[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    cfgs = res["configs"]
-    if not cfgs:
-        return []
-    panels = sorted({(c["ps"], c["window"]) for c in cfgs})
-    intervals = sorted({c["interval"] for c in cfgs})
-    floor = _p((res.get("floor") or {}).get("pipelined_gpu_us"))
-    written = []
-    for kind, fname in (("host", "host_us_vs_b.png"), ("gpu", "gpu_us_vs_b.png")):
-        fig, axes = plt.subplots(len(intervals), len(panels),
-                                 figsize=(4.4 * len(panels), 3.6 * len(intervals)),
-                                 squeeze=False)
-        for r, ei in enumerate(intervals):
-            for col, (ps, w) in enumerate(panels):
-                ax = axes[r][col]
-                sel = sorted((c for c in cfgs if (c["ps"], c["window"], c["interval"]) ==
-                              (ps, w, ei)), key=lambda c: c["b"])
-                for n in IMPLS:
-                    pts = [(c["b"], c["impls"][n]) for c in sel if n in c["impls"]]
-                    if not pts:
-                        continue
-                    color, marker = STYLE[n]
-                    key = "host_us" if kind == "host" else "gpu_interval_us"
-                    ys = [_p(v[key]) for _, v in pts]
-                    ax.plot([b for b, _ in pts], ys, color=color, marker=marker,
-                            label=LABELS[n])
-                    if kind == "gpu" and res["device_clock"] == "cuda-events":
-                        ax.plot([b for b, _ in pts], [v["profile"]["busy_us"] for _, v in pts],
-                                color=color, ls="--", lw=1, label=f"{LABELS[n]} (busy)")
-                if kind == "host":
-                    ax.axhline(15, color="gray", ls=":", lw=1, label="15 us target (B <= 256)")
-                    ax.axhline(30, color="gray", ls="-.", lw=1, label="30 us target (B = 1024)")
-                elif floor:
-                    ax.axhline(floor, color="black", ls=":", lw=1, label="empty-graph floor")
-                ax.set_xscale("log", base=2)
-                ax.set_yscale("log")
-                ax.set_xlabel("running requests B")
-                unit = ("host us per step (p50)" if kind == "host" else
-                        "GPU us per step (p50 interval; dashed: busy)")
-                if res["device_clock"] != "cuda-events" and kind == "gpu":
-                    unit = "device part, CPU wall us (p50)"
-                ax.set_ylabel(unit, fontsize=8)
-                ax.set_title(f"ps {ps}, W {w}, eviction interval {ei}", fontsize=9)
-                ax.grid(True, which="both", alpha=0.2)
-        axes[0][0].legend(fontsize=6)
-        fig.tight_layout()
-        path = os.path.join(out_dir, fname)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(fname)
-    return written
-
-
 def write_outputs(res: dict, out_dir: str, with_plots: bool) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     res["targets"] = targets(res)
@@ -862,7 +802,7 @@ def write_outputs(res: dict, out_dir: str, with_plots: bool) -> list[str]:
 
 # ---- run -----------------------------------------------------------------------------------
 def parse_args(argv):
-    ap = bench_parser(__doc__, os.path.join(HERE, "results", "scheduler"),
+    ap = bench_parser(__doc__, os.path.join(REPO, "results", "bench", "scheduler"),
                       "graphalloc and baseline kernels: auto = Triton on CUDA, the Torch "
                       "twins on a CPU")
     for key in ("b", "ps", "window", "interval"):

@@ -1,13 +1,13 @@
-"""Report: the results dict as JSON, markdown, PNG plots, a stdout summary, a README headline.
+"""Report of bench_frees: the results dict as JSON, markdown, PNG plots, a stdout summary.
 
 Everything here is a pure function of the results dict, so a committed JSON
 regenerates the rest on any machine (no GPU needed)::
 
-    python benchmarks/report.py benchmarks/results/h200/bench_frees.json \\
-        [--regen] [--readme benchmarks/README.md]
+    python benchmarks/report.py results/bench/frees-h200/bench_frees.json [--regen]
 
-``--regen`` rewrites the markdown and plots beside the JSON; ``--readme``
-replaces the text between the headline markers of the README.
+prints the headline and the targets; ``--regen`` rewrites the markdown, the JSON and
+the plots beside it (``python benchmarks/replot.py`` redraws the plots alone). The
+plots are drawn by ``frees_plots.py``.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import json
 import os
 import sys
 
-__all__ = ["write_outputs", "markdown", "targets", "summary_text", "update_readme"]
+from frees_plots import write_plots
+
+__all__ = ["write_outputs", "write_plots", "markdown", "targets", "summary_text"]
 
 IMPLS = (("eager", "eager 8-op Torch"), ("fused", "fused kernel"),
          ("graphalloc", "graphalloc replay"))
 IMPL_NAMES = dict(IMPLS)
-STYLE = {"eager": ("tab:red", "s"), "fused": ("tab:orange", "^"), "graphalloc": ("tab:blue", "o")}
-BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 JSON_NAME, MD_NAME = "bench_frees.json", "bench_frees.md"
 
 
@@ -278,78 +278,6 @@ def markdown(res) -> str:
     return "\n".join(lines)
 
 
-# ---- plots -----------------------------------------------------------------------------
-def _plot_grid(plt, res, groups, x_key, x_label, unit, title, path):
-    """One column per (label, records) group; rows: GPU time, host time; one line per
-    implementation (p50, p20-p80 band), the floor as a dashed line."""
-    fig, axes = plt.subplots(2, len(groups), figsize=(4.2 * len(groups), 7.5), squeeze=False)
-    for col, (label, recs) in enumerate(groups):
-        for row, (key, what) in enumerate((("gpu_us", "GPU"), ("cpu_us", "host"))):
-            ax = axes[row][col]
-            for impl, name in IMPLS:
-                pts = sorted(((r[x_key], r[key]) for r in recs
-                              if r["impl"] == impl and r.get(key)), key=lambda p: p[0])
-                if not pts:
-                    continue
-                xs = [p[0] for p in pts]
-                color, marker = STYLE[impl]
-                ax.plot(xs, [p[1]["p50"] for p in pts], marker=marker, color=color, label=name)
-                ax.fill_between(xs, [p[1]["p20"] for p in pts], [p[1]["p80"] for p in pts],
-                                color=color, alpha=0.15)
-            floor = _floor(res, key)
-            if floor:
-                ax.axhline(floor, ls="--", color="gray", label="floor: empty graph")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ticks = sorted({r[x_key] for r in recs})
-            ax.set_xticks(ticks)
-            ax.set_xticklabels([str(t) for t in ticks])
-            ax.xaxis.set_minor_locator(plt.NullLocator())
-            ax.set_xlabel(x_label)
-            ax.set_ylabel(f"{what} us per {unit} (p50)")
-            ax.set_title(f"{what}: {label}", fontsize=10)
-            ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    clock = (res.get("config") or {}).get("device_clock")
-    fig.suptitle(f"{title}  [{(res.get('machine') or {}).get('gpu') or 'CPU'}; "
-                 f"device clock {clock}]", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_plots(res, out_dir) -> list[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        res.setdefault("skipped", []).append("plots: matplotlib is not installed")
-        return []
-    written = []
-    for decode, name, title in ((False, "step_frees.png", "Step of B segment frees (baselines "
-                                 "looped B times)"),
-                                (True, "step_frees_decode.png",
-                                 "Step of B segment frees + B decode tokens")):
-        recs = [r for r in res.get("steps", []) if r["decode"] == decode]
-        cases = sorted({(r["page_size"], r["pages"]) for r in recs})
-        if cases:
-            groups = [(f"ps={ps}, {pages} page(s) per segment",
-                       [r for r in recs if (r["page_size"], r["pages"]) == (ps, pages)])
-                      for ps, pages in cases]
-            _plot_grid(plt, res, groups, "B", "B (frees per step)", "step", title,
-                       os.path.join(out_dir, name))
-            written.append(name)
-    recs = res.get("single_free", [])
-    sizes = sorted({r["page_size"] for r in recs})
-    if sizes:
-        groups = [(f"page_size {ps}", [r for r in recs if r["page_size"] == ps]) for ps in sizes]
-        _plot_grid(plt, res, groups, "pages", "pages per free", "free", "Single segment free",
-                   os.path.join(out_dir, "single_free.png"))
-        written.append("single_free.png")
-    return written
-
-
 # ---- outputs ---------------------------------------------------------------------------
 def write_outputs(res, out_dir, plots: bool = True) -> list[str]:
     """JSON, markdown and plots into ``out_dir`` (traces are written by their task)."""
@@ -377,39 +305,15 @@ def summary_text(res) -> str:
     return "\n".join(lines)
 
 
-def update_readme(readme_path, res, json_path) -> None:
-    """Replace the README's headline block with this run's headline table and plot."""
-    with open(readme_path) as f:
-        text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{readme_path} has no {BEGIN} ... {END} block")
-    rel = os.path.relpath(os.path.dirname(os.path.abspath(json_path)),
-                          os.path.dirname(os.path.abspath(readme_path)))
-    block = "\n".join([
-        BEGIN, "",
-        f"Command: `{res.get('command')}`  ", f"Machine: {_machine_line(res)}", "",
-        f"One step of B = {(res.get('config') or {}).get('headline_b')} segment frees, "
-        "medians in microseconds:", "", headline_table(res), "", _targets_table(res), "",
-        f"![per-step time against B]({rel}/step_frees.png)", "",
-        f"Full report: [{rel}/{MD_NAME}]({rel}/{MD_NAME}).", "", END])
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    with open(readme_path, "w") as f:
-        f.write(head + block + tail)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Regenerate reports from a bench_frees JSON.")
     p.add_argument("json_path")
     p.add_argument("--regen", action="store_true", help="rewrite markdown and plots beside it")
-    p.add_argument("--readme", help="README whose headline block to replace")
     args = p.parse_args(argv)
     with open(args.json_path) as f:
         res = json.load(f)
     if args.regen:
         write_outputs(res, os.path.dirname(os.path.abspath(args.json_path)))
-    if args.readme:
-        update_readme(args.readme, res, args.json_path)
     print(summary_text(res))
     return 0
 

@@ -99,6 +99,7 @@ if not torch.cuda.is_available():  # Triton kernels (if chosen) run in the inter
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import timing  # noqa: E402
+from figures import plot_decode_loop_example  # noqa: E402
 from hybrid_model import (  # noqa: E402
     DTYPES,
     ModelConfig,
@@ -114,6 +115,8 @@ import graphalloc as ga  # noqa: E402
 __all__ = ["main", "make_requests", "build_allocator", "reference", "compare",
            "default_atol", "resolve_model_args"]
 
+# the default --out is a folder of the repository's one results tree
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "examples"
 # logit tolerance per dtype (also the near-tie margin): float32 as before; in half precision
 # 16 ulps of a logit of magnitude 8 (fp16 ulp 2^-7 there, bf16 2^-4 -> 8 ulps): at least
 # twice the largest difference seen between our half-precision model and transformers' SDPA
@@ -338,38 +341,6 @@ def summarize(result: LoopResult, mcfg: ModelConfig, ps: int, elt_bytes: int = 4
     }
 
 
-def plot(runs: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
-        return False
-    fig, axes = plt.subplots(len(runs), 2, figsize=(12, 3.2 * len(runs)), squeeze=False)
-    for (ax_pages, ax_saved), run in zip(axes, runs, strict=True):
-        s, ps = run["summary"]["series"], run["page_size"]
-        ax_pages.plot(s["full_used_pages"], label="FULL pages in use")
-        ax_pages.plot(s["swa_used_pages"], label="SWA pages in use")
-        ax_pages.bar(range(len(s["swa_pages_evicted"])), s["swa_pages_evicted"], color="0.7",
-                     label="SWA pages evicted this step")
-        ax_pages.set_title(f"page_size {ps}: pages in use per decode step")
-        ax_pages.set_xlabel("decode step")
-        ax_pages.legend(fontsize=8)
-        saved = np.array([np.nan if x is None else x for x in s["memory_saved"]])
-        ax_saved.plot(100 * saved, color="C2")
-        ax_saved.set_ylim(0, 100)
-        ax_saved.axhline(100 * run["max_saving"], color="0.6", ls="--", lw=1,
-                         label="bound: SWA layers hold nothing")
-        ax_saved.legend(fontsize=8)
-        ax_saved.set_title(f"page_size {ps}: KV memory saved vs. full KV in every layer (%)")
-        ax_saved.set_xlabel("decode step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
 def markdown(cfg: dict, runs: list[dict]) -> str:
     dtype = cfg.get("dtype", "float32")
     lines = [f"# decode_loop: {cfg['device']}, graph={cfg['graph']}, backend={cfg['backend']}, "
@@ -575,7 +546,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="logit tolerance (default per dtype: " + ", ".join(
                         f"{k} {v:g}" for k, v in ATOL.items()) + ")")
     ap.add_argument("--no-reference", action="store_true", help="skip the transformers check")
-    ap.add_argument("--out", default="decode_loop_out",
+    ap.add_argument("--out", default=str(RESULTS / "decode-loop"),
                     help="directory for decode_loop.{json,md,png}; '' writes nothing")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -718,8 +689,9 @@ def _main(args: argparse.Namespace) -> dict:
         d.mkdir(parents=True, exist_ok=True)
         (d / "decode_loop.json").write_text(json.dumps(out, indent=1, default=_json_default))
         (d / "decode_loop.md").write_text(markdown(cfg, runs))
-        if plot(runs, d / "decode_loop.png"):
-            print(f"wrote {d}/decode_loop.json, .md, .png")
+        png = plot_decode_loop_example(out, d / "decode_loop.png")
+        print(f"wrote {d}/decode_loop.json, .md" + (", .png" if png else
+                                                    " (no plot: matplotlib is not installed)"))
     print("MATCH: every request's tokens equal transformers'"
           if ok and tokens_equal and ref is not None else
           "MATCH UP TO NEAR TIES: every request whose tokens differ from transformers' does "

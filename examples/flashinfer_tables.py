@@ -108,7 +108,7 @@ records "flashinfer not installed".
 
 GPU (an H200; FlashInfer JIT-compiles two decode variants on first use)::
 
-    python examples/flashinfer_tables.py --out examples/results/h200_flashinfer
+    python examples/flashinfer_tables.py --out results/examples/flashinfer-tables-h200
 
 CPU (no FlashInfer: the workload and the Torch reference path; exit status 1)::
 
@@ -145,6 +145,8 @@ from graphalloc.attention.page_tables import PageTables  # noqa: E402
 __all__ = ["main", "content", "dense_attention", "make_requests", "CorrectnessRun",
            "TimingRun", "FlashInferDecode", "Report"]
 
+# the default --out is a folder of the repository's one results tree
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "examples"
 FULL, SWA = "full", "swa"
 # content kinds: one hash stream per tensor
 KIND_Q, KIND_K_FULL, KIND_V_FULL, KIND_K_SWA, KIND_V_SWA = range(5)
@@ -1076,7 +1078,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timing-warmup", type=int, default=10)
     ap.add_argument("--timing-sleep-us", type=float, default=2000.0,
                     help="GPU busy time queued before each timed step (covers host planning)")
-    ap.add_argument("--out", default="flashinfer_tables_out",
+    ap.add_argument("--out", default=str(RESULTS / "flashinfer-tables"),
                     help="directory for flashinfer_tables.{json,md}; '' writes nothing")
     args = ap.parse_args(argv)
     args.pdl_flag = {"auto": None, "on": True, "off": False}[args.pdl]

@@ -71,6 +71,9 @@ import graphalloc as ga  # noqa: E402
 
 __all__ = ["main", "build_allocator", "summarize"]
 
+# the default --out is a folder of the repository's one results tree
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "examples"
+
 
 def build_allocator(*, page_size: int, max_batch: int, max_prompt: int, max_total: int,
                     alloc_window: int, lookahead: int, device: str,
@@ -203,7 +206,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--atol", type=float, default=2e-3, help="logit tolerance (float32)")
     ap.add_argument("--no-reference", action="store_true", help="skip the transformers check")
-    ap.add_argument("--out", default="speculative_decode_out",
+    ap.add_argument("--out", default=str(RESULTS / "speculative-decode"),
                     help="directory for speculative_decode.{json,md}; '' writes nothing")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)

@@ -69,6 +69,8 @@ from graphalloc.plan.step import Step, normalize
 from graphalloc.replicas.allocator import ReplicatedAllocator
 from graphalloc.replicas.digest import ledger_digest
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 __all__ = ["RandomWorkload", "Scenario", "SelftestWorkerError", "default_scenarios",
            "selftest_config", "plan_trace", "spawn_selftest", "summarize", "main"]
 
@@ -893,7 +895,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
-    ap.add_argument("--out", default="benchmarks/results/replicas")
+    ap.add_argument("--out", default=os.path.join(REPO, "results", "gpu-suite", "replicas"))
     ap.add_argument("--steps", type=int, default=300, help="iterations of the long scenarios")
     ap.add_argument("--check-every", type=int, default=16)
     ap.add_argument("--no-sync-debug", action="store_true")

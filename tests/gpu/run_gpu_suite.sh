@@ -8,7 +8,7 @@
 #   bash tests/gpu/run_gpu_suite.sh OUTDIR --soak    # the soaks and the long variants
 #
 # Default run. Bounds (s) sum to 465, plus at most 3 s of kill grace per phase: 480.
-# Re-sized from tests/gpu_results/run6 (cuda 128 s, core_cuda 28 s, memcheck over 40 s
+# Re-sized from results/gpu-suite/run6 (cuda 128 s, core_cuda 28 s, memcheck over 40 s
 # with the work-sized grid's kernel variants, racecheck 23 s). First sized from run4
 # (H200): a 4000-op graph-vs-eager loop 22 s, 10,000 sharing ops 52 s, the tables example
 # 19 s, the fused graph tests 29 s, the GPU soak 22 s, memcheck 10 s, racecheck 18 s.
