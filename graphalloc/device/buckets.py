@@ -127,7 +127,7 @@ class GridPolicy:
             bucket per table, the frozen maximum (every step on the full grid).
         long_programs: programs a long allocation row is spread over (divided among the
             bucket's rows, at least one per row); 0 turns chunking off. 64 (H200,
-            ``benchmarks/results/grid_h200``): a 4,096-token prefill row took 8.9 and 11.8 us
+            ``results/bench/grid-h200``): a 4,096-token prefill row took 8.9 and 11.8 us
             of GPU time over 64 programs in two runs (back-to-back window clock; 9.7 us
             isolated), 11.9 us over 128, 67 us on one program: the split is what matters,
             64 against 128 is within the runs' spread.
