@@ -3,7 +3,7 @@
 :class:`VLLMStyle` -- vLLM v1's CPU block manager and the worker's block tables::
 
     block pool       per KV group (FULL, SWA) Python block objects, a doubly linked free
-                     queue (popleft_n / append_n), reference counts, block 0 the null block
+                     queue, reference counts, block 0 the null block (sched_vllm_blocks)
     managers         per request a list of blocks per group; allocate_slots(n) tops the
                      lists up to ceil((computed + n) / bs) blocks; the SWA group's
                      remove_skipped_blocks replaces the blocks wholly below
@@ -18,10 +18,37 @@
                      non_blocking copy of the block-table rows of the running requests
                      and one of the slot mapping per step
 
+With ``prefix_caching`` (vLLM's ``enable_prefix_caching``, on by default in vLLM)::
+
+    block hashes     per request, chained over the token ids of each full block:
+                     hash((parent hash, block's token ids)); the prompt's at admission
+                     (vLLM hashes them when the request arrives, in the same engine
+                     loop), an output block's when its last token is known
+    admission        get_computed_blocks: max length = prompt tokens - 1; the FULL hit
+                     (leading cached blocks), then the SWA hit within it (a run of
+                     cdiv(W - 1, bs) cached blocks ending the hit, the null block
+                     before), the FULL hit cut to the SWA one (the hybrid coordinator);
+                     touch (a free cached block leaves the queue), the hit blocks become
+                     the request's first blocks
+    allocation       after allocate_new_blocks, cache_blocks(computed + n): the request's
+                     newly full blocks get their hash and enter the map
+    frees            unchanged: a cached block whose count reaches 0 stays cached in the
+                     free queue until a popleft reuses it (its hash evicted then)
+
+The trace gives every admission's expected hit (``TraceStep.hit``). The engine's own hit
+must not exceed it (the trace's cache never evicts); a shorter one (a pool small enough
+to evict) is recomputed: its missing tokens join the admission's chunk, so lengths stay
+the trace's (``hit_tokens`` keeps the engine's hits, ``recomputed_tokens`` the rest).
+
 One pool per group (vLLM's hybrid manager shares one pool across groups) so the counts
-compare with graphalloc's two pools; the free and capacity checks are leaner than
-vLLM's (no prefix-cache hashing, no coordinator), which favours it. Its pinned buffers are
+compare with graphalloc's two pools; the capacity checks are leaner than vLLM's (no
+can-allocate precheck, no coordinator object), which favours it. Its pinned buffers are
 rewritten only after the previous copy completed (an event, as graphalloc's descriptor
+ring; vLLM relies on its per-step sync); ``stalls`` counts the waits.
+
+``last_counts`` = (FULL blocks taken, SWA taken, FULL freed, SWA freed): without caching
+freed = every block back in the free queue; with it, those without a hash (content
+dropped; a cached block in the queue is not free, ``state()`` counts it as cached).
 """
 
 from __future__ import annotations
@@ -29,135 +56,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 from sched_baseline_kernels import NULL_CLOCK
+from sched_vllm_blocks import BlockPool, FullAttentionManager, SlidingWindowManager
 
 __all__ = ["VLLMStyle"]
-
-
-# ---- (b) vLLM-style CPU block manager ----------------------------------------------------
-class _Block:
-    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.prev_free = None
-        self.next_free = None
-
-
-class _FreeBlockQueue:
-    """A doubly linked list of free blocks (vLLM's FreeKVCacheBlockQueue: O(1) removal from
-    the middle, used by prefix caching; here only popleft_n / append_n)."""
-
-    def __init__(self, blocks: list):
-        self.head = _Block(-1)
-        self.tail = _Block(-1)
-        prev = self.head
-        for b in blocks:
-            prev.next_free, b.prev_free = b, prev
-            prev = b
-        prev.next_free, self.tail.prev_free = self.tail, prev
-        self.n = len(blocks)
-
-    def popleft_n(self, n: int) -> list:
-        out = []
-        b = self.head.next_free
-        for _ in range(n):
-            out.append(b)
-            nxt = b.next_free
-            b.prev_free = b.next_free = None
-            b = nxt
-        self.head.next_free, b.prev_free = b, self.head
-        self.n -= n
-        return out
-
-    def append_n(self, blocks: list) -> None:
-        last = self.tail.prev_free
-        for b in blocks:
-            last.next_free, b.prev_free = b, last
-            last = b
-        last.next_free, self.tail.prev_free = self.tail, last
-        self.n += len(blocks)
-
-
-class _BlockPool:
-    """Blocks ``0..n`` (0 is the null block, never free); counts what each step took and
-    gave back."""
-
-    def __init__(self, n_blocks: int):
-        self.blocks = [_Block(i) for i in range(n_blocks + 1)]
-        self.null_block = self.blocks[0]
-        self.free_queue = _FreeBlockQueue(self.blocks[1:])
-        self.n_blocks = n_blocks
-        self.taken = self.given = 0
-
-    def get_new_blocks(self, n: int) -> list:
-        if n > self.free_queue.n:
-            raise RuntimeError(f"vllm baseline: {n} blocks needed, {self.free_queue.n} free; "
-                               "the trace sized the pool")
-        blocks = self.free_queue.popleft_n(n)
-        for b in blocks:
-            b.ref_cnt += 1
-        self.taken += n
-        return blocks
-
-    def free_blocks(self, ordered) -> None:
-        freed = []
-        null = self.null_block
-        for b in ordered:
-            if b is null:
-                continue
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                freed.append(b)
-        if freed:
-            self.free_queue.append_n(freed)
-            self.given += len(freed)
-
-
-class _FullAttentionManager:
-    """One KV group's block lists per request."""
-
-    def __init__(self, pool: _BlockPool, block_size: int):
-        self.pool, self.block_size = pool, block_size
-        self.req_to_blocks: dict = {}
-
-    def allocate_new_blocks(self, rid, num_tokens: int) -> list:
-        blocks = self.req_to_blocks.get(rid)
-        if blocks is None:
-            blocks = self.req_to_blocks[rid] = []
-        n_new = -(-num_tokens // self.block_size) - len(blocks)
-        if n_new <= 0:
-            return []
-        new = self.pool.get_new_blocks(n_new)
-        blocks.extend(new)
-        return new
-
-    def free(self, rid) -> None:
-        blocks = self.req_to_blocks.pop(rid, None)
-        if blocks:
-            self.pool.free_blocks(reversed(blocks))
-
-
-class _SlidingWindowManager(_FullAttentionManager):
-    def __init__(self, pool: _BlockPool, block_size: int, sliding_window: int):
-        super().__init__(pool, block_size)
-        self.sliding_window = sliding_window  # the MODEL's window W
-
-    def remove_skipped_blocks(self, rid, num_computed_tokens: int) -> None:
-        """Blocks wholly below ``num_computed_tokens - W + 1`` -> the null block, freed."""
-        last_useful_block = (num_computed_tokens - self.sliding_window + 1) // self.block_size
-        blocks = self.req_to_blocks.get(rid)
-        if not blocks or last_useful_block <= 0:
-            return
-        null = self.pool.null_block
-        removed = []
-        for i in range(last_useful_block - 1, -1, -1):
-            if blocks[i] is null:
-                break
-            removed.append(blocks[i])
-            blocks[i] = null
-        if removed:
-            self.pool.free_blocks(removed)
 
 
 class _PersistentBatch:
@@ -223,22 +124,30 @@ class VLLMStyle:
 
     Cost per step: O(scheduled requests) Python (two group managers each), O(new blocks)
     list work, an O(rows x max_blocks) table copy and an O(tokens) numpy slot mapping;
-    two host-to-device copies, no kernels, no host/device synchronisation.
+    two host-to-device copies, no kernels, no host/device synchronisation. With prefix
+    caching add O(prompt blocks) hashing and hash lookups per admission, O(1) hashing
+    per block filled.
     """
 
     name = "vllm"
 
     def __init__(self, *, num_full_pages: int, num_swa_pages: int, max_batch: int,
                  max_context_len: int, page_size: int, model_window: int, max_tokens: int,
-                 n_requests: int, device):
+                 n_requests: int, device, prefix_caching: bool = False, tokens=None,
+                 prompt_lens=None):
         if model_window < 2:
             raise ValueError("the model window must be >= 2 (the allocator's is W - 1)")
+        if prefix_caching and (tokens is None or prompt_lens is None):
+            raise ValueError("prefix caching needs the requests' tokens and prompt_lens "
+                             "(Trace.tokens, Trace.fill): a trace with a prefix workload")
         dev = torch.device(device)
         self.device, self.bs = dev, page_size
         self.is_cuda = dev.type == "cuda"
-        self.pools = (_BlockPool(num_full_pages), _BlockPool(num_swa_pages))
-        self.managers = (_FullAttentionManager(self.pools[0], page_size),
-                         _SlidingWindowManager(self.pools[1], page_size, model_window))
+        self.prefix_cache = prefix_caching
+        self.pools = (BlockPool(num_full_pages, prefix_caching),
+                      BlockPool(num_swa_pages, prefix_caching))
+        self.managers = (FullAttentionManager(self.pools[0], page_size),
+                         SlidingWindowManager(self.pools[1], page_size, model_window))
         width = -(-max_context_len // page_size)
         self.batch = _PersistentBatch(max_batch, width, self.is_cuda)
         self.table_dev = torch.zeros(max_batch, 2, width, dtype=torch.int32, device=dev)
@@ -247,6 +156,10 @@ class VLLMStyle:
         self.slots_np = self.slots_host.numpy()
         self.slots_dev = torch.zeros(max_tokens, 2, dtype=torch.int64, device=dev)
         self.num_computed = np.zeros(n_requests, dtype=np.int64)
+        self.tokens, self.prompt_lens = tokens, prompt_lens
+        self.block_hashes: dict = {}  # rid -> chained hashes of its full blocks so far
+        self.hit_tokens = np.full(n_requests, -1, dtype=np.int64)
+        self.recomputed_tokens = 0
         self._uploaded = None  # event behind the last copies
         self.stalls = 0
         self.last_counts = (0, 0, 0, 0)
@@ -260,11 +173,13 @@ class VLLMStyle:
         full_mgr, swa_mgr = self.managers
         batch, computed = self.batch, self.num_computed
         for p in self.pools:
-            p.taken = p.given = 0
+            p.begin_step()
         for rid in st.release.tolist():  # finished requests
             full_mgr.free(rid)
             swa_mgr.free(rid)
             batch.remove(rid)
+            if self.prefix_cache:
+                del self.block_hashes[rid]
         for rid in st.evict.tolist():
             swa_mgr.remove_skipped_blocks(rid, int(computed[rid]))
         sched_ids, sched_n = [], []
@@ -272,18 +187,64 @@ class VLLMStyle:
             self._allocate_slots(rid, 1)
             sched_ids.append(rid)
         sched_n = [1] * len(sched_ids)
-        new = set(st.admit.tolist())
-        for rid, n in zip(st.extend_ids.tolist(), st.extend_n.tolist(), strict=True):
-            if rid in new:
+        if self.prefix_cache:
+            chunks, hits = st.extend_n, dict(zip(st.admit.tolist(), st.hit.tolist(), strict=True))
+        else:  # a prefix workload's hits are allocated as fresh tokens
+            chunks, hits = st.extend_n_nocache, dict.fromkeys(st.admit.tolist(), 0)
+        for rid, n in zip(st.extend_ids.tolist(), chunks.tolist(), strict=True):
+            if rid in hits:
                 batch.add(rid)
+                if self.prefix_cache:
+                    n += self._admit_on_cache(rid, hits[rid])
             self._allocate_slots(rid, n)
             sched_ids.append(rid)
             sched_n.append(n)
         batch.condense()
         self._upload(sched_ids, sched_n)
         clock.device_end()
-        self.last_counts = (self.pools[0].taken, self.pools[1].taken, self.pools[0].given,
-                            self.pools[1].given)
+        full, swa = self.pools
+        if self.prefix_cache:
+            self.last_counts = (full.taken, swa.taken, full.freed, swa.freed)
+        else:
+            self.last_counts = (full.taken, swa.taken, full.given, swa.given)
+
+    def _hashes(self, rid, n_blocks: int) -> list:
+        """The request's block hashes, extended to ``n_blocks`` full blocks."""
+        hashes = self.block_hashes.get(rid)
+        if hashes is None:
+            hashes = self.block_hashes[rid] = []
+        if len(hashes) < n_blocks:
+            toks, bs = self.tokens[rid], self.bs
+            prev = hashes[-1] if hashes else None
+            for j in range(len(hashes), n_blocks):
+                prev = hash((prev, tuple(toks[j * bs:(j + 1) * bs].tolist())))
+                hashes.append(prev)
+        return hashes
+
+    def _admit_on_cache(self, rid, expected_hit: int) -> int:
+        """get_computed_blocks + touch + save_new_computed_blocks for a new request;
+        returns the tokens of the trace's hit it must recompute (module docstring)."""
+        full_mgr, swa_mgr = self.managers
+        bs, fill = self.bs, int(self.prompt_lens[rid])
+        hashes = self._hashes(rid, fill // bs)
+        full = full_mgr.find_longest_cache_hit(hashes, fill - 1)
+        swa = swa_mgr.find_longest_cache_hit(hashes, len(full) * bs)
+        full = full[:len(swa)]  # the FULL hit cut to the SWA one (hybrid coordinator)
+        hit = len(swa) * bs
+        if hit > expected_hit:
+            raise RuntimeError(f"vllm baseline: request {rid} hits {hit} tokens, the trace "
+                               f"{expected_hit}: the trace's cache model misses an entry")
+        row = self.batch.index[rid]
+        for g, (pool, mgr, blocks) in enumerate(((self.pools[0], full_mgr, full),
+                                                 (self.pools[1], swa_mgr, swa))):
+            pool.touch(blocks)
+            mgr.save_new_computed_blocks(rid, blocks)
+            if blocks:
+                self.batch.append_row(row, g, [b.block_id for b in blocks])
+        self.num_computed[rid] = hit
+        self.hit_tokens[rid] = hit
+        self.recomputed_tokens += expected_hit - hit
+        return expected_hit - hit
 
     def _allocate_slots(self, rid, n: int) -> None:
         total = int(self.num_computed[rid]) + n
@@ -292,7 +253,15 @@ class VLLMStyle:
             blocks = mgr.allocate_new_blocks(rid, total)
             if blocks:
                 self.batch.append_row(row, g, [b.block_id for b in blocks])
+        if self.prefix_cache:
+            hashes = self._hashes(rid, total // self.bs)
+            for mgr in self.managers:
+                mgr.cache_blocks(rid, hashes, total)
         self.num_computed[rid] = total
+
+    def state(self) -> tuple:
+        """(free, used, cached) of the FULL pool, then of the SWA pool (O(1))."""
+        return self.pools[0].state() + self.pools[1].state()
 
     def _upload(self, sched_ids: list, sched_n: list) -> None:
         """Slot mapping of the step's tokens (numpy, from the CPU block table), then the
@@ -323,16 +292,16 @@ class VLLMStyle:
 
     # ---- checks (after the run) ------------------------------------------------------
     def verify(self, live_ids) -> dict:
-        """Blocks held + free == pool, reference counts 0 or 1, and the device block table
-        equal to the host's (reads the device)."""
+        """Per pool: references equal the request lists holding each block, the free
+        queue holds exactly the unreferenced blocks, free + used + cached == pool; the
+        device block table equal to the host's (reads the device)."""
         out = {}
         for name, pool, mgr in (("full", self.pools[0], self.managers[0]),
                                 ("swa", self.pools[1], self.managers[1])):
-            held = [b for blocks in mgr.req_to_blocks.values() for b in blocks
-                    if b is not pool.null_block]
-            out[f"{name}_conserved"] = len(held) + pool.free_queue.n == pool.n_blocks
-            out[f"{name}_held_distinct"] = len({id(b) for b in held}) == len(held)
-            out[f"{name}_ref_ok"] = all(b.ref_cnt == 1 for b in held)
+            a = pool.audit(mgr.req_to_blocks.values())
+            out[f"{name}_conserved"] = a["conserved"] and a["state_ok"]
+            out[f"{name}_ref_ok"] = a["refs_ok"] and a["queue_ok"] and a["map_ok"]
+            out[f"{name}_state"] = list(a["state"])
         n = self.batch.n
         if self.is_cuda:
             torch.cuda.synchronize()
@@ -344,5 +313,5 @@ class VLLMStyle:
                 same &= bool(np.array_equal(dev[row, g, :k], self.batch.np[row, g, :k]))
         out["device_table_equal"] = same
         out["rows"] = n
-        out["ok"] = all(v for k, v in out.items() if k != "rows")
+        out["ok"] = all(v for k, v in out.items() if k != "rows" and not k.endswith("state"))
         return out

@@ -174,6 +174,10 @@ class TraceStep:
     extend_n_nocache: np.ndarray | None = None
     expect_cache: tuple | None = None
 
+    def __post_init__(self):
+        if self.extend_n_nocache is None:
+            self.extend_n_nocache = self.extend_n
+
     @property
     def step_class(self) -> str:
         if len(self.extend_ids):
