@@ -63,6 +63,7 @@ class SGLangStyle:
     """
 
     name = "sglang"
+    prefix_cache = False  # sched_sglang_prefix.SGLangRadixStyle: the radix cache on
 
     def __init__(self, *, num_full_pages: int, num_swa_pages: int, max_reqs: int,
                  max_context_len: int, page_size: int, sliding_window: int, n_requests: int,
@@ -146,8 +147,8 @@ class SGLangStyle:
             length[rid] = 0
             front[rid] = 0
         n_new = 0
-        if len(st.extend_ids):
-            n_new += self._allocate(st.extend_ids, st.extend_n)
+        if len(st.extend_ids):  # (a prefix workload's hits are allocated as fresh tokens)
+            n_new += self._allocate(st.extend_ids, st.extend_n_nocache)
         if len(st.decode):
             n_new += self._allocate(st.decode, None)
         clock.device_end()
@@ -192,6 +193,7 @@ class SGLangStyle:
         n = np.ones(k, dtype=np.int64) if n_tok is None else n_tok
         pages = _ceil_div(pre + n, ps) - _ceil_div(pre, ps)
         n_pages = int(pages.sum())
+        self._make_room(n_pages)
         for pool in ("full", "swa"):
             if n_pages > self.count[pool]:
                 raise RuntimeError(f"sglang baseline: {pool} pool short ({n_pages} needed, "
@@ -225,6 +227,9 @@ class SGLangStyle:
         self.out_slots = (out_full, out_swa)
         return n_pages
 
+    def _make_room(self, n_pages: int) -> None:
+        """Before an allocation of ``n_pages`` per pool (the radix cache evicts here)."""
+
     def _popped(self, n_pages: int) -> None:
         for pool in ("full", "swa"):
             self.head[pool] = (self.head[pool] + n_pages) % self.cap[pool]
@@ -243,6 +248,11 @@ class SGLangStyle:
         view = _DecodeView(self, dev[:k], dev[k:])
         self.out_slots = eager_decode_alloc(view)
         self._popped(n_pages)
+
+    def state(self) -> tuple:
+        """(free, used, cached) of the FULL pool, then of the SWA pool (no cache: 0)."""
+        full, swa = self.count["full"], self.count["swa"]
+        return (full, self.n_pages["full"] - full, 0, swa, self.n_pages["swa"] - swa, 0)
 
     # ---- checks (after the run; reads the device) ------------------------------------
     def verify(self, live_ids) -> dict:
