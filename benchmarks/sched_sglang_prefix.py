@@ -70,7 +70,7 @@ class SGLangRadixStyle(SGLangStyle):
         self.live: dict = {}  # running requests, admission order
         self.hit_tokens = np.full(n, -1, dtype=np.int64)
         self.recomputed_tokens = 0
-        self.evictions = 0  # eviction calls that freed something
+        self.evicted_pages = [0, 0]  # FULL, SWA pages the tree's evictions freed
         self._parts = {"full": [], "swa": []}
         self._n = {"full": 0, "swa": 0}
         self._freed = {"full": 0, "swa": 0}
@@ -114,8 +114,9 @@ class SGLangRadixStyle(SGLangStyle):
         short_swa = n_pages - self.count["swa"]
         if short_full > 0 or short_swa > 0:
             ps = self.ps
-            self.tree.evict(max(0, short_full) * ps, max(0, short_swa) * ps)
-            self.evictions += 1
+            full, swa = self.tree.evict(max(0, short_full) * ps, max(0, short_swa) * ps)
+            self.evicted_pages[0] += full // ps
+            self.evicted_pages[1] += swa // ps
             self._flush()
 
     # ---- one scheduler iteration -----------------------------------------------------

@@ -88,6 +88,7 @@ class SGLangStyle:
         # ring holds its pool's pages in [head, head + count) modulo it.
         cap = max(num_full_pages, num_swa_pages)
         self.n_pages = {"full": num_full_pages, "swa": num_swa_pages}
+        self.pool_sizes = (num_full_pages, num_swa_pages)
         self.rings = {pool: torch.cat([torch.arange(1, n + 1, **i64),
                                        torch.zeros(cap - n, **i64)])
                       for pool, n in self.n_pages.items()}

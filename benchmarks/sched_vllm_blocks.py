@@ -107,6 +107,7 @@ class BlockPool:
         self.cached: dict = {}  # block hash -> {block id: block}
         self.n_used = 0  # blocks with ref_cnt > 0 (kept with caching)
         self.n_cached_free = 0  # queued blocks with a hash
+        self.evicted_total = 0  # cached blocks reused for new content, all steps
         self.begin_step()
 
     def begin_step(self) -> None:
@@ -139,6 +140,7 @@ class BlockPool:
         b.block_hash = None
         self.n_cached_free -= 1
         self.evicted += 1
+        self.evicted_total += 1
 
     # ---- prefix caching --------------------------------------------------------------
     def get_cached_block(self, block_hash):

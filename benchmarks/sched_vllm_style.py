@@ -146,6 +146,7 @@ class VLLMStyle:
         self.prefix_cache = prefix_caching
         self.pools = (BlockPool(num_full_pages, prefix_caching),
                       BlockPool(num_swa_pages, prefix_caching))
+        self.pool_sizes = (num_full_pages, num_swa_pages)
         self.managers = (FullAttentionManager(self.pools[0], page_size),
                          SlidingWindowManager(self.pools[1], page_size, model_window))
         width = -(-max_context_len // page_size)
@@ -258,6 +259,11 @@ class VLLMStyle:
             for mgr in self.managers:
                 mgr.cache_blocks(rid, hashes, total)
         self.num_computed[rid] = total
+
+    @property
+    def evicted_pages(self) -> tuple[int, int]:
+        """Cached blocks reused for new content (evicted), FULL and SWA, all steps."""
+        return self.pools[0].evicted_total, self.pools[1].evicted_total
 
     def state(self) -> tuple:
         """(free, used, cached) of the FULL pool, then of the SWA pool (O(1))."""
