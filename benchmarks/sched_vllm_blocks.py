@@ -106,6 +106,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.cached: dict = {}  # block hash -> {block id: block}
         self.n_used = 0  # blocks with ref_cnt > 0 (kept with caching)
+        self.total_refs = 0  # the sum of every block's ref_cnt (kept with caching)
         self.n_cached_free = 0  # queued blocks with a hash
         self.evicted_total = 0  # cached blocks reused for new content, all steps
         self.begin_step()
@@ -126,6 +127,7 @@ class BlockPool:
                     self._evict(b)
                 b.ref_cnt = 1
             self.n_used += n
+            self.total_refs += n
         else:
             for b in blocks:
                 b.ref_cnt += 1
@@ -159,6 +161,7 @@ class BlockPool:
                 self.n_used += 1
                 self.revived += 1
             b.ref_cnt += 1
+            self.total_refs += 1
 
     def cache_full_blocks(self, blocks: list, block_hashes: list, num_cached: int,
                           num_full: int) -> None:
@@ -182,12 +185,15 @@ class BlockPool:
         order given (vLLM frees a request's blocks tail first: evicted first)."""
         freed = []
         null = self.null_block
+        n_refs = 0
         for b in ordered:
             if b is null:
                 continue
+            n_refs += 1
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 freed.append(b)
+        self.total_refs -= n_refs
         if not freed:
             return
         self.free_queue.append_n(freed)
@@ -202,11 +208,17 @@ class BlockPool:
             self.freed += len(freed)
 
     # ---- state -------------------------------------------------------------------------
-    def state(self) -> tuple[int, int, int]:
-        """(free, used, cached) blocks from the counters (O(1))."""
+    def state(self, n_entries: int | None = None) -> tuple[int, int, int]:
+        """(free, used, cached) blocks from the counters (O(1)). With ``n_entries`` (the
+        non-null entries of the requests' block lists) the references no list accounts
+        for are taken off ``used``: a block a request dropped without freeing it then
+        shows as a block missing from free + used + cached."""
         if not self.enable_caching:
             return self.free_queue.n, self.n_blocks - self.free_queue.n, 0
-        return self.free_queue.n - self.n_cached_free, self.n_used, self.n_cached_free
+        used = self.n_used
+        if n_entries is not None:
+            used -= self.total_refs - n_entries
+        return self.free_queue.n - self.n_cached_free, used, self.n_cached_free
 
     def audit(self, holders) -> dict:
         """Recount from the blocks (O(n)): ``holders`` the request block lists of this
@@ -241,6 +253,12 @@ class FullAttentionManager:
         self.pool, self.block_size = pool, block_size
         self.req_to_blocks: dict = {}
         self.num_cached_block: dict = {}
+        self.num_null: dict = {}  # rid -> leading null blocks of its list (SWA)
+
+    def n_entries(self) -> int:
+        """Non-null entries of every request's list (O(requests))."""
+        return sum(len(b) for b in self.req_to_blocks.values()) - sum(
+            self.num_null.values())
 
     def find_longest_cache_hit(self, block_hashes: list, max_length: int) -> list:
         """The leading cached blocks, at most ``max_length`` tokens (a chained hash that
@@ -257,6 +275,10 @@ class FullAttentionManager:
     def save_new_computed_blocks(self, rid, blocks: list) -> None:
         self.req_to_blocks[rid] = list(blocks)
         self.num_cached_block[rid] = len(blocks)
+        null = self.pool.null_block
+        n_null = sum(1 for b in blocks if b is null)
+        if n_null:
+            self.num_null[rid] = n_null
 
     def allocate_new_blocks(self, rid, num_tokens: int) -> list:
         blocks = self.req_to_blocks.get(rid)
@@ -280,6 +302,7 @@ class FullAttentionManager:
     def free(self, rid) -> None:
         blocks = self.req_to_blocks.pop(rid, None)
         self.num_cached_block.pop(rid, None)
+        self.num_null.pop(rid, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
@@ -324,4 +347,5 @@ class SlidingWindowManager(FullAttentionManager):
             removed.append(blocks[i])
             blocks[i] = null
         if removed:
+            self.num_null[rid] = self.num_null.get(rid, 0) + len(removed)
             self.pool.free_blocks(removed)

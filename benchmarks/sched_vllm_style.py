@@ -266,8 +266,10 @@ class VLLMStyle:
         return self.pools[0].evicted_total, self.pools[1].evicted_total
 
     def state(self) -> tuple:
-        """(free, used, cached) of the FULL pool, then of the SWA pool (O(1))."""
-        return self.pools[0].state() + self.pools[1].state()
+        """(free, used, cached) of the FULL pool, then of the SWA pool (O(running): used
+        is checked against the requests' block lists, ``BlockPool.state``)."""
+        return (self.pools[0].state(self.managers[0].n_entries())
+                + self.pools[1].state(self.managers[1].n_entries()))
 
     def _upload(self, sched_ids: list, sched_n: list) -> None:
         """Slot mapping of the step's tokens (numpy, from the CPU block table), then the
