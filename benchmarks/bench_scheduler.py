@@ -801,7 +801,7 @@ and SWA) and replays one graph holding the allocator's launch and the tables' la
 (captured per descriptor buffer and launch form): still one replay per step. The JSON's
 `plan_us` is the planning alone (the call to the replay).
 
-**SGLang-style** (`benchmarks/sched_baselines.py`, `SGLangStyle`): the same device tables;
+**SGLang-style** (`benchmarks/sched_sglang_style.py`, `SGLangStyle`): the same device tables;
 releases split at the frontier (FULL pages by a floor_divide of the page-start slots, SWA
 pages by graphalloc's fused lookup-and-clear kernel), one fused lookup-and-clear per
 request whose window lost a page, all inside a free group (one cat and ring write per pool
@@ -810,13 +810,13 @@ two gathers, one allocation kernel per pool, one req_to_token write kernel and t
 full-to-SWA scatter. Sync-free (SGLang's own frees use `torch.unique` and boolean masks,
 which wait for the device): this favours the baseline.
 
-**vLLM-style** (`VLLMStyle`): Python block objects in a doubly linked free queue per
-group, per-request block lists, `allocate_slots` topping them up, the SWA group's removal
-of blocks wholly outside the window (replaced by the null block 0, called where the trace
-evicts), `free` in reverse order; the worker's persistent batch (holes filled, then
-condensed), new block ids appended to a pinned CPU block table, the slot mapping computed
-in numpy, and per step one non_blocking copy of the running requests' block-table rows
-(both groups) plus one of the slot mapping.
+**vLLM-style** (`sched_vllm_style.py`, `VLLMStyle`): Python block objects in a doubly
+linked free queue per group, per-request block lists, `allocate_slots` topping them up,
+the SWA group's removal of blocks wholly outside the window (replaced by the null block 0,
+called where the trace evicts), `free` in reverse order; the worker's persistent batch
+(holes filled, then condensed), new block ids appended to a pinned CPU block table, the
+slot mapping computed in numpy, and per step one non_blocking copy of the running
+requests' block-table rows (both groups) plus one of the slot mapping.
 
 **Timing.** Host: `perf_counter_ns` around the whole step, steps pipelined (no
 synchronisation between them; CUDA event records subtracted). GPU interval: CUDA events
