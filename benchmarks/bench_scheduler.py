@@ -848,10 +848,13 @@ every admission's hit with a cache that never evicts: the longest prefix of whol
 earlier request computed (prompt pages after the chunk that computed them, output pages
 at release), at most the prompt less one token; a request whose prefix another request is
 still computing waits (SGLang's in-batch prefix check), so no page is computed twice.
-Expected hit rate (hit tokens / prompt tokens, stated per configuration): about
-1024 / (1024 + mean user prompt) for system prompts (0.57 at W = 128, 0.26 at W = 4096);
-for multi-turn it grows as conversations reach later turns (0.5-0.67 over the measured
-steps of the full run). The baselines run with their caches on: **SGLang-style** with an
+Expected hit rate (hit tokens / prompt tokens of the admissions, stated per
+configuration, whole trace / measured steps): system prompts about 1024 / (1024 + mean
+user prompt), 0.57-0.63 / 0.64 at W = 128 (B = 1: 0.23 / 0.32, its first requests miss)
+and 0.20-0.26 / 0.26-0.53 at W = 4096; multi-turn grows as conversations reach later
+turns, 0.36-0.56 / 0.59-0.71 at W = 128 and 0.10-0.23 / 0.49-0.79 at W = 4096. At
+B = 1, W = 4096 no request is admitted within the run (outputs of ~1400 tokens): 0.
+The baselines run with their caches on: **SGLang-style** with an
 SWA radix tree (`sched_sglang_radix.py`, `sched_sglang_prefix.py`: match_prefix on whole
 pages with the tombstone-window rule, cache_unfinished_req after every chunk,
 cache_finished_req at release, FULL and SWA lock refs, LRU eviction of unlocked leaves,
@@ -893,7 +896,8 @@ def plot(res: dict, out_dir: str) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    cfgs = res["configs"]
+    cfgs = [c for c in res["configs"]  # the small-pool configuration is not in the sweep
+            if (c.get("prefix") or {}).get("pool") != "small"]
     if not cfgs:
         return []
     labels = _labels(res)
