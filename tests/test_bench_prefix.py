@@ -281,3 +281,89 @@ def test_quick_run_with_prefix_cache(tmp_path):
     md = (out / "bench_scheduler.md").read_text()
     assert "## Prefix caching (system-prompt)" in md
     assert "graphalloc (prefix cache off)" in md and "(small pool)" in md
+
+
+# ---- the radix tree's rules, one by one ------------------------------------------------------
+class _Owner:
+    """Records what the tree frees: FULL pages and SWA pages (ps = 2, slot = page * 2)."""
+
+    def __init__(self):
+        self.full, self.swa, self.remapped = [], [], []
+
+    def free(self, value, swa_from):
+        pages = (value[::2] // 2).tolist()
+        self.full += pages
+        self.swa += pages[swa_from // 2:]
+
+    def free_swa(self, value):
+        self.swa += (value[::2] // 2).tolist()
+
+    def remap(self, dst, src):
+        self.remapped.append(((dst[::2] // 2).tolist(), (src[::2] // 2).tolist()))
+
+
+def test_radix_tree_rules():
+    import torch
+    from sched_sglang_radix import SWARadixTree
+
+    def slots(*pages):
+        return torch.tensor([p * 2 + o for p in pages for o in (0, 1)])
+
+    owner = _Owner()
+    tree = SWARadixTree(owner, page_size=2, window=3)
+    key = np.arange(1, 9, dtype=np.int32)  # 4 pages
+    assert tree.insert(key, slots(10, 11, 12, 13), 0) == 0
+    assert (tree.full_evictable, tree.swa_evictable) == (8, 8)
+    # a partial match splits the node at the page boundary
+    values, node, n = tree.match_prefix(np.array([1, 2, 3, 4, 9, 9], dtype=np.int32))
+    assert n == 4 and torch.equal(torch.cat(values), slots(10, 11))
+    # lock the whole prefix: FULL locked to the root, SWA over the window (3 tokens: the
+    # last node [5, 9) alone)
+    values, node, n = tree.match_prefix(key)
+    uuid = tree.inc_lock_ref(node)
+    assert n == 8 and (tree.full_protected, tree.swa_protected, tree.swa_evictable) == (8, 4, 4)
+    # SWA pressure tombstones the unlocked node [1, 5): its SWA freed, FULL kept
+    assert tree.evict(0, 4) == (0, 4) and owner.swa == [10, 11] and owner.full == []
+    # a match may end after a tombstone only when a window's worth of SWA follows it
+    assert tree.match_prefix(key)[2] == 8
+    tree.window = 5
+    assert tree.match_prefix(key)[2] == 0
+    tree.window = 3
+    # another request inserts the same tokens: the locked tombstone keeps its FULL slots
+    # and takes the incoming SWA (remap, incoming FULL freed); the live node frees the
+    # incoming duplicate (FULL and SWA)
+    owner.full, owner.swa = [], []
+    assert tree.insert(key, slots(20, 21, 22, 23), 0) == 8
+    assert owner.remapped == [([10, 11], [20, 21])]
+    assert owner.full == [20, 21, 22, 23] and owner.swa == [22, 23]
+    assert (tree.swa_evictable, tree.swa_protected) == (4, 4)
+    # unlocked, FULL pressure frees the leaf, then the exposed parent
+    tree.dec_lock_ref(node, uuid)
+    owner.full, owner.swa = [], []
+    assert tree.evict(8, 0) == (8, 8)
+    assert sorted(owner.full) == [10, 11, 12, 13] and sorted(owner.swa) == [10, 11, 12, 13]
+    audit = tree.audit([])
+    assert audit["sizes_ok"] and audit["nodes"] == 0
+
+
+def test_small_swa_pool_tombstones_and_loses_no_page():
+    """A SWA pool smaller than FULL (as engines size them): SWA pressure alone evicts."""
+    trace = sw.generate(_spec_of("multi-turn", b=4, seed=6), 4, 200, 0)
+    n_full, n_swa = trace.cache_pages + 16, trace.peak_swa + 8
+    spec = trace.spec
+    drivers = {
+        "sglang": SGLangRadixStyle(
+            num_full_pages=n_full, num_swa_pages=n_swa, max_reqs=8, max_context_len=CTX,
+            page_size=spec.page_size, sliding_window=spec.alloc_window,
+            n_requests=trace.n_requests, max_rows=16, device="cpu", backend="torch",
+            tokens=trace.tokens, prompt_lens=trace.fill),
+        "vllm": VLLMStyle(
+            num_full_pages=n_full, num_swa_pages=n_swa, max_batch=4, max_context_len=CTX,
+            page_size=spec.page_size, model_window=spec.window, max_tokens=8 * CTX,
+            n_requests=trace.n_requests, device="cpu", prefix_caching=True,
+            tokens=trace.tokens, prompt_lens=trace.fill)}
+    counts, states = _replay(trace, drivers, strict=False)
+    for name, d in drivers.items():
+        assert (states[name][:, 3:].sum(axis=1) == n_swa).all(), name
+        assert d.evicted_pages[1] > 0 and d.recomputed_tokens > 0, name
+        assert d.verify(sa.live_ids(trace, len(trace.steps)))["ok"], name
