@@ -866,7 +866,11 @@ cache_blocks after allocation). graphalloc runs the same steps with its cache of
 columns say so): an admission allocates its cached prefix as fresh tokens with its first
 chunk. Pools: the baselines get every page the cached replay allocates (+2%), so nothing
 is evicted, and one extra small-pool configuration (graphalloc's pools: the peak without
-a cache + 2%; B = 64, 300 steps) in which the caches fill and evict.
+a cache + 2%; B = 64, 300 steps) in which the caches fill and evict. Both pools get the
+FULL size there: with a smaller SWA pool the SGLang-style cache can need more SWA pages
+than a replay without a cache (its SWA locks cover whole tree nodes, e.g. a shared system
+prompt's while any request on it runs; SGLang's optional leaf split and early lock
+release address this) and would have to retract requests, which the trace cannot model.
 
 **Agreement with prefix caching** (`sched_agreement.py`): graphalloc as above (its counts
 of the replay without a cache). The baselines, at every step: FULL and SWA pages
