@@ -48,6 +48,12 @@ at every step run; otherwise the configuration is an error (``AgreementError``) 
 exit status is 1. Then every implementation's device state is checked against its host
 (graphalloc: ``check()`` and ``audit()``; the baselines: ``verify()``).
 
+``--prefix-cache system-prompt|multi-turn`` replays a prefix-caching trace: the baselines
+with their prefix caches on (SGLang's radix cache, vLLM's prefix caching), graphalloc with
+its cache off (labelled so), plus one small-pool configuration whose caches must evict.
+What must agree then is in ``sched_agreement.py`` (hits per request, allocations and FULL
+frees per step, FULL pool states, no page lost) and in the method text.
+
 Writes ``bench_scheduler.json`` (rewritten after every configuration), ``bench_scheduler.md``
 (tables, targets, the method) and, with matplotlib, ``host_us_vs_b.png`` and
 ``gpu_us_vs_b.png`` (drawn by ``sched_plots.py``) into ``--out``. A failing configuration is
@@ -73,9 +79,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from sched_baselines import NULL_CLOCK, SGLangStyle, VLLMStyle  # noqa: E402
+from sched_agreement import (  # noqa: E402
+    AgreementError,  # noqa: F401 (re-exported: the tests catch it from here)
+    check_agreement,
+    check_prefix,
+    live_ids,
+    record,
+    replay,
+)
+from sched_baselines import SGLangStyle, VLLMStyle  # noqa: E402
 from sched_graphalloc import SHAPES, GraphallocDriver, engine_config, pool_pages  # noqa: E402
 from sched_plots import plot  # noqa: E402
+from sched_prefix import PREFIX_WORKLOADS  # noqa: E402
+from sched_sglang_prefix import SGLangRadixStyle  # noqa: E402
 from sched_workload import STEP_CLASSES, WorkloadSpec, generate  # noqa: E402
 from timing import (  # noqa: E402
     _COPY_APIS,
@@ -99,15 +115,13 @@ RATIOS = (("sglang", "graphalloc"), ("vllm", "graphalloc"), ("vllm", "graphalloc
 
 FULL = dict(b=(1, 16, 64, 256, 1024), ps=(16, 64), window=(128, 4096), interval=(1, 128),
             chunk=8192, steps=300, min_steps=40, steps_1024=120, warmup=10, profile=10,
-            seed=0, sigma=0.8, floor_samples=200)
+            seed=0, sigma=0.8, floor_samples=200, small_pool_b=64, small_pool_steps=300,
+            system_prompt_tokens=1024)
 QUICK = dict(b=(1, 4), ps=(16,), window=(32,), interval=(1, 8), chunk=64, steps=12,
              min_steps=6, steps_1024=12, warmup=2, profile=2, seed=0, sigma=0.8,
-             floor_samples=10)
+             floor_samples=10, small_pool_b=4, small_pool_steps=80,
+             system_prompt_tokens=64)
 END_RESERVE_S = 10.0  # kept back for the last floor, the outputs and the plots
-
-
-class AgreementError(AssertionError):
-    """Implementations freed or allocated different page counts at some step."""
 
 
 def lengths_for(window: int, quick: bool) -> dict:
@@ -305,72 +319,41 @@ class Context:
         self.is_cuda = device.type == "cuda"
 
 
-def build_driver(ctx, name: str, trace, cfg):
+def baseline_pools(trace, pool: str) -> tuple[int, int]:
+    """The baselines' FULL and SWA pools. Without a prefix workload, or with
+    ``pool="small"``: graphalloc's (the trace's peak without a cache, plus 2%: a cache
+    fills it and evicts). With one and ``pool="no-eviction"``: every page the replay with
+    a cache allocates, plus 2% (no page ever has to be reused, so nothing is evicted)."""
+    if trace.spec.prefix is None or pool == "small":
+        n = pool_pages(trace)
+        return (max(n), max(n)) if trace.spec.prefix else n
+    n = trace.cache_pages + max(16, trace.cache_pages // 50)
+    return n, n
+
+
+def build_driver(ctx, name: str, trace, cfg, pool: str = "no-eviction"):
     spec = trace.spec
-    n_full, n_swa = pool_pages(trace)
+    n_full, n_swa = baseline_pools(trace, pool)
+    cache = dict(tokens=trace.tokens, prompt_lens=trace.fill) if spec.prefix else None
     if name == "graphalloc":
         return GraphallocDriver(cfg, n_requests=trace.n_requests)
     if name == "graphalloc_tables":
         return GraphallocDriver(cfg, n_requests=trace.n_requests, tables=True)
     if name == "sglang":
-        return SGLangStyle(
+        return (SGLangRadixStyle if cache else SGLangStyle)(
             num_full_pages=n_full, num_swa_pages=n_swa, max_reqs=cfg.max_reqs,
             max_context_len=spec.max_context_len, page_size=spec.page_size,
             sliding_window=spec.alloc_window, n_requests=trace.n_requests,
             max_rows=cfg.max_alloc_rows, device=ctx.device, backend=ctx.backend,
-            decode=ctx.args.sglang_decode)
+            decode=ctx.args.sglang_decode, **(cache or {}))
     if name == "vllm":
         return VLLMStyle(
             num_full_pages=n_full, num_swa_pages=n_swa, max_batch=spec.n_running,
             max_context_len=spec.max_context_len, page_size=spec.page_size,
             model_window=spec.window, max_tokens=cfg.max_step_tokens,
-            n_requests=trace.n_requests, device=ctx.device)
+            n_requests=trace.n_requests, device=ctx.device, prefix_caching=bool(cache),
+            **(cache or {}))
     raise ValueError(f"unknown implementation {name!r}")
-
-
-def _disagreement(steps, k: int, name: str, got: dict, later: int = 0) -> AgreementError:
-    st = steps[k]
-    return AgreementError(
-        f"{name} differs at step {k} ({st.phase}, {st.step_class}: {len(st.release)} "
-        f"releases, {len(st.evict)} evictions, {len(st.decode)} decodes, "
-        f"{len(st.extend_ids)} chunks){f' and {later} later steps' if later else ''}: the "
-        f"trace expects (FULL alloc, SWA alloc, FULL freed, SWA freed) = "
-        f"{list(st.expect)}, got {got}")
-
-
-def replay(driver, steps, start: int, stop: int, counts: np.ndarray) -> None:
-    """Run steps ``[start, stop)`` untimed, recording each step's page counts; the first
-    step whose counts differ from the trace's raises :class:`AgreementError` at once."""
-    for k in range(start, stop):
-        st = steps[k]
-        driver.step(st, NULL_CLOCK)
-        got = driver.last_counts
-        counts[k] = got
-        if tuple(got) != st.expect:
-            raise _disagreement(steps, k, driver.name, {driver.name: [int(x) for x in got]})
-
-
-def check_agreement(trace, counts: dict, stop: int) -> dict:
-    """Per step, every implementation's (FULL alloc, SWA alloc, FULL freed, SWA freed)
-    equals the trace's: raises :class:`AgreementError` naming the first step that differs."""
-    expect = trace.expected(0, stop)
-    for name, got in counts.items():
-        bad = np.flatnonzero((got[:stop] != expect).any(axis=1))
-        if len(bad):
-            k = int(bad[0])
-            others = {n: [int(x) for x in c[k]] for n, c in counts.items()}
-            raise _disagreement(trace.steps, k, name, others, len(bad) - 1)
-    return {"steps_compared": int(stop), "equal": True,
-            "totals": [int(x) for x in expect.sum(axis=0)],
-            "fields": ["full_allocated", "swa_allocated", "full_freed", "swa_freed"]}
-
-
-def live_ids(trace, stop: int) -> list[int]:
-    live: set = set()
-    for st in trace.steps[:stop]:
-        live.update(st.admit.tolist())
-        live.difference_update(st.release.tolist())
-    return sorted(live)
 
 
 def _by_class(values, classes) -> dict:
@@ -402,7 +385,8 @@ class _Drivers:
                 torch.cuda.synchronize()
 
 
-def _measure(ctx, d, trace, m0: int, m: int, counts: np.ndarray, classes, seg1) -> dict:
+def _measure(ctx, d, trace, m0: int, m: int, counts: np.ndarray, classes, seg1,
+             states=None) -> dict:
     """M pipelined steps of one implementation: host, GPU interval, syncs per step."""
     is_cuda = ctx.is_cuda
     clock = StepClock(is_cuda, m)
@@ -418,14 +402,10 @@ def _measure(ctx, d, trace, m0: int, m: int, counts: np.ndarray, classes, seg1) 
                 clock.begin()
                 d.step(st, clock)
                 host[j] = clock.end()
-                got = d.last_counts
-                counts[m0 + j] = got
                 syncs.append(sc.count())
                 if hasattr(d, "plan_ns"):
                     plan.append(d.plan_ns / 1e3)
-                if tuple(got) != st.expect:
-                    raise _disagreement(trace.steps, m0 + j, d.name,
-                                        {d.name: [int(x) for x in got]})
+                record(d, st, m0 + j, counts, states, ctx.strict)
     finally:
         gc.enable()
     dev = clock.device_us()
@@ -444,29 +424,41 @@ def _measure(ctx, d, trace, m0: int, m: int, counts: np.ndarray, classes, seg1) 
     return out
 
 
-def run_config(ctx, b: int, ps: int, window: int, interval: int, budget_s: float) -> dict:
+def run_config(ctx, b: int, ps: int, window: int, interval: int, budget_s: float,
+               pool: str = "no-eviction") -> dict:
     """One configuration, every implementation (module docstring); ``budget_s`` is its
-    share of the run's time budget (it sizes the measured steps)."""
+    share of the run's time budget (it sizes the measured steps). ``pool``: the
+    baselines' pools with ``--prefix-cache`` (``baseline_pools``)."""
     p = ctx.params
     ctx.budget_s = budget_s
+    ctx.strict = pool != "small"
     t_cfg = time.perf_counter()
+    prefix = {} if not p.get("prefix") else dict(
+        prefix=p["prefix"], system_prompt_tokens=p["system_prompt_tokens"])
     spec = WorkloadSpec(n_running=b, page_size=ps, window=window, eviction_interval=interval,
                         chunk_tokens=p["chunk"], sigma=p["sigma"], seed=p["seed"] + 7919 * b,
-                        **lengths_for(window, ctx.args.quick))
+                        **lengths_for(window, ctx.args.quick), **prefix)
     m_max = max(p["steps_1024"] if b >= 1024 else p["steps"], p["min_steps"])
+    if pool == "small":  # long enough for the caches to fill the pools
+        m_max = max(m_max, p["small_pool_steps"])
     K = p["profile"]
     trace = generate(spec, p["warmup"], m_max, K)
     cfg, notes = engine_config(trace, ctx.device, ctx.backend)
+    small = " small pool" if pool == "small" else ""
     rec = {"b": b, "ps": ps, "window": window, "interval": interval,
-           "label": f"B={b} ps={ps} W={window} ei={interval}",
+           "label": f"B={b} ps={ps} W={window} ei={interval}{small}",
            "spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
            "allocator": {**{k: getattr(cfg, k) for k in SHAPES}, **notes},
            "pools": dict(zip(("full", "swa"), pool_pages(trace), strict=True)),
            "driver_errors": {}}
+    if spec.prefix:
+        rec["prefix"] = {"workload": spec.prefix, "pool": pool, "graphalloc": "cache off",
+                         "baseline_pools": dict(zip(("full", "swa"), baseline_pools(
+                             trace, pool), strict=True)), "trace": trace.prefix}
     drivers = _Drivers(rec["driver_errors"])
     for name in (n for n in IMPLS if n in ctx.args.impls):
         drivers.attempt(name, lambda name=name: drivers.live.__setitem__(
-            name, build_driver(ctx, name, trace, cfg)))
+            name, build_driver(ctx, name, trace, cfg, pool)))
     gc.collect()
     gc.freeze()  # the drivers' long-lived objects (vLLM's blocks) are never scanned again
     try:
@@ -487,16 +479,19 @@ def _run_drivers(ctx, rec, drivers, trace, cfg, t_cfg, m_max) -> dict:
         rec["tables_mode"] = drivers.live["graphalloc_tables"].table_mode
     n_total = len(trace.steps)
     counts = {n: np.zeros((n_total, 4), dtype=np.int64) for n in drivers.live}
+    states = {n: np.zeros((n_total, 6), dtype=np.int64) for n, d in drivers.live.items()
+              if getattr(d, "prefix_cache", False)}
+    strict = ctx.strict
     w0, m0 = trace.phase_start["warmup"], trace.phase_start["measure"]
     # 1. bootstrap + warm-up, every implementation (the warm-up timed to size the run)
     wall_step = {}
 
     def warm(name, d):
-        replay(d, trace.steps, 0, w0, counts[name])
+        replay(d, trace.steps, 0, w0, counts[name], states.get(name), strict)
         if is_cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        replay(d, trace.steps, w0, m0, counts[name])
+        replay(d, trace.steps, w0, m0, counts[name], states.get(name), strict)
         if is_cuda:
             torch.cuda.synchronize()
         wall_step[name] = (time.perf_counter() - t0) / max(1, m0 - w0)
@@ -518,17 +513,26 @@ def _run_drivers(ctx, rec, drivers, trace, cfg, t_cfg, m_max) -> dict:
     k0, stop = m0 + m, m0 + m + K
     for name, d in list(drivers.live.items()):
         drivers.attempt(name, lambda name=name, d=d: res.__setitem__(
-            name, _measure(ctx, d, trace, m0, m, counts[name], classes, seg1)))
+            name, _measure(ctx, d, trace, m0, m, counts[name], classes, seg1,
+                           states.get(name))))
     for name, d in list(drivers.live.items()):
         def prof(name=name, d=d):
             res[name]["profile"] = profile_steps(
-                lambda: replay(d, trace.steps, k0, stop, counts[name]), K, is_cuda)
+                lambda: replay(d, trace.steps, k0, stop, counts[name], states.get(name),
+                               strict), K, is_cuda)
             res[name]["stalls"] = int(d.stalls)
         drivers.attempt(name, prof)
     # 4. agreement (every step run) and each device state against its host
     done = {n: counts[n] for n in drivers.live}
-    rec["agreement"] = check_agreement(trace, done, stop)
+    cached = [n for n in drivers.live if n in states]
+    rec["agreement"] = check_agreement(trace, done, stop, cached, strict)
     rec["agreement"]["impls"] = sorted(done)
+    if cached:
+        rec["prefix"].update(check_prefix(trace, {n: drivers.live[n] for n in cached}, done,
+                                          states, stop, strict))
+        if not strict and not any(sum(r["evicted_pages"]) for r in
+                                  rec["prefix"]["impls"].values()):
+            rec["prefix"]["note"] = "small pool: no implementation had to evict in this run"
     live = live_ids(trace, stop)
     audit = cfg.max_reqs * cfg.max_context_len <= p.get("audit_limit", 8 << 20)
 
@@ -613,9 +617,58 @@ def _q(st, key="p50") -> str:
     return _f(st[key]) if st else "–"
 
 
+def _labels(res: dict) -> dict:
+    """Column labels; with a prefix workload graphalloc's say that its cache is off."""
+    if not res["params"].get("prefix"):
+        return LABELS
+    return {n: f"{v} (prefix cache off)" if n.startswith("graphalloc") else
+            f"{v} (prefix cache on)" for n, v in LABELS.items()}
+
+
+def _row_key(c: dict) -> str:
+    small = " (small pool)" if (c.get("prefix") or {}).get("pool") == "small" else ""
+    return f"| {c['b']} | {c['ps']} | {c['window']} | {c['interval']}{small}"
+
+
+def _prefix_lines(res: dict) -> list[str]:
+    """The prefix-caching table: hits per implementation and what their caches hold."""
+    cfgs = [c for c in res["configs"] if c.get("prefix") and "impls" in c["prefix"]]
+    if not cfgs:
+        return []
+    names = [n for n in ("sglang", "vllm") if any(n in c["prefix"]["impls"] for c in cfgs)]
+
+    def each(c, fn):
+        return "; ".join(fn(c["prefix"]["impls"][n]) if n in c["prefix"]["impls"] else "–"
+                         for n in names)
+
+    lines = ["", f"## Prefix caching ({res['params']['prefix']}): hits and cache contents",
+             "", f"Per implementation ({'; '.join(names)}); graphalloc runs with its "
+             "prefix cache off. Hit rate = hit tokens / prompt tokens of the requests "
+             "admitted in the run; the trace's is what a cache that never evicts gives. "
+             "Freed = pages whose content was dropped; cached = unreferenced pages kept "
+             "for reuse (FULL / SWA).", "",
+             "| B | ps | W | interval | trace hit rate | hit rate | recomputed tokens | "
+             "freed FULL / SWA | cached at the end FULL / SWA | evicted FULL / SWA | "
+             "hits and FULL state agree |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cfgs:
+        pr = c["prefix"]
+        agree = ("yes" if pr["strict"] else "not required (small pool)") if all(
+            r["hits_equal_trace"] for r in pr["impls"].values()) and pr[
+            "full_state_equal"] else ("NO" if pr["strict"] else "no (small pool: reported)")
+        lines.append(
+            _row_key(c) + f" | {pr['trace_hit_rate']:.3f} | "
+            + each(c, lambda r: f"{r['hit_rate']:.3f}") + " | "
+            + each(c, lambda r: str(r["recomputed_tokens"])) + " | "
+            + each(c, lambda r: "{}/{}".format(*r["freed_total"])) + " | "
+            + each(c, lambda r: "{}/{}".format(r["final_state"][2], r["final_state"][5]))
+            + " | " + each(c, lambda r: "{}/{}".format(*r["evicted_pages"])) + f" | {agree} |")
+    return lines
+
+
 def markdown(res: dict) -> str:
     clock = res["device_clock"]
     fl = res.get("floor") or {}
+    labels = _labels(res)
     lines = [
         "# bench_scheduler: graphalloc's scheduler step against engine-style baselines", "",
         f"Command: `{res['command']}`  ",
@@ -641,7 +694,7 @@ def markdown(res: dict) -> str:
                      f"{_f(t['limit'])} | {t['result']} |")
     cfgs = res["configs"]
     lines += ["", "## Host time per step (us, p50 / p90)", "",
-              "| B | ps | W | interval | " + " | ".join(LABELS[n] for n in IMPLS)
+              "| B | ps | W | interval | " + " | ".join(labels[n] for n in IMPLS)
               + " | sglang / ga | vllm / ga | vllm / ga + tables |",
               "|---|---|---|---|" + "---|" * (len(IMPLS) + 3)]
     for c in cfgs:
@@ -651,12 +704,12 @@ def markdown(res: dict) -> str:
             cells.append(f"{_q(r['host_us'])} / {_q(r['host_us'], 'p90')}" if r else "–")
         rat = c["ratios"]
         lines.append(
-            f"| {c['b']} | {c['ps']} | {c['window']} | {c['interval']} | " + " | ".join(cells)
+            _row_key(c) + " | " + " | ".join(cells)
             + f" | {_f(rat.get('sglang/graphalloc', {}).get('host_p50'))}x"
             f" | {_f(rat.get('vllm/graphalloc', {}).get('host_p50'))}x"
             f" | {_f(rat.get('vllm/graphalloc_tables', {}).get('host_p50'))}x |")
     lines += ["", "## GPU per step (us): interval p50 (CUDA events) / busy (CUPTI, mean)", "",
-              "| B | ps | W | interval | " + " | ".join(LABELS[n] for n in IMPLS)
+              "| B | ps | W | interval | " + " | ".join(labels[n] for n in IMPLS)
               + " | ga decode+evict p50 | ga one-segment p50 | floor |",
               "|---|---|---|---|" + "---|" * (len(IMPLS) + 3)]
     floor = _q(fl.get("pipelined_gpu_us")) if fl else "–"
@@ -669,13 +722,13 @@ def markdown(res: dict) -> str:
         ga = c["impls"].get("graphalloc")
         de = _q(ga["gpu_interval_us_by_class"]["decode+evict"]) if ga else "–"
         one = _q(ga["gpu_interval_us_one_segment"]) if ga else "–"
-        lines.append(f"| {c['b']} | {c['ps']} | {c['window']} | {c['interval']} | "
+        lines.append(_row_key(c) + " | "
                      + " | ".join(cells) + f" | {de} | {one} | {floor} |")
     lines += ["", "## Launches and syncs per step (profiled window)", "",
               "Per implementation: kernels executed / kernel-launch calls / graph launches / "
               "memcpy+memset calls (aten ops without CUDA); syncs: total over the measured "
               "steps (max in one step); stalls: waits for a pinned buffer.", "",
-              "| B | ps | W | interval | " + " | ".join(LABELS[n] for n in IMPLS) + " |",
+              "| B | ps | W | interval | " + " | ".join(labels[n] for n in IMPLS) + " |",
               "|---|---|---|---|" + "---|" * len(IMPLS)]
     for c in cfgs:
         cells = []
@@ -693,7 +746,7 @@ def markdown(res: dict) -> str:
             sy = r["syncs"]
             sync = "syncs –" if sy is None else f"syncs {sy['total']} ({sy['max_per_step']})"
             cells.append(f"{launch}; {sync}; stalls {r['stalls']}")
-        lines.append(f"| {c['b']} | {c['ps']} | {c['window']} | {c['interval']} | "
+        lines.append(_row_key(c) + " | "
                      + " | ".join(cells) + " |")
     lines += ["", "## Workload per configuration (means over the measured steps)", "",
               "| B | ps | W | interval | steps (bootstrap / measured / profiled) | decode rows "
@@ -702,13 +755,14 @@ def markdown(res: dict) -> str:
     for c in cfgs:
         w, s = c["workload"], c["steps"]
         lines.append(
-            f"| {c['b']} | {c['ps']} | {c['window']} | {c['interval']} | {s['bootstrap']} / "
+            _row_key(c) + f" | {s['bootstrap']} / "
             f"{s['measured']} / {s['profiled']} | {_f(w.get('decode_rows'))} | "
             f"{_f(w.get('prefill_tokens'))} | {_f(w.get('releases'))} | "
             f"{_f(w.get('evict_segments'))} | {_f(w.get('swa_pages_freed'))} | "
             f"{c['pools']['full']} / {c['pools']['swa']} | "
             f"{'yes' if c['agreement']['equal'] else 'NO'} "
             f"({c['agreement']['steps_compared']} steps) |")
+    lines += _prefix_lines(res)
     if res["errors"] or res["skipped"]:
         lines += ["", "## Errors and skipped parts", ""]
         lines += [f"* ERROR {e['case']}: {e['error']}" for e in res["errors"]]
@@ -746,7 +800,7 @@ and SWA) and replays one graph holding the allocator's launch and the tables' la
 (captured per descriptor buffer and launch form): still one replay per step. The JSON's
 `plan_us` is the planning alone (the call to the replay).
 
-**SGLang-style** (`benchmarks/sched_baselines.py`, `SGLangStyle`): the same device tables;
+**SGLang-style** (`benchmarks/sched_sglang_style.py`, `SGLangStyle`): the same device tables;
 releases split at the frontier (FULL pages by a floor_divide of the page-start slots, SWA
 pages by graphalloc's fused lookup-and-clear kernel), one fused lookup-and-clear per
 request whose window lost a page, all inside a free group (one cat and ring write per pool
@@ -755,13 +809,13 @@ two gathers, one allocation kernel per pool, one req_to_token write kernel and t
 full-to-SWA scatter. Sync-free (SGLang's own frees use `torch.unique` and boolean masks,
 which wait for the device): this favours the baseline.
 
-**vLLM-style** (`VLLMStyle`): Python block objects in a doubly linked free queue per
-group, per-request block lists, `allocate_slots` topping them up, the SWA group's removal
-of blocks wholly outside the window (replaced by the null block 0, called where the trace
-evicts), `free` in reverse order; the worker's persistent batch (holes filled, then
-condensed), new block ids appended to a pinned CPU block table, the slot mapping computed
-in numpy, and per step one non_blocking copy of the running requests' block-table rows
-(both groups) plus one of the slot mapping.
+**vLLM-style** (`sched_vllm_style.py`, `VLLMStyle`): Python block objects in a doubly
+linked free queue per group, per-request block lists, `allocate_slots` topping them up,
+the SWA group's removal of blocks wholly outside the window (replaced by the null block 0,
+called where the trace evicts), `free` in reverse order; the worker's persistent batch
+(holes filled, then condensed), new block ids appended to a pinned CPU block table, the
+slot mapping computed in numpy, and per step one non_blocking copy of the running
+requests' block-table rows (both groups) plus one of the slot mapping.
 
 **Timing.** Host: `perf_counter_ns` around the whole step, steps pipelined (no
 synchronisation between them; CUDA event records subtracted). GPU interval: CUDA events
@@ -782,8 +836,59 @@ ids differ by design. After the run each implementation's device state is checke
 its host (graphalloc `check()` + `audit()` where the tables are small enough; the
 baselines: distinct free pages, conservation, mapped slots, the uploaded block table).
 
-**Not covered**: a shared prefix (prefix caching in all three), speculative decoding,
-preemption (the pools are sized so nothing is ever refused), the model's own work.
+**Prefix caching** (`--prefix-cache system-prompt|multi-turn`, `sched_prefix.py`):
+requests carry token ids. `system-prompt`: 4 shared prompts of 1024 tokens (64 with
+`--quick`), each request one of them plus its own user tokens (the drawn prompt length),
+every request's own part starting with a unique token. `multi-turn`: conversations whose
+turn k + 1 (arriving when turn k finishes, with probability 3/4, ahead of new
+conversations as SGLang's cache-aware LPM policy would order it) resends turn k's prompt
+and output plus new user tokens (log-normal, median prompt_median / 4). The trace decides
+every admission's hit with a cache that never evicts: the longest prefix of whole pages an
+earlier request computed (prompt pages after the chunk that computed them, output pages
+at release), at most the prompt less one token; a request whose prefix another request is
+still computing waits (SGLang's in-batch prefix check), so no page is computed twice.
+Expected hit rate (hit tokens / prompt tokens of the admissions, stated per
+configuration, whole trace / measured steps): system prompts about 1024 / (1024 + mean
+user prompt), 0.57-0.63 / 0.64 at W = 128 (B = 1: 0.23 / 0.32, its first requests miss)
+and 0.20-0.26 / 0.26-0.53 at W = 4096; multi-turn grows as conversations reach later
+turns, 0.36-0.56 / 0.59-0.71 at W = 128 and 0.10-0.23 / 0.49-0.79 at W = 4096. At
+B = 1, W = 4096 no request is admitted within the run (outputs of ~1400 tokens): 0.
+The baselines run with their caches on: **SGLang-style** with an
+SWA radix tree (`sched_sglang_radix.py`, `sched_sglang_prefix.py`: match_prefix on whole
+pages with the tombstone-window rule, cache_unfinished_req after every chunk,
+cache_finished_req at release, FULL and SWA lock refs, LRU eviction of unlocked leaves,
+SWA tombstoning first when only SWA is short); **vLLM-style** with prefix caching
+(`sched_vllm_blocks.py`: chained block hashes, a hash -> block map, reference counts,
+freed cached blocks kept in the LRU free queue until a popleft reuses them,
+get_computed_blocks on the prompt less its last token, the SWA hit from the right,
+cache_blocks after allocation). graphalloc runs the same steps with its cache off (its
+columns say so): an admission allocates its cached prefix as fresh tokens with its first
+chunk. Pools: the baselines get every page the cached replay allocates (+2%), so nothing
+is evicted, and one extra small-pool configuration (graphalloc's pools: the peak without
+a cache + 2%; B = 64, 300 steps) in which the caches fill and evict. Both pools get the
+FULL size there: with a smaller SWA pool the SGLang-style cache can need more SWA pages
+than a replay without a cache (its SWA locks cover whole tree nodes, e.g. a shared system
+prompt's while any request on it runs; SGLang's optional leaf split and early lock
+release address this) and would have to retract requests, which the trace cannot model.
+
+**Agreement with prefix caching** (`sched_agreement.py`): graphalloc as above (its counts
+of the replay without a cache). The baselines, at every step: FULL and SWA pages
+allocated and FULL pages freed (content dropped: the partial last page of each release)
+equal the trace's; per admitted request the hit tokens equal the trace's; the FULL pool's
+(free, used, cached) pages are equal in both; free + used + cached = pool in each pool
+(no page lost). SWA frees and the SWA pool's state are reported, not compared: SGLang
+frees a request's decode-window SWA pages (they are not the tree's) and locks SWA by tree
+node, vLLM keeps every full SWA block cached in its free queue. Page ids are never
+compared. The multi-turn workload needs W mod ps in {0, 1} (true here): otherwise a
+finished turn may have freed the SWA page its next turn's window needs, which SGLang
+frees and vLLM keeps, and their hits differ. In the small-pool configuration only
+conservation is required; the rest is reported (each engine evicts different entries -
+vLLM reuses the least recently freed block even when cached, SGLang evicts only when its
+free list is short - and a hit lost to eviction is recomputed at admission).
+
+**Not covered**: graphalloc with its own prefix cache (to be wired by the API's owner),
+speculative decoding, preemption (the pools are sized so nothing is ever refused), the
+model's own work.
 """
 
 
@@ -814,6 +919,13 @@ def parse_args(argv):
     ap.add_argument("--sglang-decode", default="kernels", choices=("kernels", "torch_ops"),
                     help="the SGLang-style decode allocation: one kernel per pool (default) "
                          "or baselines.eager_decode_alloc's Torch ops")
+    ap.add_argument("--prefix-cache", default=None, choices=PREFIX_WORKLOADS,
+                    help="a prefix-caching workload: the baselines run with their prefix "
+                         "caches on (SGLang's radix cache, vLLM's prefix caching), "
+                         "graphalloc with its cache off; adds one small-pool configuration "
+                         "(B = --small-pool-b) whose caches must evict")
+    ap.add_argument("--small-pool-b", type=int, default=None,
+                    help="B of the small-pool configuration with --prefix-cache (0: none)")
     ap.add_argument("--time-budget-s", type=float, default=None,
                     help="whole-run budget (default 200 s; 60 s with --quick)")
     ap.add_argument("--no-progress", action="store_true")
@@ -834,6 +946,9 @@ def parse_args(argv):
         args.time_budget_s = 60.0 if args.quick else 200.0
     params["time_budget_s"] = args.time_budget_s
     params["sglang_decode"] = args.sglang_decode
+    params["prefix"] = args.prefix_cache
+    if args.small_pool_b is not None:
+        params["small_pool_b"] = args.small_pool_b
     args.params = params
     return args
 
@@ -870,11 +985,14 @@ def _run(args, argv, device, backend, note) -> int:
     except Exception as exc:
         res["errors"].append({"case": "floor", "error": f"{type(exc).__name__}: {exc}",
                               "traceback": traceback.format_exc()})
-    cases = [(b, ps, w, ei) for b in p["b"] for ps in p["ps"] for w in p["window"]
-             for ei in p["interval"]]
+    cases = [(b, ps, w, ei, "no-eviction") for b in p["b"] for ps in p["ps"]
+             for w in p["window"] for ei in p["interval"]]
+    if p.get("prefix") and p["small_pool_b"]:  # one configuration whose caches must evict
+        cases.append((p["small_pool_b"], p["ps"][0], p["window"][0], p["interval"][0],
+                      "small"))
     bar = _progress(cases, not args.no_progress)
-    for i, (b, ps, w, ei) in enumerate(bar):
-        label = f"B={b} ps={ps} W={w} ei={ei}"
+    for i, (b, ps, w, ei, pool) in enumerate(bar):
+        label = f"B={b} ps={ps} W={w} ei={ei}" + (" small pool" if pool == "small" else "")
         elapsed = time.perf_counter() - t_start
         left = args.time_budget_s - END_RESERVE_S - elapsed
         if left <= 0:
@@ -882,7 +1000,7 @@ def _run(args, argv, device, backend, note) -> int:
             continue
         share = left / (len(cases) - i)
         try:
-            rec = run_config(ctx, b, ps, w, ei, share)
+            rec = run_config(ctx, b, ps, w, ei, share, pool)
             res["configs"].append(rec)
             for name, err in rec["driver_errors"].items():
                 res["errors"].append({"case": f"{label} {name}", **err})

@@ -26,6 +26,14 @@ margin, ``max_reqs`` = B + the most releases of one step; where the trace needs 
 release lanes or rows in one step than ``for_engine``'s every-step-eviction sizing gives
 (eviction every 128 tokens frees more per step), those two shapes are raised to the
 trace's need (``AllocatorConfig`` is a dataclass; ``dataclasses.replace`` re-validates).
+
+Prefix workloads (``sched_workload``'s ``prefix``): the driver runs with its prefix cache
+OFF (``prefix_cache=False``, the only value for now): an admission allocates its cached
+prefix as fresh tokens with its first chunk (``TraceStep.extend_n_nocache``), and the
+trace's sizes are that replay's; where such a chunk needs more tokens per row or per step
+than ``for_engine`` gives, ``max_tokens_per_alloc_row`` / ``max_step_tokens`` are raised
+to the trace's need as above. graphalloc's own prefix cache (match / insert / admit on a
+cached prefix) is wired here later by the API's owner.
 """
 
 from __future__ import annotations
@@ -78,6 +86,10 @@ def engine_config(trace, device, backend: str):
         bump["max_step_pages"] = trace.max_free_lanes
     if trace.max_release_rows > cfg.max_release_rows:
         bump["max_release_rows"] = trace.max_release_rows
+    if trace.max_alloc_row_tokens > cfg.max_tokens_per_alloc_row:  # prefix: hit + chunk
+        bump["max_tokens_per_alloc_row"] = trace.max_alloc_row_tokens
+    if trace.max_step_tokens > cfg.max_step_tokens:
+        bump["max_step_tokens"] = trace.max_step_tokens
     if bump:
         notes["raised_from_for_engine"] = {k: [getattr(cfg, k), v] for k, v in bump.items()}
         cfg = dataclasses.replace(cfg, **bump)
@@ -198,12 +210,18 @@ class GraphallocDriver:
     ``PlannedStep``; ``plan_ns``: the last step's planning alone (from the block's end to
     the executor call)."""
 
-    def __init__(self, cfg, *, n_requests: int, tables: bool = False, api: str = "step"):
+    def __init__(self, cfg, *, n_requests: int, tables: bool = False, api: str = "step",
+                 prefix_cache: bool = False):
         from graphalloc import HybridAllocator
 
         if api not in ("step", "context"):
             raise ValueError(f"api must be 'step' or 'context', got {api!r}")
+        if prefix_cache:
+            raise NotImplementedError(
+                "graphalloc's prefix cache is not wired into this driver yet: run it with "
+                "prefix_cache=False (cached prefixes allocated as fresh tokens)")
         self.api = api
+        self.prefix_cache = False
 
         timed_graph, tables_executor = _executors()
         self.name = "graphalloc_tables" if tables else "graphalloc"
@@ -240,7 +258,7 @@ class GraphallocDriver:
                 it.decode(decode)
             extend = row_of[st.extend_ids] if len(st.extend_ids) else None
             if extend is not None:
-                it.extend(extend, st.extend_n)
+                it.extend(extend, st.extend_n_nocache)
             if self.tables is not None:
                 parts = [a for a in (decode, extend) if a is not None]
                 ex.batch = (parts[0] if len(parts) == 1 else np.concatenate(parts) if parts
@@ -266,7 +284,7 @@ class GraphallocDriver:
         t_body = time.perf_counter_ns()
         alloc.step(release=row_of[st.release] if len(st.release) else None,
                    evict=row_of[st.evict] if len(st.evict) else None, decode=decode,
-                   extend=None if extend is None else (extend, st.extend_n))
+                   extend=None if extend is None else (extend, st.extend_n_nocache))
         self.plan_ns = ex.t_exec - t_body
         ex.clock = _NO_CLOCK
         if len(st.release):

@@ -122,7 +122,10 @@ def _gpu_legend(axes, cuda):
 def plot(res: dict, out_dir: str) -> list[str]:
     """Write both figures into ``out_dir``; the names written (none without matplotlib)."""
     plt = pyplot()
-    if plt is None or not res.get("configs"):
+    # the small-pool configuration is not in the sweep
+    res = {**res, "configs": [c for c in res.get("configs") or ()
+                              if (c.get("prefix") or {}).get("pool") != "small"]}
+    if plt is None or not res["configs"]:
         return []
     machine = machine_name(res.get("machine"))
     params = res.get("params") or {}

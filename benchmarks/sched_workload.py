@@ -38,160 +38,32 @@ SWA pages ``[f/ps, ceil(L/ps))``; a release frees both ranges; an eviction frees
 ``[f/ps, f'/ps)``; n new tokens take ``ceil((L+n)/ps) - ceil(L/ps)`` pages of each pool.
 Frees run before allocations within a step (the pages freed serve the step's
 allocations), so the pools need ``peak_full`` / ``peak_swa`` pages.
+
+Prefix caching (``WorkloadSpec.prefix``: ``"system-prompt"`` or ``"multi-turn"``, see
+``sched_prefix.py``): requests get token ids (``Trace.tokens``) and an admission starts
+from its hit h (``TraceStep.hit``): length and computed tokens h, the chunk from h. Two
+replays of the same decisions::
+
+    with a cache     allocates the pages of [h, h + n) (``expect_cache`` = FULL and SWA
+                     pages allocated, FULL pages freed: the partial last page of each
+                     release, every whole page going to the cache)
+    without a cache  allocates [0, h + n) at admission (``extend_n_nocache`` = the chunk
+                     plus the hit), frees as above; ``expect`` and every size of the
+                     Trace (peaks, lanes, rows, tokens) are this replay's
+
+With ``prefix`` None the trace is the one this module always produced (same draws, same
+steps); the hits are 0 and ``extend_n_nocache`` is ``extend_n``.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import math
 
 import numpy as np
+from sched_prefix import PrefixModel
+from sched_trace import _EMPTY, STEP_CLASSES, Trace, TraceStep, WorkloadSpec
 
 __all__ = ["WorkloadSpec", "TraceStep", "Trace", "generate", "STEP_CLASSES"]
-
-# Step classes, for per-class statistics (a step is in the first class it matches).
-STEP_CLASSES = ("prefill", "release", "decode+evict", "decode")
-_EMPTY = np.zeros(0, dtype=np.int64)
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkloadSpec:
-    """What the trace is drawn from.
-
-    ``n_running`` (B): requests running at once; ``window``: the MODEL's window W (the
-    allocator's is ``W - 1``); ``eviction_interval``: decode tokens between a request's
-    window evictions; ``chunk_tokens``: the chunked-prefill budget C per step;
-    lengths: log-normal with the given medians and ``sigma``, prompts clipped to
-    ``[1, max_prompt]`` and outputs to ``[1, max_output]`` (``prompt + output <=
-    max_context_len``).
-    """
-
-    n_running: int
-    page_size: int
-    window: int
-    eviction_interval: int
-    max_context_len: int
-    chunk_tokens: int = 8192
-    prompt_median: int = 512
-    output_median: int = 128
-    sigma: float = 0.8
-    seed: int = 0
-
-    def __post_init__(self):
-        for name in ("n_running", "page_size", "window", "eviction_interval",
-                     "max_context_len", "chunk_tokens", "prompt_median", "output_median"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.max_context_len < 2:
-            raise ValueError("max_context_len must be >= 2")
-
-    @property
-    def alloc_window(self) -> int:
-        """The allocator's window, ``max(W - 1, 1)`` (``AllocatorConfig.for_engine``'s)."""
-        return max(self.window - 1, 1)
-
-    @property
-    def max_prompt(self) -> int:
-        return self.max_context_len // 2
-
-    @property
-    def max_output(self) -> int:
-        return self.max_context_len - self.max_prompt
-
-    def mean_output(self) -> float:
-        return self.output_median * math.exp(self.sigma ** 2 / 2)
-
-
-@dataclasses.dataclass
-class TraceStep:
-    """One scheduler iteration's decisions (request ids, int64 arrays).
-
-    ``extend_ids`` / ``extend_n``: prefill chunks (``admit`` lists those that start here,
-    in the same order they appear in ``extend_ids``); ``decode``: one token each.
-    ``expect``: (FULL allocated, SWA allocated, FULL freed, SWA freed) pages.
-    ``n_evict_segments`` / ``n_evict_pages``: evictions that free at least one page.
-    """
-
-    index: int
-    phase: str
-    release: np.ndarray
-    evict: np.ndarray
-    admit: np.ndarray
-    extend_ids: np.ndarray
-    extend_n: np.ndarray
-    decode: np.ndarray
-    expect: tuple
-    n_evict_segments: int
-    n_evict_pages: int
-    n_release_rows: int  # graphalloc release rows (1 or 2 per release + 1 per eviction)
-
-    @property
-    def step_class(self) -> str:
-        if len(self.extend_ids):
-            return "prefill"
-        if len(self.release):
-            return "release"
-        if self.n_evict_segments:
-            return "decode+evict"
-        return "decode"
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.extend_n.sum()) + len(self.decode)
-
-
-@dataclasses.dataclass
-class Trace:
-    """A generated trace: the steps, where each phase starts, and what the pools need."""
-
-    spec: WorkloadSpec
-    steps: list
-    phase_start: dict  # phase -> first step index
-    n_requests: int  # request ids are 0 .. n_requests - 1
-    peak_full: int  # pages in use right after a step's allocations, at most
-    peak_swa: int
-    max_releases: int  # requests released in one step, at most
-    max_free_lanes: int  # FULL pages freed + SWA pages evicted in one step, at most
-    max_release_rows: int
-
-    def expected(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """``[n, 4]`` int64: the generator's page counts of steps ``[start, stop)``."""
-        return np.array([s.expect for s in self.steps[start:stop]], dtype=np.int64).reshape(
-            -1, 4)
-
-    def phase_range(self, phase: str) -> tuple[int, int]:
-        order = list(self.phase_start)
-        i = order.index(phase)
-        stop = self.phase_start[order[i + 1]] if i + 1 < len(order) else len(self.steps)
-        return self.phase_start[phase], stop
-
-    def stats(self, start: int, stop: int) -> dict:
-        """Means over steps ``[start, stop)`` (for the report)."""
-        steps = self.steps[start:stop]
-        if not steps:
-            return {}
-        classes = collections.Counter(s.step_class for s in steps)
-
-        def mean(fn):
-            return float(np.mean([fn(s) for s in steps]))
-
-        return {
-            "steps": len(steps),
-            "decode_rows": mean(lambda s: len(s.decode)),
-            "prefill_rows": mean(lambda s: len(s.extend_ids)),
-            "prefill_tokens": mean(lambda s: int(s.extend_n.sum())),
-            "admits": mean(lambda s: len(s.admit)),
-            "releases": mean(lambda s: len(s.release)),
-            "evict_calls": mean(lambda s: len(s.evict)),
-            "evict_segments": mean(lambda s: s.n_evict_segments),
-            "evict_pages": mean(lambda s: s.n_evict_pages),
-            "full_pages_allocated": mean(lambda s: s.expect[0]),
-            "full_pages_freed": mean(lambda s: s.expect[2]),
-            "swa_pages_freed": mean(lambda s: s.expect[3]),
-            "step_classes": {c: classes.get(c, 0) for c in STEP_CLASSES},
-        }
 
 
 class _State:
@@ -223,11 +95,15 @@ def generate(spec: WorkloadSpec, n_warmup: int, n_measure: int, n_profile: int =
     """The trace: bootstrap, then ``n_warmup``, ``n_measure`` and ``n_profile`` steps.
 
     Cost: O(B) numpy per step plus O(chunks) Python (a few per step; the bootstrap admits
-    up to C / prompt requests a step)."""
+    up to C / prompt requests a step); with a prefix workload O(pages) hashing per request
+    and O(waiting) admission checks per step."""
     rng = np.random.default_rng(spec.seed)
     ps, wa, interval = spec.page_size, spec.alloc_window, spec.eviction_interval
     B, C = spec.n_running, spec.chunk_tokens
+    px = PrefixModel(spec) if spec.prefix else None
     arrival_rate = 1.25 * B / spec.mean_output()
+    if spec.prefix == "multi-turn":  # new conversations; their later turns come on top
+        arrival_rate /= spec.turns_mean
     st = _State(4 * B + 64)
 
     def draw_lengths(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -236,21 +112,31 @@ def generate(spec: WorkloadSpec, n_warmup: int, n_measure: int, n_profile: int =
         return (np.clip(prompt, 1, spec.max_prompt).astype(np.int64),
                 np.clip(out, 1, spec.max_output).astype(np.int64))
 
+    def new_request(prompt: int, out: int, age: int = 0, parent: int = -1) -> int:
+        if px is not None and parent < 0:
+            prompt = px.prompt_len(prompt)
+        rid = st.new(prompt + age, out, age)
+        if px is not None:
+            px.add(rid, prompt, out, parent)
+        return rid
+
     waiting: collections.deque = collections.deque()
     prompt0, out0 = draw_lengths(B)
     age0 = (rng.random(B) * out0).astype(np.int64)  # in [0, out)
     for p, o, a in zip(prompt0, out0, age0, strict=True):
-        waiting.append(st.new(int(p + a), int(o), int(a)))
+        waiting.append(new_request(int(p), int(o), int(a)))
     n_backlog = max(2, B // 4)  # fresh requests already waiting: B keep running
     for p, o in zip(*draw_lengths(n_backlog), strict=True):
-        waiting.append(st.new(int(p), int(o), 0))
+        waiting.append(new_request(int(p), int(o)))
 
     running: dict[int, None] = {}  # admission order
     to_release: list[int] = []
+    next_turns: list[tuple] = []  # (previous turn, prompt, output) arriving after the step
     settle = _EMPTY
     steps: list[TraceStep] = []
     used_full = used_swa = 0
     peak_full = peak_swa = max_rel = max_lanes = max_rows = 0
+    max_row_tok = max_step_tok = cache_pages = 0
     phases = [("bootstrap", None), ("warmup", n_warmup), ("measure", n_measure),
               ("profile", n_profile)]
     phase_start: dict[str, int] = {}
@@ -267,20 +153,28 @@ def generate(spec: WorkloadSpec, n_warmup: int, n_measure: int, n_profile: int =
             # 1. releases
             release = np.array(to_release, dtype=np.int64)
             to_release = []
-            rel_rows = 0
+            rel_rows = tails = 0
             if len(release):
                 n_pages = _ceil_div(st.length[release], ps)
                 full_freed += int(n_pages.sum())
                 swa_freed += int((n_pages - st.front[release] // ps).sum())
                 rel_rows += int(len(release) + np.count_nonzero(st.front[release]))
+                tails = int(np.count_nonzero(st.length[release] % ps))
                 for r in release.tolist():
                     del running[r]
+                    if px is not None:
+                        turn = px.follow_up(r)
+                        px.released(r, int(st.fill[r]), int(st.length[r]), turn is not None)
+                        if turn is not None:
+                            next_turns.append((r, *turn))
             run = np.fromiter(running, dtype=np.int64, count=len(running))
             prefilling = run[st.pre[run] < st.fill[run]]
             decoding = _EMPTY if bootstrap else run[st.pre[run] == st.fill[run]]
             # 2. prefill chunks under the budget: continuing requests first, then admits
+            # (with a prefix cache from their hit; one whose prefix is still being
+            # computed by another request waits, the next ones may go first)
             budget = C
-            ext_ids, ext_n, admit = [], [], []
+            ext_ids, ext_n, admit, hits = [], [], [], []
             for r in prefilling.tolist():
                 if budget == 0:
                     break
@@ -288,23 +182,35 @@ def generate(spec: WorkloadSpec, n_warmup: int, n_measure: int, n_profile: int =
                 ext_ids.append(r)
                 ext_n.append(n)
                 budget -= n
+            n_cont = len(ext_ids)
+            skipped = []
             while budget > 0 and waiting and len(running) < B:
                 r = waiting.popleft()
+                hit = 0
+                if px is not None:
+                    hit = px.admit(r, int(st.fill[r]))
+                    if hit < 0:
+                        skipped.append(r)
+                        continue
+                    st.length[r] = st.pre[r] = hit
                 running[r] = None
-                n = min(int(st.fill[r]), budget)
+                n = min(int(st.fill[r]) - hit, budget)
                 ext_ids.append(r)
                 ext_n.append(n)
                 admit.append(r)
+                hits.append(hit)
                 budget -= n
+            waiting.extendleft(reversed(skipped))
             ext_ids = np.array(ext_ids, dtype=np.int64)
             ext_n = np.array(ext_n, dtype=np.int64)
+            hits = np.array(hits, dtype=np.int64)
             # 3. evictions: decoding requests due by the interval, continuing chunks, and
             # (bootstrap) the requests whose fill completed in the previous step
             due = decoding[st.dec[decoding] % interval == 0]
             if len(settle):
                 due = np.unique(np.concatenate([due, settle]))
                 settle = _EMPTY
-            cont = ext_ids[st.pre[ext_ids] > 0] if len(ext_ids) else _EMPTY
+            cont = ext_ids[:n_cont] if n_cont else _EMPTY
             evict = np.concatenate([due, cont]) if len(cont) else due
             n_seg = n_evict_pages = 0
             if len(evict):
@@ -315,7 +221,8 @@ def generate(spec: WorkloadSpec, n_warmup: int, n_measure: int, n_profile: int =
                 n_seg = int(np.count_nonzero(moved))
                 st.front[evict] = new
                 swa_freed += n_evict_pages
-            # 4. allocations: decode one token each, then the chunks
+            # 4. allocations: decode one token each, then the chunks (a replay without a
+            # cache also allocates the hits' pages)
             new_pages = 0
             if len(decoding):
                 new_pages += int(np.count_nonzero(st.length[decoding] % ps == 0))
@@ -323,15 +230,28 @@ def generate(spec: WorkloadSpec, n_warmup: int, n_measure: int, n_profile: int =
                 st.dec[decoding] += 1
                 done = decoding[st.dec[decoding] >= st.out[decoding]]
                 to_release.extend(done.tolist())
+            ext_nc = ext_n
             if len(ext_ids):
                 length = st.length[ext_ids]
                 new_pages += int((_ceil_div(length + ext_n, ps) - _ceil_div(length, ps)).sum())
+                pre_old = st.pre[ext_ids]
                 st.length[ext_ids] += ext_n
                 st.pre[ext_ids] += ext_n
+                if px is not None:
+                    for r, a, b in zip(ext_ids.tolist(), pre_old.tolist(),
+                                       st.pre[ext_ids].tolist(), strict=True):
+                        px.computed(r, a, b)
+                if hits.any():
+                    ext_nc = ext_n.copy()
+                    ext_nc[n_cont:] += hits
+                max_row_tok = max(max_row_tok, int(ext_nc.max()))
                 if bootstrap:  # evicted next step: the bootstrap spreads the first frees
                     settle = ext_ids[st.pre[ext_ids] == st.fill[ext_ids]]
-            used_full += new_pages - full_freed
-            used_swa += new_pages - swa_freed
+            new_nc = new_pages + int(hits.sum()) // ps
+            cache_pages += new_pages
+            max_step_tok = max(max_step_tok, int(ext_nc.sum()) + len(decoding))
+            used_full += new_nc - full_freed
+            used_swa += new_nc - swa_freed
             peak_full = max(peak_full, used_full)
             peak_swa = max(peak_swa, used_swa)
             max_rel = max(max_rel, len(release))
@@ -340,16 +260,25 @@ def generate(spec: WorkloadSpec, n_warmup: int, n_measure: int, n_profile: int =
             steps.append(TraceStep(
                 index=len(steps), phase=phase, release=release, evict=evict,
                 admit=np.array(admit, dtype=np.int64), extend_ids=ext_ids, extend_n=ext_n,
-                decode=decoding, expect=(new_pages, new_pages, full_freed, swa_freed),
+                decode=decoding, expect=(new_nc, new_nc, full_freed, swa_freed),
                 n_evict_segments=n_seg, n_evict_pages=n_evict_pages,
-                n_release_rows=rel_rows + n_seg))
-            # 5. arrivals (steady state only)
+                n_release_rows=rel_rows + n_seg, hit=hits, extend_n_nocache=ext_nc,
+                expect_cache=None if px is None else (new_pages, new_pages, tails)))
+            # 5. arrivals (steady state only): new requests; the later turns of finished
+            # conversations go first in the queue (sched_prefix.py: SGLang's LPM order)
             if not bootstrap:
+                turns = [new_request(prompt, out, parent=parent)
+                         for parent, prompt, out in next_turns]
+                waiting.extendleft(reversed(turns))
+                next_turns = []
                 n_new = int(rng.poisson(arrival_rate))
                 if n_new:
                     prompt, out = draw_lengths(n_new)
                     for p, o in zip(prompt, out, strict=True):
-                        waiting.append(st.new(int(p), int(o), 0))
+                        waiting.append(new_request(int(p), int(o)))
     return Trace(spec=spec, steps=steps, phase_start=phase_start, n_requests=st.n,
                  peak_full=peak_full, peak_swa=peak_swa, max_releases=max_rel,
-                 max_free_lanes=max_lanes, max_release_rows=max_rows)
+                 max_free_lanes=max_lanes, max_release_rows=max_rows,
+                 max_alloc_row_tokens=max_row_tok, max_step_tokens=max_step_tok,
+                 cache_pages=cache_pages, tokens=None if px is None else px.tokens,
+                 fill=st.fill[:st.n].copy(), prefix=None if px is None else px.summary())
