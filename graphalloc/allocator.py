@@ -198,10 +198,17 @@ class HybridAllocator:
         with ops.grouping(self):
             yield
 
-    def dry_run(self, step: Step, *, use_group: bool = True):
+    def dry_run(self, step: Step, *, use_group: bool = True, oversize: bool = False):
         """Plan ``step`` and roll it back: its :class:`~graphalloc.plan.reference.PlanOutcome`
-        (or the typed error :meth:`step` would raise). Cost: one plan."""
-        return self.pipeline.outcome(step, dry_run=True, use_group=use_group)
+        (or the typed error :meth:`step` would raise; ``oversize``: not refused for the frozen
+        release shape, as a free is not). Cost: one plan."""
+        return self.pipeline.outcome(step, dry_run=True, use_group=use_group,
+                                     oversize=oversize)
+
+    def free_row(self, reserved=()) -> int:
+        """The lowest free row (not live, not released in an open free group, not in
+        ``reserved``); ``CapacityError`` when there is none. O(max_reqs)."""
+        return ops.free_row(self, reserved)
 
     # ---- single operations: one Step each ------------------------------------------------
     def admit(self, handle=None, n_tokens=None) -> int:

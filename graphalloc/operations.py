@@ -300,13 +300,13 @@ def pages_released(alloc, rows, advance, handles) -> tuple[int, int]:
     """Inside an open free group it counts what these frees add to the block's (rows
     released and handles dropped in it are refused, as a second free would be)."""
     query = Step(release=rows, advance=advance, drop=handles)
-    out = alloc.dry_run(query)
+    out = alloc.dry_run(query, oversize=True)
     if alloc.group is None:
         return out.pages_freed
     block = alloc.group.to_step()
     merged = alloc.group.merged_with(query)
-    base = alloc.dry_run(block, use_group=False).pages_freed
-    both = alloc.dry_run(merged, use_group=False).pages_freed
+    base = alloc.dry_run(block, use_group=False, oversize=True).pages_freed
+    both = alloc.dry_run(merged, use_group=False, oversize=True).pages_freed
     return both[0] - base[0], both[1] - base[1]
 
 

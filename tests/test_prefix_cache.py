@@ -315,7 +315,7 @@ def test_pages_released_refuses_bad_input_with_nothing_changed():
                       (lambda: a.pages_released([5]), ga.UnknownRequestError),
                       (lambda: a.pages_released(advance=([s], [2])), ga.AlignmentError),
                       (lambda: a.pages_released(advance=([s], [12])), ga.PositionError),
-                      (lambda: a.pages_released([s], advance=([s], [4])), ga.OverlapError),
+                      (lambda: a.pages_released([s], advance=([s], [4])), ga.UnknownRequestError),
                       (lambda: a.pages_released(handles=[1]), ga.UnknownHandleError),
                       (lambda: a.pages_released(handles=[h, h]), ga.OverlapError),
                       (lambda: a.pages_released(advance=[s]), ga.ContractError)):

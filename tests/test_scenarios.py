@@ -303,10 +303,11 @@ class TestFreeGroup:
             with pytest.raises(E.UnknownRequestError):
                 a.alloc_decode([s])  # released in this block: cannot allocate
             assert a.admit() == 3  # rows released in the block are not handed out yet
-        assert a.steps_run == steps + 1
-        # in call order: r's pages; s's and t's evicted SWA page [0, 2); s's remaining pages
+        assert a.steps_run == steps + 2  # the admit (one step), then the block's one step
+        # the block is one step in the step's order: the releases (r, s: s's release
+        # supersedes its eviction), then the frontier moves (t's SWA page [0, 2))
         assert queue(a, "full") == [8, 9, 10, 11, 12, 1, 2, 3, 4]
-        assert queue(a, "swa") == [8, 9, 10, 11, 12, 1, 2, 3, 5, 4]
+        assert queue(a, "swa") == [8, 9, 10, 11, 12, 1, 2, 3, 4, 5]
         assert a.stats()["frontier"] == {t: 2, 3: 0}
         a.check_integrity()
 
@@ -336,18 +337,21 @@ class TestFreeGroup:
         assert a.stats()["live_requests"] == 0
         a.check_integrity()
 
-    def test_frees_flushed_when_the_block_raises(self):
+    def test_a_block_that_raises_runs_nothing(self):
+        """A block is a transaction (as a scheduler_step() block): an exception escaping it
+        discards what it recorded, so nothing is half done and no page is lost (the rows
+        are still live and can be released again)."""
         a = make(ps=2)
         r, s = a.admit(), a.admit()
         a.alloc_extend([r, s], [3, 3])
-        steps = a.steps_run
+        steps, before = a.steps_run, a.snapshot()
         with pytest.raises(KeyError):
             with a.free_group():
                 a.release([r])
                 raise KeyError("boom")
-        assert a.steps_run == steps + 1
-        assert a.stats()["live_requests"] == 1 and a.stats()["full_free_pages"] == 8 - 2
-        a.release([s])
+        assert a.steps_run == steps
+        assert_same_snapshot(before, a.snapshot())
+        a.release([r, s])
         assert a.stats()["full_free_pages"] == 8
         a.check_integrity()
 
@@ -449,15 +453,16 @@ def test_free_group_flush_larger_than_one_step_is_split_not_dropped():
     """Ring mode: evict + release of every request needs more release rows than one
     frozen step holds; the flush splits into several steps and frees everything."""
     cfg = AllocatorConfig(page_size=2, num_full_pages=64, num_swa_pages=64, max_reqs=4,
-                          max_context_len=32, sliding_window=3, swa_ring_pages=3)
+                          max_context_len=32, sliding_window=3, swa_ring_pages=3,
+                          max_release_rows=6)
     a = HybridAllocator(cfg)
     rows = [a.admit() for _ in range(4)]
     a.alloc_extend(rows, [5, 5, 5, 5])
     before = a.steps_run
     with a.free_group():
         a.evict_window()
-        a.release(rows)
-    assert a.steps_run - before > 1  # split: 4 evict + 12 release rows > 12 per step
+        a.release(rows)  # supersedes the evictions
+    assert a.steps_run - before > 1  # split: 12 release rows > 6 per step
     assert a.stats()["live_requests"] == 0
     assert a.stats()["full_free_pages"] == 64 and a.stats()["swa_free_pages"] == 64
     a.check_integrity()

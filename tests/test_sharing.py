@@ -466,12 +466,12 @@ def test_step_reuses_pages_whose_last_reference_a_release_or_eviction_dropped():
 def test_take_handle_and_admit_on_a_handle_are_steps_of_their_own():
     a = make(ps=2, n_full=8, n_swa=8, window=3)
     r = a.admit()
-    assert a.steps_run == 0  # pool mode: a plain admit is host-only
+    assert a.steps_run == 1  # a plain admit is one step (no device work in pool mode)
     a.alloc_extend([r], [4])
     h = a.take_handle(r, 4)
-    assert a.steps_run == 2
-    s = a.admit(handle=h)
     assert a.steps_run == 3
+    s = a.admit(handle=h)
+    assert a.steps_run == 4
     assert slots(a, s, 4) == slots(a, r, 4) == [2, 3, 4, 5]
     healthy(a)
 
@@ -491,9 +491,10 @@ def test_free_group_defers_handle_drops_to_its_exit():
             a.drop_handle(h1)  # dropped in this block
         a.drop_handle(h0)
         assert queue(a, "full") == list(range(3, 9))
-    # at the exit, in call order: h1's page 2, then h0's page 1 (both FULL and SWA)
-    assert queue(a, "full") == [3, 4, 5, 6, 7, 8, 2, 1]
-    assert queue(a, "swa") == [3, 4, 5, 6, 7, 8, 2, 1]
+    # at the exit, one step whose drops are one drop call (handles in call order): page 1,
+    # held by both, is freed in the run of its first holder, h1, before page 2
+    assert queue(a, "full") == [3, 4, 5, 6, 7, 8, 1, 2]
+    assert queue(a, "swa") == [3, 4, 5, 6, 7, 8, 1, 2]
     assert list(a.live_handles()) == []
     healthy(a)
 
@@ -514,23 +515,25 @@ def test_free_group_handle_dropped_in_the_block_keeps_its_id_until_the_exit():
     healthy(a)
 
 
-def test_free_group_take_handle_sees_an_eviction_decided_earlier_in_the_block():
-    """Decided at the call: the row's frontier has moved, so the handle holds SWA from the
-    new frontier and not the SWA page the block frees at its exit."""
+def test_free_group_take_handle_sees_the_committed_state_not_the_blocks_eviction():
+    """Recorded at the call, applied at the exit: an operation that runs at once inside the
+    block (take_handle) sees the committed state (the frontier has not moved yet), so the
+    handle holds the SWA page the block's eviction lets go, and the exit frees nothing."""
     ps = 4
     a = make(ps=ps, n_full=10, n_swa=6, window=1, ctx=24)
     r = a.admit()
     a.alloc_extend([r], [8])  # pages 1, 2
     with a.free_group():
-        a.evict_window([r])  # 8 - 1 = 7 -> 4: SWA page 1 freed at the exit
+        a.evict_window([r])  # 8 - 1 = 7 -> 4: r lets SWA page 1 go at the exit
+        assert a.frontier(r) == 0  # the live views: the committed state
         h = a.take_handle(r, 8)
-        assert info(a, h)["swa_start"] == 4 and info(a, h)["n_swa_pages"] == 1
-    assert a.frontier(r) == 4 and queue(a, "swa") == [3, 4, 5, 6, 1]
-    assert info(a, h) == dict(n_tokens=8, swa_start=4, n_full_pages=2, n_swa_pages=1,
-                              frees_full=0, frees_swa=0)
+        assert info(a, h)["swa_start"] == 0 and info(a, h)["n_swa_pages"] == 2
+    assert a.frontier(r) == 4 and queue(a, "swa") == [3, 4, 5, 6]  # the handle holds page 1
+    assert info(a, h) == dict(n_tokens=8, swa_start=0, n_full_pages=2, n_swa_pages=2,
+                              frees_full=0, frees_swa=1)
     healthy(a)
     s = a.admit(handle=h)
-    assert a.frontier(s) == 4
+    assert a.frontier(s) == 0
     healthy(a)
 
 
@@ -545,9 +548,9 @@ def test_free_group_tombstone_then_drop_of_one_handle():
     a.release([r])
     with a.free_group():
         a.drop_handle_swa(h)  # SWA 1, 2: last references (deferred)
-        assert info(a, h)["swa_start"] == 4 and info(a, h)["n_swa_pages"] == 0
-        a.drop_handle_swa(h)  # nothing left to drop: accepted
-        a.drop_handle(h)  # FULL 1, 2 (deferred)
+        assert info(a, h)["swa_start"] == 0 and info(a, h)["n_swa_pages"] == 2  # committed
+        a.drop_handle_swa(h)  # again: accepted (one tombstone at the exit)
+        a.drop_handle(h)  # FULL 1, 2 (deferred); supersedes the tombstone
     assert queue(a, "swa") == [3, 4, 5, 6, 7, 8, 1, 2]
     assert queue(a, "full") == [3, 4, 5, 6, 7, 8, 1, 2]
     healthy(a)

@@ -40,9 +40,9 @@ def test_one_block_is_one_step_equal_to_step():
         e = it.extend([n], [9])
     assert a.steps_run == steps + 1
     assert n == 3  # row 1 is released by this step: reusable only after it
-    m = b.admit()  # the reference: a host admit, then the same work as one step()
-    out = b.step(release=[1], evict=[0, 2], decode=[0, 2], extend=([m], [9]))
-    assert m == n and b.steps_run == a.steps_run
+    # the reference: the same work as one Step
+    out = b.step(release=[1], evict=[0, 2], admit=[n], decode=[0, 2], extend=([n], [9]))
+    assert b.steps_run == a.steps_run
     assert d.full_slots.tolist() == out.full_slots[:2].tolist()
     assert e.rows.tolist() == [n] and e.full_slots.tolist() == out.full_slots[2:].tolist()
     same_device(a, b)
@@ -162,54 +162,3 @@ def test_ring_mode_admit_then_extend_in_one_block_is_refused_with_the_reason():
     with a.scheduler_step() as it:
         it.extend([r], [5])
     assert a.seq_len(r) == 5
-
-
-@pytest.mark.parametrize("ring", [False, True])
-def test_blocks_run_as_one_step_call_equal_blocks_planned_call_by_call(ring, monkeypatch):
-    """A block in step()'s canonical form runs as ONE alloc.step(...) (the compiled
-    planner's path); the same blocks planned call by call (the form disabled) give the same
-    device and host state, the same slots and the same refusals, block after block."""
-    import numpy as np
-
-    import graphalloc.step_context as sc
-
-    cfg = ga.AllocatorConfig(page_size=4, num_full_pages=40, num_swa_pages=40 if not ring
-                             else 24, max_reqs=6, max_context_len=48, sliding_window=5,
-                             swa_ring_pages=6 if ring else 0, device="cpu", backend="torch")
-    fast, slow = ga.HybridAllocator(cfg), ga.HybridAllocator(cfg)
-    form = sc.step_form
-    rng = np.random.default_rng(7)
-    n_fast = 0
-    for _ in range(60):
-        live = [int(r) for r in np.flatnonzero(fast.ledger.live)]
-        k = min(int(rng.integers(0, 2)), len(live))
-        done = sorted(rng.choice(live, size=k, replace=False).tolist()) if (
-            rng.random() < 0.3) else []
-        rest = [r for r in live if r not in done]
-        grow = [r for r in rest if fast.seq_len(r) < 40]
-        n_admit = int(rng.integers(0, 2))
-        chunk = int(rng.integers(1, 9))
-        evict_all = bool(rng.random() < 0.4)
-        results = []
-        for alloc, use_form in ((fast, True), (slow, False)):
-            monkeypatch.setattr(sc, "step_form", form if use_form else lambda ctx: None)
-            try:
-                with alloc.scheduler_step() as it:
-                    if done:
-                        it.release(done)
-                    if rest and evict_all:
-                        it.evict_all()
-                    elif rest:
-                        it.evict(rest)
-                    new = [it.admit() for _ in range(n_admit)]
-                    d = it.decode(grow) if grow else None
-                    e = it.extend(new, [chunk] * len(new)) if new else None
-                results.append(("ok", [None if x is None else x.full_slots.tolist()
-                                       for x in (d, e)]))
-            except ga.ContractError as exc:
-                results.append(("refused", type(exc)))
-            if use_form:
-                n_fast += form(it) is not None if results[-1][0] == "ok" else 0
-        assert results[0] == results[1]
-        assert_same_snapshot(fast.snapshot(), slow.snapshot())
-    assert n_fast > 20  # most blocks took the one-call form

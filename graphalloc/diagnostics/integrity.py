@@ -52,6 +52,8 @@ def snapshot(alloc) -> dict:
                 for name, t in alloc.state.tables().items()}
     for name, arr in led.arrays().items():
         snap[f"host_{name}"] = arr.copy()
+    snap["host_full_ring"] = (led.full.head, led.full.n_free)
+    snap["host_swa_ring"] = (led.swa.head, led.swa.n_free)
     return snap
 
 

@@ -74,7 +74,7 @@ class FreeGroup:
     # ---- recording ----------------------------------------------------------------------
     def release(self, rows) -> None:
         arr = normalize(Step(release=rows), self.alloc.config).release
-        self.alloc.dry_run(Step(release=arr))
+        self.alloc.dry_run(Step(release=arr), oversize=True)
         self.released[arr] = True
         self.target[arr] = -1
         self._release.extend(arr.tolist())
@@ -88,7 +88,7 @@ class FreeGroup:
             raise FrontierError(
                 f"advance_frontier: request {rows[i]}: frontier would move back from "
                 f"{self.target[rows[i]]} (moved there earlier in this free_group()) to {pos[i]}")
-        self.alloc.dry_run(Step(advance=(rows, pos)))
+        self.alloc.dry_run(Step(advance=(rows, pos)), oversize=True)
         self._target(rows, pos)
 
     def evict(self, rows) -> None:
@@ -97,7 +97,7 @@ class FreeGroup:
             arr = np.flatnonzero(alloc.ledger.live & ~self.released)
         else:
             arr = normalize(Step(evict=rows), alloc.config).evict
-            alloc.dry_run(Step(evict=arr))
+            alloc.dry_run(Step(evict=arr), oversize=True)
         targets = window_targets(alloc.config, alloc.ledger, arr)
         self._target(arr, np.maximum(targets, self.target[arr]))
 
@@ -108,7 +108,7 @@ class FreeGroup:
 
     def drop(self, handle, swa_only: bool) -> None:
         arr = normalize(Step(drop=handle), self.alloc.config).drop
-        self.alloc.dry_run(Step(drop_swa=arr) if swa_only else Step(drop=arr))
+        self.alloc.dry_run(Step(drop_swa=arr) if swa_only else Step(drop=arr), oversize=True)
         for h in arr.tolist():
             if swa_only:
                 if not self.tombstoned[h]:

@@ -130,6 +130,16 @@ class Ledger:
             self.refs.reset()
         self.journal.commit()
 
+    @property
+    def full_ref(self) -> np.ndarray:
+        """Pool mode: the FULL pages' reference counts (``refs.full_ref``, the same array)."""
+        return self.refs.full_ref
+
+    @property
+    def swa_ref(self) -> np.ndarray:
+        """Pool mode: the SWA pages' reference counts (``refs.swa_ref``, the same array)."""
+        return self.refs.swa_ref
+
     def arrays(self) -> dict[str, np.ndarray]:
         """Every host array by name (rows, handles, rings and, in pool mode, the page
         mirror): the ledger's whole state, as views."""
