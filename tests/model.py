@@ -18,7 +18,8 @@ Rules modelled (``ps`` page size, ``W`` window, ``R`` ring pages, L a length):
   mapping cleared, when its last SWA reference goes (even if FULL references remain).
   Ring mode has no sharing: every sharing call is refused (kind ``sharing``).
 * admit: lowest row that is neither live nor released in an open free group; a new
-  request is empty (length = frontier = 0). ``admit(handle=h)`` is a request sharing
+  request is empty (length = frontier = 0). Every operation is one step: a plain admit
+  too (it has no device work in pool mode, but it is a step). ``admit(handle=h)`` is a request sharing
   the handle's pages: length ``n_h``, frontier the handle's SWA start, its
   ``req_to_token`` the handle's slots, references like any request (one step). Ring
   mode pops the request's R ring pages (one step).
@@ -48,7 +49,9 @@ Rules modelled (``ps`` page size, ``W`` window, ``R`` ring pages, L a length):
   ``max_pages_per_row`` pages into release rows (descriptor order: phase 1 then phase 2,
   rows in call order). take_handle and admit(handle) use no release rows.
 * a step runs release, commit, trim, evict, advance, decode, extend in this order: every
-  push of a step precedes every pop, so pages freed by a step are reused by it.
+  push of a step precedes every pop, so pages freed by a step are reused by it. Its form
+  is checked first: a row outside ``[0, max_reqs)`` (or not an int) anywhere in it is an
+  ``unknown`` violation before any other rule.
 * speculative decoding: a request has a committed length C <= L; the positions
   ``[C, L)`` are its speculative steps, oldest first, at most two. A decode with
   lookahead k appends ``1 + k`` positions as one speculative step (refused when two are
@@ -63,16 +66,25 @@ Rules modelled (``ps`` page size, ``W`` window, ``R`` ring pages, L a length):
   rule is ``floor_page(max(old, C - W))`` and a frontier may not pass ``floor_page(C)``; a
   handle takes at most C tokens. commit and trim inside a free group, or through a step
   inside one, are refused (``nested``).
-* free_group: releases, handle drops (whole or SWA only), evictions and frontier
-  advances are decided at the call, by the same rules as outside a block (the window
-  rule on the length at the call; an advance validated against the frontier as the
-  block has moved it; references dropped at the call), but the pages they free reach
-  the free queues only at exit, in call order. Allocations, admits and take_handle in
-  the block run at once and cannot use those pages; a request released in it cannot
-  allocate and its row is not reused before the exit; a handle dropped in it is gone
-  at once (a second drop is refused) and its id is not reused before the exit. The
-  exit runs the block's release segments as the fewest consecutive steps that each fit
-  the frozen step shape, cut greedily in order; it is never refused.
+* free_group: releases, handle drops (whole or SWA only), evictions and frontier advances
+  are validated at the call, by the same rules as outside a block, against the committed
+  state plus what the block recorded: a row released in the block cannot be freed again,
+  allocate, or be reused by admit; a handle dropped in it is gone (a second drop, an
+  admit on it, its info are refused) and its id is not reused; an eviction records the
+  window rule's target on the committed length at the call (the largest recorded target
+  wins); an advance must not be behind the live frontier nor behind the block's target.
+  Nothing changes until the exit: every view (lengths, frontiers, free counts, handle
+  info) is the committed state, and operations that run at once inside the block
+  (allocations, admits, take_handle) see it. A release supersedes the row's recorded
+  target; a whole drop supersedes a tombstone. The exit runs what was recorded as ONE
+  step in the step's order: the releases (one drop call, rows in call order), the
+  frontier moves (one drop call, rows in the order their first target was recorded), the
+  handle drops (one drop call: whole drops in call order, then tombstones), split into
+  the fewest consecutive steps whose release rows fit the frozen shape (greedy, in order);
+  never refused. An exception escaping the block discards it (nothing recorded runs).
+* shared pages are never written: a trim to n (n not a multiple of ps) whose page
+  n // ps another holder references is refused (kind ``shared``), because the next
+  allocation would continue that page.
 * the frozen step shape: release segments, freed pages, allocating rows and tokens per
   step are bounded. A combined ``step()`` beyond it is refused whole; a free called on its
   own outside a block (release, evict_window, advance_frontier, drop_handle,
@@ -102,6 +114,7 @@ HANDLE = "handle"  # unknown or dropped handle (UnknownHandleError)
 SHARING = "sharing"  # a sharing call in ring mode (a ContractError)
 SPEC = "spec"  # speculative state: nothing to commit, a tail blocks a plain allocation,
 # a third step in flight (a ContractError)
+SHARED = "shared"  # a trim into a page another holder references (SharedPageError)
 
 # Actions of a page whose references a call drops.
 ACT_FULL = "full"  # FULL count reached 0, no SWA page any more
@@ -196,10 +209,8 @@ class Model:
         self.reqs: dict[int, Req] = {}
         self.handles: dict[int, Handle] = {}
         self.steps = 0
-        # free_group state
-        self.group: list | None = None  # deferred pushes, in order: ("full"|"swa", page)
-        self.group_segs: list[int] = []  # the block's release segments (pages each), in order
-        self.deferring = False
+        # free_group state: what the open block recorded (None: no block is open)
+        self.group: dict | None = None
         self.pending: set[int] = set()  # rows released in the open block
         self.pending_handles: set[int] = set()  # handles dropped in the open block
 
@@ -210,24 +221,6 @@ class Model:
                    cfg.max_release_rows, cfg.max_pages_per_row, cfg.max_alloc_rows,
                    cfg.max_tokens_per_alloc_row, cfg.max_step_pages, cfg.max_step_tokens,
                    getattr(cfg, "max_handles", 0))
-
-    def _own_group(self, fn) -> bool:
-        """A free outside a block (release, evict_window, advance_frontier, drop_handle,
-        drop_handle_swa) runs like a block of its own: decided at once (atomic: a violation
-        leaves the model unchanged), one step when its release rows fit one step (also when it
-        frees nothing), several consecutive steps (the flush's greedy cut) when they do not:
-        never refused for the frozen shape, so no request or handle can be stranded (issue 17,
-        defect 3). A combined step() is still refused whole. Returns whether it ran."""
-        if self.group is not None:
-            return False
-        work = self.clone()
-        work.open_group()
-        fn(work)
-        steps = work.steps
-        work.close_group()
-        work.steps = max(work.steps, steps + 1)
-        self.__dict__.update(work.__dict__)
-        return True
 
     def clone(self) -> Model:
         return copy.deepcopy(self)
@@ -246,10 +239,7 @@ class Model:
         return self.swa_q.popleft()
 
     def _push(self, pool: str, page: int) -> None:
-        if self.deferring:
-            self.group.append((pool, page))
-        else:
-            (self.full_q if pool == "full" else self.swa_q).append(page)
+        (self.full_q if pool == "full" else self.swa_q).append(page)
 
     # ---- references ----------------------------------------------------------------------
     def _hold(self, holder) -> None:
@@ -356,7 +346,7 @@ class Model:
         req = Req(self.ps)
         if self.ring_mode:
             req.ring = [self._pop_swa() for _ in range(self.ring_pages)]
-            self.steps += 1
+        self.steps += 1
         self.reqs[row] = req
         return row
 
@@ -419,24 +409,38 @@ class Model:
 
     def _drop_handle_op(self, handle, swa_only: bool) -> None:
         h = self._handle(handle)
-        if self._own_group(lambda w: w._drop_handle_op(h, swa_only)):
-            return
-        self._defer(lambda w: w._drop_handle(h, swa_only))  # inside a block
-        if not swa_only:
+        if h in self.pending_handles:
+            raise Violation({HANDLE})
+
+        def record(g):
+            if swa_only:
+                if h not in g["tomb"]:
+                    g["tomb"].append(h)
+            else:
+                g["drop"].append(h)
+        self._free_op(record)
+        if self.group is not None and not swa_only:
             self.pending_handles.add(h)
 
-    def _drop_handle(self, h: int, swa_only: bool) -> list[int]:
-        hd, ps = self.handles[h], self.ps
-        n = len(hd.pages)
-        segs = self._drop([(hd.pages, 0, 0 if swa_only else n, hd.swa_start // ps, n)])
-        if swa_only:
-            hd.frontier = hd.n_tokens
-        else:
-            del self.handles[h]
+    def _drop_handles(self, drops) -> list[int]:
+        """One drop call: ``drops`` = [(handle, swa_only)] in order."""
+        ps, items = self.ps, []
+        for h, swa_only in drops:
+            hd = self.handles[h]
+            n = len(hd.pages)
+            items.append((hd.pages, 0, 0 if swa_only else n, hd.swa_start // ps, n))
+        segs = self._drop(items)
+        for h, swa_only in drops:
+            if swa_only:
+                self.handles[h].frontier = self.handles[h].n_tokens
+            else:
+                del self.handles[h]
         return segs
 
     def handle_info(self, handle) -> dict:
-        """What a handle holds and what dropping it would free now."""
+        """What a handle holds and what dropping it would free now (committed state)."""
+        if _is_int(handle) and int(handle) in self.pending_handles:
+            raise Violation({HANDLE})
         h = self.handles[self._handle(handle)]
         ps = self.ps
         swa_pages = [self.f2s[p] for p in h.pages[h.swa_start // ps:]]
@@ -459,9 +463,14 @@ class Model:
         n_accepted); ``trim``: (rows, new_lens); ``lookahead``: None, an int or one per
         decode row. Order: release, commit, trim, evict, advance, decode, extend. Returns the
         allocation results ``[(row, full_slots, swa_slots)]`` (decode rows first) or None when
-        nothing allocates."""
+        nothing allocates. A malformed step -- a row that is not an int in ``[0, max_reqs)``
+        in any kind -- is refused before any other rule is checked."""
         release = [] if release is None else release
         decode = [] if decode is None else decode
+        for rows in (release, evict or (), decode, *(x[0] for x in (commit, trim, advance,
+                                                                    extend) if x is not None)):
+            if any(not _is_int(r) or not 0 <= int(r) < self.max_reqs for r in rows):
+                raise Violation({UNKNOWN})
         if self.group is not None and (commit is not None or trim is not None):
             raise Violation({NESTED})
         if self.group is not None and (list(release) or evict_all or (evict is not None and
@@ -505,34 +514,55 @@ class Model:
         self.__dict__.update(work.__dict__)
         return results
 
-    def _defer(self, fn) -> None:
-        """Inside a free group: decide the frees now (on a clone, so a violation changes
-        nothing), keep their pushes for the exit."""
+    def _free_op(self, record) -> None:
+        """A free: inside an open block, ``record(group)`` (after the caller validated it);
+        outside one, a block of its own (one step, or several when the frozen shape needs
+        them; never refused for size)."""
+        if self.group is not None:
+            record(self.group)
+            return
         work = self.clone()
-        work.deferring = True
-        work.group_segs = work.group_segs + fn(work)
-        work.deferring = False
+        work.open_group()
+        record(work.group)
+        work.close_group(at_least_one_step=True)
         self.__dict__.update(work.__dict__)
 
     def advance_frontier(self, rows, new_pos) -> None:
-        if self._own_group(lambda w: w.advance_frontier(rows, new_pos)):
-            return
         rows_v = self._rows(rows)
         new_pos = [int(p) for p in new_pos]
-        self._defer(lambda w: w._advance(rows_v, new_pos))  # inside a block
+        self._check_advance(rows_v, new_pos, [self.reqs[r].frontier for r in rows_v])
+        if self.group is not None:
+            target = self.group["target"]
+            if any(p < target.get(r, p) for r, p in zip(rows_v, new_pos, strict=True)):
+                raise Violation({FRONTIER})  # behind the block's own target
+
+        def record(g):
+            for r, p in zip(rows_v, new_pos, strict=True):
+                g["target"][r] = p
+        self._free_op(record)
 
     def evict_window(self, rows=None) -> None:
-        if self._own_group(lambda w: w.evict_window(rows)):
-            return
-        rows_v = sorted(self.reqs) if rows is None else self._rows(rows)  # inside a block
-        self._defer(lambda w: w._advance(rows_v, [w.window_frontier(r) for r in rows_v]))
+        if rows is None:
+            rows_v = sorted(r for r in self.reqs if r not in self.pending)
+        else:
+            rows_v = self._rows(rows)
+        targets = [self.window_frontier(r) for r in rows_v]
+
+        def record(g):
+            for r, p in zip(rows_v, targets, strict=True):
+                g["target"][r] = max(g["target"].get(r, p), p)
+        self._free_op(record)
 
     def release(self, rows) -> None:
-        if self._own_group(lambda w: w.release(rows)):
-            return
-        rows_v = self._rows(rows)  # inside a block
-        self._defer(lambda w: w._release(rows_v))
-        self.pending.update(rows_v)
+        rows_v = self._rows(rows)
+
+        def record(g):
+            g["release"].extend(rows_v)
+            for r in rows_v:
+                g["target"].pop(r, None)
+        self._free_op(record)
+        if self.group is not None:
+            self.pending.update(rows_v)
 
     def alloc_extend(self, rows, n_tokens):
         return self.step(extend=(rows, n_tokens))
@@ -550,26 +580,40 @@ class Model:
     def open_group(self) -> None:
         if self.group is not None:
             raise Violation({NESTED})
-        self.group = []
+        self.group = {"release": [], "target": {}, "drop": [], "tomb": []}
 
-    def close_group(self) -> None:
-        """Push the block's deferred pages in order, as the fewest consecutive steps whose
-        release rows each fit the frozen shape (greedy cut, in order). Never refused."""
-        pushes, segs = self.group, self.group_segs
-        self.group, self.group_segs = None, []
-        self.pending, self.pending_handles = set(), set()
-        for pool, page in pushes:
-            self._push(pool, page)
+    def discard_group(self) -> None:
+        """An exception escaped the block: nothing it recorded runs."""
+        self.group, self.pending, self.pending_handles = None, set(), set()
+
+    def close_group(self, at_least_one_step: bool = False) -> None:
+        """Run what the block recorded as one step in the step's order (releases, frontier
+        moves, handle drops), as the fewest consecutive steps whose release rows each fit
+        the frozen shape (greedy cut, in order). Never refused."""
+        g = self.group
+        self.group, self.pending, self.pending_handles = None, set(), set()
+        drops = [(h, False) for h in g["drop"]] + [(h, True) for h in g["tomb"]
+                                                 if h not in g["drop"]]
+        recorded = g["release"] or g["target"] or drops
+        if not recorded:
+            self.steps += at_least_one_step
+            return
+        segs = self._release(g["release"])
+        rows = [r for r in g["target"] if r in self.reqs]
+        segs += self._advance(rows, [g["target"][r] for r in rows])
+        segs += self._drop_handles(drops) if drops else []
         rows = [min(self.max_pages_per_row, n - k * self.max_pages_per_row)
                 for n in segs for k in range(self._segments(n))]
         n_rows = n_pages = 0
+        steps = 0
         for i, pages in enumerate(rows):
             if i == 0 or n_rows + 1 > self.max_release_rows or (
                     n_pages + pages > self.max_step_pages):
-                self.steps += 1
+                steps += 1
                 n_rows = n_pages = 0
             n_rows += 1
             n_pages += pages
+        self.steps += max(steps, 1)
 
     # ---- rules -----------------------------------------------------------------------------
     def window_frontier(self, row: int) -> int:
@@ -718,6 +762,8 @@ class Model:
                 kinds.add(POSITION)
             elif req.frontier > 0 and n < req.frontier + self.window:
                 kinds.add(FRONTIER)
+            elif n % self.ps and self.full_ref[req.pages[n // self.ps]] > 1:
+                kinds.add(SHARED)  # the next allocation would write a shared page
         if kinds:
             raise Violation(kinds)
         for r, n in zip(rows, new_lens, strict=True):
