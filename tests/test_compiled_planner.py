@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import graphalloc.plan.compiled as compiled
-from graphalloc import AllocatorConfig, ContractError, HybridAllocator
+from graphalloc import AllocatorConfig, ConfigError, ContractError, HybridAllocator
 from graphalloc.attention.spec import PageTableSpec
 from graphalloc.plan.step import Step, normalize
 
@@ -71,7 +71,7 @@ CONFIGS = {
 COUNTS: collections.Counter = collections.Counter()  # kinds planned, refusal codes, modes
 
 
-def make_config(name: str):
+def make_config(name: str, **overrides):
     kwargs, tables = CONFIGS[name]
     kwargs = dict(kwargs, backend="torch", device="cpu")
     if tables == "tight":  # every frozen release shape at its minimum: steps exceed them
@@ -79,6 +79,7 @@ def make_config(name: str):
         kwargs.update(max_release_rows=probe.min_release_rows,
                       max_step_pages=probe.min_step_pages)
         tables = None
+    kwargs.update(overrides)
     spec = None if tables is None else PageTableSpec(**tables)
     return AllocatorConfig(**kwargs), spec
 
@@ -101,13 +102,14 @@ class FakeCache:
 class Pair:
     """A numpy-planned and a compiled-planned allocator fed identical steps."""
 
-    def __init__(self, name: str):
-        self.cfg, spec = make_config(name)
+    def __init__(self, name: str, **overrides):
+        self.cfg, spec = make_config(name, **overrides)
         self.ref = HybridAllocator(self.cfg, planner="numpy", page_tables=spec)
         self.twin = HybridAllocator(self.cfg, planner="compiled", page_tables=spec)
         assert self.ref.pipeline.compiled is None
         assert isinstance(self.twin.pipeline.compiled, compiled.CompiledPlanner)
         self.outcomes = {}
+        self.reclaimed: list = []  # what submitted steps reclaimed (handle, tomb, FULL, SWA)
         for alloc in (self.ref, self.twin):  # record each pipeline's PlanOutcome
             self._record(alloc)
 
@@ -158,6 +160,8 @@ class Pair:
             COUNTS["reclaimed"] += len(o_ref.reclaimed)
             COUNTS["lookahead"] += int(arrays.decode_spec.sum())
             COUNTS["not fusable"] += not o_ref.fusable
+            cut = set(arrays.commit_row.tolist()) | set(arrays.trim_row.tolist())
+            COUNTS["cut and allocated"] += bool(cut & set(o_ref.result_rows.tolist()))
         self.compare()
         if p_ref is not None:
             compare_planned(p_ref, p_twin)
@@ -170,6 +174,7 @@ class Pair:
                 self.ref.mark_submitted(p_ref)
                 self.twin.mark_submitted(p_twin)
                 if offer is not None:
+                    self.reclaimed += self.ref.prefix_cache.reclaimed
                     assert (self.ref.prefix_cache.reclaimed
                             == self.twin.prefix_cache.reclaimed)
         for alloc in (self.ref, self.twin):
@@ -257,10 +262,10 @@ def random_step(pair: Pair, rng) -> tuple[Step, tuple | None, tuple | None]:
     L, C, f, spec = led.seq_len, led.committed, led.frontier, led.spec_steps
     used_full = 1 - led.full.n_free / cfg.num_full_pages
     roles = {}
-    weights = np.array([.12, .06 + .3 * used_full, .08, .06, .3, .2, .04, .04])
-    for r in live:
+    weights = np.array([.12, .06 + .3 * used_full, .08, .06, .3, .2, .04, .04, .1])
+    for r in live:  # "round": a speculative round (commit, then a lookahead decode)
         roles[r] = str(rng.choice(["none", "release", "commit", "trim", "decode", "extend",
-                                   "load", "advance"], p=weights / weights.sum()))
+                                   "load", "advance", "round"], p=weights / weights.sum()))
     kw: dict = {}
     held = np.flatnonzero(led.h_live) if cfg.max_handles else np.zeros(0, int)
     unheld = np.flatnonzero(~led.h_live) if cfg.max_handles else np.zeros(0, int)
@@ -277,7 +282,8 @@ def random_step(pair: Pair, rng) -> tuple[Step, tuple | None, tuple | None]:
         by[role].append(r)
     if by["release"]:
         kw["release"] = by["release"] + ([int(rng.choice(free))] if bad and free else [])
-    com = [r for r in by["commit"] if spec[r, 0] or bad]
+    rounds = [r for r in by["round"] if spec[r, 0]]
+    com = [r for r in by["commit"] if spec[r, 0] or bad] + rounds
     if com:
         kw["commit"] = (com, [int(rng.integers(0, spec[r, 0] + 1 + bad)) for r in com])
     if by["trim"]:
@@ -322,11 +328,11 @@ def random_step(pair: Pair, rng) -> tuple[Step, tuple | None, tuple | None]:
         n = -1 if rng.random() < 0.4 else ps * int(rng.integers(0, led.h_len[h] // ps + 1 + bad))
         kw["admit_on"] = ([int(on[0])], [h], [n])
     dec = [r for r in by["decode"] if not spec[r, 1] or bad]
-    if dec:
-        kw["decode"] = dec
-        if rng.random() < 0.4 or any(spec[r, 0] for r in dec):
+    if dec or rounds:
+        kw["decode"] = dec + rounds
+        if rng.random() < 0.4 or any(spec[r, 0] for r in dec) or rounds:
             kw["lookahead"] = [int(rng.integers(0 if spec[r, 0] and not bad else -1, 4))
-                               for r in dec]
+                               for r in dec] + [int(rng.integers(0, 4)) for r in rounds]
     ext = [r for r in by["extend"] if not spec[r, 0] or bad]
     ext += [int(r) for r in adm if rng.random() < 0.5] if not ring else []
     if ext:
@@ -408,5 +414,150 @@ def test_random_steps_match_the_reference(name, seed):
     assert pair.twin.pipeline.compiled.n_planned > 50
 
 
+# ---- directed cases ---------------------------------------------------------------------------
+def run(pair: Pair, mode: str = "submit", **kinds):
+    """One Step on both; the refusal tuple or None."""
+    return pair.step(normalize(Step(**kinds), pair.cfg), mode)
+
+
+def prefill(pair: Pair, n_tokens, **more) -> list[int]:
+    """Admit len(n_tokens) rows and extend them (two steps); returns the rows."""
+    free = [int(r) for r in np.flatnonzero(~pair.ref.ledger.live)][:len(n_tokens)]
+    assert run(pair, admit=free, **more) is None
+    chunk = min(pair.cfg.max_tokens_per_alloc_row, pair.cfg.max_step_tokens)
+    for r, n in zip(free, n_tokens, strict=True):
+        while n > 0:
+            assert run(pair, extend=([r], [min(n, chunk)]), evict_all=True) is None
+            n -= chunk
+    return free
+
+
+def test_release_shape_refusals():
+    pair = Pair("pool-ps3-tight", sliding_window=40)
+    rows = prefill(pair, [24, 24, 24])
+    assert run(pair, release=rows)[:3] == (35, 13, 0)
+    pair = Pair("pool-ps3-tight", max_release_rows=40, sliding_window=40)
+    rows = prefill(pair, [24, 24, 24])
+    assert run(pair, release=rows)[:3] == (35, 13, 1)
+    assert run(pair, release=rows[:1]) is None
+
+
+def test_lane_shape_refusals():
+    pair = Pair("pool-ps2")  # max_batch 3, 30 FULL indices, 8 SWA
+    rows = prefill(pair, [24, 24, 24])
+    assert run(pair, decode=rows)[:3] == (35, 13, 5)
+    assert run(pair, decode=rows[:2]) is None
+    pair = Pair("pool-ps1-i32")  # max_batch 4 of 5 rows
+    rows = prefill(pair, [3, 3, 3, 3, 3])
+    assert run(pair, decode=rows)[:5] == (35, 13, 4, 5, 4)
+
+
+def test_load_back_refusals_and_rows():
+    pair = Pair("pool-ps16-handles", sliding_window=15)
+    (r,) = prefill(pair, [48])
+    assert run(pair, evict=[r]) is None
+    assert pair.ref.ledger.frontier[r] == 32
+    assert run(pair, load_back=([r], [48])) == (32, 12, r, 48, 32)
+    assert run(pair, load_back=([r], [8])) == (19, 12, r, 8, 16)
+    assert run(pair, load_back=([r], [0]), decode=[r]) == (22, 12, r, 0, 0)
+    assert run(pair, load_back=([r], [0])) is None
+    assert pair.ref.ledger.frontier[r] == 0
+
+
+@pytest.mark.parametrize("n_swa, expected", [(18, [(0, False), (1, False)]),
+                                              (9, [(1, True), (0, True)])])
+def test_reclaim_in_the_offered_order(n_swa, expected):
+    pair = Pair("pool-ps16-handles", num_swa_pages=n_swa)
+    rows = prefill(pair, [48, 48])
+    assert run(pair, take=([0, 1], rows, [48, 32])) is None
+    assert run(pair, release=rows) is None  # the handles keep their pages
+    offer = (np.array([3, 1, 0], dtype=np.int64), np.array([0, 4, 1], dtype=np.int64))
+    rows = prefill(pair, [0, 0, 0])
+    for r in rows * 6:
+        pair.step(normalize(Step(extend=([r], [48]), evict_all=True), pair.cfg), "submit",
+                  offer=offer)
+    assert [(h, tomb) for h, tomb, *_ in pair.reclaimed][:2] == expected, pair.reclaimed
+
+
+def test_trim_into_a_shared_page():
+    pair = Pair("pool-ps16-handles")
+    (r,) = prefill(pair, [40])
+    assert run(pair, take=([2], [r], [32])) is None
+    assert run(pair, trim=([r], [20])) == (18, 3, r, 20, 32)
+    assert run(pair, trim=([r], [32])) is None  # a page boundary: allowed
+    assert run(pair, decode=[r], lookahead=[2]) is None
+    assert run(pair, commit=([r], [1])) is None
+    assert run(pair, trim=([r], [33])) is None
+
+
+def test_refusal_puts_back_the_descriptor_rows_it_overwrote():
+    pair = Pair("pool-ps16-handles")
+    rows = prefill(pair, [40, 40, 40])
+    for _ in range(3):  # both buffers hold rows of earlier steps
+        assert run(pair, decode=rows, evict_all=True) is None
+    before = state(pair.twin)
+    # frees that write release rows, then a shortage at the end: everything put back
+    assert run(pair, release=rows[:1], extend=(rows[1:], [20, 20]), mode="cancel") is None
+    refusal = run(pair, release=rows[:1], decode=rows[1:], extend=([rows[1]], [5]))
+    assert refusal[0] == 22
+    del before
+
+
+def test_a_dry_run_while_a_step_is_pending_keeps_the_pending_step():
+    pair = Pair("pool-ps16-handles")
+    rows = prefill(pair, [30, 30])
+    start = state(pair.twin, ledger_only=True)
+    planned = pair.twin.pipeline.plan(normalize(Step(decode=rows[1:], release=rows[:1]), pair.cfg))
+    pending = state(pair.twin, ledger_only=True)
+    pair.twin.dry_run(Step(decode=rows[1:], evict_all=True))
+    assert_same(pending, state(pair.twin, ledger_only=True), "a dry run over a pending step")
+    pair.twin.cancel(planned)
+    assert_same(start, state(pair.twin, ledger_only=True), "cancel after a dry run")
+
+
+def test_results_held_by_the_caller_are_never_overwritten():
+    pair = Pair("pool-ps16-handles")
+    rows = prefill(pair, [10, 10, 10])
+    twin = pair.twin
+    kept = twin.step(decode=rows)
+    first = kept.rows.copy(), kept.first_lane.copy(), kept.n_tokens.copy()
+    for _ in range(2 * len(twin.ring)):
+        twin.step(decode=rows[::-1], extend=([], []))
+    assert np.array_equal(kept.rows, first[0]) and np.array_equal(kept.n_tokens, first[2])
+    assert np.array_equal(kept.first_lane, first[1])
+
+
+def test_planner_argument(monkeypatch):
+    cfg, _ = make_config("pool-ps16-handles")
+    assert compiled.resolve_planner("numpy") == "numpy"
+    monkeypatch.setenv("GRAPHALLOC_PLANNER", "numpy")
+    assert HybridAllocator(cfg).pipeline.compiled is None
+    monkeypatch.delenv("GRAPHALLOC_PLANNER")
+    assert HybridAllocator(cfg).pipeline.compiled is not None
+    monkeypatch.setattr(compiled, "AVAILABLE", False)
+    with pytest.raises(ConfigError):
+        HybridAllocator(cfg, planner="compiled")
+    assert HybridAllocator(cfg).pipeline.compiled is None
+
+
+def test_abi_constants_match():
+    from graphalloc.plan import _cplan
+    for name, value in _cplan.ABI.items():
+        assert compiled._expected(name) == value, name
+
+
 def test_zz_coverage():
+    """The random and directed cases above exercised every kind and refusal code (run
+    after them: a test that stopped reaching one fails here)."""
+    if COUNTS["mode submit"] < 1000:
+        pytest.skip("runs after the random tests")
+    for kind in ("take", "release", "commit", "trim", "evict", "evict_all", "advance", "drop",
+                 "drop_swa", "admit", "admit_on", "decode", "extend", "load_back"):
+        assert COUNTS[f"kind {kind}"] > 0, kind
+    codes = {int(k.split()[1].split(".")[0]) for k in COUNTS if k.startswith("refused")}
+    assert codes >= set(range(1, 36)), sorted(set(range(1, 36)) - codes)
+    for shape in range(7):
+        assert COUNTS[f"refused 35.{shape}"] > 0, shape
+    assert COUNTS["lookahead"] and COUNTS["mode cancel"] and COUNTS["mode dry"]
+    assert COUNTS["reclaimed"] and COUNTS["not fusable"] and COUNTS["cut and allocated"]
     print(sorted(COUNTS.items()))
