@@ -137,10 +137,24 @@ def _rows(value, n_reqs: int, what: str) -> np.ndarray:
     if value is None:
         return EMPTY
     if type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1:
-        if len(value) and (value.min() < 0 or value.max() >= n_reqs):
+        # one reduction: a negative row is a huge unsigned one
+        if len(value) and value.view(np.uint64).max() >= n_reqs:
             return as_rows(value, n_reqs, what)  # raises with the row named
         return value
     return as_rows(value, n_reqs, what) if not is_empty(value) else EMPTY
+
+
+_FILLED = {0: EMPTY, 1: EMPTY}  # read-only int64 arrays of 0s / 1s, sliced (np.ones costs more)
+
+
+def _filled(value: int, n: int) -> np.ndarray:
+    """``n`` copies of ``value`` (0 or 1) as a read-only int64 view."""
+    base = _FILLED[value]
+    if len(base) < n:
+        base = np.full(max(n, 2 * len(base), 1024), value, dtype=np.int64)
+        base.flags.writeable = False
+        _FILLED[value] = base
+    return base[:n]
 
 
 def _handles(value, what: str) -> np.ndarray:
@@ -213,7 +227,7 @@ def normalize(step: Step, config) -> StepArrays:
         spec = (look >= 0).astype(np.int64)
         dec_n = 1 + np.maximum(look, 0)
     elif len(decode):
-        dec_n, spec = np.ones(len(decode), dtype=np.int64), np.zeros(len(decode), np.int64)
+        dec_n, spec = _filled(1, len(decode)), _filled(0, len(decode))
     else:
         dec_n = spec = EMPTY
     ext_r = ext_n = EMPTY
