@@ -111,6 +111,7 @@ typedef struct {
     UndoEntry *undo; Py_ssize_t undo_n, undo_cap; int oom;
     PyObject *empty;           /* step.EMPTY: an absent kind */
     long long n_planned, n_refused;
+    long long last_ns;         /* the last plan()'s time inside C (benchmarks) */
 } Planner;
 
 /* One step being planned (the C side of PlanContext). */

@@ -137,19 +137,26 @@ def _rows(value, n_reqs: int, what: str) -> np.ndarray:
     if value is None:
         return EMPTY
     if type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1:
-        # one reduction: a negative row is a huge unsigned one
-        if len(value) and value.view(np.uint64).max() >= n_reqs:
+        if len(value) and _largest_unsigned(value) >= n_reqs:  # (a negative row is huge)
             return as_rows(value, n_reqs, what)  # raises with the row named
         return value
     return as_rows(value, n_reqs, what) if not is_empty(value) else EMPTY
 
 
-_FILLED = {0: EMPTY, 1: EMPTY}  # read-only int64 arrays of 0s / 1s, sliced (np.ones costs more)
+def _largest_unsigned(value: np.ndarray) -> int:
+    """max(value) as unsigned 64-bit (a negative entry is huge): one numpy reduction, or a
+    list for a few entries (a reduction's fixed cost is microseconds)."""
+    if len(value) <= 16:
+        return max(x & 0xFFFFFFFFFFFFFFFF for x in value.tolist())
+    return int(value.view(np.uint64).max())
+
+
+_FILLED: dict[int, np.ndarray] = {}  # read-only int64 arrays of one value (np.full costs more)
 
 
 def _filled(value: int, n: int) -> np.ndarray:
-    """``n`` copies of ``value`` (0 or 1) as a read-only int64 view."""
-    base = _FILLED[value]
+    """``n`` copies of ``value`` as a read-only int64 view (a few small values cached)."""
+    base = _FILLED.get(value, EMPTY)
     if len(base) < n:
         base = np.full(max(n, 2 * len(base), 1024), value, dtype=np.int64)
         base.flags.writeable = False
@@ -217,7 +224,11 @@ def normalize(step: Step, config) -> StepArrays:
             raise PositionError(f"admit n_tokens must be >= 0 (or None: all of the handle), "
                                 f"got {int(on_n.min())}")
     decode = _rows(step.decode, n, "decode")
-    if step.lookahead is not None:
+    look_k = step.lookahead
+    if type(look_k) is int and len(decode) and -1 <= look_k <= 64:  # one k for every row
+        spec, dec_n = _filled(int(look_k >= 0), len(decode)), _filled(1 + max(look_k, 0),
+                                                                       len(decode))
+    elif step.lookahead is not None:
         if not len(decode):
             raise SpeculativeStateError("lookahead= applies to decode rows; none were given")
         look = as_positions(step.lookahead, len(decode), "lookahead")
