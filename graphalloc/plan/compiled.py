@@ -217,7 +217,6 @@ class CompiledPlanner:
             res = _Results(cfg.max_reqs)
             self._c.bind_buffer(i, desc, *res.bases, host)
             self._results.append(res)
-        self._hosts = [None] * len(self._descs)
         self.n_planned = 0  # steps this twin planned (refusals not counted)
 
     @classmethod
