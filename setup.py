@@ -1,7 +1,8 @@
-"""Build of the one compiled part: the optional step planner ``graphalloc._cplan`` (C).
+"""Build of the one compiled part: the optional compiled twin of the step planner,
+``graphalloc.plan._cplan`` (C, four files under graphalloc/plan/).
 
 Everything else is in pyproject.toml. The extension is optional: without a C compiler (or
-Python headers) the build goes on without it and prints one line; ``graphalloc.fast_plan``
+Python headers) the build goes on without it and prints one line; ``graphalloc.plan.compiled``
 then warns once at import and every step runs the numpy planner (the reference).
 """
 
@@ -34,7 +35,10 @@ class OptionalBuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("graphalloc.plan._cplan", sources=["graphalloc/plan/_cplan.c"],
-                           extra_compile_args=["-O3"], optional=True)],
+    ext_modules=[Extension("graphalloc.plan._cplan",
+                           sources=[f"graphalloc/plan/{name}.c" for name in (
+                               "_cplan", "_cplan_core", "_cplan_frees", "_cplan_alloc")],
+                           depends=["graphalloc/plan/_cplan.h"],
+                           extra_compile_args=["-O3", "-fwrapv"], optional=True)],
     cmdclass={"build_ext": OptionalBuildExt},
 )

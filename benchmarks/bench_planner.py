@@ -1,18 +1,17 @@
-"""Host time of one scheduler step's plan: the numpy planner against the compiled planner.
+"""Host time of one scheduler step's plan: the numpy reference planner against its compiled twin.
 
-    python benchmarks/bench_planner.py --out results/bench/planner-cpu            # CPU, ~2 min
-    python benchmarks/bench_planner.py --quick --out /tmp/bench_planner         # CI smoke run
-    python benchmarks/bench_planner.py --device cuda --out results/bench/planner-h200  # GPU
+    python benchmarks/bench_planner.py --out results/bench/planner-cpu    # CPU, ~3 min
+    python benchmarks/bench_planner.py --quick --out /tmp/bench_planner   # CI smoke run
 
 A continuous-batching decode workload at B in {16, 64, 256, 1024} running requests, page
 size 16, a model window of 4096 (``sliding_window = 4095``), pool mode: lengths start
 uniform in [W/2, 2W] (most requests are past their window, so the window rule frees SWA
 pages as they cross page boundaries); every step releases the longest request, admits a
-new one (``admit()``, outside the timed call) and plans ONE step::
+new one (``admit()``, untimed) and plans ONE step::
 
     plan(release=[done], evict_all=True, decode=rows, extend=([new], [256]))
 
--- B decode rows, the window eviction of every request, one release (its FULL and SWA
+-- B - 1 decode rows, the window eviction of every request, one release (its FULL and SWA
 pages) and one 256-token prefill chunk -- with the rows passed as int64 numpy arrays, as an
 engine's scheduler holds them. The speculative case (B in {16, 256}) is a speculative
 engine's round on the same workload: every decoding row drafts ``SPEC_K`` = 3 tokens
@@ -21,17 +20,19 @@ engine's round on the same workload: every decoding row drafts ``SPEC_K`` = 3 to
 
     plan(release=[done], commit=(rows, n_accepted), evict=rows, decode=rows, lookahead=3,
          extend=([new], [256]))
- Timed per step with ``perf_counter_ns``, garbage collection
-off: ``plan`` (host planning, the descriptor written into its pinned buffer: what this
-benchmark is about), ``submit`` (``mark_submitted``: the bookkeeping after a launch) and,
-on a GPU, ``run`` (the launch of a captured graph, ``executor="graph"``). On a CPU device
-no kernel runs at all (``mark_submitted`` stands in for the launch: the device tables go
-stale, which a host benchmark never reads). Both planners run the same steps from the same
-seed; the first 200 steps' descriptor buffers are compared (``identical``), and the
-compiled planner must have planned every step itself (``fallbacks`` = 0).
 
-Writes ``bench_planner.json`` and ``bench_planner.md`` into ``--out``. Reported: p50 and
-p90 over the measured steps (after warm-up), in microseconds.
+Timed per step with ``perf_counter_ns``, garbage collection off: ``plan`` (``alloc.plan``:
+normalise, plan, the descriptor written into its pinned buffer) and ``cancel`` (the undo);
+then the same step is planned again and ``mark_submitted`` (untimed) so the workload moves
+on. The compiled plan's parts: ``C`` (the time inside the extension's ``plan`` call of
+that very plan, its own clock) and ``normalize`` (Step -> StepArrays, timed alone on the
+same arguments; both planners pay it): Python = plan - C. No kernel runs (host planning
+only). Both planners run the same
+steps from the same seed; the first 200 steps' descriptor buffers are compared
+(``identical``), and the twin must have planned every step (``compiled planned``).
+
+Writes ``bench_planner.json`` and ``bench_planner.md`` into ``--out``: p50 with p20 / p80
+over the measured steps (after warm-up), in microseconds.
 """
 
 from __future__ import annotations
@@ -48,10 +49,11 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from timing import bench_main, bench_parser, machine_info  # noqa: E402
+from timing import bench_main, bench_parser, machine_info, summarize  # noqa: E402
 
 import graphalloc as ga  # noqa: E402
-from graphalloc import fast_plan  # noqa: E402
+from graphalloc.plan import compiled as twin  # noqa: E402
+from graphalloc.plan.step import Step, normalize  # noqa: E402
 
 PAGE_SIZE = 16
 MODEL_WINDOW = 4096
@@ -70,9 +72,9 @@ def make_alloc(batch: int, planner: str, device, executor: str) -> ga.HybridAllo
         page_size=PAGE_SIZE, num_full_pages=int((batch + 2) * per_req_full * 0.8) + 64,
         num_swa_pages=(batch + 2) * (per_req_swa + CHUNK // PAGE_SIZE + 1),
         max_reqs=batch + 2, max_context_len=max_ctx, sliding_window=w,
-        index_dtype=torch.int32, device=device, backend="torch" if device == "cpu" else
-        "triton", max_tokens_per_alloc_row=MODEL_WINDOW, max_step_tokens=MODEL_WINDOW + batch + 8)
-    return ga.HybridAllocator(cfg, planner=planner, executor=executor)
+        index_dtype=torch.int32, device=device, backend="torch",
+        max_tokens_per_alloc_row=MODEL_WINDOW, max_step_tokens=MODEL_WINDOW + 4 * batch + 8)
+    return ga.HybridAllocator(cfg, planner=planner, executor="eager")
 
 
 class Workload:
@@ -94,10 +96,7 @@ class Workload:
             self._submit(alloc.plan(evict=[r]))
 
     def _submit(self, planned) -> None:
-        if self.alloc.config.device.type == "cpu":
-            self.alloc.mark_submitted(planned)
-        else:
-            self.alloc.run(planned)
+        self.alloc.mark_submitted(planned)  # no kernel: the device tables go stale
 
     def next_args(self) -> dict:
         """Release the longest request, admit one: the next step's arguments (untimed)."""
@@ -117,56 +116,67 @@ class Workload:
                     lookahead=SPEC_K, extend=extend)
 
 
-def measure(batch: int, planner: str, device, n_warmup: int, n_steps: int, seed: int,
-            keep: int, speculative: bool = False) -> dict:
-    executor = "eager" if torch.device(device).type == "cpu" else "graph"
-    alloc = make_alloc(batch, planner, device, executor)
+def normalize_us(alloc, args: dict) -> float:
+    """Step -> StepArrays for ``args`` alone (the part of ``plan`` both planners share)."""
+    t0 = time.perf_counter_ns()
+    normalize(Step(**args), alloc.config)
+    return (time.perf_counter_ns() - t0) / 1e3
+
+
+def measure(batch: int, planner: str, n_warmup: int, n_steps: int, seed: int, keep: int,
+            speculative: bool = False) -> tuple[dict, list]:
+    alloc = make_alloc(batch, planner, "cpu", "eager")
     work = Workload(alloc, batch, seed, speculative)
-    on_gpu = alloc.config.device.type == "cuda"
-    plan_us, submit_us, run_us, bufs = [], [], [], []
+    samples = {"plan": [], "cancel": [], "normalize": [], "C": []}
+    bufs = []
+    comp = alloc.pipeline.compiled
+    planned_before = 0 if comp is None else comp.n_planned
     gc.collect()
     gc.disable()
     try:
         for i in range(n_warmup + n_steps):
             args = work.next_args()
+            norm = normalize_us(alloc, args)
             t0 = time.perf_counter_ns()
             planned = alloc.plan(**args)
             t1 = time.perf_counter_ns()
-            if on_gpu:
-                alloc.run(planned)
-                t2 = t3 = time.perf_counter_ns()
-            else:
-                t2 = t1
-                alloc.mark_submitted(planned)
-                t3 = time.perf_counter_ns()
+            c_us = None if comp is None else comp._c.last_ns / 1e3  # inside C, this plan
+            alloc.cancel(planned)
+            t2 = time.perf_counter_ns()
+            planned = alloc.plan(**args)
+            alloc.mark_submitted(planned)
             if i < keep:
                 bufs.append(alloc.ring.np_bufs[planned.buffer_index].copy())
             if i >= n_warmup:
-                plan_us.append((t1 - t0) / 1e3)
-                run_us.append((t2 - t1) / 1e3)
-                submit_us.append((t3 - t2) / 1e3)
+                samples["plan"].append((t1 - t0) / 1e3)
+                samples["cancel"].append((t2 - t1) / 1e3)
+                samples["normalize"].append(norm)
+                if c_us is not None:
+                    samples["C"].append(c_us)
     finally:
         gc.enable()
-    fast = alloc._fast
-    out = {"plan_us": _stats(plan_us), "submit_us": _stats(submit_us),
-           "run_us": _stats(run_us) if on_gpu else None,
-           "fallbacks": None if fast is None else fast.n_fallback,
-           "steps": n_steps, "release_rows_last": int(planned.n_release_rows),
-           "alloc_rows_last": int(planned.n_alloc_rows)}
-    if alloc.config.device.type == "cuda":
-        torch.cuda.synchronize()
+    out = {name: summarize(values) for name, values in samples.items() if values}
+    out["steps"] = n_steps
+    out["compiled_planned"] = None if comp is None else comp.n_planned - planned_before
+    out["release_rows_last"] = int(planned.n_release_rows)
+    out["alloc_rows_last"] = int(planned.n_alloc_rows)
     return out, bufs
 
 
-def _stats(samples) -> dict:
-    arr = np.asarray(samples, dtype=np.float64)
-    return {"p50": float(np.percentile(arr, 50)), "p90": float(np.percentile(arr, 90)),
-            "mean": float(arr.mean()), "min": float(arr.min()), "n": int(arr.size)}
+def _q(stats: dict) -> str:
+    return f"{stats['p50']:.1f} ({stats['p20']:.1f} / {stats['p80']:.1f})"
+
+
+# The previous compiled planner's plan() p50 (us): its own benchmark (commit aab3f5b, the old
+# argument interface, no normaliser) run on this machine, by case and B.
+OLD_COMPILED_P50 = {("decode", 16): 4.5, ("decode", 64): 5.6, ("decode", 256): 9.8,
+                    ("decode", 1024): 39.9, ("speculative", 16): 5.1,
+                    ("speculative", 256): 22.6}
 
 
 def run(args, argv, device, backend, note) -> int:
-    if not fast_plan.AVAILABLE:
-        print(f"compiled planner unavailable: {fast_plan.UNAVAILABLE_REASON}", file=sys.stderr)
+    if not twin.AVAILABLE:
+        print(f"compiled planner unavailable: {twin.UNAVAILABLE_REASON}", file=sys.stderr)
         return 1
     cases = [("decode", b) for b in ((16, 64) if args.quick else BATCHES)] + [
         ("speculative", b) for b in ((16,) if args.quick else SPEC_BATCHES)]
@@ -177,7 +187,7 @@ def run(args, argv, device, backend, note) -> int:
         row = {"case": case, "batch": batch}
         ref_bufs = None
         for planner in ("numpy", "compiled"):
-            out, bufs = measure(batch, planner, device, n_warmup, n_steps, seed=batch, keep=keep,
+            out, bufs = measure(batch, planner, n_warmup, n_steps, seed=batch, keep=keep,
                                 speculative=case == "speculative")
             row[planner] = out
             if ref_bufs is None:
@@ -185,49 +195,56 @@ def run(args, argv, device, backend, note) -> int:
             else:
                 row["identical"] = all(np.array_equal(a, b) for a, b in
                                        zip(ref_bufs, bufs, strict=True))
-        row["speedup"] = row["numpy"]["plan_us"]["p50"] / row["compiled"]["plan_us"]["p50"]
+        n, c = row["numpy"], row["compiled"]
+        row["speedup"] = n["plan"]["p50"] / c["plan"]["p50"]
+        # every step, its re-plan and the admit before it: planned by the twin
+        row["all_compiled"] = c["compiled_planned"] >= 3 * (n_warmup + n_steps)
         results.append(row)
-        c, n = row["compiled"], row["numpy"]
-        print(f"{case:11s} B={batch:5d}  numpy plan {n['plan_us']['p50']:8.1f} us (p90 "
-              f"{n['plan_us']['p90']:8.1f})  compiled plan {c['plan_us']['p50']:6.1f} us (p90 "
-              f"{c['plan_us']['p90']:6.1f})  x{row['speedup']:.1f}  identical "
-              f"{row['identical']}  fallbacks {c['fallbacks']}", flush=True)
+        print(f"{case:11s} B={batch:5d}  numpy plan {_q(n['plan'])}  compiled plan "
+              f"{_q(c['plan'])} (C {c['C']['p50']:.1f}, normalize "
+              f"{c['normalize']['p50']:.1f})  x{row['speedup']:.0f}  identical "
+              f"{row['identical']}", flush=True)
     info = machine_info(device)
     doc = {"benchmark": "bench_planner", "command": "python benchmarks/bench_planner.py "
            + " ".join(argv), "device": str(device), "page_size": PAGE_SIZE,
            "model_window": MODEL_WINDOW, "chunk": CHUNK, "spec_k": SPEC_K,
            "warmup_steps": n_warmup,
+           "old_compiled_plan_p50_us": {f"{c} {b}": v for (c, b), v in OLD_COMPILED_P50.items()},
            "machine": info, "results": results}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_planner.json"), "w") as f:
         json.dump(doc, f, indent=1)
     lines = [
-        "# Planner host time per step: numpy vs compiled", "",
+        "# Planner host time per step: numpy reference vs compiled twin", "",
         f"`{doc['command']}` on {info['summary']}.", "",
         f"One step = `plan(release=[longest], evict_all=True, decode=B - 1 rows, "
         f"extend=([new], [{CHUNK}]))`, page size {PAGE_SIZE}, model window {MODEL_WINDOW}, "
-        f"pool mode; {n_steps} measured steps after {n_warmup} warm-up, microseconds, "
-        "GC off. Case `speculative`: the same step as a speculative round, "
+        f"pool mode; {n_steps} measured steps after {n_warmup} warm-up; microseconds, p50 "
+        "(p20 / p80), GC off. Case `speculative`: the same step as a speculative round, "
         f"`plan(release=[longest], commit=(rows, n_accepted), evict=rows, decode=rows, "
         f"lookahead={SPEC_K}, extend=([new], [{CHUNK}]))`, n_accepted uniform in "
-        f"[0, {SPEC_K + 1}]. `submit` = `mark_submitted` (the bookkeeping after a launch)"
-        + ("; `run` = graph replay enqueue." if device.type == "cuda" else
-           "; no kernel runs on the CPU (host planning only)."), "",
-        "| case | B | numpy plan p50 (p90) | compiled plan p50 (p90) | speedup | compiled "
-        "plan + submit p50 | fallbacks | descriptors identical |",
-        "|:---|---:|---:|---:|---:|---:|---:|:---:|"]
+        f"[0, {SPEC_K + 1}]. `plan` = `alloc.plan(...)` (normalise, plan, descriptor "
+        "written), `cancel` = `alloc.cancel` (the undo). The compiled plan's parts: "
+        "`C` (inside the extension's call of that plan), `normalize` (Step -> StepArrays, "
+        "shared by both planners); Python = plan - C. No kernel runs on the CPU. `old` = "
+        "the previous compiled planner's `plan()` p50, its own benchmark (commit aab3f5b: "
+        "Python objects parsed in C, no normaliser) run on the same machine.", "",
+        "| case | B | numpy plan | compiled plan | of which C | normalize | Python (plan - C) "
+        "| cancel | speedup | old | identical |",
+        "|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for row in results:
         n, c = row["numpy"], row["compiled"]
+        old = OLD_COMPILED_P50.get((row["case"], row["batch"]))
         lines.append(
-            f"| {row['case']} | {row['batch']} | "
-            f"{n['plan_us']['p50']:.1f} ({n['plan_us']['p90']:.1f}) | "
-            f"{c['plan_us']['p50']:.1f} ({c['plan_us']['p90']:.1f}) | "
-            f"{row['speedup']:.1f}x | {c['plan_us']['p50'] + c['submit_us']['p50']:.1f} | "
-            f"{c['fallbacks']} | {row['identical']} |")
+            f"| {row['case']} | {row['batch']} | {_q(n['plan'])} | {_q(c['plan'])} | "
+            f"{_q(c['C'])} | {c['normalize']['p50']:.1f} | "
+            f"{c['plan']['p50'] - c['C']['p50']:.1f} | {c['cancel']['p50']:.1f} | "
+            f"{row['speedup']:.0f}x | {'' if old is None else old} | "
+            f"{row['identical'] and row['all_compiled']} |")
     with open(os.path.join(args.out, "bench_planner.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    ok = all(r["identical"] and r["compiled"]["fallbacks"] == 0 for r in results)
+    ok = all(r["identical"] and r["all_compiled"] for r in results)
     return 0 if ok else 1
 
 

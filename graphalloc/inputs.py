@@ -115,7 +115,7 @@ def as_counts(counts, n: int, what: str, limit: int | None = None) -> np.ndarray
     """Non-negative int64 counts, one per row (a single int is broadcast to ``n`` rows);
     ``PositionError`` for anything else or a count past ``limit``."""
     arr = _per_row(counts, n, what)
-    if n and arr.min() < 0:
+    if n and (min(arr.tolist()) if n <= 16 else arr.min()) < 0:
         raise PositionError(f"{what} must be >= 0, got {int(arr.min())}")
     if limit is not None and n and arr.max() > limit:
         raise PositionError(f"{what}: {int(arr.max())} exceeds {limit}")

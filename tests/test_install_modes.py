@@ -1,7 +1,7 @@
 """Every install mode imports the same package: ``kernels/`` (top level in the source tree)
 is ``graphalloc.kernels`` in an editable install, a regular install and a wheel, with
 nothing patched into ``sys.modules``. Every mode builds the compiled planner
-(``graphalloc._cplan``) where a C compiler is present, and an install without one still
+(``graphalloc.plan._cplan``) where a C compiler is present, and an install without one still
 succeeds: the package then warns once at import and plans with numpy.
 
 The editable install is the one the suite itself runs on (``make test``); the other two
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROBE = (
     # The source tree's editable finder would resolve a submodule missing from the copy
-    # under test (graphalloc._cplan) from the tree: take it out first.
+    # under test (graphalloc.plan._cplan) from the tree: take it out first.
     "import sys\n"
     "sys.meta_path[:] = [f for f in sys.meta_path\n"
     "                    if '__editable__' not in getattr(f, '__module__', '')]\n"
@@ -34,7 +34,7 @@ PROBE = (
     "import graphalloc.plan.compiled as fp\n"
     "a = HybridAllocator(cfg); r = a.admit(); a.alloc_extend([r], [5]); a.release([r])\n"
     "a.check_integrity()\n"
-    "assert (a._fast is not None) == fp.AVAILABLE\n"
+    "assert (a.pipeline.compiled is not None) == fp.AVAILABLE\n"
     "import os\n"
     "here = os.path.dirname(graphalloc.__file__)\n"
     "assert not fp.AVAILABLE or fp._cplan.__file__.startswith(here), fp._cplan.__file__\n"
@@ -93,7 +93,8 @@ def test_wheel_and_regular_install_import_outside_the_tree(mode, tmp_path):
         names = zipfile.ZipFile(wheel).namelist()
         assert "graphalloc/kernels/abi.py" in names and not any(
             n.startswith("kernels/") for n in names), names
-        assert any(n.startswith("graphalloc/_cplan") and n.endswith(".so") for n in names), names
+        assert any(n.startswith("graphalloc/plan/_cplan") and n.endswith(".so")
+                   for n in names), names
         done = _pip("install", "--no-deps", "-q", "--target", site, str(wheel))
     else:
         done = _pip("install", "--no-deps", "--no-build-isolation", "-q", "--target", site, ".")
@@ -114,6 +115,6 @@ def test_install_without_a_compiler_falls_back_to_the_numpy_planner(tmp_path):
     done = _pip("install", "--no-deps", "--no-build-isolation", "-q", "--target", site, ".",
                 cwd=str(src), env=env)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert not list((tmp_path / "site" / "graphalloc").glob("_cplan*.so")), "built anyway"
+    assert not list((tmp_path / "site" / "graphalloc").rglob("_cplan*.so")), "built anyway"
     where = _probe(site, cwd=str(tmp_path), compiled=False)
     assert where.startswith(site), where

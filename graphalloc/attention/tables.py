@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import torch
 
 from ..kernels.page_table import write_page_tables, write_page_tables_torch
@@ -112,13 +111,19 @@ class AttentionTables:
         values = {"full_kv_indptr": lanes.full_indptr, "full_kv_last_page_len":
                   lanes.last_page_len, "swa_kv_indptr": lanes.swa_indptr,
                   "swa_kv_last_page_len": lanes.swa_last_page_len, "seq_lens": lanes.seq_lens}
-        out = {}
         for name, arrays in self.host_np.items():
             arrays[index][...] = values[name]
-            out[name + "_host"] = self.host[name][index]
-        return PlannedTables(index, lanes.n_lanes, int(lanes.full_indptr[-1]),
-                             int(lanes.swa_indptr[-1]),
-                             **{n + "_host": out.get(n + "_host") for n in _HOST})
+        return self.planned(index, lanes.n_lanes, int(lanes.full_indptr[-1]),
+                            int(lanes.swa_indptr[-1]))
+
+    def planned(self, index: int, n_lanes: int, n_full_pages: int,
+                n_swa_pages: int) -> PlannedTables:
+        """The :class:`PlannedTables` of buffer ``index``'s host copies as they are (the
+        compiled planner writes them in place). O(1)."""
+        host = self.host
+        return PlannedTables(index, n_lanes, n_full_pages, n_swa_pages,
+                             **{n + "_host": host[n][index] if n in host else None
+                                for n in _HOST})
 
     def launch(self, lane_rows: torch.Tensor) -> None:
         """Write every configured output from ``lane_rows`` (a descriptor buffer's lane

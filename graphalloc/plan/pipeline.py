@@ -56,7 +56,7 @@ class StepPipeline:
         self.steps_run = 0
         self.output_epoch = 0
         self.n_planned = 0
-        self._mark = 0
+        self._mark = (0, 0)
         cfg = self.config
         self._scratch = np.zeros((cfg.max_release_rows + cfg.max_alloc_rows, ROW_WIDTH),
                                  dtype=np.int64)
@@ -85,7 +85,7 @@ class StepPipeline:
         compiled twin plans unless it is absent or ``oversize`` (a split free: numpy)."""
         arrays = step if isinstance(step, StepArrays) else normalize(step, self.config)
         journal = self.ledger.journal
-        mark = journal.mark()
+        mark = self.mark()  # (compiled twin: its undo log's position too)
         group = self.alloc.group if use_group else None
         excluded = (None, None) if group is None else (group.released, group.dropped)
         cache = self.alloc.prefix_cache
@@ -102,16 +102,14 @@ class StepPipeline:
                                       tables=self.tables_spec)
                     out = plan_step(ctx, arrays)
             except Refusal as refusal:
-                journal.rollback(mark)  # (the compiled twin rolled its own writes back)
+                journal.rollback(mark[0])  # (the compiled twin rolled its own writes back)
                 if refusal.code == 28 and cache is not None and cache.n_unlocked > offered:
                     offered = max(64, 2 * offered)  # the cache's entries, a few at a time
                     reclaim = cache.offer(offered)
                     continue
                 raise to_error(refusal) from None
             except BaseException:
-                journal.rollback(mark)
-                if compiled is not None:
-                    compiled.rollback()
+                self.rollback(mark)
                 raise
             break
         if dry_run:
@@ -122,11 +120,16 @@ class StepPipeline:
                 self.ring.write_lanes(index, out.lanes.rows)
         return out
 
-    def rollback(self, mark: int) -> None:
+    def mark(self) -> tuple[int, int]:
+        """Positions in both planners' logs (the journal's, the compiled twin's)."""
+        compiled = self.compiled
+        return self.ledger.journal.mark(), 0 if compiled is None else compiled.mark()
+
+    def rollback(self, mark: tuple[int, int]) -> None:
         """Undo every planning write after ``mark`` (both planners' logs)."""
-        self.ledger.journal.rollback(mark)
+        self.ledger.journal.rollback(mark[0])
         if self.compiled is not None:
-            self.compiled.rollback()
+            self.compiled.rollback(mark[1])
 
     def commit(self) -> None:
         """Make every planning write final (both planners' logs)."""
@@ -137,7 +140,7 @@ class StepPipeline:
     def plan(self, step: Step | StepArrays) -> PlannedStep:
         """Plan ``step`` into the next descriptor buffer; it becomes the pending step."""
         self.refuse_planning()
-        self._mark = self.ledger.journal.mark()
+        self._mark = self.mark()
         index = self.ring.acquire()
         out = self.outcome(step, index=index)
         self.n_planned += 1
@@ -154,15 +157,23 @@ class StepPipeline:
             {"full": out.pages_freed[0], "swa": out.pages_freed[1]},
             {"full": out.pages_allocated[0], "swa": out.pages_allocated[1]}, result,
             out.fusable, out.pages_evicted, owner=alloc, reclaimed=out.reclaimed,
-            tables=None if out.lanes is None else alloc.tables.write_host(index, out.lanes))
+            tables=None if out.lanes is None else self._tables(index, out.lanes))
         return self.pending
+
+    def _tables(self, index: int, lanes):
+        """The step's PlannedTables; the compiled twin wrote the host copies already
+        (compiled twin: not copied twice)."""
+        tables = self.alloc.tables
+        if getattr(lanes, "host_written", False):
+            return tables.planned(index, lanes.n_lanes, lanes.n_full_pages, lanes.n_swa_pages)
+        return tables.write_host(index, lanes)
 
     def plan_rows(self, release_rows: np.ndarray) -> PlannedStep:
         """A step of release rows planned already (a part of a split free): written as they
         are into the next buffer (with this step's epoch); the ledger already holds their
         effect (journaled)."""
         self.refuse_planning()
-        self._mark = self.ledger.journal.mark()
+        self._mark = self.mark()
         index = self.ring.acquire()
         empty = np.zeros((0, ROW_WIDTH), dtype=np.int64)
         release_rows[:, REL_EPOCH] = self.steps_run + 1

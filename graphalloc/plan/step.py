@@ -137,10 +137,31 @@ def _rows(value, n_reqs: int, what: str) -> np.ndarray:
     if value is None:
         return EMPTY
     if type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1:
-        if len(value) and (value.min() < 0 or value.max() >= n_reqs):
+        if len(value) and _largest_unsigned(value) >= n_reqs:  # (a negative row is huge)
             return as_rows(value, n_reqs, what)  # raises with the row named
         return value
     return as_rows(value, n_reqs, what) if not is_empty(value) else EMPTY
+
+
+def _largest_unsigned(value: np.ndarray) -> int:
+    """max(value) as unsigned 64-bit (a negative entry is huge): one numpy reduction, or a
+    list for a few entries (a reduction's fixed cost is microseconds)."""
+    if len(value) <= 16:
+        return max(x & 0xFFFFFFFFFFFFFFFF for x in value.tolist())
+    return int(value.view(np.uint64).max())
+
+
+_FILLED: dict[int, np.ndarray] = {}  # read-only int64 arrays of one value (np.full costs more)
+
+
+def _filled(value: int, n: int) -> np.ndarray:
+    """``n`` copies of ``value`` as a read-only int64 view (a few small values cached)."""
+    base = _FILLED.get(value, EMPTY)
+    if len(base) < n:
+        base = np.full(max(n, 2 * len(base), 1024), value, dtype=np.int64)
+        base.flags.writeable = False
+        _FILLED[value] = base
+    return base[:n]
 
 
 def _handles(value, what: str) -> np.ndarray:
@@ -203,7 +224,11 @@ def normalize(step: Step, config) -> StepArrays:
             raise PositionError(f"admit n_tokens must be >= 0 (or None: all of the handle), "
                                 f"got {int(on_n.min())}")
     decode = _rows(step.decode, n, "decode")
-    if step.lookahead is not None:
+    look_k = step.lookahead
+    if type(look_k) is int and len(decode) and -1 <= look_k <= 64:  # one k for every row
+        spec, dec_n = _filled(int(look_k >= 0), len(decode)), _filled(1 + max(look_k, 0),
+                                                                       len(decode))
+    elif step.lookahead is not None:
         if not len(decode):
             raise SpeculativeStateError("lookahead= applies to decode rows; none were given")
         look = as_positions(step.lookahead, len(decode), "lookahead")
@@ -213,7 +238,7 @@ def normalize(step: Step, config) -> StepArrays:
         spec = (look >= 0).astype(np.int64)
         dec_n = 1 + np.maximum(look, 0)
     elif len(decode):
-        dec_n, spec = np.ones(len(decode), dtype=np.int64), np.zeros(len(decode), np.int64)
+        dec_n, spec = _filled(1, len(decode)), _filled(0, len(decode))
     else:
         dec_n = spec = EMPTY
     ext_r = ext_n = EMPTY
