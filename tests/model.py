@@ -323,7 +323,7 @@ class Model:
         """A live handle id (not dropped, also not in the open group), or a violation."""
         if self.ring_mode:
             raise Violation({SHARING})
-        if not _is_int(h) or int(h) not in self.handles:
+        if not _is_int(h) or int(h) not in self.handles or int(h) in self.pending_handles:
             raise Violation({HANDLE})
         return int(h)
 
@@ -355,7 +355,8 @@ class Model:
         if self.ring_mode:
             raise Violation({SHARING})
         kinds = set()
-        if not _is_int(handle) or int(handle) not in self.handles:
+        if not _is_int(handle) or int(handle) not in self.handles or (
+                int(handle) in self.pending_handles):
             kinds.add(HANDLE)
         free_rows = self._free_rows()
         if not free_rows:
@@ -463,20 +464,21 @@ class Model:
         n_accepted); ``trim``: (rows, new_lens); ``lookahead``: None, an int or one per
         decode row. Order: release, commit, trim, evict, advance, decode, extend. Returns the
         allocation results ``[(row, full_slots, swa_slots)]`` (decode rows first) or None when
-        nothing allocates. A malformed step -- a row that is not an int in ``[0, max_reqs)``
-        in any kind -- is refused before any other rule is checked."""
+        nothing allocates. Inside a free group a step with frees is refused (``nested``)
+        first; then a malformed step -- a row that is not an int in ``[0, max_reqs)`` in any
+        kind -- is refused before any other rule."""
         release = [] if release is None else release
         decode = [] if decode is None else decode
-        for rows in (release, evict or (), decode, *(x[0] for x in (commit, trim, advance,
-                                                                    extend) if x is not None)):
-            if any(not _is_int(r) or not 0 <= int(r) < self.max_reqs for r in rows):
-                raise Violation({UNKNOWN})
         if self.group is not None and (commit is not None or trim is not None):
             raise Violation({NESTED})
         if self.group is not None and (list(release) or evict_all or (evict is not None and
                                                                       list(evict))
                                        or advance is not None):
             raise Violation({NESTED})
+        for rows in (release, evict or (), decode, *(x[0] for x in (commit, trim, advance,
+                                                                    extend) if x is not None)):
+            if any(not _is_int(r) or not 0 <= int(r) < self.max_reqs for r in rows):
+                raise Violation({UNKNOWN})
         work = self.clone()
         rel_rows: list = []
         results = None

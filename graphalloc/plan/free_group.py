@@ -82,13 +82,13 @@ class FreeGroup:
     def advance(self, rows, new_frontier_pos) -> None:
         a = normalize(Step(advance=(rows, new_frontier_pos)), self.alloc.config)
         rows, pos = a.advance_row, a.advance_pos
+        self.alloc.dry_run(Step(advance=(rows, pos)), oversize=True)
         behind = (self.target[rows] >= 0) & (pos < self.target[rows])
         if behind.any():
             i = int(np.flatnonzero(behind)[0])
             raise FrontierError(
                 f"advance_frontier: request {rows[i]}: frontier would move back from "
                 f"{self.target[rows[i]]} (moved there earlier in this free_group()) to {pos[i]}")
-        self.alloc.dry_run(Step(advance=(rows, pos)), oversize=True)
         self._target(rows, pos)
 
     def evict(self, rows) -> None:
