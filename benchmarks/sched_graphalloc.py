@@ -1,23 +1,22 @@
 """graphalloc's side of the scheduler benchmark: one allocator step per scheduler iteration.
 
 :class:`GraphallocDriver` replays a :class:`sched_workload.TraceStep` through the public
-API only, as ONE ``alloc.step(...)`` per iteration (the compiled planner's fast path;
-``api="context"`` uses one ``alloc.scheduler_step()`` block instead, the numpy planner)::
+API only, as ONE ``alloc.step(...)`` per iteration (``api="context"`` records the same
+step in one ``alloc.scheduler_step()`` block)::
 
-    row = alloc.admit()                            rows of new requests (host only, O(1))
-    alloc.step(release=rows, evict=rows,           frees (window rule for the evictions)
-               decode=rows, extend=(rows, chunks)) allocations: ONE plan, ONE replay
+    rows = alloc.free_row(...)                     rows of new requests (host query)
+    alloc.step(release=rows, evict=rows,           frees (window rule for the evictions),
+               admit=rows, decode=rows,            admits, allocations:
+               extend=(rows, chunks))              ONE plan, ONE replay
 
 The executor is graphalloc's :class:`~graphalloc.StepGraph` subclassed only to put the
 benchmark's clock (CUDA events) around its ``execute`` -- the replay alone, planning
 outside -- and to keep the step's :class:`~graphalloc.PlannedStep` (its page counts).
-With ``tables=True`` the step also writes the attention block tables of the step's batch
-(``graphalloc.attention.page_tables.PageTables``, block-table form, FULL and SWA layers, like the
-vLLM baseline's upload): an executor whose ``execute`` plans the tables
-(``PageTables.plan`` over ``alloc.seq_lens()`` / ``alloc.frontiers()``, the ledger
-after the step's plan) and replays ONE graph holding the allocator's launch and the
-tables' launch, captured per descriptor buffer and launch form (fused or not). Without
-CUDA both run eagerly.
+With ``tables=True`` the same step also writes the attention block tables of its batch
+(``HybridAllocator(page_tables=PageTableSpec(forms=("block_table",)))``, FULL and SWA
+layers, like the vLLM baseline's upload): the planner writes the batch's lane rows into
+the step's descriptor and the tables' kernel is a node of the same graph. Without CUDA
+both run eagerly.
 
 The allocator is sized from the trace with :meth:`graphalloc.AllocatorConfig.for_engine`
 (:func:`engine_config`): the engine's budgets (B running requests, the chunked-prefill
@@ -96,14 +95,14 @@ def engine_config(trace, device, backend: str):
     return cfg, notes
 
 
-def _executors():
-    """The two executor classes (defined on first use: graphalloc imports Triton kernels,
-    and the scripts settle TRITON_INTERPRET before that)."""
+def _timed_graph():
+    """The executor class (defined on first use: graphalloc imports Triton kernels, and the
+    scripts settle TRITON_INTERPRET before that)."""
     from graphalloc import StepGraph
-    from graphalloc.device.executor import Executor, warm_up
 
     class TimedStepGraph(StepGraph):
-        """graphalloc's StepGraph; the driver's clock around each replay."""
+        """graphalloc's StepGraph; the driver's clock around each replay (the allocator's
+        step and, with page tables, the tables' kernel: one graph)."""
 
         def __init__(self):
             super().__init__()
@@ -117,102 +116,19 @@ def _executors():
             super().execute(planned)
             self.clock.device_end()
 
-    class TablesExecutor(Executor):
-        """Allocator step + the batch's page tables, one replay per step (module
-        docstring). ``batch``: the step's attention rows, set by the driver."""
-
-        name = "graph+tables"
-
-        def __init__(self):
-            super().__init__()
-            self.clock, self.last, self.tables = _NO_CLOCK, None, None
-            self.batch = np.zeros(0, dtype=np.int64)
-            self.graphs: dict = {}
-            self.mode = "eager launches (no CUDA)"
-            self.t_exec = 0
-
-        def bind(self, alloc) -> None:
-            super().bind(alloc)
-            if alloc.config.device.type == "cuda":
-                warm_up(alloc)  # every kernel variant compiled now, as EagerExecutor
-
-        def body(self, i: int, fusable: bool) -> None:
-            self.alloc.launch(i, fusable=fusable)
-            self.tables.launch(i)
-
-        def attach(self, tables) -> None:
-            self.tables = tables
-            if self.alloc.config.device.type != "cuda":
-                return
-            try:
-                self._capture()
-            except Exception as exc:  # keep going with eager launches, and say so
-                self.graphs.clear()
-                torch.cuda.synchronize()
-                self.mode = (f"eager launches: capturing allocator + tables failed "
-                             f"({type(exc).__name__}: {exc})")
-
-        def _capture(self) -> None:
-            from graphalloc import capture_graph
-
-            alloc, pt = self.alloc, self.tables
-            empty = np.zeros(0, dtype=np.int64)
-            torch.cuda.synchronize()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: empty steps (all rows padded)
-                for _ in range(2 * len(alloc.ring)):
-                    p = alloc.plan()
-                    tp = pt.plan(empty, alloc.seq_lens(), alloc.frontiers())
-                    self.body(p.buffer_index, False)
-                    alloc.mark_submitted(p)
-                    pt.mark_submitted(tp)
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            forms = (False, True) if alloc.kernels.fused else (False,)
-            pool = None
-            for i in range(len(alloc.ring)):
-                for fusable in forms:
-                    g = capture_graph(lambda i=i, f=fusable: self.body(i, f), pool=pool)
-                    pool = g.pool()
-                    self.graphs[(i, fusable)] = g
-            torch.cuda.synchronize()
-            if pt.next_index != alloc.ring.next_index:
-                raise RuntimeError("page-table ring and descriptor ring out of step")
-            self.mode = (f"allocator + tables in one CUDA graph per descriptor buffer and "
-                         f"launch form ({len(self.graphs)} graphs)")
-
-        def execute(self, planned) -> None:
-            self.t_exec = time.perf_counter_ns()
-            self.last = planned
-            alloc, pt = self.alloc, self.tables
-            tp = pt.plan(self.batch, alloc.seq_lens(), alloc.frontiers())
-            i = planned.buffer_index
-            if tp.buffer_index != i:
-                raise RuntimeError(f"page tables planned into buffer {tp.buffer_index}, the "
-                                   f"step into {i}: the rings must move together")
-            fused = planned.fusable and alloc.kernels.fused
-            self.clock.device_begin()
-            if self.graphs:
-                self.graphs[(i, fused)].replay()
-            else:
-                self.body(i, planned.fusable)
-            self.clock.device_end()
-            pt.mark_submitted(tp)
-            self.count(fused)
-
-    return TimedStepGraph, TablesExecutor
+    return TimedStepGraph
 
 
 class GraphallocDriver:
     """One allocator replaying the trace (module docstring). ``last_counts`` = (FULL
     allocated, SWA allocated, FULL freed, SWA freed) of the last step, from its
-    ``PlannedStep``; ``plan_ns``: the last step's planning alone (from the block's end to
-    the executor call)."""
+    ``PlannedStep``; ``plan_ns``: the last step's host work before the executor call
+    (normalise + plan + descriptor write)."""
 
     def __init__(self, cfg, *, n_requests: int, tables: bool = False, api: str = "step",
                  prefix_cache: bool = False):
         from graphalloc import HybridAllocator
+        from graphalloc.attention.spec import PageTableSpec
 
         if api not in ("step", "context"):
             raise ValueError(f"api must be 'step' or 'context', got {api!r}")
@@ -222,69 +138,52 @@ class GraphallocDriver:
                 "prefix_cache=False (cached prefixes allocated as fresh tokens)")
         self.api = api
         self.prefix_cache = False
-
-        timed_graph, tables_executor = _executors()
         self.name = "graphalloc_tables" if tables else "graphalloc"
         self.config = cfg
         self.row_of = np.full(n_requests, -1, dtype=np.int64)
-        self.executor = tables_executor() if tables else timed_graph()
-        self.alloc = HybridAllocator(cfg, executor=self.executor)
-        self.tables = None
-        self.table_mode = None
-        if tables:
-            from graphalloc.attention.page_tables import PageTables
-
-            self.tables = PageTables.for_allocator(
-                self.alloc, cfg.max_alloc_rows, forms=("block_table",),
-                layers=("full", "swa"), n_bufs=len(self.alloc.ring))
-            self.executor.attach(self.tables)
-            self.table_mode = self.executor.mode
+        self.executor = _timed_graph()()
+        spec = (PageTableSpec(max_batch=cfg.max_alloc_rows, forms=("block_table",),
+                              layers=("full", "swa")) if tables else None)
+        self.alloc = HybridAllocator(cfg, executor=self.executor, page_tables=spec)
+        self.tables = self.alloc.tables
+        self.table_mode = (None if not tables else
+                           "allocator + tables in one CUDA graph per bucket and descriptor "
+                           "buffer" if cfg.device.type == "cuda" else "eager launches (no CUDA)")
         self.plan_ns = 0
 
     def step(self, st, clock) -> None:
-        if self.api == "step":
-            return self._step_call(st, clock)
+        """The iteration as ONE step: releases, evictions, admits (rows reserved here),
+        decodes and the prefill chunks; with page tables, the batch's tables too."""
         alloc, row_of, ex = self.alloc, self.row_of, self.executor
         ex.clock = clock
-        with alloc.scheduler_step() as it:
-            if len(st.release):
-                it.release(row_of[st.release])
-            if len(st.evict):
-                it.evict(row_of[st.evict])
-            for rid in st.admit.tolist():
-                row_of[rid] = it.admit()
-            decode = row_of[st.decode] if len(st.decode) else None
-            if decode is not None:
-                it.decode(decode)
-            extend = row_of[st.extend_ids] if len(st.extend_ids) else None
-            if extend is not None:
-                it.extend(extend, st.extend_n_nocache)
-            if self.tables is not None:
-                parts = [a for a in (decode, extend) if a is not None]
-                ex.batch = (parts[0] if len(parts) == 1 else np.concatenate(parts) if parts
-                            else _NO_ROWS)
-            t_body = time.perf_counter_ns()
-        self.plan_ns = ex.t_exec - t_body
-        ex.clock = _NO_CLOCK
-        if len(st.release):
-            row_of[st.release] = -1
-
-    def _step_call(self, st, clock) -> None:
-        """The iteration as admits (host only) and ONE ``alloc.step``."""
-        alloc, row_of, ex = self.alloc, self.row_of, self.executor
-        ex.clock = clock
-        for rid in st.admit.tolist():
-            row_of[rid] = alloc.admit()
+        new = st.admit.tolist()
+        reserved = []
+        for rid in new:
+            reserved.append(alloc.free_row(reserved))
+            row_of[rid] = reserved[-1]
         decode = row_of[st.decode] if len(st.decode) else None
         extend = row_of[st.extend_ids] if len(st.extend_ids) else None
-        if self.tables is not None:
-            parts = [a for a in (decode, extend) if a is not None]
-            ex.batch = (parts[0] if len(parts) == 1 else np.concatenate(parts) if parts
-                        else _NO_ROWS)
+        release = row_of[st.release] if len(st.release) else None
+        evict = row_of[st.evict] if len(st.evict) else None
         t_body = time.perf_counter_ns()
-        alloc.step(release=row_of[st.release] if len(st.release) else None,
-                   evict=row_of[st.evict] if len(st.evict) else None, decode=decode,
-                   extend=None if extend is None else (extend, st.extend_n_nocache))
+        if self.api == "step":
+            alloc.step(release=release, evict=evict,
+                       admit=np.array(reserved, dtype=np.int64) if reserved else None,
+                       decode=decode,
+                       extend=None if extend is None else (extend, st.extend_n_nocache))
+        else:
+            with alloc.scheduler_step() as it:
+                if release is not None:
+                    it.release(release)
+                if evict is not None:
+                    it.evict(evict)
+                for _ in reserved:
+                    it.admit()
+                if decode is not None:
+                    it.decode(decode)
+                if extend is not None:
+                    it.extend(extend, st.extend_n_nocache)
+                t_body = time.perf_counter_ns()
         self.plan_ns = ex.t_exec - t_body
         ex.clock = _NO_CLOCK
         if len(st.release):
@@ -300,7 +199,7 @@ class GraphallocDriver:
 
     @property
     def stalls(self) -> int:
-        return self.alloc.ring.stalls + (self.tables.stalls if self.tables else 0)
+        return self.alloc.ring.stalls
 
     def verify(self, live_ids, audit: bool = True) -> dict:
         """``check()`` (the device error word) and, when ``audit``, ``audit()`` (every

@@ -458,63 +458,151 @@ class Model:
         return sorted(self.handles)
 
     def step(self, release=(), evict=None, evict_all=False, advance=None, decode=(),
-             extend=None, commit=None, trim=None, lookahead=None):
-        """``evict``: None / rows; ``evict_all``: every live request; ``advance``: (rows, new
-        frontiers) or None; ``extend``: (rows, n_tokens) or None; ``commit``: (rows,
-        n_accepted); ``trim``: (rows, new_lens); ``lookahead``: None, an int or one per
-        decode row. Order: release, commit, trim, evict, advance, decode, extend. Returns the
-        allocation results ``[(row, full_slots, swa_slots)]`` (decode rows first) or None when
-        nothing allocates. Inside a free group a step with frees is refused (``nested``)
-        first; then a malformed step -- a row that is not an int in ``[0, max_reqs)`` in any
-        kind -- is refused before any other rule."""
+             extend=None, commit=None, trim=None, lookahead=None, take=None, drop=(),
+             drop_swa=(), admit=(), admit_on=None):
+        """One step of any kinds, in the step's order: ``take`` ((handles, rows, n): a
+        handle on a row's first n tokens, as the step begins), ``release``, ``commit``
+        ((rows, n_accepted)), ``trim`` ((rows, new_lens)), ``evict`` (rows) or
+        ``evict_all``, ``advance`` ((rows, new frontiers)), ``drop`` / ``drop_swa``
+        (handles: one drop call, whole drops then tombstones), ``admit`` (free rows become
+        empty requests; ring mode pops their ring pages), ``admit_on`` ((rows, handles, n or
+        None): requests on a handle's first n tokens), ``decode`` (with ``lookahead``: None,
+        an int or one per decode row; -1 marks a plain row), ``extend`` ((rows, n_tokens)).
+        Returns the allocation results ``[(row, full_slots, swa_slots)]`` (decode rows
+        first) or None when nothing allocates. Inside a free group a step with frees is
+        refused (``nested``) first; then a malformed step -- a row that is not an int in
+        ``[0, max_reqs)`` in any kind -- is refused before any other rule."""
         release = [] if release is None else release
         decode = [] if decode is None else decode
         if self.group is not None and (commit is not None or trim is not None):
             raise Violation({NESTED})
         if self.group is not None and (list(release) or evict_all or (evict is not None and
                                                                       list(evict))
-                                       or advance is not None):
+                                       or advance is not None or list(drop) or list(drop_swa)):
             raise Violation({NESTED})
-        for rows in (release, evict or (), decode, *(x[0] for x in (commit, trim, advance,
-                                                                    extend) if x is not None)):
+        for rows in (release, evict or (), decode, admit,
+                     *(x[1 if x is take else 0] for x in (commit, trim, advance, extend, take,
+                                                          admit_on) if x is not None)):
             if any(not _is_int(r) or not 0 <= int(r) < self.max_reqs for r in rows):
                 raise Violation({UNKNOWN})
         work = self.clone()
         rel_rows: list = []
         results = None
+        extra_rows = 0  # allocation rows without tokens: prefix copies, ring admissions
+        taken = set()
+        if take is not None:
+            extra_rows += work._take(*take)
+            taken = {int(h) for h in take[0]}
         rel_rows += work._release(work._rows(release))
         if commit is not None:
             rel_rows += work._commit(work._rows(commit[0]), list(commit[1]))
         if trim is not None:
             rel_rows += work._trim(work._rows(trim[0]), list(trim[1]))
         if evict_all or evict is not None:
-            rows = sorted(work.reqs) if evict_all else work._rows(evict)
+            rows = sorted(r for r in work.reqs if r not in work.pending) if evict_all \
+                else work._rows(evict)
             rel_rows += work._advance(rows, [work.window_frontier(r) for r in rows])
         if advance is not None:
             rel_rows += work._advance(work._rows(advance[0]), [int(p) for p in advance[1]])
+        if list(drop) or list(drop_swa):
+            hs = [work._handle(h) for h in drop] + [work._handle(h) for h in drop_swa]
+            if len(set(hs)) != len(hs) or taken & set(hs):
+                raise Violation({OVERLAP})  # twice, or written (taken) in this step
+            rel_rows += work._drop_handles([(h, False) for h in drop]
+                                           + [(int(h), True) for h in drop_swa])
         allocated: set[int] = set()
         alloc_rows: list = []
+        extra_rows += work._admit_rows(list(admit), allocated, released=set(release))
+        if admit_on is not None:
+            if taken & {int(h) for h in admit_on[1] if _is_int(h)}:
+                raise Violation({OVERLAP})  # a handle is used from the step after its take
+            extra_rows += work._admit_on(*admit_on, released=set(release))
         if list(decode):
             rows = work._rows(decode)
             if lookahead is None:
-                n = [1] * len(rows)
+                n, spec = [1] * len(rows), [False] * len(rows)
             else:
                 ks = [lookahead] * len(rows) if _is_int(lookahead) else list(lookahead)
-                if len(ks) != len(rows) or not all(_is_int(k) and k >= 0 for k in ks):
+                if len(ks) != len(rows) or not all(_is_int(k) and k >= -1 for k in ks):
                     raise Violation({POSITION})
-                n = [1 + int(k) for k in ks]
+                n, spec = [1 + max(int(k), 0) for k in ks], [int(k) >= 0 for k in ks]
             results = (results or []) + work._extend(rows, n, allocated, alloc_rows,
-                                                     speculative=lookahead is not None)
+                                                     speculative=spec)
         elif lookahead is not None:
             raise Violation({SPEC})
         if extend is not None:
             rows = work._rows(extend[0])
             results = (results or []) + work._extend(rows, list(extend[1]), allocated,
                                                      alloc_rows)
-        work._check_shape(rel_rows, alloc_rows)
+        work._check_shape(rel_rows, alloc_rows + [0] * extra_rows)
         work.steps += 1
         self.__dict__.update(work.__dict__)
         return results
+
+    def _take(self, handles, rows, n_tokens) -> int:
+        """Handles taken as the step begins; returns the prefix-copy rows they add."""
+        if self.ring_mode:
+            raise Violation({SHARING})
+        kinds, copies = set(), 0
+        handles = [int(h) for h in handles]
+        rows = self._rows(list(dict.fromkeys(rows))) and [int(r) for r in rows]
+        if len(set(handles)) != len(handles) or any(h in self.handles for h in handles):
+            kinds.add(OVERLAP)
+        if any(not 0 <= h < self.max_handles or h in self.pending_handles for h in handles):
+            kinds.add(HANDLE)
+        for r, n in zip(rows, n_tokens, strict=True):
+            if n % self.ps:
+                kinds.add(ALIGNMENT)
+            elif n <= 0 or n > self.reqs[r].committed:
+                kinds.add(POSITION)
+        if kinds:
+            raise Violation(kinds)
+        for h, r, n in zip(handles, rows, n_tokens, strict=True):
+            req = self.reqs[r]
+            handle = Handle(self.ps, req.pages[:n // self.ps], min(req.frontier, n))
+            self._hold(handle)
+            self.handles[h] = handle
+            copies += 1
+        return copies
+
+    def _admit_rows(self, rows, allocated: set, released: set) -> int:
+        """Free rows become empty requests; returns the ring admissions (allocation
+        rows)."""
+        if len(set(rows)) != len(rows):
+            raise Violation({OVERLAP})
+        if any(r in self.reqs or r in released or r in self.pending for r in rows):
+            raise Violation({UNKNOWN})
+        if self.ring_mode and len(self.swa_q) < self.ring_pages * len(rows):
+            raise Violation({CAPACITY})
+        for r in rows:
+            req = Req(self.ps)
+            if self.ring_mode:
+                req.ring = [self._pop_swa() for _ in range(self.ring_pages)]
+                allocated.add(r)  # its ring admission is its allocation row of the step
+            self.reqs[r] = req
+        return len(rows) if self.ring_mode else 0
+
+    def _admit_on(self, rows, handles, n_tokens, released: set) -> int:
+        """Free rows become requests on handles' first n tokens; returns the prefix copies."""
+        if self.ring_mode:
+            raise Violation({SHARING})
+        rows = [int(r) for r in rows]
+        if len(set(rows)) != len(rows):
+            raise Violation({OVERLAP})
+        if any(r in self.reqs or r in released or r in self.pending for r in rows):
+            raise Violation({UNKNOWN})
+        hs = [self._handle(h) for h in handles]
+        for r, h, n in zip(rows, hs, n_tokens, strict=True):
+            hd = self.handles[h]
+            n = hd.n_tokens if n is None or n == -1 else int(n)
+            if n % self.ps:
+                raise Violation({ALIGNMENT})
+            if not 0 < n <= hd.n_tokens:
+                raise Violation({POSITION})
+            req = Req(self.ps, hd.pages[:n // self.ps], min(hd.swa_start, n))
+            self._hold(req)
+            self.reqs[r] = req
+        return sum(1 for r in rows if self.reqs[r].pages)
 
     def _free_op(self, record) -> None:
         """A free: inside an open block, ``record(group)`` (after the caller validated it);
@@ -689,7 +777,9 @@ class Model:
             req = self.reqs[r]
             if r in allocated:
                 kinds.add(OVERLAP)
-            if (len(req.spec) >= 2) if speculative else bool(req.spec):
+            spec_row = speculative[rows.index(r)] if isinstance(speculative, list) \
+                else speculative
+            if (len(req.spec) >= 2) if spec_row else bool(req.spec):
                 kinds.add(SPEC)
             end = req.length + n
             if end > self.max_ctx:
@@ -724,7 +814,7 @@ class Model:
                 full_slots.append(req.pages[p] * ps + off)
                 swa_slots.append(swa_page * ps + off)
             allocated.add(r)
-            if speculative:
+            if speculative[rows.index(r)] if isinstance(speculative, list) else speculative:
                 req.spec.append(n)
             else:
                 req.committed = req.length

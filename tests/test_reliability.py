@@ -144,7 +144,7 @@ def test_bad_state_dict_is_refused_and_state_kept(corrupt):
     ps = src.config.page_size
     if corrupt == "dup_free":
         ring = sd["device"]["full_free"]
-        head, n_free = sd["full_ring"]
+        head, n_free = sd["host"]["rings"][0]
         ring[(head + 1) % len(ring)] = ring[head % len(ring)]
     elif corrupt == "not_dense":
         r = kept
@@ -152,8 +152,7 @@ def test_bad_state_dict_is_refused_and_state_kept(corrupt):
         page = int(sd["device"]["req_to_token"][r, pos]) // ps
         sd["device"]["full_to_swa"][page * ps + ps - 1] += 1 if ps > 1 else 7 * ps
     elif corrupt == "bad_count":
-        head, n_free = sd["swa_ring"]
-        sd["swa_ring"] = (head, n_free + 1)
+        sd["host"]["rings"][1, 1] += 1  # [SWA][n_free]
     else:
         sd["geometry"]["page_size"] = ps + 1
     before = dst.snapshot()

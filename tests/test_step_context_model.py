@@ -4,13 +4,13 @@ Each iteration is ONE ``alloc.scheduler_step()`` block of several calls drawn at
 (releases, window evictions of chosen rows or of all, frontier advances, handle drops and
 SWA tombstones, plain admits and admits on a handle, prefill chunks, decodes; mostly
 valid, sometimes a dead row, a dropped handle, a misaligned or backward frontier, too many
-tokens, a second allocation of a row). The model applies the same calls in the block's
-documented order -- every free in call order, then the admits (rows reserved at the call:
-the lowest rows not live when the block began), then the allocations in call order -- as
-one step, each free its own call for the push order, the frozen step shape checked over
-the whole step (a prefix copy and a ring admission are allocation rows too). One rule the
-block's docstring does not state is encoded as implemented: in ring mode a row admitted in
-the block cannot allocate tokens in it (its ring admission is its allocation row). A block the
+tokens, a second allocation of a row). The model applies the block as ONE step of its
+own (``Model.step``): the calls of one kind concatenated in call order, the kinds in the
+step's order (releases, evictions, advances, handle drops as one drop call, admits -- rows
+reserved at the call: the lowest rows not live when the block began --, decodes, extends),
+the frozen step shape checked over the whole step (a prefix copy and a ring admission are
+allocation rows too); in ring mode a row admitted in the block cannot allocate tokens in
+it (its ring admission is its allocation row). A block the
 model refuses must raise the matching typed error with nothing changed (and no row
 admitted); otherwise every call's slots must be the model's.
 
@@ -91,62 +91,52 @@ def expected_error(kinds):
 
 # ---- the model's side of one block ------------------------------------------------------
 def model_block(model: Model, calls: list, reserved: list):
-    """Apply one block's calls to a clone of ``model`` in the block's order; returns
-    (the new model, per allocation call its [(row, full, swa)]). Raises Violation with
-    ``model`` unchanged. ``reserved``: the rows the block's admits got, in call order."""
+    """The block's calls as ONE step of the model (calls of one kind concatenated in call
+    order, the kinds in the step's order); returns (the new model, per allocation call its
+    [(row, full, swa)]). Raises Violation with ``model`` unchanged. ``reserved``: the rows
+    the block's admits got, in call order."""
     work = model.clone()
-    ps = work.ps
-    segs: list = []
-    for kind, *args in calls:  # 1. frees, in call order
-        if kind == "release":
-            segs += work._release(work._rows(args[0]))
-        elif kind == "evict":
-            rows = work._rows(args[0])
-            segs += work._advance(rows, [work.window_frontier(r) for r in rows])
-        elif kind == "evict_all":
-            rows = sorted(work.reqs)
-            segs += work._advance(rows, [work.window_frontier(r) for r in rows])
-        elif kind == "advance":
-            segs += work._advance(work._rows(args[0]), list(args[1]))
-        elif kind in ("drop_handle", "drop_handle_swa"):
-            segs += work._drop_handle(work._handle(args[0]), kind == "drop_handle_swa")
-    extra_rows = 0  # allocation rows that allocate no tokens: prefix copies, ring admits
-    allocated: set = set()
+    kw: dict = {"release": [], "decode": []}
     admits = [c for c in calls if c[0] == "admit"]
-    for (_, handle, n_tokens), row in zip(admits, reserved, strict=True):  # 2. admits
-        if handle is None:
-            req = Req(ps)
-            if work.ring_mode:
-                if len(work.swa_q) < work.ring_pages:
-                    raise Violation({CAPACITY})
-                req.ring = [work._pop_swa() for _ in range(work.ring_pages)]
-                extra_rows += 1
-                # The implemented rule (not in the block's docstring): a ring admission is
-                # the row's allocation row of the step (it writes the row's ring pages,
-                # which an extension of the row would read in the same launch), so the row
-                # cannot allocate tokens in the same block: OverlapError.
-                allocated.add(row)
-        else:
-            h = work.handles[work._handle(handle)]
-            n = h.n_tokens if n_tokens is None else n_tokens
-            if n % ps or not 0 < n <= h.n_tokens:
-                raise Violation({ALIGNMENT})
-            req = Req(ps, h.pages[:n // ps], min(h.swa_start, n))
-            work._hold(req)
-            extra_rows += 1
-        work.reqs[row] = req
-    alloc_rows: list = []
-    results = []
-    for kind, *args in calls:  # 3. allocations, in call order
-        if kind == "decode":
-            rows = work._rows(args[0])
-            results.append(work._extend(rows, [1] * len(rows), allocated, alloc_rows))
+    plain = [row for (_, h, _), row in zip(admits, reserved, strict=True) if h is None]
+    shared = [(row, h, n) for (_, h, n), row in zip(admits, reserved, strict=True)
+              if h is not None]
+    sizes = []  # per allocation call: (kind, rows)
+    ext_rows, ext_n = [], []
+    for kind, *args in calls:
+        if kind == "release":
+            kw["release"] += list(args[0])
+        elif kind == "evict":
+            kw["evict"] = kw.get("evict", []) + list(args[0])
+        elif kind == "evict_all":
+            kw["evict_all"] = True
+        elif kind == "advance":
+            rows, pos = kw.get("advance", ([], []))
+            kw["advance"] = (rows + list(args[0]), pos + list(args[1]))
+        elif kind == "drop_handle":
+            kw["drop"] = kw.get("drop", []) + [args[0]]
+        elif kind == "drop_handle_swa":
+            kw["drop_swa"] = kw.get("drop_swa", []) + [args[0]]
+        elif kind == "decode":
+            kw["decode"] += list(args[0])
+            sizes.append(("decode", len(args[0])))
         elif kind == "extend":
-            rows = work._rows(args[0])
-            results.append(work._extend(rows, list(args[1]), allocated, alloc_rows))
-    work._check_shape(segs, alloc_rows + [0] * extra_rows)
-    work.steps += 1
-    return work, results
+            ext_rows += list(args[0])
+            ext_n += list(args[1])
+            sizes.append(("extend", len(args[0])))
+    if ext_rows or any(k == "extend" for k, _ in sizes):
+        kw["extend"] = (ext_rows, ext_n)
+    kw["admit"] = plain
+    if shared:
+        kw["admit_on"] = tuple(list(x) for x in zip(*shared, strict=True))
+    out = work.step(**kw) or []
+    # the step's lanes: decode rows, then extend rows; give each call its own part
+    n_dec = len(kw["decode"])
+    parts, at = [], {"decode": 0, "extend": n_dec}
+    for kind, n in sizes:
+        parts.append(out[at[kind]:at[kind] + n])
+        at[kind] += n
+    return work, parts
 
 
 # ---- the allocator's side ---------------------------------------------------------------
