@@ -488,7 +488,7 @@ def _perturb(kind: str, rep: ReplicatedAllocator) -> None:
     elif kind == "committed":
         led.committed[0] += 1
     elif kind == "cache":
-        rep.alloc.prefix_cache._clock += 1
+        rep.alloc.prefix_cache.hits += 1
     elif kind == "device-handle":
         rep.alloc.state.handle_to_token[0, 0] += ps
     else:

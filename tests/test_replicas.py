@@ -101,8 +101,7 @@ def test_workload_is_a_function_of_seed_and_ledger():
     ledger = Ledger(cfg)
     ledger.live[[1, 4, 5]] = True
     ledger.seq_len[[1, 4, 5]] = [7, 0, 30]
-    ledger.full.n_free -= 13
-    ledger.swa.n_free -= 13
+    ledger.rings[:, 1] -= 13  # [pool][n_free]
     a, b = RandomWorkload(cfg, 3), RandomWorkload(cfg, 3)
     for _ in range(20):
         sa, sb = a.propose(ledger), b.propose(ledger)
@@ -248,9 +247,9 @@ def test_each_host_digest_part_sees_its_own_state():
     stale += 5  # past the row's range: nothing reads it
     assert host_digests(led, cache) == base
     stale -= 5
-    cache._clock += 1
+    cache.hits += 1
     assert [k for k, v in host_digests(led, cache).items() if v != base[k]] == ["cache"]
-    cache._clock -= 1
+    cache.hits -= 1
 
 
 # ---- the wrapper on a one-rank group (this process) --------------------------------------

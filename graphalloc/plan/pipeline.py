@@ -27,6 +27,8 @@ descriptor write, one event record at submit; nothing here reads the device.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ..errors import ContractError, LaunchError, PendingStepError
@@ -48,7 +50,7 @@ class StepPipeline:
     :class:`AllocResult` is stale once it moves past the result's step)."""
 
     def __init__(self, alloc, compiled=None):
-        self.alloc = alloc
+        self._alloc = weakref.ref(alloc)  # the allocator holds its pipeline: no cycle
         self.config, self.ledger, self.ring = alloc.config, alloc.ledger, alloc.ring
         self.compiled = compiled
         self.tables_spec = None if alloc.tables is None else alloc.tables.spec
@@ -60,6 +62,10 @@ class StepPipeline:
         cfg = self.config
         self._scratch = np.zeros((cfg.max_release_rows + cfg.max_alloc_rows, ROW_WIDTH),
                                  dtype=np.int64)
+
+    @property
+    def alloc(self):
+        return self._alloc()
 
     # ---- planning -----------------------------------------------------------------------
     def refuse_planning(self) -> None:
@@ -156,7 +162,7 @@ class StepPipeline:
             index, len(out.release_rows), len(out.alloc_rows), out.n_tokens,
             {"full": out.pages_freed[0], "swa": out.pages_freed[1]},
             {"full": out.pages_allocated[0], "swa": out.pages_allocated[1]}, result,
-            out.fusable, out.pages_evicted, owner=alloc, reclaimed=out.reclaimed,
+            out.fusable, out.pages_evicted, owner_ref=alloc, reclaimed=out.reclaimed,
             tables=None if out.lanes is None else self._tables(index, out.lanes))
         return self.pending
 

@@ -15,6 +15,7 @@ are lanes ``[first_lane[i], first_lane[i] + n_tokens[i])``.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 import torch
@@ -22,6 +23,17 @@ import torch
 from ..errors import StaleResultError
 
 __all__ = ["AllocResult", "PlannedStep"]
+
+
+def _none():
+    return None
+
+
+def _weak(obj):
+    """A weak reference to ``obj`` (results never keep an allocator alive)."""
+    if obj is None:
+        return _none
+    return obj if isinstance(obj, weakref.ref) else weakref.ref(obj)
 
 
 @dataclasses.dataclass(eq=False)
@@ -41,10 +53,13 @@ class AllocResult:
     out_swa_buf: torch.Tensor  # slicing a tensor costs microseconds on the per-step path)
     n_step_tokens: int
     step_index: int = 0  # the allocator's output_epoch once this step was submitted
-    _alloc: object = dataclasses.field(default=None, repr=False)
+    owner: object = dataclasses.field(default=None, repr=False)  # the allocator, weakly
+
+    def __post_init__(self) -> None:
+        self.owner = _weak(self.owner)
 
     def _check_fresh(self) -> None:
-        alloc = self._alloc
+        alloc = self.owner()
         if alloc is not None and alloc.output_epoch > self.step_index:
             raise StaleResultError(
                 f"this result belongs to an earlier step; a step that allocated "
@@ -92,10 +107,18 @@ class PlannedStep:
     fusable: bool = False  # release and allocation may run as one launch (StepBuilder.fusable)
     pages_evicted: int = 0  # SWA pages freed by frontier moves (window eviction, advances)
     submitted: bool = False
-    owner: object = dataclasses.field(default=None, repr=False)
+    owner_ref: object = dataclasses.field(default=None, repr=False)  # the allocator, weakly
     cancelled: bool = False
     reclaimed: list = dataclasses.field(default_factory=list)  # (handle, tombstone) dropped
     tables: object = None  # the step's attention tables' host copies (PlannedTables)
+
+    def __post_init__(self) -> None:
+        self.owner_ref = _weak(self.owner_ref)
+
+    @property
+    def owner(self):
+        """The allocator that planned this step (``None`` once it is gone)."""
+        return self.owner_ref()
 
     def fits_rows(self, n_release_rows: int, n_alloc_rows: int) -> bool:
         """Whether this step may run on a launch captured for that many rows of each

@@ -368,8 +368,7 @@ class ReplicatedAllocator(ReplicaOps):
                 f"rank {self.rank}: the ledger rebuilt from this follower's device tables "
                 f"differs from the planner's in {bad} (step {self.n_steps}); the follower kept "
                 "its previous ledger. The device tables diverged (see check())")
-        self.alloc.install_ledger(ledger, steps_run=steps_run)
-        self.n_ledger_installs += 1
+        self._install(ledger, steps_run)
 
     def current_digest(self) -> dict[str, int]:
         """This rank's digest of its current state, by column (reads the device; not
@@ -482,8 +481,14 @@ class ReplicatedAllocator(ReplicaOps):
         if rebuilt is not None:
             ledger, own, planned, steps_run = rebuilt
             if all(own[k] == planned[k] for k in own if planned[k]):
-                self.alloc.install_ledger(ledger, steps_run=steps_run)
-                self.n_ledger_installs += 1
+                self._install(ledger, steps_run)
+
+    def _install(self, ledger, steps_run: int) -> None:
+        """Follower: take the rebuilt ledger's state (in place) and the planner's step
+        count."""
+        self.alloc.ledger.assign(ledger.arrays())
+        self.alloc.pipeline.steps_run = steps_run
+        self.n_ledger_installs += 1
 
     def _rebuild_ledger(self):
         """Follower: ``(ledger, own digests, planner's digests, steps_run)`` of the latest
@@ -501,8 +506,8 @@ class ReplicatedAllocator(ReplicaOps):
                 # off the fast path: a check point (or sync_ledger()) reads the tables
                 tables = (state.req_to_token_buf[:n_rows, ::ps], state.full_to_swa_buf[::ps],
                           state.full_free, state.swa_free)
-                ledger.refs = rebuild_page_refs(
-                    cfg, ledger, *(t.cpu().numpy() for t in tables))  # off the fast path
+                rebuild_page_refs(cfg, ledger, *(t.cpu().numpy() for t in tables))  # off the
+                # fast path (a check point)
         own = host_digests(ledger)
         return ledger, {k: own[k] for k in _REBUILT}, planned_digests(header), steps_run_of(
             header)

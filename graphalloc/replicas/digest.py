@@ -10,8 +10,8 @@ so a divergence names the part that differs:
 ==========  ==================================================================  ==========
 part        what it covers                                                      cost
 ==========  ==================================================================  ==========
-``ledger``  per request ``live, admitted_once, seq_len, frontier, protected``;   O(rows)
-            both free rings' head and count
+``ledger``  per request ``live, admitted_once, seq_len, frontier``; both free   O(rows)
+            rings' head and count
 ``spec``    speculative decoding: ``committed`` and ``spec_steps`` per request   O(rows)
 ``handles`` ``h_live, h_len, h_swa_start`` per handle                            O(handles)
 ``refs``    the FULL and SWA reference counts (pool mode)                        O(pages)
@@ -37,6 +37,9 @@ travels in the same tensor as a step descriptor (:func:`pack_ledger`)::
     rows 2..      every array of Ledger.ROW_ARRAYS (max_reqs entries each; spec_steps
                   max_reqs x SPEC_DEPTH), then every array of Ledger.HANDLE_ARRAYS
                   (max_handles each), flattened in that order, padded to a whole row
+
+Format 2 (the one-step redesign: no ``protected`` array; the magic says which format a
+header is, and a header of another format is refused as torn).
 
 The page mirror does not travel (it is O(rows x pages); see :mod:`graphalloc.replicas`
 for why): :func:`rebuild_page_refs` rebuilds it from a replica's own device tables and
@@ -89,7 +92,7 @@ META_MAGIC = 7
 META_FULL_HEAD, META_FULL_FREE, META_SWA_HEAD, META_SWA_FREE = 0, 1, 2, 3
 META_STEPS_RUN, META_BODY = 4, 5
 _N_META_ROWS = 2
-_MAGIC = 0x6761_7265_706C  # marks a header written by pack_ledger
+_MAGIC = 0x6761_7265_7032  # marks a header written by pack_ledger, wire format 2
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
@@ -129,13 +132,12 @@ def _digest(*arrays: np.ndarray) -> int:
 
 
 def _ring_counts(ledger: Ledger) -> np.ndarray:
-    return np.array([ledger.full.head, ledger.full.n_free, ledger.swa.head, ledger.swa.n_free],
-                    dtype=np.int64)
+    return ledger.rings.reshape(-1)  # [full head, full free, swa head, swa free]
 
 
 def _spec_arrays(ledger: Ledger) -> tuple:
-    """``committed`` and ``spec_steps`` (empty on a ledger without speculative decoding)."""
-    return getattr(ledger, "committed", _EMPTY), getattr(ledger, "spec_steps", _EMPTY)
+    """``committed`` and ``spec_steps``."""
+    return ledger.committed, ledger.spec_steps
 
 
 def holders(ledger: Ledger) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -196,10 +198,10 @@ def cache_digest(cache) -> int:
     change what it digests). Cost: O(entries)."""
     if cache is None:
         return 0
-    entries = sorted(getattr(cache, "_by_handle", {}).items())
-    counters = [getattr(cache, name, 0) for name in ("_clock", "hits", "misses", "hit_tokens")]
-    return _hash64(np.asarray(counters, dtype=np.int64),
-                   *[np.asarray(_entry_values(e), dtype=np.int64) for _, e in entries])
+    state = cache.digest_state()
+    return _hash64(np.asarray(state["counters"], dtype=np.int64),
+                   np.asarray(state["order"], dtype=np.int64),
+                   *[np.asarray(_entry_values(e), dtype=np.int64) for e in state["entries"]])
 
 
 def host_digests(ledger: Ledger, cache=None, full: bool = True) -> dict[str, int]:
@@ -210,7 +212,7 @@ def host_digests(ledger: Ledger, cache=None, full: bool = True) -> dict[str, int
     and BLAKE2b (``full=False``: O(rows + handles))."""
     out = {
         "ledger": _digest(ledger.live, ledger.admitted_once, ledger.seq_len, ledger.frontier,
-                          ledger.protected, _ring_counts(ledger)),
+                          _ring_counts(ledger)),
         "spec": _digest(*_spec_arrays(ledger)),
         "handles": _digest(ledger.h_live, ledger.h_len, ledger.h_swa_start),
     }
@@ -238,7 +240,7 @@ def ledger_digest(ledger: Ledger, cache=None) -> int:
 
 # ---- wire format ---------------------------------------------------------------------------
 def _body_arrays(ledger: Ledger) -> list[tuple[str, np.ndarray]]:
-    names = [n for n in ledger.ROW_ARRAYS if hasattr(ledger, n)] + list(ledger.HANDLE_ARRAYS)
+    names = list(ledger.ROW_ARRAYS) + list(ledger.HANDLE_ARRAYS)
     return [(name, getattr(ledger, name)) for name in names]
 
 
@@ -284,11 +286,10 @@ def has_ledger(header: np.ndarray) -> bool:
 
 
 def unpack_ledger(config: AllocatorConfig, header: np.ndarray) -> Ledger:
-    """The ledger a header carries, with ``refs = None`` (the page mirror does not travel:
-    :func:`rebuild_page_refs`). Raises :class:`IntegrityError` when the header's body digest
-    does not match its contents (a torn or foreign payload)."""
+    """The ledger a header carries, its page mirror empty (the page mirror does not
+    travel: :func:`rebuild_page_refs`). Raises :class:`IntegrityError` when the header's
+    body digest does not match its contents (a torn or foreign payload)."""
     ledger = Ledger(config)
-    ledger.refs = None
     body = header[_N_META_ROWS:].reshape(-1)
     meta = header[1]
     arrays = _body_arrays(ledger)
@@ -298,12 +299,11 @@ def unpack_ledger(config: AllocatorConfig, header: np.ndarray) -> Ledger:
         raise IntegrityError("the payload's ledger does not match its digest: the payload was "
                              "not written by a planner of this geometry, or was torn")
     start = 0
-    for name, arr in arrays:
+    for _, arr in arrays:  # in place: the ledger's arrays are never rebound
         values = body[start:start + arr.size].reshape(arr.shape)
-        setattr(ledger, name, values != 0 if arr.dtype == bool else values.astype(arr.dtype))
+        arr[...] = values != 0 if arr.dtype == bool else values
         start += arr.size
-    ledger.full.head, ledger.full.n_free = int(meta[META_FULL_HEAD]), int(meta[META_FULL_FREE])
-    ledger.swa.head, ledger.swa.n_free = int(meta[META_SWA_HEAD]), int(meta[META_SWA_FREE])
+    ledger.rings.reshape(-1)[:] = meta[META_FULL_HEAD:META_SWA_FREE + 1]
     return ledger
 
 
@@ -328,8 +328,7 @@ def rebuild_page_refs(config: AllocatorConfig, ledger: Ledger, first_slots: np.n
     """
     ps = config.page_size
     n_rows = config.max_reqs + ledger.n_handles
-    refs = PageRefs(n_rows, config.pages_per_request, config.num_full_pages,
-                    config.num_swa_pages)
+    refs = ledger.refs  # written in place (the ledger's own mirror)
     rows, n_pages, first_swa = holders(ledger)
     pages = (first_slots[:n_rows, :config.pages_per_request] // ps).astype(np.int32)
     pages[(pages < 0) | (pages > config.num_full_pages)] = 0  # corrupt: held as no page

@@ -39,6 +39,7 @@ import collections
 import dataclasses
 import hashlib
 import itertools
+import weakref
 
 import numpy as np
 
@@ -90,7 +91,7 @@ class PrefixCache:
     submitted); ``version`` changes whenever entries, locks or handles may have changed."""
 
     def __init__(self, alloc):
-        self.alloc = alloc
+        self._alloc = weakref.ref(alloc)  # the allocator holds its cache: no cycle
         self.page_size = alloc.config.page_size
         self.window = alloc.config.sliding_window
         self._holders: dict[bytes, dict[int, _Entry]] = {}  # page key -> handle -> entry
@@ -103,6 +104,10 @@ class PrefixCache:
         self.version = 0
         self.hits = self.misses = self.hit_tokens = 0
         self.evicted_pages = self.tombstoned_pages = 0
+
+    @property
+    def alloc(self):
+        return self._alloc()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -342,6 +347,14 @@ class PrefixCache:
         if parent is not None:
             parent.children.pop(entry.handle, None)
             self._list(parent)
+
+    def digest_state(self) -> dict:
+        """What the replicas' digest covers (:func:`graphalloc.replicas.digest.cache_digest`):
+        the entries in handle order, the eviction order, the counters. O(entries)."""
+        return {"entries": [self._entries[h] for h in sorted(self._entries)],
+                "order": list(self._leaves) + [-1] + list(self._inner),
+                "counters": [self.hits, self.misses, self.hit_tokens, self.evicted_pages,
+                             self.tombstoned_pages]}
 
     def check(self) -> None:
         """Every entry's handle is held with the entry's length (an integrity aid)."""
