@@ -41,7 +41,6 @@ import dataclasses
 import time
 
 import numpy as np
-import torch
 
 __all__ = ["engine_config", "GraphallocDriver", "pool_pages", "SHAPES"]
 

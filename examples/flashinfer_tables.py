@@ -139,8 +139,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import timing  # noqa: E402
 
 import graphalloc as ga  # noqa: E402
-from graphalloc.kernels import paged_decode_attention, paged_decode_attention_torch  # noqa: E402
 from graphalloc.attention.page_tables import PageTables  # noqa: E402
+from graphalloc.kernels import paged_decode_attention, paged_decode_attention_torch  # noqa: E402
 
 __all__ = ["main", "content", "dense_attention", "make_requests", "CorrectnessRun",
            "TimingRun", "FlashInferDecode", "Report"]

@@ -36,8 +36,8 @@ On a CPU (or with ``graph=False``) the same step body runs eagerly.
 Attention through the page tables (``attention="tables"``). The decode step's attention
 batch is the model's lanes in lane order (lane b: the request that holds it, or padding:
 an empty range). Right after ``alloc.plan(...)`` the host plans the FULL and SWA CSR page
-tables of those lanes (``graphalloc.attention.page_tables.PageTables``, a ring of ``len(alloc.ring)``
-pinned row tables, from host-side lengths and frontiers only), and the graph of
+tables of those lanes (``graphalloc.attention.page_tables.PageTables``, a ring of
+``len(alloc.ring)`` pinned row tables, from host-side lengths and frontiers only), and the graph of
 descriptor buffer ``i`` becomes::
 
     alloc.launch(i)                        releases, window evictions, decode allocation
@@ -97,8 +97,8 @@ import torch
 from hybrid_model import FULL, SLIDING, PagedKV, TinyHybridLM
 
 import graphalloc as ga
-from graphalloc.kernels import paged_decode_attention, paged_decode_attention_torch
 from graphalloc.attention.page_tables import PageTables
+from graphalloc.kernels import paged_decode_attention, paged_decode_attention_torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from timing import StepEvents, graph_nodes  # noqa: E402

@@ -19,8 +19,8 @@ Rules modelled (``ps`` page size, ``W`` window, ``R`` ring pages, L a length):
   Ring mode has no sharing: every sharing call is refused (kind ``sharing``).
 * admit: lowest row that is neither live nor released in an open free group; a new
   request is empty (length = frontier = 0). Every operation is one step: a plain admit
-  too (it has no device work in pool mode, but it is a step). ``admit(handle=h)`` is a request sharing
-  the handle's pages: length ``n_h``, frontier the handle's SWA start, its
+  too (it has no device work in pool mode, but it is a step). ``admit(handle=h)`` is a
+  request sharing the handle's pages: length ``n_h``, frontier the handle's SWA start, its
   ``req_to_token`` the handle's slots, references like any request (one step). Ring
   mode pops the request's R ring pages (one step).
 * take_handle(row, n): ``n`` a multiple of ps, ``0 < n <= L``; the lowest free handle

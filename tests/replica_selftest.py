@@ -58,16 +58,16 @@ import torch.distributed as dist
 
 from graphalloc.allocator import HybridAllocator
 from graphalloc.config import AllocatorConfig
-from graphalloc.errors import ContractError, ReplicaDivergenceError
 from graphalloc.device.executor import Executor
 from graphalloc.device.graph import StepGraph
-from graphalloc.state.ledger import Ledger
+from graphalloc.errors import ContractError, ReplicaDivergenceError
 from graphalloc.plan.context import PlanContext
 from graphalloc.plan.reference import plan_step
 from graphalloc.plan.refusals import Refusal
 from graphalloc.plan.step import Step, normalize
 from graphalloc.replicas.allocator import ReplicatedAllocator
 from graphalloc.replicas.digest import ledger_digest
+from graphalloc.state.ledger import Ledger
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import flashinfer_tables as ft  # noqa: E402
 
-from graphalloc.kernels import paged_decode_attention_torch  # noqa: E402
 from graphalloc.attention.page_tables import PageTables  # noqa: E402
+from graphalloc.kernels import paged_decode_attention_torch  # noqa: E402
 
 TINY = ["--device", "cpu", "--max-batch", "4", "--requests", "8", "--prompt-len", "4", "40",
         "--output-len", "3", "12", "--chunk", "24", "--window", "8", "--share-tokens", "16",

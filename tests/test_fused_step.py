@@ -25,10 +25,10 @@ from graphalloc.kernels import (
     run_step_fused_torch,
 )
 from graphalloc.kernels.abi import AL_N_PAGES, AL_N_TOKENS, REL_N_PAGES
-from graphalloc.state.ledger import Ledger
 from graphalloc.plan.context import PlanContext
 from graphalloc.plan.reference import plan_step
 from graphalloc.plan.step import Step, normalize
+from graphalloc.state.ledger import Ledger
 
 
 def make_config(backend, *, ring=False, validate=False, ps=3, device="cpu", **overrides):

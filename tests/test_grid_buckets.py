@@ -21,8 +21,8 @@ from workload import apply_all, random_step
 
 import graphalloc as ga
 from graphalloc.device.buckets import LONG_EXTRA_TOKENS, GridPolicy, StepGrid, ladder
-from graphalloc.errors import ConfigError, TensorSpecError
 from graphalloc.device.executor import Executor
+from graphalloc.errors import ConfigError, TensorSpecError
 from graphalloc.kernels import allocate_tokens, release_pages
 
 # Tables whose last entry (row) is scratch the Torch twins' padded lanes write to.

@@ -1,4 +1,5 @@
-"""Attention page tables (graphalloc.attention.page_tables, kernels.page_table) against a numpy reference.
+"""Attention page tables (graphalloc.attention, kernels.page_table) against a numpy
+reference.
 
 A random workload drives a HybridAllocator through its public API (admit, with and without
 a shared prefix, alloc_extend, alloc_decode, evict_window, advance_frontier, release).
@@ -14,9 +15,9 @@ import pytest
 import torch
 
 import graphalloc as ga
+from graphalloc.attention.page_tables import PageTables, PageTableSpec, plan_page_table_rows
 from graphalloc.kernels import write_page_tables, write_page_tables_torch
 from graphalloc.kernels.abi import PT_END_PAGE, ROW_WIDTH
-from graphalloc.attention.page_tables import PageTables, PageTableSpec, plan_page_table_rows
 
 MAX_REQS = 5
 B = MAX_REQS + 2  # lanes: every live row, plus room for padding and a duplicated row

@@ -52,7 +52,6 @@ from graphalloc import (
     ReplicaDivergenceError,
     UnknownRequestError,
 )
-from graphalloc.state.ledger import Ledger
 from graphalloc.replicas.allocator import ReplicatedAllocator
 from graphalloc.replicas.digest import (
     HOST_PARTS,
@@ -65,6 +64,7 @@ from graphalloc.replicas.digest import (
     rebuild_page_refs,
     unpack_ledger,
 )
+from graphalloc.state.ledger import Ledger
 
 SELFTEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replica_selftest.py")
 ITERATIONS = 200  # of the long gloo scenarios (the short ones: a third)

@@ -41,7 +41,6 @@ from model import (
     SHARING,
     UNKNOWN,
     Model,
-    Req,
     Violation,
 )
 

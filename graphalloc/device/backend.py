@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .buckets import GridPolicy, StepGrid
 from ..config import AllocatorConfig
+from .buckets import GridPolicy, StepGrid
 from .tables import DeviceState
 
 __all__ = ["StepKernels"]

@@ -42,10 +42,10 @@ import types
 
 import torch
 
-from .buckets import LONG_EXTRA_TOKENS, GridPolicy, StepGrid
-from ..errors import ConfigError
-from .executor import Executor, lanes_of, launch_exact, warm_up
 from ..diagnostics.sync_points import sync_allowed
+from ..errors import ConfigError
+from .buckets import LONG_EXTRA_TOKENS, GridPolicy, StepGrid
+from .executor import Executor, lanes_of, launch_exact, warm_up
 
 __all__ = ["StepGraph", "describe_graph", "capture_graph"]
 

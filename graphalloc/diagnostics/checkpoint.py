@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from ..errors import StateError
-from .integrity import audit_state
 from ..state.ledger import Ledger
+from .integrity import audit_state
 
 __all__ = ["state_dict", "load_state_dict"]
 

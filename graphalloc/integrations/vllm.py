@@ -108,8 +108,8 @@ from collections.abc import Hashable
 import numpy as np
 
 from ..allocator import AllocResult, HybridAllocator
-from ..errors import ConfigError, ContractError, PendingStepError, PositionError
 from ..diagnostics.sync_points import sync_allowed
+from ..errors import ConfigError, ContractError, PendingStepError, PositionError
 from .iteration import IterationStep
 
 __all__ = ["GraphallocKVCacheManager", "GraphallocBlocks", "FULL_GROUP", "SWA_GROUP",

@@ -156,12 +156,12 @@ import torch.distributed as dist
 
 from ..allocator import HybridAllocator
 from ..config import AllocatorConfig
-from ..errors import ConfigError, ContractError, IntegrityError, ReplicaDivergenceError
 from ..device.executor import Executor, make_executor
 from ..device.graph import capture_graph
+from ..diagnostics.sync_points import sync_allowed
+from ..errors import ConfigError, ContractError, IntegrityError, ReplicaDivergenceError
 from ..kernels.abi import ROW_WIDTH
 from .checks import COL_STEP, DigestHistory, check_same_setup, first_divergence
-from .ops import ReplicaOps
 from .digest import (
     META_STEP,
     META_STEPS_RUN,
@@ -174,7 +174,7 @@ from .digest import (
     steps_run_of,
     unpack_ledger,
 )
-from ..diagnostics.sync_points import sync_allowed
+from .ops import ReplicaOps
 
 __all__ = ["ReplicatedAllocator", "ReplicaExecutor"]
 
@@ -249,7 +249,8 @@ class ReplicatedAllocator(ReplicaOps):
             the payload kernels) and the digest from CUDA graphs (default: on CUDA devices).
         fused_step, n_descriptor_bufs: as for :class:`~graphalloc.HybridAllocator`.
         prefix_cache: give the planners (every rank in replicated mode, ``src`` in broadcast
-            mode) a :class:`~graphalloc.sharing.prefix_cache.PrefixCache` (pool mode, max_handles > 0).
+            mode) a :class:`~graphalloc.sharing.prefix_cache.PrefixCache` (pool mode,
+            max_handles > 0).
 
     Construction is collective (it compares configurations and the initial state of all
     ranks) and synchronises. Every operation that may run a device step is collective too.

@@ -17,9 +17,9 @@ CUDA graph on a GPU): no sync, and integer wrapping sums are exact and
 order-independent, so every rank computes the same bits. A change of a single entry
 changes the digest with certainty (``delta * odd * odd != 0 mod 2**64``). Every
 ``check_every`` steps the rows are all-gathered (the one place that synchronises, inside
-:func:`~graphalloc.diagnostics.sync_points.sync_allowed`) and compared; the first differing row names
-the step, the rank (against the majority, ties to the planner) and the fields, and
-every rank raises the same :class:`~graphalloc.errors.ReplicaDivergenceError`.
+:func:`~graphalloc.diagnostics.sync_points.sync_allowed`) and compared; the first
+differing row names the step, the rank (against the majority, ties to the planner) and the
+fields, and every rank raises the same :class:`~graphalloc.errors.ReplicaDivergenceError`.
 
 * :class:`DigestHistory`: the rows since the last check (device buffers, host values
   beside them), recording and the all-gather;
