@@ -185,12 +185,11 @@ class HybridAllocator:
         (see :func:`graphalloc.operations.launch` for ``fusable`` and ``n_rows``)."""
         ops.launch(self, buffer_index, fusable, n_rows)
 
-    @contextlib.contextmanager
-    def scheduler_step(self) -> Iterator[StepRecorder]:
-        """Record one scheduler iteration on the yielded recorder; it runs as ONE step at the
-        block's end (:mod:`graphalloc.plan.recorder`)."""
-        with ops.recording(self) as recorder:
-            yield recorder
+    def scheduler_step(self) -> StepRecorder:
+        """``with alloc.scheduler_step() as it:`` records one scheduler iteration on ``it``;
+        it runs as ONE step at the block's end (:mod:`graphalloc.plan.recorder`)."""
+        ops.guard(self, "scheduler_step")
+        return StepRecorder(self)
 
     @contextlib.contextmanager
     def free_group(self) -> Iterator[None]:

@@ -36,7 +36,6 @@ from .errors import (
 )
 from .inputs import as_index
 from .plan.frees import split_release_rows
-from .plan.recorder import StepRecorder
 from .plan.refusals import SHORTAGE_CODES
 from .plan.step import Step
 from .state.queries import HandleInfo
@@ -130,22 +129,6 @@ def fits(alloc, step: Step) -> bool:
             return False
         raise
     return True
-
-
-@contextlib.contextmanager
-def recording(alloc):
-    guard(alloc, "scheduler_step")
-    if alloc.group is not None:
-        raise NestedGroupError("scheduler_step() inside free_group(): the block is one step "
-                               "of its own; close the free group first")
-    alloc.pipeline.refuse_planning()
-    recorder = alloc.recorder = StepRecorder(alloc)
-    try:
-        yield recorder
-    finally:
-        recorder.open = False
-        alloc.recorder = None
-    recorder.finish(alloc.step(recorder.to_step()))
 
 
 @contextlib.contextmanager

@@ -51,6 +51,7 @@ class StepPipeline:
 
     def __init__(self, alloc, compiled=None):
         self._alloc = weakref.ref(alloc)  # the allocator holds its pipeline: no cycle
+        self._state = alloc.state
         self.config, self.ledger, self.ring = alloc.config, alloc.ledger, alloc.ring
         self.compiled = compiled
         self.tables_spec = None if alloc.tables is None else alloc.tables.spec
@@ -153,16 +154,14 @@ class StepPipeline:
         return self._pending(index, out)
 
     def _pending(self, index: int, out: PlanOutcome) -> PlannedStep:
-        alloc = self.alloc
-        state = alloc.state
+        state = self._state
         result = AllocResult(out.result_rows, out.result_first_lane, out.result_n_tokens,
                              state.out_full_buf, state.out_swa_buf, out.n_tokens,
-                             self.output_epoch + (out.n_tokens > 0), alloc)
+                             self.output_epoch + (out.n_tokens > 0), self._alloc)
         self.pending = PlannedStep(
-            index, len(out.release_rows), len(out.alloc_rows), out.n_tokens,
-            {"full": out.pages_freed[0], "swa": out.pages_freed[1]},
-            {"full": out.pages_allocated[0], "swa": out.pages_allocated[1]}, result,
-            out.fusable, out.pages_evicted, owner_ref=alloc, reclaimed=out.reclaimed,
+            index, len(out.release_rows), len(out.alloc_rows), out.n_tokens, out.pages_freed,
+            out.pages_allocated, result, out.fusable, out.pages_evicted, owner_ref=self._alloc,
+            reclaimed=out.reclaimed,
             tables=None if out.lanes is None else self._tables(index, out.lanes))
         return self.pending
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import (
     CapacityError,
+    NestedGroupError,
     PendingStepError,
     PositionError,
     RecorderError,
@@ -102,7 +103,7 @@ class StepRecorder:
 
     def __init__(self, alloc):
         self.alloc = alloc
-        self.open = True
+        self.open = False  # calls are recorded between __enter__ and __exit__
         self.result = None
         self.offsets = (0, 0, 0)  # first result row of the decode / extend / load-back rows
         self._parts: dict[str, list] = {}
@@ -110,6 +111,26 @@ class StepRecorder:
         self._n = {"decode": 0, "extend": 0, "load_back": 0}
         self._admitted: list[int] = []
         self._taken: list[int] = []
+
+    # ---- the block (``with alloc.scheduler_step() as it``) -------------------------------
+    def __enter__(self) -> StepRecorder:
+        alloc = self.alloc
+        if alloc.recorder is not None:
+            raise RecorderError("scheduler_step() while a scheduler_step() block is open: "
+                                "one block is one step; record into the open block")
+        if alloc.group is not None:
+            raise NestedGroupError("scheduler_step() inside free_group(): the block is one "
+                                   "step of its own; close the free group first")
+        alloc.pipeline.refuse_planning()
+        alloc.recorder, self.open = self, True
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.open = False
+        self.alloc.recorder = None
+        if exc_type is None:  # an exception escaping the block runs nothing
+            self.finish(self.alloc.step(self.to_step()))
+        return False
 
     def _add(self, kind: str, *values) -> None:
         if not self.open:
@@ -188,7 +209,8 @@ class StepRecorder:
 
     # ---- the step ------------------------------------------------------------------------
     def to_step(self) -> Step:
-        """The block's calls as one :class:`Step` (O(rows recorded))."""
+        """The block's calls as one :class:`Step` (O(rows recorded); a kind recorded once is
+        passed on as it was given)."""
         p, kw = self._parts, {}
         rows, handles, values = UnknownRequestError, UnknownHandleError, PositionError
         for kind in ("release", "evict", "admit"):

@@ -14,10 +14,8 @@ are lanes ``[first_lane[i], first_lane[i] + n_tokens[i])``.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 
-import numpy as np
 import torch
 
 from ..errors import StaleResultError
@@ -36,27 +34,26 @@ def _weak(obj):
     return obj if isinstance(obj, weakref.ref) else weakref.ref(obj)
 
 
-@dataclasses.dataclass(eq=False)
 class AllocResult:
     """Slots a step allocated, for the model's KV writes.
 
     ``rows``, ``first_lane`` and ``n_tokens`` are host numpy arrays; ``full_slots`` /
     ``swa_slots`` are ``[n_step_tokens]`` views of the static output buffers (valid from
-    when the step runs on the stream until the next step runs; access after a later step
-    was submitted raises :class:`StaleResultError`). Cost: O(1) per access (a slice).
+    when the step runs on the stream until the next allocating step runs; access after a
+    later allocating step was submitted raises :class:`StaleResultError`). Cost: O(1) per
+    access (a slice).
     """
 
-    rows: np.ndarray
-    first_lane: np.ndarray
-    n_tokens: np.ndarray
-    out_full_buf: torch.Tensor  # the static output buffers (the views are made on access:
-    out_swa_buf: torch.Tensor  # slicing a tensor costs microseconds on the per-step path)
-    n_step_tokens: int
-    step_index: int = 0  # the allocator's output_epoch once this step was submitted
-    owner: object = dataclasses.field(default=None, repr=False)  # the allocator, weakly
+    __slots__ = ("rows", "first_lane", "n_tokens", "out_full_buf", "out_swa_buf",
+                 "n_step_tokens", "step_index", "owner")
 
-    def __post_init__(self) -> None:
-        self.owner = _weak(self.owner)
+    def __init__(self, rows, first_lane, n_tokens, out_full_buf, out_swa_buf,
+                 n_step_tokens: int, step_index: int = 0, owner=None):
+        self.rows, self.first_lane, self.n_tokens = rows, first_lane, n_tokens
+        self.out_full_buf, self.out_swa_buf = out_full_buf, out_swa_buf  # views on access
+        self.n_step_tokens = n_step_tokens
+        self.step_index = step_index  # the allocator's output_epoch once submitted
+        self.owner = _weak(owner)  # the allocator, weakly
 
     def _check_fresh(self) -> None:
         alloc = self.owner()
@@ -84,36 +81,50 @@ class AllocResult:
         a, b = int(self.first_lane[i]), int(self.first_lane[i] + self.n_tokens[i])
         return self.full_slots[a:b], self.swa_slots[a:b]
 
+    def __len__(self) -> int:
+        return len(self.rows)
+
     def __repr__(self) -> str:
         rows, n_tok = list(map(int, self.rows)), list(map(int, self.n_tokens))  # host numpy
         return (f"AllocResult(step={self.step_index}, rows={rows}, n_tokens={n_tok}, "
                 f"n_step_tokens={self.n_step_tokens})")
 
 
-@dataclasses.dataclass(eq=False)
 class PlannedStep:
     """A step planned on the host and written into descriptor buffer ``buffer_index``; it
     must be run (:meth:`HybridAllocator.run`, or the engine's replay followed by
     :meth:`HybridAllocator.mark_submitted`) or cancelled (:meth:`HybridAllocator.cancel`:
-    the allocator is then exactly as before the plan) before the next step is planned."""
+    the allocator is then exactly as before the plan) before the next step is planned.
 
-    buffer_index: int
-    n_release_rows: int
-    n_alloc_rows: int
-    n_tokens: int
-    pages_freed: dict
-    pages_allocated: dict
-    result: AllocResult | None = None
-    fusable: bool = False  # release and allocation may run as one launch (StepBuilder.fusable)
-    pages_evicted: int = 0  # SWA pages freed by frontier moves (window eviction, advances)
-    submitted: bool = False
-    owner_ref: object = dataclasses.field(default=None, repr=False)  # the allocator, weakly
-    cancelled: bool = False
-    reclaimed: list = dataclasses.field(default_factory=list)  # (handle, tombstone) dropped
-    tables: object = None  # the step's attention tables' host copies (PlannedTables)
+    ``pages_freed`` / ``pages_allocated``: ``{"full": n, "swa": n}``; ``pages_evicted``: SWA
+    pages freed by frontier moves; ``fusable``: release and allocation may run as one
+    launch; ``reclaimed``: the prefix cache's entries the step dropped; ``tables``: the
+    attention tables' host copies (:class:`~graphalloc.attention.tables.PlannedTables`)
+    when the allocator writes page tables."""
 
-    def __post_init__(self) -> None:
-        self.owner_ref = _weak(self.owner_ref)
+    __slots__ = ("buffer_index", "n_release_rows", "n_alloc_rows", "n_tokens", "_freed",
+                 "_allocated", "result", "fusable", "pages_evicted", "submitted", "owner_ref",
+                 "cancelled", "reclaimed", "tables")
+
+    def __init__(self, buffer_index: int, n_release_rows: int, n_alloc_rows: int,
+                 n_tokens: int, pages_freed, pages_allocated, result=None,
+                 fusable: bool = False, pages_evicted: int = 0, *, owner_ref=None,
+                 reclaimed=(), tables=None):
+        self.buffer_index, self.n_release_rows, self.n_alloc_rows = (buffer_index,
+                                                                      n_release_rows,
+                                                                      n_alloc_rows)
+        self.n_tokens, self.result, self.fusable = n_tokens, result, fusable
+        self._freed, self._allocated = _pair(pages_freed), _pair(pages_allocated)
+        self.pages_evicted, self.submitted, self.cancelled = pages_evicted, False, False
+        self.owner_ref, self.reclaimed, self.tables = _weak(owner_ref), reclaimed, tables
+
+    @property
+    def pages_freed(self) -> dict:
+        return {"full": self._freed[0], "swa": self._freed[1]}
+
+    @property
+    def pages_allocated(self) -> dict:
+        return {"full": self._allocated[0], "swa": self._allocated[1]}
 
     @property
     def owner(self):
@@ -126,3 +137,14 @@ class PlannedStep:
         rows are packed at the front of the tables, so it fits when it has at most R and
         A of them. O(1)."""
         return self.n_release_rows <= n_release_rows and self.n_alloc_rows <= n_alloc_rows
+
+    def __repr__(self) -> str:
+        return (f"PlannedStep(buffer={self.buffer_index}, release_rows={self.n_release_rows}, "
+                f"alloc_rows={self.n_alloc_rows}, tokens={self.n_tokens}, "
+                f"submitted={self.submitted}, cancelled={self.cancelled})")
+
+
+def _pair(pages) -> tuple[int, int]:
+    if isinstance(pages, dict):
+        return int(pages.get("full", pages.get("pages", 0))), int(pages.get("swa", 0))
+    return pages
