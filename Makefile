@@ -23,6 +23,7 @@ install:
 	fi
 
 test: install
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
 demo: install

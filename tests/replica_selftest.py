@@ -188,8 +188,10 @@ class OpsWorkload:
                   "load_back", "block", "block", "cache_insert", "admit_cached")
     RING_KINDS = ("admit", "step", "step", "step", "spec_decode", "commit", "commit", "trim",
                   "block")
-    METHODS = {"spec_decode": "alloc_decode", "admit_handle": "admit", "admit_cached": "admit",
-               "block": "scheduler_step"}
+    # the wrapper's operation each kind is (every single operation is one step(Step))
+    METHODS = {"spec_decode": "step", "commit": "step", "trim": "step", "drop_handle": "step",
+               "drop_handle_swa": "step", "load_back": "step", "admit_handle": "admit",
+               "admit_cached": "admit", "block": "scheduler_step"}
 
     def __init__(self, config: AllocatorConfig, seed: int, cache: bool):
         self.config = config
@@ -313,7 +315,7 @@ class OpsWorkload:
         k = np.minimum(self.arg_rng.integers(0, 4, size=len(rows)), room[rows] - 1)
         for n in (len(rows), 1):
             if api.alloc.fits(decode=rows[:n], lookahead=k[:n]):
-                api.alloc_decode(rows[:n], lookahead=k[:n])
+                api.step(decode=rows[:n], lookahead=k[:n])
                 return True
         return False
 
@@ -322,7 +324,7 @@ class OpsWorkload:
         if not len(rows):
             return False
         oldest = led.spec_steps[rows, 0]
-        api.commit(rows, self.arg_rng.integers(0, oldest + 1))
+        api.step(commit=(rows, self.arg_rng.integers(0, oldest + 1)))
         return True
 
     def _trim(self, api, led) -> bool:
@@ -334,7 +336,7 @@ class OpsWorkload:
             return False
         low = np.where(led.frontier[rows] > 0, led.frontier[rows] + window, 0)
         cut = self.arg_rng.integers(0, 5, size=len(rows))
-        api.trim(rows, np.maximum(low, led.seq_len[rows] - cut))
+        api.step(trim=(rows, np.maximum(low, led.seq_len[rows] - cut)))
         return True
 
     def _take_handle(self, api, led) -> bool:
@@ -368,7 +370,7 @@ class OpsWorkload:
         if not held:
             return False
         h = held[int(self.arg_rng.integers(len(held)))]
-        (api.drop_handle_swa if swa_only else api.drop_handle)(h)
+        api.step(drop_swa=[h]) if swa_only else api.step(drop=[h])
         return True
 
     def _drop_handle_swa(self, api, led) -> bool:
@@ -382,7 +384,7 @@ class OpsWorkload:
         if not len(rows) or led.swa.n_free < 1:
             return False
         row = int(self.arg_rng.choice(rows))
-        api.load_back(row, int(led.frontier[row]) - ps)
+        api.step(load_back=([row], [int(led.frontier[row]) - ps]))
         return True
 
     def _block(self, api, led) -> bool:

@@ -325,28 +325,29 @@ def test_every_operation_is_its_fixed_number_of_steps(one_rank_group):
         return None if errors else out
 
     row = steps(1, rep.admit)
-    steps(1, lambda: rep.alloc_extend([row], [7 * ps]))
+    steps(1, lambda: rep.step(extend=([row], [7 * ps])))
     h = steps(1, lambda: rep.take_handle(row, 4 * ps))
     other = steps(1, lambda: rep.admit(handle=h, n_tokens=2 * ps))
     assert alloc.seq_len(other) == 2 * ps and alloc.ledger.h_live[h]
     steps(1, lambda: rep.admit(handle=h + 1), ContractError)  # an unknown handle
-    steps(1, lambda: rep.alloc_decode([other], lookahead=2))
+    steps(1, lambda: rep.step(decode=[other], lookahead=2))
     assert alloc.spec_len(other) == 3
-    steps(1, lambda: rep.commit([other], [1]))
+    steps(1, lambda: rep.step(commit=([other], [1])))
     assert alloc.committed_len(other) == 2 * ps + 1 and alloc.spec_len(other) == 0
-    steps(1, lambda: rep.commit([other], [1]), ContractError)  # nothing speculative left
-    steps(1, lambda: rep.trim([other], [2 * ps]))
-    steps(1, lambda: rep.drop_handle_swa(h))
-    steps(1, lambda: rep.drop_handle(h))
-    steps(1, lambda: rep.drop_handle(h), ContractError)  # dropped already
+    steps(1, lambda: rep.step(commit=([other], [1])), ContractError)  # nothing speculative left
+    steps(1, lambda: rep.step(trim=([other], [2 * ps])))
+    steps(1, lambda: rep.step(drop_swa=[h]))
+    steps(1, lambda: rep.step(drop=[h]))
+    steps(1, lambda: rep.step(drop=[h]), ContractError)  # dropped already
     steps(1, lambda: rep.step(evict_all=True, decode=[row]))
-    steps(1, lambda: rep.evict_window())
+    steps(1, lambda: rep.step(evict_all=True))
     for _ in range(4):
-        steps(1, lambda: rep.alloc_decode([row]))
-    steps(1, lambda: rep.evict_window([row]))
+        steps(1, lambda: rep.step(decode=[row]))
+    steps(1, lambda: rep.step(evict=[row]))
     f = alloc.frontier(row)
     assert f > 0
-    slots = steps(1, lambda: rep.load_back(row, f - ps))
+    out = steps(1, lambda: rep.step(load_back=([row], [f - ps])))
+    slots = None if out is None else out.swa_slots
     assert alloc.frontier(row) == f - ps and slots.numel() == ps
     cached = steps(rep.cache_insert_steps, lambda: rep.cache_insert(row, list(range(7 * ps))))
     assert cached == 7 * ps and len(alloc.prefix_cache) == 1

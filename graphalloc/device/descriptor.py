@@ -131,12 +131,12 @@ class DescriptorRing:
 def _raw_stream_getter():
     """``torch._C._cuda_getCurrentRawStream`` (the current stream's ``cudaStream_t`` as an
     int, without building a Stream object) where this torch has it, else None."""
-    return getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return getattr(torch._C, "_cuda_getCurrentRawStream", None)  # noqa: SLF001 (torch)
 
 
 def _record(event, stream) -> None:
     """``event.record(stream)`` without the Python wrapper's default-stream lookup."""
-    base = getattr(torch._C, "_CudaEventBase", None)
+    base = getattr(torch._C, "_CudaEventBase", None)  # noqa: SLF001 (torch)
     if base is not None and isinstance(event, base):
         base.record(event, stream)
     else:

@@ -246,7 +246,7 @@ class StepGraph(Executor):
 def _bare_replay(graph: torch.cuda.CUDAGraph):
     """``graph.replay`` without the Python wrapper's frame (it only checks an input-liveness
     tracker, which capture_graph never enables): the C++ replay bound to the graph."""
-    base = getattr(torch._C, "_CUDAGraph", None)
+    base = getattr(torch._C, "_CUDAGraph", None)  # noqa: SLF001 (torch)
     replay = getattr(base, "replay", None)
     if replay is not None and isinstance(graph, base) and getattr(graph, "_tracker",
                                                                    None) is None:

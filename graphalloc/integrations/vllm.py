@@ -147,7 +147,8 @@ class GraphallocBlocks:
         if not self.num_blocks:
             return [], []
         if self.handle >= 0 and self.request_id not in self.manager:  # a hit not yet admitted
-            return self.manager._handle_block_ids(self.handle, self.num_blocks)
+            return self.manager._handle_block_ids(  # noqa: SLF001 (same module)
+                self.handle, self.num_blocks)
         full, swa = self.manager.get_block_ids(self.request_id)
         end = self.first_block + self.num_blocks
         return full[self.first_block:end], swa[self.first_block:end]

@@ -1,154 +1,34 @@
 """Tensor-parallel replicas: the same allocator state on every rank, over ``torch.distributed``.
 
 In a tensor-parallel engine every GPU rank holds its own KV cache and so its own
-:class:`~graphalloc.HybridAllocator`; all ranks must make exactly the same decisions
-every step or their caches diverge silently. :class:`ReplicatedAllocator` wraps one
-rank's allocator and keeps the ranks equal in one of two modes (gloo for CPU
-allocators, NCCL for CUDA ones, one process per GPU; no other transport):
+:class:`~graphalloc.HybridAllocator`; all ranks must make exactly the same decisions every
+step or their caches diverge silently. :class:`ReplicatedAllocator` wraps one rank's
+allocator and keeps the ranks equal (gloo for CPU allocators, NCCL for CUDA ones):
 
-``mode="replicated"`` (SGLang style)
-    Every rank runs the same deterministic scheduler and plans every step itself.
-    Host planning is a pure function of its inputs and the ledger: numpy only,
-    nothing iterates a dict or set out of insertion order, hashes a string with
-    Python's ``hash`` or reads a clock to decide anything (``tests/test_replicas.py``
-    proves it byte for byte across ``PYTHONHASHSEED`` values). No collective per step.
-    Each rank may have its own prefix cache (deterministic keys and LRU).
+``mode="replicated"`` (SGLang style): every rank plans every step itself; planning is a
+    pure function of its inputs and the ledger (proved byte for byte across
+    ``PYTHONHASHSEED`` values). No collective per step.
+``mode="broadcast"`` (vLLM style): rank ``src`` plans; each device step's payload (the
+    descriptor rows and the planner's ledger, one fixed-shape int64 tensor: layout in
+    :mod:`graphalloc.replicas.digest`) is broadcast and replayed by the followers, whose
+    host ledger is rebuilt from their own device tables at each check.
 
-``mode="broadcast"`` (vLLM style)
-    One planner rank (``src``) plans; each device step's *payload* is broadcast and the
-    followers replay it. The payload is one fixed-shape int64 tensor on the allocator's
-    device, the same every step::
+Lockstep rule: every wrapper operation is a fixed number of device steps on every rank,
+whatever its arguments and whether it succeeds (a refusal runs empty steps, then
+re-raises), so collectives always pair up. Every ``check_every`` steps the ranks'
+digests (host parts and one per device table) are all-gathered and compared; every rank
+raises the same :class:`~graphalloc.errors.ReplicaDivergenceError` naming the first
+differing step, rank and fields.
 
-        rows [0, max_release_rows)              release rows   (the step descriptor,
-        rows [max_release_rows, + max_alloc_rows) allocation rows  see graphalloc.kernels.abi)
-        rows n_desc, n_desc + 1                 meta: step, the planner's host digests,
-                                                ring heads and counts, steps_run
-        rows n_desc + 2 ..                      the planner's ledger: every request array
-                                                (live, seq_len, frontier, committed,
-                                                spec_steps, ...) and every handle array
-                                                (h_live, h_len, h_swa_start)
-
-    (layout: :mod:`graphalloc.replicas.digest`). On every rank, the planner included, the
-    step kernels read the descriptor from this device tensor, so a follower never copies
-    it to the host: its per-step work is the collective plus one replay.
-
-**What a follower carries, and why this way.** Everything a step can contain reaches the
-device as descriptor rows (releases and evictions, commits and trims, allocation,
-``AL_COPY`` rows of handles and of admits on a handle, ``AL_SWA_ONLY`` rows of
-``load_back``, the prefix cache's in-step evictions), so replaying the descriptor gives a
-follower the planner's device tables exactly. Its host ledger is the planner's, rebuilt
-lazily: at every consistency check (and :meth:`ReplicatedAllocator.sync_ledger`) the
-follower unpacks the ledger arrays of the latest payload -- handles, committed lengths and
-speculative steps included -- and rebuilds the page mirror (``page_of``, ``swa_of``, the
-ring contents) from its own device tables and the reference counts from the holders
-(:func:`~graphalloc.replicas.digest.rebuild_page_refs`). The result is installed only when
-its host digests equal the ones the planner packed for that step; otherwise the follower
-keeps its previous ledger and the check names it. The two alternatives were rejected:
-
-* *ledger deltas in the payload*: the page mirror's change in one step is not bounded by a
-  small fixed size -- an admit on a handle references up to ``pages_per_request`` pages,
-  a release of long shared requests drops ``max_reqs x pages_per_request`` references --
-  so a fixed-size message would have to be sized for the whole mirror,
-  ``O((max_reqs + max_handles) x pages_per_request)`` every step;
-* *the step's arguments, replanned by every follower*: a follower would then plan on its
-  host every step, which needs the arguments on its host (under NCCL the broadcast lands
-  in GPU memory: a device-to-host wait per step), an encoding of variable call lists
-  (``scheduler_step`` blocks) in a fixed size, and the prefix cache's decisions, which
-  depend on token ids only the planner's scheduler has.
-
-With descriptor replay a follower never refuses what the planner ran (the planner
-broadcasts only steps it planned; a refused call broadcasts an empty step), and it commits
-host state only after that state's digests matched the planner's. Between checks a
-follower's ``alloc.ledger`` is the one of the last check; call :meth:`sync_ledger` before
-promoting it or reading its queries. A follower holds no prefix cache (the planner's
-decides); its host parts ``ledger, spec, handles, refs, pages`` are its own at a check.
-
-Per device step, for the planner and a follower (broadcast mode)::
-
-    planner                                       follower
-    plan() -> descriptor buffer i (pinned)
-    ledger -> header buffer i (pinned)
-    payload[:n_desc] <- buffer i  (async H2D)
-    payload[n_desc:] <- header i  (async H2D)
-    broadcast(payload) -------------------------> broadcast(payload)   the only collective
-    replay: kernels read payload                  replay: kernels read payload
-    digest -> history row                         digest -> history row
-
-The planner's header buffer ``i`` is guarded by descriptor buffer ``i``'s ring event
-(``DescriptorRing``): the ring never hands buffer ``i`` out again before the copies
-reading it have run, so the planner does not wait either.
-
-**Consistency check.** Every ``digest_every`` steps each rank records a digest row -- the
-host digests by part (``ledger``, ``spec``, ``handles``, ``refs``, ``pages``, ``cache``)
-and one digest per device table -- and every ``check_every`` steps the rows are
-all-gathered and compared; every rank raises the same
-:class:`~graphalloc.errors.ReplicaDivergenceError` naming the first differing step, rank
-and fields (:mod:`graphalloc.replica_checks`). In replicated mode a rank whose host state
-diverges is named at the step it diverged (``digest_every=1``); in broadcast mode the
-device tables are named at the exact step and a follower's rebuilt host state at the
-check.
-
-**Lockstep rule.** Collectives must pair up, so every wrapper operation is a fixed number
-of device steps on every rank, whatever its arguments and whether it succeeds:
-
-====================================================================  ===================
-operation (planner: the allocator's method of that name)              device steps
-====================================================================  ===================
-``step``, ``try_step``, ``release``, ``commit``, ``trim``,            1
-``evict_window``, ``advance_frontier``, ``alloc_extend``,
-``alloc_decode`` (``lookahead=``), ``admit`` (with or without a
-handle, pool or ring mode), ``take_handle``, ``drop_handle``,
-``drop_handle_swa``, ``load_back``, a ``scheduler_step()`` block
-``cache_insert`` (prefix cache)                                       ``cache_insert_steps``
-``free_group()``                                                      replicated mode only
-====================================================================  ===================
-
-A call refused on the planner (any exception, a typed ``ContractError`` for broken
-rules) runs empty steps for the steps it did not run, then re-raises, so a refusal
-never leaves the others waiting in a collective. Frees are one step: a free that
-exceeds the frozen step shape is refused (``BatchTooLargeError``; the allocator's own
-single-op free would split it over a number of steps only the planner knows). Followers
-call the same wrapper methods as the planner, without arguments (given ones are ignored:
-the planner's decisions are the only ones), and get ``None``; their slots are in
-``alloc.state.out_full_buf`` / ``out_swa_buf`` in the planner's lane order. A planner that
-calls the wrapped allocator directly issues one collective per device step it runs; its
-followers must call :meth:`follow` once for each.
-
-Costs (per step): replicated: one device digest (one read of every table, plus a write of
-an int64 scratch of the largest table) and the host digests (one multiply-add per entry of
-the per-row, per-handle and per-page arrays and per held page); broadcast: two async H2D
-copies and the ledger packing on the planner (the O(rows) digests every step, the full
-ones on digest steps) and one broadcast of ``(n_desc + n_header_rows) * 64`` bytes, plus
-the device digest. A follower's check adds one read of ``req_to_token`` at each page's
-first position, ``full_to_swa`` and the free rings, and O(rows x pages) numpy. Measured on
-a 2-core CPU host (256 requests holding 10,034 pages of 16,384 FULL + 17,000 SWA, 64
-handles, page size 16): full host digests 0.17 ms, the O(rows) ones 0.04 ms, a header of
-282 rows packed in 0.20 ms, a follower's rebuild and digest 2.6 ms per check.
-``check_every=0`` turns digests off (``check()`` then compares the current state only; a
-follower's :meth:`sync_ledger` then verifies the O(rows) parts only). Construction
-synchronises (it captures graphs and runs an initial check, inside ``sync_allowed``).
-
-**How the layer stacks.** The wrapper builds its rank's allocator itself, with an
-executor of its own (:class:`ReplicaExecutor`): replicated mode wraps the eager or graph
-executor and records a digest after every step; a broadcast planner's executor
-broadcasts the step's payload and replays it; a broadcast follower's executor plans
-nothing (``plans_locally = False``), so a follower's direct ``alloc.step()`` is refused
-before anything changes. Nothing is patched into an allocator after it was built. The
-operations are :class:`graphalloc.replica_ops.ReplicaOps`.
-
-Limits: the broadcast is eager (not captured): the planner's H2D copies would otherwise
-become copy nodes. An engine that replays its own graph of ``alloc.launch(i)`` (``plan``,
-replay, ``mark_submitted``) bypasses the executor, so the layer sees none of those steps
-(no broadcast, no digest): use ``step()`` / ``run()``. The prefix cache's own ``evict()``
-and ``drop_all()`` run a number of steps only the planner knows: replicated mode only (in
-broadcast mode the cache evicts inside each step that needs pages). Attention page tables
-(:mod:`graphalloc.attention.page_tables`) are planned from the host ledger: on a follower only right
-after a :meth:`sync_ledger`.
+Cost per step: replicated: one device digest and the host digests; broadcast: two async
+host-to-device copies and the ledger packing on the planner, one broadcast of the payload,
+the device digest. Construction is collective and synchronises (it captures graphs). The
+design, the wire format's rationale, the measured costs and the limits (an engine's own
+graph replays bypass the layer; the cache's own ``evict()`` / ``drop_all()`` are
+replicated-mode only) are in ``docs/replicas.md``.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import numpy as np
 import torch
@@ -156,7 +36,7 @@ import torch.distributed as dist
 
 from ..allocator import HybridAllocator
 from ..config import AllocatorConfig
-from ..device.executor import Executor, make_executor
+from ..device.executor import make_executor
 from ..device.graph import capture_graph
 from ..diagnostics.sync_points import sync_allowed
 from ..errors import ConfigError, ContractError, IntegrityError, ReplicaDivergenceError
@@ -174,48 +54,13 @@ from .digest import (
     steps_run_of,
     unpack_ledger,
 )
+from .executor import ReplicaExecutor
 from .ops import ReplicaOps
 
-__all__ = ["ReplicatedAllocator", "ReplicaExecutor"]
+__all__ = ["ReplicatedAllocator", "ReplicaExecutor"]  # (the executor: .executor)
 
 _UNREADABLE = -0x2152_4110_2152_4111  # a follower's digest when its payload was torn
 _REBUILT = ("ledger", "spec", "handles", "refs", "pages")  # a follower's own host parts
-
-
-# ---- the executor ------------------------------------------------------------------------
-class ReplicaExecutor(Executor):
-    """The executor of a replicated rank's allocator (built by :class:`ReplicatedAllocator`).
-
-    ``role``: ``"replicated"`` (run the step through ``inner``, the eager or graph
-    executor, then record the step's digest), ``"planner"`` (broadcast the step's payload
-    and replay it from the payload) or ``"follower"`` (plans nothing: ``plan()`` is refused
-    before anything changes; steps arrive through :meth:`ReplicatedAllocator.follow`).
-    """
-
-    name = "replica"
-
-    def __init__(self, layer: ReplicatedAllocator, role: str, inner: Executor | None = None):
-        super().__init__()
-        # The layer holds its allocator, which holds this executor: the layer is held
-        # weakly, so nothing cyclic keeps the wrapper (and its process group) alive.
-        self.layer, self.role, self.inner = weakref.proxy(layer), role, inner
-        self.plans_locally = role != "follower"
-
-    def bind(self, alloc) -> None:
-        super().bind(alloc)
-        if self.inner is not None:
-            self.inner.bind(alloc)
-
-    def execute(self, planned) -> None:
-        if self.role == "replicated":
-            self.inner.execute(planned)
-            self.count(planned.fusable and self.alloc.kernels.fused)
-        elif self.role == "planner":
-            self.layer._broadcast_planned(planned)  # the payload runs as two launches
-            self.count(False)
-        else:  # unreachable: the allocator refuses plan() first
-            raise ContractError("a broadcast follower never plans its own steps")
-        self.layer._after_step()
 
 
 # ---- the wrapper -------------------------------------------------------------------------
@@ -384,7 +229,7 @@ class ReplicatedAllocator(ReplicaOps):
         self._step_graph = self._digest_graph = None
 
     # ---- the executor's work (ReplicaExecutor.execute) ---------------------------------
-    def _broadcast_planned(self, planned) -> None:
+    def broadcast_planned(self, planned) -> None:
         """Planner, broadcast mode: pack the ledger beside descriptor buffer ``i`` (free: the
         ring waited for buffer i's event), stage both into the payload, broadcast, replay.
         The full host digests are packed on digest steps, the O(rows) ones every step."""
@@ -411,7 +256,7 @@ class ReplicatedAllocator(ReplicaOps):
         """Follower: one step, without raising a stored divergence (the caller raises it
         once every step of its operation ran, so no rank leaves an operation early)."""
         self._broadcast_and_launch()
-        self._after_step()
+        self.after_step()
 
     def _empty_step(self) -> None:
         """Keep lockstep: one device step that changes nothing. A planned empty step (the
@@ -427,10 +272,10 @@ class ReplicatedAllocator(ReplicaOps):
             self._payload_desc.zero_()
             self._payload_meta[META_STEP].fill_(self.n_steps + 1)  # a device fill: no sync
             self._broadcast_and_launch()
-        self._after_step()
+        self.after_step()
 
     # ---- digests and checks ------------------------------------------------------------
-    def _after_step(self) -> None:
+    def after_step(self) -> None:
         self.n_steps += 1
         if not self.check_every:
             return

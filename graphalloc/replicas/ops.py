@@ -9,28 +9,20 @@ the planner, the operation is the same number of device steps on every rank
 nothing to do -- are run empty, then the exception is re-raised. So collectives always
 pair up, and a refusal never leaves another rank waiting.
 
-==============================  =============================================  ==========
-operation                       the planner runs                               steps
-==============================  =============================================  ==========
-step(**args), try_step(**args)  ``alloc.step`` / ``alloc.try_step`` (release,  1
-                                commit, trim, evict, advance, decode with
-                                ``lookahead``, extend: one step)
-release, evict_window,          ``alloc.step(release= / evict= / advance= /    1
-advance_frontier, alloc_extend, extend= / decode=, lookahead= / commit= /
-alloc_decode, commit, trim      trim=)``: one step, so a free larger than the
-                                frozen shape is refused (BatchTooLargeError)
-admit(handle, n_tokens)         a ``scheduler_step()`` holding the admit: one  1
-                                step in pool mode too, so its step count does
-                                not depend on whether a handle is given
-take_handle(row, n_tokens)      ``alloc.take_handle``                          1
-drop_handle(h), drop_handle_swa a ``scheduler_step()`` holding the drop        1
-load_back(row, pos)             ``alloc.load_back`` (returns the SWA slots)    1
-with scheduler_step() as it     ``alloc.scheduler_step()`` (followers: None)   1
-cache_insert(row, token_ids)    ``alloc.prefix_cache.insert``: an LRU drop     ``cache_
-                                (one holder: at most ``ceil(P /                insert_
-                                max_release_rows)`` steps) and a take_handle   steps``
-free_group()                    ``alloc.free_group()``: replicated mode only   (its own)
-==============================  =============================================  ==========
+====================================  ====================================  ===================
+operation                             the planner runs                      device steps
+====================================  ====================================  ===================
+``step(Step | **kinds)``, ``try_step``  ``alloc.step`` / ``alloc.try_step``:  1
+                                      every single operation is a Step
+``admit(handle, n_tokens)``,          ``alloc.admit`` / ``alloc.take_handle``  1
+``take_handle(row, n_tokens)``        (the ids are chosen on the planner)
+``with scheduler_step() as it``       ``alloc.scheduler_step()`` (followers  1
+                                      get None)
+``cache_insert(row, token_ids)``      ``alloc.prefix_cache.insert``: an LRU  ``cache_insert_steps``
+                                      drop when every handle is held, then
+                                      the take
+``free_group()``                      ``alloc.free_group()``                replicated mode only
+====================================  ====================================  ===================
 
 Cost: the allocator operation's own, plus one empty step (one replay, and in broadcast
 mode one broadcast) per step it did not run.
@@ -42,6 +34,7 @@ import contextlib
 from collections.abc import Iterator
 
 from ..errors import ContractError, IntegrityError
+from ..plan.step import Step
 
 __all__ = ["ReplicaOps"]
 
@@ -52,73 +45,31 @@ class ReplicaOps:
     order."""
 
     # ---- one step -------------------------------------------------------------------------
-    def step(self, **step_args):
-        """One scheduler step on every rank: :meth:`HybridAllocator.step` with these keyword
-        arguments on a planner (``release, commit, trim, evict, evict_all, advance, decode,
-        lookahead, extend``); ``None`` on a follower. A step refused on the planner runs an
-        empty step, then raises."""
-        return self._op(1, lambda: self.alloc.step(**step_args))
+    def step(self, step: Step | None = None, **kinds):
+        """One scheduler step on every rank: :meth:`HybridAllocator.step` with this
+        :class:`~graphalloc.Step` (or its keywords) on a planner, ``None`` on a follower (its
+        slots are the planner's lanes of ``alloc.state.out_full_buf`` / ``out_swa_buf``). A
+        step refused on the planner runs an empty step, then raises. Every single operation
+        is one such Step: ``rep.step(release=rows)``, ``rep.step(extend=(rows, n))``,
+        ``rep.step(load_back=([row], [pos]))``, ... (a free is refused, not split, when it
+        exceeds the frozen step shape: how many steps a split takes only the planner knows)."""
+        return self._op(1, lambda: self.alloc.step(step, **kinds))
 
-    def try_step(self, **step_args):
-        """:meth:`step`, ``None`` (an empty step ran) for lack of pages, like
+    def try_step(self, step: Step | None = None, **kinds):
+        """:meth:`step`, ``None`` (an empty step ran) for lack of room, like
         :meth:`HybridAllocator.try_step`."""
-        return self._op(1, lambda: self.alloc.try_step(**step_args))
-
-    def release(self, rows=None) -> None:
-        """Free the requests (one step; refused when it exceeds the frozen step shape)."""
-        self.step(release=rows)
-
-    def evict_window(self, rows=None) -> None:
-        """The window rule for ``rows`` (every live request when ``None``); one step."""
-        self.step(**({"evict_all": True} if rows is None else {"evict": rows}))
-
-    def advance_frontier(self, rows=None, new_frontier_pos=None) -> None:
-        """Explicit frontier moves (one step)."""
-        self.step(advance=(rows, new_frontier_pos))
-
-    def alloc_extend(self, rows=None, extend_lens=None):
-        """Prefill chunks (one step); the slots on a planner."""
-        return self.step(extend=(rows, extend_lens))
-
-    def alloc_decode(self, rows=None, lookahead=None):
-        """One token per row, or ``1 + lookahead`` speculative ones (one step)."""
-        return self.step(decode=rows, **({} if lookahead is None else {"lookahead": lookahead}))
-
-    def commit(self, rows=None, n_accepted=None) -> None:
-        """Speculative decoding: resolve each row's oldest speculative step (one step)."""
-        self.step(commit=(rows, n_accepted))
-
-    def trim(self, rows=None, new_len=None) -> None:
-        """Cut requests back to ``new_len`` tokens (one step)."""
-        self.step(trim=(rows, new_len))
+        return self._op(1, lambda: self.alloc.try_step(step, **kinds))
 
     def admit(self, handle=None, n_tokens=None) -> int | None:
-        """:meth:`HybridAllocator.admit` (optionally on a handle), as one step on every rank
-        (also in pool mode without a handle, where the allocator's own admit is host-only:
-        followers cannot know whether the planner passed a handle). The row on a planner.
-        Several admits of one iteration fit one step: :meth:`scheduler_step`."""
-        def run():
-            with self.alloc.scheduler_step() as it:
-                row = it.admit(handle, n_tokens)
-            return row
-        return self._op(1, run)
+        """One step admitting the lowest free row (optionally on a handle's first
+        ``n_tokens``): the row on a planner. Several admits of one iteration fit one step:
+        :meth:`scheduler_step`."""
+        return self._op(1, lambda: self.alloc.admit(handle, n_tokens))
 
     def take_handle(self, row=None, n_tokens=None) -> int | None:
-        """:meth:`HybridAllocator.take_handle` (one step); the handle on a planner."""
+        """One step taking the lowest free handle on ``row``'s first ``n_tokens``: the handle
+        on a planner."""
         return self._op(1, lambda: self.alloc.take_handle(row, n_tokens))
-
-    def drop_handle(self, handle=None) -> None:
-        """:meth:`HybridAllocator.drop_handle` as one step (one holder's drop always fits)."""
-        self._one_step_block(lambda it: it.drop_handle(handle))
-
-    def drop_handle_swa(self, handle=None) -> None:
-        """:meth:`HybridAllocator.drop_handle_swa` (an SWA tombstone) as one step."""
-        self._one_step_block(lambda it: it.drop_handle_swa(handle))
-
-    def load_back(self, row=None, new_frontier_pos=None):
-        """:meth:`HybridAllocator.load_back` (one step): the SWA slots to fill on a planner;
-        a follower's are lanes ``[0, n)`` of ``alloc.state.out_swa_buf``."""
-        return self._op(1, lambda: self.alloc.load_back(row, new_frontier_pos))
 
     @contextlib.contextmanager
     def scheduler_step(self) -> Iterator:
@@ -165,12 +116,6 @@ class ReplicaOps:
         return self.alloc.free_group()
 
     # ---- lockstep -------------------------------------------------------------------------
-    def _one_step_block(self, record) -> None:
-        def run():
-            with self.alloc.scheduler_step() as it:
-                record(it)
-        self._op(1, run)
-
     def _op(self, n_steps: int, run):
         """``run()`` on a planner, as exactly ``n_steps`` device steps on every rank: a
         follower replays ``n_steps`` steps; a planner runs empty steps for those ``run`` did
