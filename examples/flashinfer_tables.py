@@ -344,6 +344,18 @@ def table_attention(fn, tables, q, caches: dict, outs: dict) -> None:
         fn(q, k, v, *csr, sliding_window=window, max_pages=grid[kind], out=outs[kind])
 
 
+def progress(total, desc: str, enabled: bool):
+    """A tqdm bar on stderr (host only: safe under sync debug), or None (disabled, or tqdm
+    not installed)."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr)
+
+
 @contextlib.contextmanager
 def sync_debug(enabled: bool):
     """``torch.cuda.set_sync_debug_mode("error")`` for the block (CUDA only)."""
@@ -537,6 +549,7 @@ class CorrectnessRun:
         plan_us: list[float] = []
         k = 0
         t0 = time.perf_counter()
+        bar = progress(None, f"correctness ps={self.ps} steps", not a.no_progress)
         with sync_debug(self.is_cuda and not a.no_sync_debug):
             while queue or lanes or to_release:
                 # handles: the donor's prefix once it is allocated; dropped with no sharer left
@@ -627,6 +640,8 @@ class CorrectnessRun:
                 host["max_full_pages"] = max(host["max_full_pages"], t.n_full_pages)
                 host["max_swa_pages"] = max(host["max_swa_pages"], t.n_swa_pages)
                 k += 1
+                if bar is not None:
+                    bar.update(1)
                 to_release = []
                 for r in attending:
                     if r.length >= r.prompt_len:
@@ -636,6 +651,8 @@ class CorrectnessRun:
                         del lanes[r.lane]
             if handle is not None:
                 alloc.drop_handle(handle[0])
+        if bar is not None:
+            bar.close()
         if self.is_cuda:
             torch.cuda.synchronize()  # sync ok: after the loop
         wall = time.perf_counter() - t0
@@ -847,8 +864,11 @@ class TimingRun:
         host_us = {v: [] for v in self.variants}
         late = {v: 0 for v in self.variants}
         stalls0 = self.alloc.ring.stalls
+        bar = progress(len(order), f"timing B={self.B} steps", not a.no_progress)
         with sync_debug(cuda and not a.no_sync_debug):
             for k, v in enumerate(order):
+                if bar is not None:
+                    bar.update(1)
                 if cuda:
                     torch.cuda._sleep(cycles)  # the queue stays full while the host plans
                     start = torch.cuda.Event(enable_timing=True)
@@ -865,6 +885,8 @@ class TimingRun:
                 self._submit(p)
                 if cuda and k >= nv * a.timing_warmup:
                     pairs[v].append((start, end))
+        if bar is not None:
+            bar.close()
         if cuda:
             torch.cuda.synchronize()  # sync ok: after the loop
         gpu = {v: timing.summarize([s.elapsed_time(e) * 1e3 for s, e in pairs[v]])
@@ -1080,6 +1102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timing-warmup", type=int, default=10)
     ap.add_argument("--timing-sleep-us", type=float, default=2000.0,
                     help="GPU busy time queued before each timed step (covers host planning)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--out", default=str(RESULTS / "flashinfer-tables"),
                     help="directory for flashinfer_tables.{json,md}; '' writes nothing")
     args = ap.parse_args(argv)

@@ -36,7 +36,7 @@ from graphalloc.kernels import paged_decode_attention_torch  # noqa: E402
 
 TINY = ["--device", "cpu", "--max-batch", "4", "--requests", "8", "--prompt-len", "4", "40",
         "--output-len", "3", "12", "--chunk", "24", "--window", "8", "--share-tokens", "16",
-        "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--timing-batches"]
+        "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--no-progress", "--timing-batches"]
 
 
 def _args(*extra):
@@ -189,3 +189,11 @@ def test_content_is_exact_in_half_precision_and_deterministic():
     assert torch.equal(x, ft.content(ft.KIND_K_SWA, serial, pos, 32))
     assert not torch.equal(x, ft.content(ft.KIND_K_FULL, serial, pos, 32))
     assert len(torch.unique(x)) > 200  # not a constant
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        ft.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage" in out and "--no-progress" in out

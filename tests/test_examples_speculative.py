@@ -159,3 +159,11 @@ def test_speculative_rounds_in_one_graph_on_cuda_without_syncs():
         assert run["audit_findings"] == [] and run["pages_back"]
         nodes = s["graph_nodes"]
         assert nodes.get("host", 0) == 0, nodes
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        speculative_decode.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage" in out and "--table-window" in out
