@@ -61,6 +61,7 @@ from timing import (  # noqa: E402
     bench_parser,
     count_launches,
     format_quantiles,
+    graph_nodes,
     machine_info,
     measure_floor,
     summarize,
@@ -326,7 +327,8 @@ def measure_case(ctx, b: int) -> dict:
     planned_tables = planned["step_tables"].tables
     nodes = None
     if cuda:
-        nodes = {v: st.allocs[v].executor.describe() for v in ("step", "step_tables")}
+        nodes = {v: graph_nodes(st.allocs[v].executor.graphs[0])  # buffer 0's full grid
+                 for v in ("step", "step_tables")}
     return {
         "b": b, "ps": p["ps"], "setup_s": setup_s, "prefill_steps": st.n_prefill_steps,
         "lengths": {"min": int(lens.min()), "p50": float(np.median(lens)),
