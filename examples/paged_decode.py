@@ -4,7 +4,7 @@ The graph of a step, captured once per descriptor buffer ``i`` of the allocator
 (``len(alloc.ring)`` graphs, sharing one memory pool)::
 
     alloc.launch(i)                        releases, window evictions, decode allocation
-    lane_buf <- lane_host_bufs[i]          this step's per-lane inputs (pinned, 6 x B int64)
+    lane_buf <- lane_host_bufs[i]          this step's per-lane inputs (pinned, 7 x B int64)
     full/swa slot of lane b = alloc out_*_buf[lane OUT[b]]   (sink 0 for padded lanes)
     logits = model(tokens_buf, ...)        writes the new K/V, reads K/V through the tables
     tokens_buf <- argmax(logits)           the next step's input, never read by the host
