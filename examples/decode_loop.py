@@ -10,15 +10,18 @@ CUDA graph per descriptor buffer on a GPU (``--graph``) and run eagerly on a CPU
 (``paged_decode.py`` explains the loop and the lane bookkeeping).
 
 Decode attention reads K/V through the page tables written in the same step
-(``--attention tables``, the default): the graph of a step holds the allocator's step,
-the FULL and SWA CSR page tables of the step's lanes (``graphalloc.attention.page_tables``), the
-model whose attention layers read only those tables (the paged Triton kernel on a GPU,
-its Torch twin on a CPU: ``graphalloc.kernels.paged_attention``) and the argmax.
+(``--attention tables``, the default): the allocator is built with
+``page_tables=PageTableSpec(max_batch, forms=("csr",), model_window=W)``, so the graph of a
+step holds the allocator's step -- which writes the FULL and SWA CSR page tables of the
+step's batch into ``alloc.tables`` after its allocations -- the model whose attention layers
+read only those tables (the paged Triton kernel on a GPU, its Torch twin on a CPU:
+``graphalloc.kernels.paged_attention``) and the argmax.
 ``--attention gather`` keeps the earlier path (every layer gathers its slots from
 ``req_to_token`` / ``full_to_swa``). ``--attention flashinfer``: the same page tables read by
 FlashInfer's paged decode (``BatchDecodeWithPagedKVCacheWrapper``, one FULL + SWA pair per
-descriptor buffer built with ``use_cuda_graph=True`` on the tables' own buffers, planned each
-step from their pinned host copies, ``run()`` captured in the step's graph; see
+descriptor buffer built once with ``use_cuda_graph=True`` on ``alloc.tables``' buffers,
+planned each step from the step's pinned host copies ``p.tables``, ``run()`` captured in the
+step's graph with ``alloc.launch(i)``; see
 ``paged_decode.py`` and ``flashinfer_tables.py``). FlashInfer is imported only in that
 mode; it needs CUDA, a half-precision model (``--dtype float16`` or ``bfloat16``: its decode
 has no float32 kernels) and a head dim of 64, 128 or 256 (default model in this mode:
@@ -108,7 +111,13 @@ from hybrid_model import (  # noqa: E402
     random_weights,
     to_transformers,
 )
-from paged_decode import FLASHINFER_HEAD_DIMS, DecodeLoop, LoopResult, Request  # noqa: E402
+from paged_decode import (  # noqa: E402
+    FLASHINFER_HEAD_DIMS,
+    DecodeLoop,
+    LoopResult,
+    Request,
+    decode_tables_spec,
+)
 
 import graphalloc as ga  # noqa: E402
 
@@ -150,11 +159,14 @@ def system_prompt(n: int, vocab: int, seed: int) -> np.ndarray:
 
 def build_allocator(*, page_size: int, max_batch: int, max_prompt: int, max_total: int,
                     alloc_window: int, device: str, backend: str,
-                    shared_prompt: int = 0) -> ga.HybridAllocator:
+                    shared_prompt: int = 0, tables_window: int | None = None
+                    ) -> ga.HybridAllocator:
     """An allocator sized for the workload: ``2 * max_batch`` request rows (finished rows
     wait one step for their release while new requests are admitted), FULL pages for
     every row at full length, SWA pages for every row's prompt plus its window.
-    ``shared_prompt`` > 0: a prefix cache with a few handles, and room for its pages."""
+    ``shared_prompt`` > 0: a prefix cache with a few handles, and room for its pages.
+    ``tables_window`` (W): every step also writes its batch's CSR page tables, FULL and
+    SWA (``paged_decode.decode_tables_spec(max_batch, W)``); None: no tables."""
     ps = page_size
     max_reqs = 2 * max_batch
     extra = -(-shared_prompt // ps) + 1 if shared_prompt else 0  # the cached prefix's pages
@@ -164,7 +176,8 @@ def build_allocator(*, page_size: int, max_batch: int, max_prompt: int, max_tota
         num_swa_pages=max_reqs * (-(-max_prompt // ps) + -(-alloc_window // ps) + 2) + extra,
         sliding_window=alloc_window, max_handles=4 if shared_prompt else 0,
         device=device, backend=backend)
-    return ga.HybridAllocator(cfg, prefix_cache=bool(shared_prompt))
+    tables = None if tables_window is None else decode_tables_spec(max_batch, tables_window)
+    return ga.HybridAllocator(cfg, prefix_cache=bool(shared_prompt), page_tables=tables)
 
 
 def reference(cfg: ModelConfig, weights, requests: list[Request], progress=None, *,
@@ -731,15 +744,17 @@ def _run_page_size(args, ctx: dict, ps: int, alloc_window: int, attention_window
     """One decode loop at page size ``ps`` (a fresh allocator and model), checked against
     the reference in ``ctx``; printed and returned as a run record."""
     mcfg, requests, prefix, ref = ctx["mcfg"], ctx["requests"], ctx["prefix"], ctx["ref"]
+    tables_window = (attention_window or mcfg.sliding_window
+                     if args.attention in ("tables", "flashinfer") else None)
     alloc = build_allocator(page_size=ps, max_batch=args.max_batch,
                             max_prompt=ctx["max_prompt"],
                             max_total=ctx["max_prompt"] + ctx["max_out"],
                             alloc_window=alloc_window, device=args.device,
-                            backend=ctx["backend"], shared_prompt=args.shared_prompt)
+                            backend=ctx["backend"], shared_prompt=args.shared_prompt,
+                            tables_window=tables_window)
     model = TinyHybridLM(mcfg, ctx["weights"], args.device, dtype=ctx["dtype"])
     loop = DecodeLoop(model, alloc, max_batch=args.max_batch, n_serials=len(requests),
                       max_out=ctx["max_out"], graph=args.graph, attention=args.attention,
-                      attention_window=attention_window,
                       attention_backend=args.attention_backend, shared_prefix=prefix,
                       flashinfer=args.flashinfer_module)
     if args.graph:
@@ -766,8 +781,8 @@ def _run_page_size(args, ctx: dict, ps: int, alloc_window: int, attention_window
                                             "swa": st["swa_used_pages"]}
     summary = summarize(result, mcfg, ps, ctx["dtype"].itemsize)
     run = {"page_size": ps, "alloc_window": alloc_window, "attention": args.attention,
-           "attention_window": (loop.page_tables.spec.sliding_window
-                                if loop.page_tables is not None else None),
+           "attention_window": (loop.tables.spec.model_window
+                                if loop.tables is not None else None),
            "attention_backend": loop.attention_backend, "dtype": args.dtype,
            "summary": summary,
            "max_saving": mcfg.n_swa_layers / mcfg.num_layers,

@@ -3,23 +3,26 @@
 The check an engine would make before handing graphalloc's CSR tables to FlashInfer: a
 seeded workload (admits, chunked prefill extends, decodes, window eviction every step,
 releases, a shared prefix through ``take_handle`` / ``admit(handle=)``) runs on a
-:class:`graphalloc.HybridAllocator` (pool mode, the default eager executor) with
-:class:`graphalloc.attention.page_tables.PageTables` (``forms=("csr",)``), and every step is::
+:class:`graphalloc.HybridAllocator` (pool mode, the default eager executor) built with
+``page_tables=PageTableSpec(max_batch=B, forms=("csr",), model_window=W)``: every step it
+plans also writes the CSR tables of its batch (its decode rows, then its extend rows) into
+``alloc.tables``, in the same launch, after its allocations. Every step is::
 
     host:   p  = alloc.plan(release=..., evict_all=True, decode=..., extend=...)
-            t  = tables.plan(lane_rows, alloc.seq_lens(), alloc.frontiers())
-            wrappers[i].plan(t.*_kv_indptr_host, ..., t.*_kv_last_page_len_host)  # pinned
-    device: graph i = alloc.launch(i); tables.launch(i); new K/V written at the step's
-            slots; FULL wrapper.run (window_left=-1); SWA wrapper.run (window_left=W-1)
-            (+ the project's Triton paged kernel on the same tables, for comparison)
-            then alloc.mark_submitted(p); tables.mark_submitted(t)
+            wrappers[i].plan(p.tables.*_kv_indptr_host, ...,
+                             p.tables.*_kv_last_page_len_host)          # pinned host copies
+    device: graph i = alloc.launch(i) (step kernels, then the tables); new K/V written at
+            the step's slots; FULL wrapper.run (window_left=-1); SWA wrapper.run
+            (window_left=W-1) (+ the project's Triton paged kernel on the same tables)
+            then alloc.mark_submitted(p)
 
 with ``i = p.buffer_index`` and ``BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
-use_cuda_graph=True, paged_kv_indptr_buffer=tables.*_kv_indptr_buf,
-paged_kv_indices_buffer=tables.*_kv_indices_buf,
-paged_kv_last_page_len_buffer=tables.*_kv_last_page_len_buf)``: FlashInfer reads
-graphalloc's buffers directly. The step loop runs under
-``torch.cuda.set_sync_debug_mode("error")``.
+use_cuda_graph=True, paged_kv_indptr_buffer=alloc.tables.*_kv_indptr_buf,
+paged_kv_indices_buffer=alloc.tables.*_kv_indices_buf,
+paged_kv_last_page_len_buffer=alloc.tables.*_kv_last_page_len_buf)``, built ONCE per
+descriptor buffer: FlashInfer reads graphalloc's buffers directly. Each lane attends with
+one query, its token at ``L - 1`` (a prefill chunk's last token): FlashInfer's decode. The
+step loop runs under ``torch.cuda.set_sync_debug_mode("error")``.
 
 K/V caches are FlashInfer's NHD tuples ``(k_cache, v_cache)``, each ``[num_pages + 1,
 page_size, num_kv_heads, head_dim]`` (page 0 is the allocator's sink), FULL caches indexed
@@ -44,11 +47,12 @@ qo_len + window_left >= kv_len + qo_idx`` (include/flashinfer/attention/variants
 ``DefaultAttention``'s logits mask); for a decode (``qo_len = 1``, ``qo_idx = 0``) that keeps
 ``kv_idx >= kv_len - 1 - window_left``: ``window_left + 1`` keys, the query's own
 included ("the left (inclusive) window size", ``plan()``'s docstring). graphalloc's tables
-with ``sliding_window = W`` (the model's window, transformers' convention) hold the pages of
-positions ``[S, L)``, ``S = floor_page(max(f, L - W))``, and the query at ``L - 1`` reads
-``>= L - W``: list index ``>= kv_len - W``, i.e. ``window_left = W - 1`` (indices count
-from the list's start for queries and keys alike, so S never matters). The allocator's own
-window is ``W - 1`` (``AllocatorConfig``), the same ``- 1``.
+with ``model_window = W`` (the model's window, transformers' convention) hold the pages of
+positions ``[S, L)``, ``S = floor_page(max(f, L - (q - 1) - W, 0))`` (q the lane's query
+tokens: a prefill chunk's range reaches back to its first query's window), and the query at
+``L - 1`` reads ``>= L - W``: list index ``>= kv_len - W``, i.e. ``window_left = W - 1``
+(indices count from the list's start for queries and keys alike, so S never matters).
+The allocator's own window is ``W - 1`` (``AllocatorConfig``), the same ``- 1``.
 
 What ``plan()`` does with graphalloc's buffers (read in flashinfer-ai/flashinfer,
 ``flashinfer/decode.py``, ``BatchDecodeWithPagedKVCacheWrapper.plan`` (the 0.5/0.6 line) and
@@ -60,8 +64,8 @@ What ``plan()`` does with graphalloc's buffers (read in flashinfer-ai/flashinfer
   ``last_page_len``, and ``self._paged_kv_indices_buf[: len(indices)].copy_(indices, ...)``.
   With the pinned host copies this is two async host-to-device copies of values the
   tables' kernel writes again inside the graph (harmless: same values, stream order).
-  ``indices`` here is ``tables.*_kv_indices_buf[:n]`` (n = ``planned.n_*_pages``, host
-  known), the buffer's own prefix: torch's ``copy_`` returns early for a view of the same
+  ``indices`` here is ``alloc.tables.*_kv_indices_buf[:n]`` (n = ``p.tables.n_*_pages``,
+  host known), the buffer's own prefix: torch's ``copy_`` returns early for a view of the same
   data (aten/src/ATen/native/Copy.cpp, "Exit early if self and src are views of the same
   data"), so nothing is copied and the indices never go to the host. ``len(indices)`` is
   only checked against the buffer's length; the CUDA-core decode plan never reads indices.
@@ -92,7 +96,7 @@ What ``plan()`` does with graphalloc's buffers (read in flashinfer-ai/flashinfer
 
 Timing (``--timing-batches``, CUDA): a steady decode of B lanes (lengths uniform in
 ``--timing-len``, window ``--timing-window``, page size 16), one graph per step holding
-allocator step + tables + K/V write + one FULL and one SWA attention (FlashInfer, the
+allocator step with its tables + K/V write + one FULL and one SWA attention (FlashInfer, the
 Triton paged kernel, or none), the variants alternating step by step. GPU time per step:
 CUDA events around the step's device work (FlashInfer's plan copies included) with the
 queue kept full by a ``torch.cuda._sleep`` before each interval, so no idle gap or launch
@@ -139,11 +143,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import timing  # noqa: E402
 
 import graphalloc as ga  # noqa: E402
-from graphalloc.attention.page_tables import PageTables  # noqa: E402
 from graphalloc.kernels import paged_decode_attention, paged_decode_attention_torch  # noqa: E402
 
 __all__ = ["main", "content", "dense_attention", "make_requests", "CorrectnessRun",
-           "TimingRun", "FlashInferDecode", "Report"]
+           "TimingRun", "FlashInferDecode", "Report", "table_spec", "lane_max_pages"]
 
 # the default --out is a folder of the repository's one results tree
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "examples"
@@ -257,26 +260,47 @@ def make_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, in
 
 
 # ---- attention backends --------------------------------------------------------------------
+def table_spec(max_batch: int, window: int) -> ga.PageTableSpec:
+    """The allocator's page tables here: FlashInfer's CSR form, FULL and SWA layers,
+    ``max_batch`` lanes, the model's window ``window`` (W)."""
+    return ga.PageTableSpec(max_batch=max_batch, forms=("csr",), model_window=window)
+
+
+def lane_max_pages(tables) -> dict:
+    """The most pages one lane's range holds, per layer kind: FULL the block width, SWA
+    ``ceil((W + q_max - 1) / ps) + 1`` (q_max: the longest query a row can have, a prefill
+    chunk) -- the Torch twin's fixed grid over each CSR."""
+    spec, cfg = tables.spec, tables.config
+    q_max = cfg.max_tokens_per_alloc_row
+    swa = -(-(spec.model_window + q_max - 1) // cfg.page_size) + 1
+    return {FULL: spec.max_pages_per_req, SWA: min(spec.max_pages_per_req, swa)}
+
+
 class FlashInferDecode:
-    """FlashInfer's CUDA-graph paged decode over a :class:`PageTables`: one FULL wrapper
-    (``window_left=-1``) and one SWA wrapper (``window_left = W - 1``) per descriptor-ring
-    index, all reading the tables' device buffers, sharing one float workspace.
+    """FlashInfer's CUDA-graph paged decode over an allocator's page tables
+    (``alloc.tables``): one FULL wrapper (``window_left=-1``) and one SWA wrapper
+    (``window_left = W - 1``, W the tables' ``model_window`` unless ``window`` is given) per
+    descriptor-ring index, built once, all reading the tables' device buffers, sharing one
+    float workspace.
 
-    ``plan(i, t)``: host planning from the pinned host copies of ``t`` (FlashInfer's C++
-    plan + two async copies into the tables' indptr / last-page-length buffers + one async
-    copy of its work partition; no sync). ``run(i, ...)``: capture-safe, two launches (plus
-    the split-KV merge). Pair i is planned only when the allocator handed out buffer i
-    (see the module docstring: the pinned-workspace hazard)."""
+    ``plan(i, t)`` (``t = p.tables``): host planning from the step's pinned host copies
+    (FlashInfer's C++ plan + two async copies into the tables' indptr / last-page-length
+    buffers + one async copy of its work partition; no sync). ``run(i, ...)``:
+    capture-safe, two launches (plus the split-KV merge). Pair i is planned only when the
+    allocator handed out buffer i (see the module docstring: the pinned-workspace
+    hazard)."""
 
-    def __init__(self, flashinfer, tables: PageTables, n_ring: int, *, num_qo_heads: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, window: int,
-                 workspace_mib: int = 128, enable_pdl: bool | None = None):
-        spec = tables.spec
-        self.tables, self.window = tables, window
+    def __init__(self, flashinfer, tables, n_ring: int, *, num_qo_heads: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 window: int | None = None, workspace_mib: int = 128,
+                 enable_pdl: bool | None = None):
+        self.tables = tables
+        self.window = tables.spec.model_window if window is None else window
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
-        self.page_size, self.dtype = spec.page_size, dtype
+        self.page_size, self.dtype = tables.config.page_size, dtype
         self.run_kwargs = {} if enable_pdl is None else {"enable_pdl": enable_pdl}
-        self.workspace = torch.zeros(workspace_mib << 20, dtype=torch.uint8, device=spec.device)
+        self.workspace = torch.zeros(workspace_mib << 20, dtype=torch.uint8,
+                                     device=tables.config.device)
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper
         t = tables
         self.pairs = [
@@ -307,18 +331,29 @@ class FlashInferDecode:
         swa.run(q, caches[SWA], out=outs[SWA], window_left=self.window - 1, **self.run_kwargs)
 
 
-def table_attention(fn, tables: PageTables, q, caches: dict, outs: dict) -> None:
+def table_attention(fn, tables, q, caches: dict, outs: dict) -> None:
     """The project's paged decode (``paged_decode_attention`` or its twin) on both layer
-    kinds' CSR tables, into ``outs``. Capture-safe, sync-free."""
-    spec, t = tables.spec, tables
-    swa_pages = min(spec.max_pages_per_req, -(-spec.sliding_window // spec.page_size) + 1)
-    for kind, csr, window, max_pages in (
+    kinds' CSR tables (``alloc.tables``), into ``outs``. Capture-safe, sync-free."""
+    t, grid = tables, lane_max_pages(tables)
+    for kind, csr, window in (
             (FULL, (t.full_kv_indptr_buf, t.full_kv_indices_buf, t.full_kv_last_page_len_buf),
-             0, spec.max_pages_per_req),
+             0),
             (SWA, (t.swa_kv_indptr_buf, t.swa_kv_indices_buf, t.swa_kv_last_page_len_buf),
-             spec.sliding_window, swa_pages)):
+             t.spec.model_window)):
         k, v = caches[kind]
-        fn(q, k, v, *csr, sliding_window=window, max_pages=max_pages, out=outs[kind])
+        fn(q, k, v, *csr, sliding_window=window, max_pages=grid[kind], out=outs[kind])
+
+
+def progress(total, desc: str, enabled: bool):
+    """A tqdm bar on stderr (host only: safe under sync debug), or None (disabled, or tqdm
+    not installed)."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -333,14 +368,6 @@ def sync_debug(enabled: bool):
         yield
     finally:
         torch.cuda.set_sync_debug_mode(old)
-
-
-def _sync_rings(tables: PageTables, index: int, seq_len, frontier) -> None:
-    """Steps run outside the graph (handles, the eager admission on a handle) moved the
-    allocator's descriptor ring on: empty, never launched, table plans move the table
-    ring to the same index (graph i launches both with index i)."""
-    while tables.next_index != index:
-        tables.mark_submitted(tables.plan(np.zeros(0, dtype=np.int64), seq_len, frontier))
 
 
 # ---- the correctness run -------------------------------------------------------------------
@@ -388,10 +415,10 @@ class CorrectnessRun:
             sliding_window=W - 1, max_handles=2 if share else 0, device=device,
             backend="triton" if self.is_cuda else "torch")
         self.cfg = cfg
-        self.alloc = ga.HybridAllocator(cfg)  # the default eager executor
+        # the default eager executor; every step writes its batch's CSR tables
+        self.alloc = ga.HybridAllocator(cfg, page_tables=table_spec(B, W))
         n_ring = len(self.alloc.ring)
-        self.tables = PageTables.for_allocator(self.alloc, B, forms=("csr",),
-                                               sliding_window=W, n_bufs=n_ring)
+        self.tables = self.alloc.tables
         dev, dt = device, self.dtype
         self.caches = {kind: tuple(torch.zeros(n + 1, ps, self.Hkv, self.D, dtype=dt,
                                                device=dev) for _ in range(2))
@@ -420,8 +447,7 @@ class CorrectnessRun:
 
     # ---- device work of a step (captured) --------------------------------------------------
     def _body(self, i: int) -> None:
-        self.alloc.launch(i)
-        self.tables.launch(i)
+        self.alloc.launch(i)  # the step's kernels, then its batch's tables
         self.tok_dev.copy_(self.tok_host[i], non_blocking=True)
         self.lane_dev.copy_(self.lane_host[i], non_blocking=True)
         tok, st = self.tok_dev, self.alloc.state
@@ -472,19 +498,15 @@ class CorrectnessRun:
 
     # ---- capture -----------------------------------------------------------------------------
     def _empty_step(self, body) -> None:
-        alloc, tables = self.alloc, self.tables
+        alloc = self.alloc
         p = alloc.plan()
-        seq, front = alloc.seq_lens(), alloc.frontiers()
-        _sync_rings(tables, p.buffer_index, seq, front)
-        t = tables.plan(np.zeros(0, dtype=np.int64), seq, front)
         i = p.buffer_index
         self.tok_np[i][...] = 0
         self.lane_np[i][...] = 0
         if self.fi is not None:
-            self.fi.plan(i, t)
+            self.fi.plan(i, p.tables)
         body(i)
         alloc.mark_submitted(p)
-        tables.mark_submitted(t)
 
     def capture(self) -> None:
         """Warm up (JIT, Triton compiles, FlashInfer's first plan and its cached buffers) and,
@@ -511,7 +533,7 @@ class CorrectnessRun:
 
     # ---- the step loop -----------------------------------------------------------------------
     def run(self) -> dict:
-        a, alloc, tables, B = self.args, self.alloc, self.tables, self.B
+        a, alloc, B = self.args, self.alloc, self.B
         self.capture()
         self.phase = "step loop"
         queue = list(self.requests)
@@ -527,6 +549,7 @@ class CorrectnessRun:
         plan_us: list[float] = []
         k = 0
         t0 = time.perf_counter()
+        bar = progress(None, f"correctness ps={self.ps} steps", not a.no_progress)
         with sync_debug(self.is_cuda and not a.no_sync_debug):
             while queue or lanes or to_release:
                 # handles: the donor's prefix once it is allocated; dropped with no sharer left
@@ -586,21 +609,21 @@ class CorrectnessRun:
                     r.length += n
                     j += n
                 host["prefill_chunks"] += len(ext)
-                attending = dec + ext
-                seq, front = alloc.seq_lens(), alloc.frontiers()
-                _sync_rings(tables, i, seq, front)
-                rows = np.full(B, -1, dtype=np.int64)
+                attending = dec + ext  # the step's batch: table lane k is attending[k]
+                t = p.tables
+                if t.n_lanes != len(attending):
+                    raise RuntimeError(f"the step's tables have {t.n_lanes} lanes, its batch "
+                                       f"{len(attending)}")
+                front = alloc.frontiers()
                 lane = self.lane_np[i]
                 lane[...] = 0
-                for r in attending:
-                    rows[r.lane] = r.row
+                for k, r in enumerate(attending):
                     f = int(front[r.row])
-                    lane[:, r.lane] = (r.serial, r.length, r.donor, r.n_shared,
-                                       max(r.length - self.W, f, 0), 1)
+                    lane[:, k] = (r.serial, r.length, r.donor, r.n_shared,
+                                  max(r.length - self.W, f, 0), 1)
                     host["clipped"] += f > max(r.length - self.W, 0)
                     host["sharing_lane_steps"] += r.n_shared > 0
                     host["lanes_longer_than_window"] += r.length > self.W
-                t = tables.plan(rows, seq, front)
                 if self.fi is not None:
                     self.fi.plan(i, t)
                 plan_us.append((time.perf_counter() - th) * 1e6)
@@ -610,7 +633,6 @@ class CorrectnessRun:
                     self._body(i)
                 self._check(k)
                 alloc.mark_submitted(p)
-                tables.mark_submitted(t)
                 host["steps"] += 1
                 host["lane_steps"] += len(attending)
                 host["evicted"] += p.pages_evicted
@@ -618,6 +640,8 @@ class CorrectnessRun:
                 host["max_full_pages"] = max(host["max_full_pages"], t.n_full_pages)
                 host["max_swa_pages"] = max(host["max_swa_pages"], t.n_swa_pages)
                 k += 1
+                if bar is not None:
+                    bar.update(1)
                 to_release = []
                 for r in attending:
                     if r.length >= r.prompt_len:
@@ -627,6 +651,8 @@ class CorrectnessRun:
                         del lanes[r.lane]
             if handle is not None:
                 alloc.drop_handle(handle[0])
+        if bar is not None:
+            bar.close()
         if self.is_cuda:
             torch.cuda.synchronize()  # sync ok: after the loop
         wall = time.perf_counter() - t0
@@ -719,10 +745,9 @@ class TimingRun:
             sliding_window=W - 1, device=device,
             backend="triton" if device.type == "cuda" else "torch")
         self.cfg = cfg
-        self.alloc = ga.HybridAllocator(cfg)
+        self.alloc = ga.HybridAllocator(cfg, page_tables=table_spec(B, W))
         n_ring = len(self.alloc.ring)
-        self.tables = PageTables.for_allocator(self.alloc, B, forms=("csr",), sliding_window=W,
-                                               n_bufs=n_ring)
+        self.tables = self.alloc.tables
         dt = self.dtype
         gen = torch.Generator(device=device).manual_seed(args.seed)
         self.caches = {kind: tuple(torch.randn(n + 1, ps, self.Hkv, self.D, generator=gen,
@@ -740,8 +765,7 @@ class TimingRun:
         self.graphs: dict[str, list] = {}
 
     def _body(self, variant: str, i: int) -> None:
-        self.alloc.launch(i)
-        self.tables.launch(i)
+        self.alloc.launch(i)  # the step's kernels, then its batch's tables
         st, B = self.alloc.state, self.B
         slots = {FULL: st.out_full_buf[:B].long(), SWA: st.out_swa_buf[:B].long()}
         for kind in (FULL, SWA):
@@ -754,20 +778,15 @@ class TimingRun:
             table_attention(paged_decode_attention, self.tables, self.q, self.caches, outs)
 
     def _plan(self, variant: str):
-        alloc, tables = self.alloc, self.tables
+        alloc = self.alloc
         p = alloc.plan(evict_all=True, decode=self.rows) if self.rows is not None else \
             alloc.plan()
-        seq, front = alloc.seq_lens(), alloc.frontiers()
-        _sync_rings(tables, p.buffer_index, seq, front)
-        rows = self.rows if self.rows is not None else np.zeros(0, dtype=np.int64)
-        t = tables.plan(rows, seq, front)
         if variant == "flashinfer" or (variant == "all" and self.fi is not None):
-            self.fi.plan(p.buffer_index, t)
-        return p, t
+            self.fi.plan(p.buffer_index, p.tables)
+        return p
 
-    def _submit(self, p, t) -> None:
+    def _submit(self, p) -> None:
         self.alloc.mark_submitted(p)
-        self.tables.mark_submitted(t)
 
     def capture(self) -> None:
         """Warm-up and capture, on the empty allocator (every slot is the sink then)."""
@@ -778,10 +797,10 @@ class TimingRun:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2 * len(self.alloc.ring)):
-                p, t = self._plan("all")
+                p = self._plan("all")
                 for v in self.variants:
                     self._body(v, p.buffer_index)
-                self._submit(p, t)
+                self._submit(p)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()  # sync ok: one-time set-up
         self.phase = "CUDA graph capture"
@@ -845,24 +864,29 @@ class TimingRun:
         host_us = {v: [] for v in self.variants}
         late = {v: 0 for v in self.variants}
         stalls0 = self.alloc.ring.stalls
+        bar = progress(len(order), f"timing B={self.B} steps", not a.no_progress)
         with sync_debug(cuda and not a.no_sync_debug):
             for k, v in enumerate(order):
+                if bar is not None:
+                    bar.update(1)
                 if cuda:
                     torch.cuda._sleep(cycles)  # the queue stays full while the host plans
                     start = torch.cuda.Event(enable_timing=True)
                     end = torch.cuda.Event(enable_timing=True)
                     start.record()
                 th = time.perf_counter()
-                p, t = self._plan(v)
+                p = self._plan(v)
                 host_us[v].append((time.perf_counter() - th) * 1e6)
                 self._launch(v, p.buffer_index)
                 if cuda:
                     # the GPU already past the interval's start: it may hold an idle gap
                     late[v] += bool(start.query())
                     end.record()
-                self._submit(p, t)
+                self._submit(p)
                 if cuda and k >= nv * a.timing_warmup:
                     pairs[v].append((start, end))
+        if bar is not None:
+            bar.close()
         if cuda:
             torch.cuda.synchronize()  # sync ok: after the loop
         gpu = {v: timing.summarize([s.elapsed_time(e) * 1e3 for s, e in pairs[v]])
@@ -872,9 +896,9 @@ class TimingRun:
         for v in self.variants:
             if v == "none":
                 continue
-            p, t = self._plan(v)
+            p = self._plan(v)
             self._launch(v, p.buffer_index)
-            self._submit(p, t)
+            self._submit(p)
             twin = {kind: torch.zeros_like(self.q) for kind in (FULL, SWA)}
             table_attention(paged_decode_attention_torch, self.tables, self.q, self.caches,
                             twin)
@@ -890,7 +914,7 @@ class TimingRun:
             "timed": cuda, "gpu_us_per_step": gpu,
             "attention_us_p50": {v: gpu[v]["p50"] - base for v in self.variants
                                  if v != "none" and base is not None},
-            # alloc.plan + tables.plan (+ FlashInfer's plans), descriptor-ring waits included
+            # alloc.plan with its tables (+ FlashInfer's plans), descriptor-ring waits included
             "host_plan_us": {v: timing.summarize(host_us[v]) for v in self.variants},
             "sleep_us": sleep_us,
             "host_plan_max_us": max(max(x) for x in host_us.values()),
@@ -1078,6 +1102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timing-warmup", type=int, default=10)
     ap.add_argument("--timing-sleep-us", type=float, default=2000.0,
                     help="GPU busy time queued before each timed step (covers host planning)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--out", default=str(RESULTS / "flashinfer-tables"),
                     help="directory for flashinfer_tables.{json,md}; '' writes nothing")
     args = ap.parse_args(argv)

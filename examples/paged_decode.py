@@ -4,7 +4,7 @@ The graph of a step, captured once per descriptor buffer ``i`` of the allocator
 (``len(alloc.ring)`` graphs, sharing one memory pool)::
 
     alloc.launch(i)                        releases, window evictions, decode allocation
-    lane_buf <- lane_host_bufs[i]          this step's per-lane inputs (pinned, 6 x B int64)
+    lane_buf <- lane_host_bufs[i]          this step's per-lane inputs (pinned, 7 x B int64)
     full/swa slot of lane b = alloc out_*_buf[lane OUT[b]]   (sink 0 for padded lanes)
     logits = model(tokens_buf, ...)        writes the new K/V, reads K/V through the tables
     tokens_buf <- argmax(logits)           the next step's input, never read by the host
@@ -33,16 +33,18 @@ of the sampled tokens each step.
 
 On a CPU (or with ``graph=False``) the same step body runs eagerly.
 
-Attention through the page tables (``attention="tables"``). The decode step's attention
-batch is the model's lanes in lane order (lane b: the request that holds it, or padding:
-an empty range). Right after ``alloc.plan(...)`` the host plans the FULL and SWA CSR page
-tables of those lanes (``graphalloc.attention.page_tables.PageTables``, a ring of
-``len(alloc.ring)`` pinned row tables, from host-side lengths and frontiers only), and the graph of
-descriptor buffer ``i`` becomes::
+Attention through the page tables (``attention="tables"``). The allocator is built with
+``page_tables=decode_tables_spec(max_batch, W)`` (``forms=("csr",)``, FULL and SWA layers):
+every step it plans also writes the CSR page tables of its batch into ``alloc.tables``,
+inside the same replay, after its allocations. The batch of a decode step is its decode rows
+in the order given -- the occupied model lanes in increasing lane order -- so the k-th
+occupied lane is table lane k (as it is output lane k), and the model's ``B`` query lanes
+are put in table order by one gather (``PERM``: table lane k <- model lane PERM[k]) and
+their outputs back by another (``OUT``). The graph of descriptor buffer ``i`` becomes::
 
-    alloc.launch(i)                        releases, window evictions, decode allocation
-    page_tables.launch(i)                  kv_indptr / kv_indices / kv_last_page_len of
-                                           every lane, FULL and SWA (same ring index i)
+    alloc.launch(i)                        releases, window evictions, decode allocation,
+                                           then kv_indptr / kv_indices / kv_last_page_len
+                                           of the step's lanes, FULL and SWA
     lane_buf <- lane_host_bufs[i];  new K/V slots as above
     logits = model(tokens_buf, ...)        writes the new K/V by slot, then every attention
                                            layer reads K/V ONLY through the CSR tables of
@@ -51,26 +53,25 @@ descriptor buffer ``i`` becomes::
                                            positions below L - W masked
     tokens_buf <- argmax(logits); history  as above
 
-then ``alloc.mark_submitted(p)`` and ``page_tables.mark_submitted(pt)``. The attention is
-the paged Triton kernel on a GPU and its Torch twin on a CPU (both read only the tables;
-``graphalloc.kernels.paged_attention``). W is the model's window: a query at ``L - 1``
-reads positions ``>= L - W``, which the allocator (window ``W - 1``, evaluated on the
-length before the step) never frees. The prefill still attends by gather
-(``attention="gather"``: every layer gathers slots from ``req_to_token`` /
-``full_to_swa`` as before).
+then ``alloc.mark_submitted(p)``. The attention is the paged Triton kernel on a GPU and its
+Torch twin on a CPU (both read only the tables; ``graphalloc.kernels.paged_attention``). W
+is the model's window (the spec's ``model_window``): a query at ``L - 1`` reads positions
+``>= L - W``, which the allocator (window ``W - 1``, evaluated on the length before the
+step) never frees. The prefill still attends by gather (``attention="gather"``: every layer
+gathers slots from ``req_to_token`` / ``full_to_swa`` as before); its steps write tables
+too (their batch: the prompts), which nothing reads.
 
 FlashInfer (``attention="flashinfer"``, CUDA, float16 or bfloat16: FlashInfer's decode has
-no float32 kernels). The same page tables and the same graph, with FlashInfer's paged decode
-as the attention (:class:`FlashInferAttention`): one FULL and one SWA
-``BatchDecodeWithPagedKVCacheWrapper`` per descriptor buffer, built with
-``use_cuda_graph=True`` on the tables' own ``kv_indptr`` / ``kv_indices`` /
+no float32 kernels). The same tables and the same graph, with FlashInfer's paged decode as
+the attention (:class:`FlashInferAttention`): one FULL and one SWA
+``BatchDecodeWithPagedKVCacheWrapper`` per descriptor buffer, built ONCE with
+``use_cuda_graph=True`` on ``alloc.tables``' own ``kv_indptr`` / ``kv_indices`` /
 ``kv_last_page_len`` buffers (``flashinfer_tables.FlashInferDecode``, the GPU-checked
-construction). Right after ``page_tables.plan(...)`` the host plans pair
-``p.buffer_index`` from the tables' pinned host copies (FlashInfer's host plan, async
-copies only, no sync); the graph runs FULL layers through the FULL wrapper
-(``window_left=-1``) and SWA layers through the SWA wrapper (``window_left = W - 1``: the
-query at ``L - 1`` reads positions ``>= L - W``), every layer over its own NHD cache view
-``[num_pages + 1, ps, Hkv, D]``. Pair i is planned only when the allocator hands out
+construction). Right after ``alloc.plan(...)`` the host plans pair ``p.buffer_index`` from
+the step's pinned host copies ``p.tables`` (FlashInfer's host plan, async copies only, no
+sync); the graph runs FULL layers through the FULL wrapper (``window_left=-1``) and SWA
+layers through the SWA wrapper (``window_left = W - 1``), every layer over its own NHD cache
+view ``[num_pages + 1, ps, Hkv, D]``. Pair i is planned only when the allocator hands out
 buffer i again, i.e. after the replay that read its previous plan has finished (the ring's
 event), so FlashInfer's one pinned work-partition buffer per wrapper is never rewritten
 while its copy is still queued. The warm-up before capture runs a plan and a ``run()`` of
@@ -97,21 +98,36 @@ import torch
 from hybrid_model import FULL, SLIDING, PagedKV, TinyHybridLM
 
 import graphalloc as ga
-from graphalloc.attention.page_tables import PageTables
 from graphalloc.kernels import paged_decode_attention, paged_decode_attention_torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from timing import StepEvents, graph_nodes  # noqa: E402
 
 __all__ = ["Request", "DecodeLoop", "LoopResult", "TableAttention", "FlashInferAttention",
-           "FLASHINFER_HEAD_DIMS"]
+           "FLASHINFER_HEAD_DIMS", "decode_tables_spec", "swa_max_pages"]
 
 # head dims FlashInfer's decode kernels are built for
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
-# rows of the per-step lane input table [N_LANE_FIELDS, max_batch]
-ROW, POS, VALID, OUT, SERIAL, GEN = range(6)
-N_LANE_FIELDS = 6
+# rows of the per-step lane input table [N_LANE_FIELDS, max_batch]; OUT is also the lane's
+# table lane, PERM[k] the model lane of table lane k (the tables' batch is the step's)
+ROW, POS, VALID, OUT, SERIAL, GEN, PERM = range(7)
+N_LANE_FIELDS = 7
+
+
+def decode_tables_spec(max_batch: int, window: int) -> ga.PageTableSpec:
+    """The page tables a :class:`DecodeLoop` with ``attention="tables"`` or ``"flashinfer"``
+    reads: FlashInfer's CSR form, FULL and SWA layers, ``max_batch`` lanes, the model's
+    window ``window`` (W). Pass it as ``HybridAllocator(cfg, page_tables=...)``."""
+    return ga.PageTableSpec(max_batch=max_batch, forms=("csr",), layers=("full", "swa"),
+                            model_window=window)
+
+
+def swa_max_pages(tables) -> int:
+    """The most SWA pages a DECODE lane's range holds (``ceil(W / ps) + 1``, at most the
+    block width): the Torch twin's fixed grid over the SWA CSR."""
+    spec, ps = tables.spec, tables.config.page_size
+    return min(spec.max_pages_per_req, -(-spec.model_window // ps) + 1)
 
 
 @dataclasses.dataclass
@@ -124,23 +140,24 @@ class Request:
 class TableAttention:
     """The decode step's attention through the page tables: stands in for a
     ``hybrid_model.KeyTable`` (``attend``), reading nothing but the CSR buffers of
-    ``tables`` (FULL layers: FULL tables, no window; SWA layers: SWA tables, window
-    ``tables.spec.sliding_window``). ``attend_fn``: ``paged_decode_attention`` (Triton) or
-    its Torch twin; the twin's fixed grid is the most pages a lane can hold per kind.
-    """
+    ``tables`` (``alloc.tables``; FULL layers: FULL tables, no window; SWA layers: SWA
+    tables, window ``tables.spec.model_window``). ``attend_fn``: ``paged_decode_attention``
+    (Triton) or its Torch twin; the twin's fixed grid is the most pages a lane can hold per
+    kind. ``perm`` / ``out_lane`` (``[B]`` device views, updated in place by the loop): table
+    lane k attends for model lane ``perm[k]``; model lane b reads table lane
+    ``out_lane[b]``."""
 
-    def __init__(self, tables: PageTables, attend_fn):
+    def __init__(self, tables, attend_fn, perm, out_lane):
         spec = tables.spec
         if not (spec.has("csr", "full") and spec.has("csr", "swa")):
             raise ValueError("TableAttention needs the CSR form for both layer kinds")
         self.tables, self.attend_fn = tables, attend_fn
-        self.page_size, self.window = spec.page_size, spec.sliding_window
-        self.max_pages = {"full": spec.max_pages_per_req,
-                          "swa": min(spec.max_pages_per_req,
-                                     -(-spec.sliding_window // spec.page_size) + 1)}
+        self.page_size, self.window = tables.config.page_size, spec.model_window
+        self.max_pages = {"full": spec.max_pages_per_req, "swa": swa_max_pages(tables)}
+        self.perm, self.out_lane = perm, out_lane
 
     def attend(self, kind: str, q, cache_k, cache_v, n_kv_heads: int):
-        """``q`` ``[B, 1, H, D]`` (the decode token of each lane) over one layer's
+        """``q`` ``[B, 1, H, D]`` (the decode token of each model lane) over one layer's
         slot-indexed caches ``[n_slots, Hkv, D]``, viewed as pages: ``[B, 1, H * D]``."""
         t = self.tables
         B, n_q, H, D = q.shape
@@ -156,9 +173,9 @@ class TableAttention:
         else:
             csr = (t.swa_kv_indptr_buf, t.swa_kv_indices_buf, t.swa_kv_last_page_len_buf)
             window, max_pages = self.window, self.max_pages["swa"]
-        out = self.attend_fn(q[:, 0], k_pages, v_pages, *csr, sliding_window=window,
-                             max_pages=max_pages)
-        return out.reshape(B, 1, H * D)
+        out = self.attend_fn(q[:, 0].index_select(0, self.perm), k_pages, v_pages, *csr,
+                             sliding_window=window, max_pages=max_pages)
+        return out.index_select(0, self.out_lane).reshape(B, 1, H * D)
 
 
 class FlashInferAttention:
@@ -166,32 +183,36 @@ class FlashInferAttention:
     page tables as :class:`TableAttention` (stands in for a ``hybrid_model.KeyTable``).
 
     ``flashinfer_tables.FlashInferDecode`` holds one FULL + SWA
-    ``BatchDecodeWithPagedKVCacheWrapper`` pair per descriptor buffer, built with
-    ``use_cuda_graph=True`` on the tables' own indptr / indices / last-page-length buffers
-    and sharing one 128 MiB float workspace. :meth:`plan` (host, per step: FlashInfer's C++
-    plan over the pinned host indptr, async copies only) plans pair ``i``; :meth:`attend`
-    runs pair :attr:`index` (set by the loop before it runs or captures the step of
-    descriptor buffer ``index``) on one layer's cache, capture-safe. ``flashinfer``: the
-    imported module. SWA window ``tables.spec.sliding_window`` (``window_left = W - 1``).
+    ``BatchDecodeWithPagedKVCacheWrapper`` pair per descriptor buffer, built once with
+    ``use_cuda_graph=True`` on ``alloc.tables``' own indptr / indices / last-page-length
+    buffers and sharing one 128 MiB float workspace. :meth:`plan` (host, per step:
+    FlashInfer's C++ plan over the step's pinned host copies, async copies only) plans pair
+    ``i``; :meth:`attend` runs pair :attr:`index` (set by the loop before it runs or
+    captures the step of descriptor buffer ``index``) on one layer's cache, capture-safe.
+    ``flashinfer``: the imported module. SWA window ``tables.spec.model_window``
+    (``window_left = W - 1``). ``perm`` / ``out_lane``: as :class:`TableAttention`.
     """
 
-    def __init__(self, flashinfer, tables: PageTables, n_ring: int, *, num_qo_heads: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_batch: int):
+    def __init__(self, flashinfer, tables, n_ring: int, *, num_qo_heads: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, perm, out_lane):
         from flashinfer_tables import FlashInferDecode
         spec = tables.spec
         if not (spec.has("csr", "full") and spec.has("csr", "swa")):
             raise ValueError("FlashInferAttention needs the CSR form for both layer kinds")
-        self.tables, self.page_size, self.window = tables, spec.page_size, spec.sliding_window
+        self.tables, self.page_size = tables, tables.config.page_size
+        self.window = spec.model_window
         self.decode = FlashInferDecode(flashinfer, tables, n_ring, num_qo_heads=num_qo_heads,
                                        num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                       dtype=dtype, window=self.window)
+                                       dtype=dtype)
         self.index = 0
+        self.perm, self.out_lane = perm, out_lane
         # one output per layer kind (layers of a kind run one after the other in the stream)
-        self.outs = {kind: torch.zeros(max_batch, num_qo_heads, head_dim, dtype=dtype,
-                                       device=spec.device) for kind in (FULL, SLIDING)}
+        self.outs = {kind: torch.zeros(spec.max_batch, num_qo_heads, head_dim, dtype=dtype,
+                                       device=tables.config.device) for kind in (FULL, SLIDING)}
 
     def plan(self, i: int, planned) -> None:
-        """Plan pair ``i`` for the step whose tables ``planned`` describes (host only)."""
+        """Plan pair ``i`` for the step whose tables ``planned`` (``p.tables``) describes
+        (host only)."""
         self.decode.plan(i, planned)
 
     def attend(self, kind: str, q, cache_k, cache_v, n_kv_heads: int):
@@ -205,13 +226,14 @@ class FlashInferAttention:
         kv = (cache_k.view(-1, ps, n_kv_heads, D), cache_v.view(-1, ps, n_kv_heads, D))
         full, swa = self.decode.pairs[self.index]
         run_kwargs = self.decode.run_kwargs
+        q_tab = q[:, 0].index_select(0, self.perm)  # table lane order
         if kind == FULL:
             out = self.outs[FULL]
-            full.run(q[:, 0], kv, out=out, **run_kwargs)
+            full.run(q_tab, kv, out=out, **run_kwargs)
         else:
             out = self.outs[SLIDING]
-            swa.run(q[:, 0], kv, out=out, window_left=self.window - 1, **run_kwargs)
-        return out.reshape(B, 1, H * D)
+            swa.run(q_tab, kv, out=out, window_left=self.window - 1, **run_kwargs)
+        return out.index_select(0, self.out_lane).reshape(B, 1, H * D)
 
 
 @dataclasses.dataclass
@@ -220,7 +242,7 @@ class LoopResult:
     logits: dict[int, np.ndarray] | None  # serial -> [n_out, vocab]
     steps: list[dict]  # per decode step, host-side numbers
     wall_s: float
-    host_step_s: list[float]  # plan (+ table plan) + fill + replay + mark_submitted, per step
+    host_step_s: list[float]  # plan (+ FlashInfer's plan) + fill + replay + mark_submitted
     host_launch_s: list[float]  # fill + (eager allocator launch) + replay + mark_submitted
     prefill_s: float
     ring_stalls: int
@@ -270,13 +292,14 @@ class DecodeLoop:
             allocator step, if any, and the replay; not planning or lane filling): GPU time
             per step (``timing.StepEvents``).
         attention: ``"gather"`` (decode attention gathers slots through ``req_to_token`` /
-            ``full_to_swa``), ``"tables"`` (through the page tables, written in the
-            step; see the module docstring) or ``"flashinfer"`` (FlashInfer's paged decode
-            over the same tables: CUDA, a float16 / bfloat16 model, head dim 64, 128 or
-            256; FlashInfer is imported here, ImportError if it is not installed).
-        attention_window: with ``"tables"`` / ``"flashinfer"``, the window W of the SWA
-            tables and of the attention mask (a query at ``L - 1`` reads positions
-            ``>= L - W``); default the model's window (a smaller one must change tokens).
+            ``full_to_swa``), ``"tables"`` (through the page tables the allocator writes in
+            the step: ``alloc`` built with ``page_tables=decode_tables_spec(max_batch, W)``;
+            see the module docstring) or ``"flashinfer"`` (FlashInfer's paged decode over
+            the same tables: CUDA, a float16 / bfloat16 model, head dim 64, 128 or 256;
+            FlashInfer is imported here, ImportError if it is not installed). The window W
+            of the SWA tables and of the attention mask (a query at ``L - 1`` reads
+            positions ``>= L - W``) is the spec's ``model_window`` (a smaller one than the
+            model's must change tokens).
         attention_backend: with ``"tables"``, ``"triton"`` (the paged kernel), ``"torch"``
             (its twin) or ``"auto"``: Triton on CUDA, the twin on a CPU.
         shared_prefix: token ids of a system prompt served from ``alloc.prefix_cache``
@@ -294,8 +317,8 @@ class DecodeLoop:
     def __init__(self, model: TinyHybridLM, alloc: ga.HybridAllocator, *, max_batch: int,
                  n_serials: int, max_out: int, graph: bool = False, alloc_in_graph: bool = True,
                  keep_logits: bool = True, time_steps: bool = False,
-                 attention: str = "gather", attention_window: int | None = None,
-                 attention_backend: str = "auto", shared_prefix=None, flashinfer=None):
+                 attention: str = "gather", attention_backend: str = "auto",
+                 shared_prefix=None, flashinfer=None):
         acfg, mcfg = alloc.config, model.cfg
         if shared_prefix is not None and alloc.prefix_cache is None:
             raise ValueError("shared_prefix needs an allocator built with prefix_cache=True")
@@ -353,32 +376,33 @@ class DecodeLoop:
             raise ValueError(f"attention_backend must be 'auto', 'triton' or 'torch', got "
                              f"{attention_backend!r}")
         self.attention = attention
-        self.page_tables: PageTables | None = None
+        self.tables = None  # alloc.tables, read by the attention of the table modes
         self.table_attention: TableAttention | None = None
         self.flashinfer_attention: FlashInferAttention | None = None
         if attention in ("tables", "flashinfer"):
-            window = attention_window or mcfg.sliding_window
-            # one row table per descriptor buffer: graph i launches both with index i
-            self.page_tables = PageTables.for_allocator(
-                alloc, max_batch, forms=("csr",), sliding_window=window,
-                n_bufs=len(alloc.ring))
+            t = alloc.tables
+            if t is None or not (t.spec.has("csr", "full") and t.spec.has("csr", "swa")):
+                raise ValueError(f"attention={attention!r} reads the page tables of each step: "
+                                 "build the allocator with page_tables=decode_tables_spec("
+                                 "max_batch, window) (CSR, FULL and SWA layers)")
+            if t.spec.max_batch != max_batch:
+                raise ValueError(f"the allocator's page tables have {t.spec.max_batch} lanes, "
+                                 f"the loop {max_batch}: build them with "
+                                 f"decode_tables_spec({max_batch}, window)")
+            self.tables = t
+            perm, out_lane = self.lane_buf[PERM], self.lane_buf[OUT]  # views, updated in place
             if attention == "flashinfer":
                 attention_backend = "flashinfer"
                 self.flashinfer_attention = FlashInferAttention(
-                    flashinfer, self.page_tables, len(alloc.ring),
-                    num_qo_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
-                    head_dim=mcfg.head_dim, dtype=model.dtype, max_batch=max_batch)
+                    flashinfer, t, len(alloc.ring), num_qo_heads=mcfg.num_heads,
+                    num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
+                    dtype=model.dtype, perm=perm, out_lane=out_lane)
             else:
                 if attention_backend == "auto":
                     attention_backend = "triton" if dev.type == "cuda" else "torch"
                 fn = (paged_decode_attention if attention_backend == "triton"
                       else paged_decode_attention_torch)
-                self.table_attention = TableAttention(self.page_tables, fn)
-            # host inputs of the table planner: request row per lane, and per request row
-            # the length and frontier after the step's plan (public queries, lanes only)
-            self.pt_lane_rows = np.full(max_batch, -1, dtype=np.int64)
-            self.pt_seq_len = np.zeros(acfg.max_reqs, dtype=np.int64)
-            self.pt_frontier = np.zeros(acfg.max_reqs, dtype=np.int64)
+                self.table_attention = TableAttention(t, fn, perm, out_lane)
         self.attention_backend = attention_backend if attention != "gather" else None
 
     # ---- the step body (captured) -------------------------------------------------------
@@ -388,10 +412,8 @@ class DecodeLoop:
         self._model_step(i)
 
     def _launch_alloc(self, i: int) -> None:
-        """The allocator's step, then the page tables it leaves (same ring index)."""
+        """The allocator's step (with the page tables of its batch, when it writes them)."""
         self.alloc.launch(i)
-        if self.page_tables is not None:
-            self.page_tables.launch(i)
 
     def _model_step(self, i: int) -> None:
         alloc, model = self.alloc, self.model
@@ -424,10 +446,10 @@ class DecodeLoop:
 
         def empty_step() -> None:  # every row and lane padded
             p = alloc.plan()
-            pt = self._plan_tables(p.buffer_index, [], [])
+            self._plan_attention(p)
             self._fill_lanes(p.buffer_index, [], [])
             self._body(p.buffer_index)
-            self._mark_submitted(p, pt)
+            alloc.mark_submitted(p)
         self.graphs.extend(capture_step_graphs(alloc, self._body, empty_step))
 
     def describe(self) -> dict | None:
@@ -435,37 +457,20 @@ class DecodeLoop:
         return graph_nodes(self.graphs[0]) if self.graphs else None
 
     # ---- host side ----------------------------------------------------------------------
-    def _plan_tables(self, index: int, lanes: list[int], reqs: list):
-        """Plan the page tables of the step planned into descriptor buffer ``index``:
-        lane ``lanes[k]`` attends for ``reqs[k]``, every other lane is padding. Host only;
-        None without tables."""
-        tables, alloc = self.page_tables, self.alloc
-        if tables is None:
-            return None
-        rows = self.pt_lane_rows
-        rows[:] = -1
-        for b, st in zip(lanes, reqs, strict=True):
-            r = st["row"]
-            rows[b] = r
-            self.pt_seq_len[r] = alloc.seq_len(r)  # after this step's decode allocation
-            self.pt_frontier[r] = alloc.frontier(r)  # after this step's window eviction
-        # The table ring follows the descriptor ring (graph i launches both with index i).
-        # Steps planned without tables (the eager prefill) moved the allocator's ring on:
-        # empty table plans, never launched, move this one to the same index.
-        while tables.next_index != index:
-            tables.mark_submitted(tables.plan(rows[:0], self.pt_seq_len, self.pt_frontier))
-        planned = tables.plan(rows, self.pt_seq_len, self.pt_frontier)
-        if planned.buffer_index != index:
-            raise RuntimeError(f"page tables planned into buffer {planned.buffer_index}, the "
-                               f"allocator's step into {index}: the rings must move together")
-        if self.flashinfer_attention is not None:  # pair `index`: its last copy has run
-            self.flashinfer_attention.plan(index, planned)
-        return planned
+    def _plan_attention(self, p) -> None:
+        """FlashInfer's host plan of pair ``p.buffer_index`` from the step's pinned host
+        copies (its last use has run: the allocator handed that buffer out again)."""
+        if self.flashinfer_attention is not None:
+            self.flashinfer_attention.plan(p.buffer_index, p.tables)
 
-    def _mark_submitted(self, p, pt) -> None:
-        self.alloc.mark_submitted(p)
-        if pt is not None:
-            self.page_tables.mark_submitted(pt)
+    def _clipped_lanes(self, rows: list[int]) -> int | None:
+        """Decode lanes whose SWA range starts at the frontier, past the window
+        (``f > L - W``: keys the window wants are gone); None without tables."""
+        if self.tables is None or not rows:
+            return None if self.tables is None else 0
+        r = np.asarray(rows)
+        L, f = self.alloc.seq_lens()[r], self.alloc.frontiers()[r]
+        return int((f > np.maximum(L - self.tables.spec.model_window, 0)).sum())
 
     def _fill_lanes(self, i: int, lanes: list[int], reqs: list) -> None:
         """Lane inputs of one step into pinned buffer ``i`` (host memory only)."""
@@ -475,6 +480,7 @@ class DecodeLoop:
         for k, (b, st) in enumerate(zip(lanes, reqs, strict=True)):
             t[ROW, b], t[POS, b], t[VALID, b] = st["row"], st["len"], 1
             t[OUT, b], t[SERIAL, b], t[GEN, b] = k, st["serial"], st["n_gen"]
+            t[PERM, k] = b  # table lane k (the k-th decode row) attends for model lane b
 
     def _admit(self, new: list[tuple[int, Request]], state: dict) -> None:
         """Prefill ``(lane, request)`` pairs eagerly: one allocator step, one forward each.
@@ -631,7 +637,7 @@ class DecodeLoop:
             rows = [st["row"] for st in reqs]
             t0 = time.perf_counter()
             p = alloc.plan(release=to_release, evict_all=True, decode=rows)
-            pt = self._plan_tables(p.buffer_index, lanes, reqs)
+            self._plan_attention(p)
             t1 = time.perf_counter()  # plan() includes any wait for a descriptor buffer
             self._fill_lanes(p.buffer_index, lanes, reqs)
             with events.interval():  # GPU time: the step's launches only
@@ -641,7 +647,7 @@ class DecodeLoop:
                     self.graphs[p.buffer_index].replay()
                 else:
                     self._body(p.buffer_index)
-            self._mark_submitted(p, pt)
+            alloc.mark_submitted(p)
             t2 = time.perf_counter()
             host_s.append(t2 - t0)
             launch_s.append(t2 - t1)
@@ -655,7 +661,7 @@ class DecodeLoop:
                 "live_requests": st_now["live_requests"],
                 # lanes whose SWA range was clipped at the frontier (f > L - W): keys the
                 # window wants are gone (0 unless the allocator's window is too small)
-                "swa_clipped_lanes": None if pt is None else pt.n_swa_clipped,
+                "swa_clipped_lanes": self._clipped_lanes(rows),
             })
             to_release = []
             for st in reqs:

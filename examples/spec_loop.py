@@ -2,10 +2,22 @@
 
 Two models of one architecture (``hybrid_model.TinyHybridLM``): the target, and a draft
 (here the target with perturbed weights). One allocator maps both: the draft keeps its own
-K/V buffers (``draft_kv``) at the SAME slots as the target's (``req_to_token`` /
-``full_to_swa`` are shared), as SGLang's EAGLE does. A request's draft K/V and target K/V
-of a position live, die and are evicted together, so the draft needs no allocator step,
-no table and no page of its own, and its window eviction is the target's.
+K/V buffers (``draft_kv``) at the SAME slots as the target's, as SGLang's EAGLE does. A
+request's draft K/V and target K/V of a position live, die and are evicted together, so the
+draft needs no allocator step, no table and no page of its own, and its window eviction is
+the target's.
+
+Attention reads the step's page tables. The allocator is built with
+``page_tables=spec_tables_spec(max_batch, W)`` (the block-table form, FULL and SWA layers,
+the model's window W): every step it plans writes ``block_table[lane, position // ps]`` and
+``seq_lens`` of its batch into ``alloc.tables``, inside the same launch, after its
+allocations. A round's batch is its decode rows with lookahead k (query ``1 + k`` each),
+lane m = the m-th occupied model lane; lane m's SWA range starts at the window of its FIRST
+query, ``max(f, L - k - W) = max(f, C + 1 - W)``, so it serves every draft step and every
+verify query. :func:`table_key_table` turns block-table rows into the model's key table
+(slot = ``page * ps + position % ps``; SWA entries of page 0 -- outside the range -- are
+masked): the draft, the verify and the prefill read K/V through the tables only, never
+through ``req_to_token`` / ``full_to_swa``.
 
 One round per iteration, for every decoding request row r with committed length C and its
 pending token x (sampled by the target, not yet in any cache)::
@@ -20,9 +32,10 @@ pending token x (sampled by the target, not yet in any cache)::
                     d_{j+1}. Step k's proposal is dropped: it runs so that the draft's
                     K/V of C + k (the token d_k) exists when all k are accepted.
     verify          the target on [x, d_1 .. d_k] at [C, C + k] in ONE forward: writes the
-                    target's K/V of all 1 + k positions, then every query attends (full
-                    layers: keys <= q; SWA layers: keys (q - W, q], so the SWA keys of the
-                    batch are the W + k positions (C - W, C + k]); y_j = argmax at C + j
+                    target's K/V of all 1 + k positions, then every query attends through
+                    the step's block tables (full layers: keys <= q; SWA layers: keys
+                    (q - W, q], so the SWA keys of the batch are the W + k positions
+                    (C - W, C + k]); y_j = argmax at C + j
     acceptance      n = longest prefix with d_{j+1} == y_j; the round's tokens are
                     y_0 .. y_n (n drafts + the target's bonus token y_n), n_accepted = n + 1;
                     the next pending token is y_n; history[serial, gen + j] <- y_j, j <= n
@@ -50,11 +63,11 @@ allocator's other mode -- a second ``decode(rows, lookahead=k)`` in flight, slot
 the device as ``req_to_token[r, pos]`` -- and is not what this loop does: it synchronises
 once per round to keep the host's lengths exact.
 
-On a CUDA allocator with ``graph=True`` the allocator step (``alloc.launch(i)``), the k + 1
-draft steps, the verify forward and the acceptance are ONE captured graph per descriptor
-buffer ``i``; otherwise the same body runs eagerly. Admission (prefill of the target and
-the draft over the prompt, one allocator step) runs eagerly between rounds, as in
-``paged_decode.DecodeLoop``.
+On a CUDA allocator with ``graph=True`` the allocator step with its tables
+(``alloc.launch(i)``), the k + 1 draft steps, the verify forward and the acceptance are ONE
+captured graph per descriptor buffer ``i``; otherwise the same body runs eagerly.
+Admission (prefill of the target and the draft over the prompt, one allocator step) runs
+eagerly between rounds, as in ``paged_decode.DecodeLoop``.
 """
 
 from __future__ import annotations
@@ -75,11 +88,21 @@ from graphalloc.diagnostics.sync_points import sync_allowed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from timing import graph_nodes  # noqa: E402
 
-__all__ = ["SpecLoop", "SpecResult", "window_key_table", "perturbed_weights"]
+__all__ = ["SpecLoop", "SpecResult", "table_key_table", "spec_tables_spec",
+           "perturbed_weights"]
 
-# rows of the per-round lane input table [N_LANE_FIELDS, max_batch]
-ROW, POS, VALID, FIRST, SERIAL, GEN = range(6)
-N_LANE_FIELDS = 6
+# rows of the per-round lane input table [N_LANE_FIELDS, max_batch]; TAB: the lane's table
+# lane (its rank among the round's decode rows)
+ROW, POS, VALID, FIRST, SERIAL, GEN, TAB = range(7)
+N_LANE_FIELDS = 7
+
+
+def spec_tables_spec(max_batch: int, window: int) -> ga.PageTableSpec:
+    """The page tables a :class:`SpecLoop` reads: the block-table form (``block_table``,
+    ``seq_lens``), FULL and SWA layers, ``max_batch`` lanes, the model's window ``window``
+    (W). Pass it as ``HybridAllocator(cfg, page_tables=...)``."""
+    return ga.PageTableSpec(max_batch=max_batch, forms=("block_table",),
+                            layers=("full", "swa"), model_window=window)
 POISON = 1.0e4  # finite: masked keys keep an exact 0 weight (softmax of the dtype's min)
 
 
@@ -99,24 +122,29 @@ def perturbed_weights(weights: dict[str, torch.Tensor], layers, noise: float,
     return out
 
 
-def window_key_table(model: TinyHybridLM, r2t_rows, full_to_swa, q_pos,
-                     n_full_keys: int) -> KeyTable:
+def table_key_table(model: TinyHybridLM, full_bt, swa_bt, page_size: int, q_pos,
+                    n_full_keys: int) -> KeyTable:
     """Keys of ``Q`` consecutive queries per lane (``q_pos`` ``[B, Q]``, ``q_pos[:, j] =
-    q_pos[:, 0] + j``) at a fixed shape: full layers read positions ``[0, n_full_keys)``
-    masked to ``<= q``; SWA layers the ``W + Q - 1`` positions ``(q_0 - W, q_{Q-1}]``, each
-    query masked to its own window ``(q - W, q]`` (transformers' sliding mask), SWA slot 0
-    (evicted) masked. ``Q = 1`` is ``model.key_table(..., swa_window_keys=True)``."""
-    W = model.cfg.sliding_window
+    q_pos[:, 0] + j``) from block-table rows (``full_bt`` / ``swa_bt`` ``[B, width]``, the
+    lanes' rows of ``alloc.tables``' block tables), at a fixed shape: full layers read
+    positions ``[0, n_full_keys)`` masked to ``<= q``; SWA layers the ``W + Q - 1``
+    positions ``(q_0 - W, q_{Q-1}]``, each query masked to its own window ``(q - W, q]``
+    (transformers' sliding mask). A position whose page is 0 (outside the lane's range) is
+    masked. Slot of a position: ``page * ps + position % ps``. Sync-free, capture-safe."""
+    W, ps = model.cfg.sliding_window, page_size
     dev = q_pos.device
     n_q = q_pos.shape[1]
     k_full = torch.arange(n_full_keys, device=dev)
-    full_slot = r2t_rows[:, :n_full_keys]
-    full_mask = k_full[None, None, :] <= q_pos[:, :, None]
+    full_page = full_bt.long()[:, k_full // ps]  # [B, K]
+    full_slot = full_page * ps + k_full % ps
+    full_mask = (k_full[None, None, :] <= q_pos[:, :, None]) & (full_page != 0)[:, None, :]
     k_swa = q_pos[:, :1] - (W - 1) + torch.arange(W + n_q - 1, device=dev)[None, :]
-    swa_slot = full_to_swa[torch.gather(r2t_rows, 1, k_swa.clamp(min=0))]
+    k_read = k_swa.clamp(min=0)
+    swa_page = torch.gather(swa_bt.long(), 1, k_read // ps)
+    swa_slot = swa_page * ps + k_read % ps
     swa_mask = ((k_swa[:, None, :] <= q_pos[:, :, None])
                 & (k_swa[:, None, :] > q_pos[:, :, None] - W)
-                & (k_swa >= 0)[:, None, :] & (swa_slot != 0)[:, None, :])
+                & (k_swa >= 0)[:, None, :] & (swa_page != 0)[:, None, :])
     return KeyTable(full_slot, full_mask, swa_slot, swa_mask)
 
 
@@ -140,7 +168,9 @@ class SpecLoop:
     Args:
         target, draft: two models of the same ``ModelConfig`` (K/V sized from
             ``alloc.config``); the tokens are the target's greedy tokens whatever the draft.
-        alloc: a fresh :class:`graphalloc.HybridAllocator` (pool mode, no live requests).
+        alloc: a fresh :class:`graphalloc.HybridAllocator` (pool mode, no live requests)
+            built with ``page_tables=spec_tables_spec(max_batch, W)``: every attention of
+            the loop reads K/V through the block tables its steps write.
         max_batch: lanes of the fixed-shape round (each ``1 + k`` allocator lanes).
         n_serials: requests over the whole run (rows of the history buffers).
         max_out: most tokens one request generates.
@@ -182,6 +212,17 @@ class SpecLoop:
         if 1 + lookahead > acfg.max_tokens_per_alloc_row:
             raise ValueError(f"1 + lookahead = {1 + lookahead} exceeds the allocator's "
                              f"max_tokens_per_alloc_row {acfg.max_tokens_per_alloc_row}")
+        t = alloc.tables
+        if t is None or not (t.spec.has("block_table", "full")
+                             and t.spec.has("block_table", "swa")):
+            raise ValueError("SpecLoop reads the page tables of each step: build the allocator "
+                             "with page_tables=spec_tables_spec(max_batch, window) (block "
+                             "tables, FULL and SWA layers)")
+        if t.spec.max_batch != max_batch:
+            raise ValueError(f"the allocator's page tables have {t.spec.max_batch} lanes, the "
+                             f"loop {max_batch}: build them with spec_tables_spec({max_batch}, "
+                             "window)")
+        self.tables = t
         self.target, self.draft, self.alloc = target, draft, alloc
         self.max_batch, self.k, self.graph = max_batch, lookahead, graph
         self.poison, self.commit_extra = poison, int(commit_extra)
@@ -217,10 +258,11 @@ class SpecLoop:
 
     # ---- the round body (captured) ------------------------------------------------------
     def _body(self, i: int) -> None:
-        alloc, k = self.alloc, self.k
-        alloc.launch(i)  # release, commit, evict, decode(lookahead=k): the tables are current
+        alloc, k, t = self.alloc, self.k, self.tables
+        # release, commit, evict, decode(lookahead=k), then the block tables of the batch
+        alloc.launch(i)
         self.lane_buf.copy_(self.lane_host_bufs[i], non_blocking=True)
-        rows, pos, valid, first = (self.lane_buf[f] for f in (ROW, POS, VALID, FIRST))
+        pos, valid, first = (self.lane_buf[f] for f in (POS, VALID, FIRST))
         serial, gen = self.lane_buf[SERIAL], self.lane_buf[GEN]
         ok = valid != 0
         j = self.arange_q[None, :]  # [1, 1 + k]
@@ -228,14 +270,15 @@ class SpecLoop:
         full_new = torch.where(ok[:, None], alloc.state.out_full_buf[out_lane].long(), 0)
         swa_new = torch.where(ok[:, None], alloc.state.out_swa_buf[out_lane].long(), 0)
         q_pos = pos[:, None] + j  # [B, 1 + k]: positions C .. C + k
-        ctx = alloc.config.max_context_len
-        r2t = alloc.req_to_token[rows].long()
-        f2s = alloc.full_to_swa.long()
+        ctx, ps = alloc.config.max_context_len, alloc.config.page_size
+        tab = self.lane_buf[TAB]  # model lane b reads table lane tab[b]
+        full_bt = t.full_block_table_buf.index_select(0, tab)
+        swa_bt = t.swa_block_table_buf.index_select(0, tab)
         # draft: k + 1 one-token steps (the last only writes the draft's K/V of C + k)
         tok, proposals = self.tokens_buf, []
         for s in range(k + 1):
             qs = q_pos[:, s:s + 1]
-            keys = self.draft.key_table(r2t, f2s, qs, ctx, swa_window_keys=True)
+            keys = table_key_table(self.draft, full_bt, swa_bt, ps, qs, ctx)
             logits = self.draft.forward(tok[:, None], qs, keys, full_new[:, s:s + 1],
                                         swa_new[:, s:s + 1], self.draft_kv)[:, 0]
             tok = torch.argmax(logits, dim=-1)
@@ -245,7 +288,7 @@ class SpecLoop:
                   else self.tokens_buf.new_zeros(self.max_batch, 0))  # [B, k]: d_1 .. d_k
         # verify: the target on [x, d_1 .. d_k] at [C, C + k], one forward
         inputs = torch.cat([self.tokens_buf[:, None], drafts], 1)
-        keys = window_key_table(self.target, r2t, f2s, q_pos, ctx)
+        keys = table_key_table(self.target, full_bt, swa_bt, ps, q_pos, ctx)
         logits = self.target.forward(inputs, q_pos, keys, full_new, swa_new, self.kv)
         y = torch.argmax(logits, dim=-1)  # [B, 1 + k]
         # greedy acceptance: the longest prefix with d_{j+1} == y_j, plus the bonus y_n
@@ -287,6 +330,7 @@ class SpecLoop:
         for m, (b, st) in enumerate(zip(lanes, reqs, strict=True)):
             t[ROW, b], t[POS, b], t[VALID, b] = st["row"], st["pos"], 1
             t[FIRST, b], t[SERIAL, b], t[GEN, b] = first_lane[m], st["serial"], st["n_gen"]
+            t[TAB, b] = m  # the round's m-th decode row: lane m of its tables
 
     def _read_counts(self) -> np.ndarray:
         """THE one host/device synchronisation of a round: the accepted counts, copied into
@@ -313,22 +357,23 @@ class SpecLoop:
             self._prefill(chunk, state)
 
     def _prefill(self, new: list[tuple[int, Request]], state: dict) -> None:
-        """One allocator step for the prompts; per prompt one target forward (its last
-        logits give the first token) and one draft forward (its K/V only), same slots."""
-        alloc = self.alloc
+        """One allocator step for the prompts (its batch: the prompts, lane m = prompt m,
+        whose block tables the step writes); per prompt one target forward (its last
+        logits give the first token) and one draft forward (its K/V only), same slots,
+        both reading K/V through lane m's block-table rows."""
+        alloc, t, ps = self.alloc, self.tables, self.alloc.config.page_size
         rows = [alloc.admit() for _ in new]
         p = alloc.plan(extend=(rows, [len(r.prompt) for _, r in new]))
         res = alloc.run(p)
         self.prefill_pages["full"] += p.pages_allocated["full"]
         self.prefill_pages["swa"] += p.pages_allocated["swa"]
-        f2s = alloc.full_to_swa.long()
         for m, ((lane, req), row) in enumerate(zip(new, rows, strict=True)):
             n = len(req.prompt)
             full, swa = res.slots_of(m)
             full, swa = full[None].long(), swa[None].long()
             q_pos = self.arange_ctx[:n][None]
-            keys = self.target.key_table(alloc.req_to_token[row:row + 1].long(), f2s, q_pos,
-                                         n, swa_window_keys=False)
+            keys = table_key_table(self.target, t.full_block_table_buf[m:m + 1],
+                                   t.swa_block_table_buf[m:m + 1], ps, q_pos, n)
             ids = self.prompts_dev[req.serial:req.serial + 1, :n]
             logits = self.target.forward(ids, q_pos, keys, full, swa, self.kv)[0, -1]
             self.draft.forward(ids, q_pos, keys, full, swa, self.draft_kv)  # its K/V only
@@ -418,12 +463,15 @@ class SpecLoop:
             p = alloc.plan(release=to_release, commit=commit, evict=rows,
                            decode=rows, lookahead=k if rows else None)
             if rows and self.commit_extra == 0:  # the allocator's lengths are the host's
-                for st in reqs:
+                lens = p.tables.seq_lens_host  # the step's tables: lane m, L = C + 1 + k
+                for m, st in enumerate(reqs):
                     if (alloc.committed_len(st["row"]) != st["pos"]
-                            or alloc.seq_len(st["row"]) != st["pos"] + 1 + k):
+                            or alloc.seq_len(st["row"]) != st["pos"] + 1 + k
+                            or int(lens[m]) != st["pos"] + 1 + k):
                         raise RuntimeError(f"row {st['row']}: allocator C/L "
                                            f"{alloc.committed_len(st['row'])}/"
-                                           f"{alloc.seq_len(st['row'])}, host C {st['pos']}")
+                                           f"{alloc.seq_len(st['row'])}, table L "
+                                           f"{int(lens[m])}, host C {st['pos']}")
             self._fill_lanes(p.buffer_index, lanes, reqs,
                              p.result.first_lane if rows else None)
             if self.graphs:

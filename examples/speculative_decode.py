@@ -13,10 +13,14 @@ and output lengths finish and are replaced mid-loop): ONE allocator step
 ``step(release=finished, commit=(rows, n_accepted), evict=rows, decode=rows, lookahead=k)``,
 k + 1 draft steps, one verify forward of 1 + k tokens, greedy acceptance on the device; then
 the one documented read of the round (the accepted counts, pinned copy + event wait) gives
-the host the counts it commits in the next round's step. Window eviction follows the
-committed length; the SWA layers of the verify read each query's own window
-``[p + 1 - W, p]``; the K/V of rejected positions is poisoned after the verify, so a read of
-one would show.
+the host the counts it commits in the next round's step. Every attention (the prefill, the
+draft steps, the verify) reads K/V through the block tables the allocator writes inside the
+round's own step (``page_tables=PageTableSpec(forms=("block_table",), model_window=W)``;
+the batch's lane m is its m-th decode row, with query ``1 + k``), never through
+``req_to_token``. Window eviction follows the committed length; the SWA layers of the verify
+read each query's own window ``[p + 1 - W, p]``, inside the lane's SWA range, which starts
+at its first query's window; the K/V of rejected positions is poisoned after the verify, so
+a read of one would show.
 
 Checks: every request's accepted tokens equal transformers' greedy tokens (and the logits
 of the accepted tokens are within ``--atol``); ``alloc.audit()`` is empty at midpoints
@@ -35,9 +39,10 @@ sync but the round's read raises)::
 
 Exit status 0 when every run matches transformers and every audit is empty. Negative
 controls (must fail): ``--alloc-window W-2`` (the allocator frees a position the SWA layers
-of the verify read) and ``--commit-extra 1`` (the allocator is told one token more than was
-accepted: its lengths and output lanes run ahead of the K/V, and the next round reads a
-rejected, poisoned position).
+of the verify read), ``--table-window W-1`` (the step's SWA block tables start one position
+late: the first query's oldest key is outside them) and ``--commit-extra 1`` (the allocator
+is told one token more than was accepted: its lengths and output lanes run ahead of the
+K/V, and the next round reads a rejected, poisoned position).
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ from hybrid_model import (  # noqa: E402
     allocator_window,
     random_weights,
 )
-from spec_loop import SpecLoop, SpecResult, perturbed_weights  # noqa: E402
+from spec_loop import SpecLoop, SpecResult, perturbed_weights, spec_tables_spec  # noqa: E402
 
 import graphalloc as ga  # noqa: E402
 
@@ -77,11 +82,12 @@ RESULTS = Path(__file__).resolve().parents[1] / "results" / "examples"
 
 def build_allocator(*, page_size: int, max_batch: int, max_prompt: int, max_total: int,
                     alloc_window: int, lookahead: int, device: str,
-                    backend: str) -> ga.HybridAllocator:
+                    backend: str, model_window: int) -> ga.HybridAllocator:
     """An allocator sized for the workload: ``2 * max_batch`` request rows (finished rows
     wait one round for their release while new requests are admitted), FULL pages for every
     row at full length, SWA pages for every row's prompt plus its window and a round's
-    ``1 + k`` slots."""
+    ``1 + k`` slots; every step writes its batch's block tables, FULL and SWA, for the
+    model's window ``model_window`` (``spec_loop.spec_tables_spec``)."""
     ps = page_size
     max_reqs = 2 * max_batch
     cfg = ga.AllocatorConfig(
@@ -90,7 +96,7 @@ def build_allocator(*, page_size: int, max_batch: int, max_prompt: int, max_tota
         num_swa_pages=max_reqs * (-(-max_prompt // ps) + -(-(alloc_window + 1 + lookahead)
                                                            // ps) + 2),
         sliding_window=alloc_window, device=device, backend=backend)
-    return ga.HybridAllocator(cfg)
+    return ga.HybridAllocator(cfg, page_tables=spec_tables_spec(max_batch, model_window))
 
 
 def summarize(result: SpecResult, k: int) -> dict:
@@ -185,6 +191,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "is smaller than every prompt")
     ap.add_argument("--alloc-window", type=int, default=None,
                     help="the allocator's sliding_window (default W - 1; W - 2 must fail)")
+    ap.add_argument("--table-window", type=int, default=None,
+                    help="the window of the step's SWA block tables (PageTableSpec "
+                         "model_window; default W; W - 1 must fail)")
     ap.add_argument("--draft-noise", type=float, default=0.1,
                     help="noise on the draft's weight matrices, in units of each matrix's std")
     ap.add_argument("--draft-layers", type=int, nargs="+", default=None,
@@ -265,7 +274,8 @@ def _main(args: argparse.Namespace) -> dict:
     for ps in args.page_sizes:
         alloc = build_allocator(page_size=ps, max_batch=args.max_batch, max_prompt=max_prompt,
                                 max_total=max_total, alloc_window=alloc_window, lookahead=k,
-                                device=args.device, backend=backend)
+                                device=args.device, backend=backend,
+                                model_window=args.table_window or args.window)
         loop = SpecLoop(TinyHybridLM(mcfg, weights, args.device),
                         TinyHybridLM(mcfg, draft_weights, args.device), alloc,
                         max_batch=args.max_batch, n_serials=len(requests), max_out=max_out,
@@ -289,6 +299,7 @@ def _main(args: argparse.Namespace) -> dict:
                       and st["swa_free_pages"] == cfg_a.num_swa_pages)
         summary = summarize(result, k)
         run = {"page_size": ps, "alloc_window": alloc_window, "lookahead": k,
+               "table_window": alloc.tables.spec.model_window,
                "summary": summary, "audits_mid": result.audits, "audit_findings": findings,
                "pages_back": pages_back,
                "host_syncs_in_loop": ("one read per round + audits"

@@ -5,6 +5,8 @@ Layers, highest first (most users want the first):
 
 * :class:`HybridAllocator` -- every operation is one :class:`Step`: ``alloc.step(...)`` for a
   whole scheduler step, the single operations, ``scheduler_step()`` / ``free_group()`` blocks;
+  with ``page_tables=PageTableSpec(...)`` every step also writes its batch's attention page
+  tables (``alloc.tables``; host copies on ``PlannedStep.tables``, a :class:`PlannedTables`);
 * :class:`StepGraph` -- replays each step from a captured CUDA graph;
 * ``graphalloc.plan`` / ``graphalloc.kernels`` -- the planner pair and the kernels.
 
@@ -15,6 +17,8 @@ refusals, recorder), ``device`` (descriptor ring, tables, executors, graphs), ``
 """
 
 from .allocator import AllocResult, HybridAllocator, PlannedStep
+from .attention.spec import PageTableSpec
+from .attention.tables import PlannedTables
 from .config import AllocatorConfig
 from .device.graph import StepGraph, capture_graph, describe_graph
 from .errors import *  # noqa: F403
@@ -24,6 +28,6 @@ from .replicas.allocator import ReplicatedAllocator
 
 __all__ = [
     "HybridAllocator", "AllocatorConfig", "Step", "AllocResult", "PlannedStep", "StepGraph",
-    "ReplicatedAllocator",
+    "ReplicatedAllocator", "PageTableSpec", "PlannedTables",
     "capture_graph", "describe_graph", *_errors_all,
 ]

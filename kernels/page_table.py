@@ -1,7 +1,8 @@
 """Page tables: the attention batch's FULL and SWA page tables, written from host-planned rows.
 
 One program per attention lane i, reading row i of a page-table row table (layout:
-``PT_*`` in ``graphalloc.kernels.abi``; planned by ``graphalloc.page_tables``)::
+``PT_*`` in ``graphalloc.kernels.abi``; the lane section of a step's descriptor buffer,
+planned with the step by ``graphalloc.plan.lanes``)::
 
     row = table[i]                                    # one 64-byte load (pinned host memory)
     r, L, end, first, foff, soff, last = row[...]     # end = ceil(L/ps), first = SWA's first page

@@ -1,9 +1,10 @@
 """Paged decode attention that reads only FlashInfer-style CSR page tables.
 
-The attention half of the page tables (``graphalloc.page_tables`` writes the tables, this
-reads them): one decode query per lane, the lane's keys and values gathered page by page
-through ``kv_indptr`` / ``kv_indices`` / ``kv_last_page_len`` and nothing else (no
-``req_to_token``, no ``full_to_swa``, no sequence lengths, no position table).
+The attention half of the page tables (the allocator's step writes them into
+``alloc.tables``, see ``graphalloc.attention.spec``; this reads them): one decode query per
+lane, the lane's keys and values gathered page by page through ``kv_indptr`` /
+``kv_indices`` / ``kv_last_page_len`` and nothing else (no ``req_to_token``, no
+``full_to_swa``, no sequence lengths, no position table).
 
 Paged KV cache, one K and one V tensor per layer, indexed by page id (FULL layers by FULL
 page ids, SWA layers by SWA page ids; page 0 is the allocator's sink)::

@@ -8,7 +8,8 @@ FlashInfer is not a dependency (and runs on CUDA only), so here:
   the attention under test, checked against the dense reference built from the hash;
 * an off-by-one window in the tables is caught (the checks can fail);
 * the FlashInfer branch (``FlashInferDecode``: one FULL + SWA wrapper pair per ring
-  index over the tables' buffers, planned from the pinned host copies) runs against a
+  index over ``alloc.tables``' buffers, planned from the step's pinned host copies
+  ``p.tables``) runs against a
   stand-in that implements FlashInfer's documented CUDA-graph-mode contract and its window
   rule (``kv_idx >= kv_len - 1 - window_left``); a stand-in with the rule off by one is
   caught;
@@ -31,12 +32,11 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import flashinfer_tables as ft  # noqa: E402
 
-from graphalloc.attention.page_tables import PageTables  # noqa: E402
 from graphalloc.kernels import paged_decode_attention_torch  # noqa: E402
 
 TINY = ["--device", "cpu", "--max-batch", "4", "--requests", "8", "--prompt-len", "4", "40",
         "--output-len", "3", "12", "--chunk", "24", "--window", "8", "--share-tokens", "16",
-        "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--timing-batches"]
+        "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--no-progress", "--timing-batches"]
 
 
 def _args(*extra):
@@ -75,13 +75,12 @@ def test_cpu_run_records_flashinfer_missing_and_checks_the_workload(tmp_path, mo
 
 
 def test_tables_window_one_key_short_is_caught(monkeypatch):
-    real = PageTables.for_allocator
+    real = ft.table_spec
 
-    def short_window(alloc, max_batch, **options):
-        options["sliding_window"] -= 1
-        return real(alloc, max_batch, **options)
+    def short_window(max_batch, window):
+        return real(max_batch, window - 1)
 
-    monkeypatch.setattr(ft.PageTables, "for_allocator", short_window)
+    monkeypatch.setattr(ft, "table_spec", short_window)
     r = ft.CorrectnessRun(_args(), page_size=16, device=torch.device("cpu"),
                           attention="torch").run()
     assert not r["ok"]
@@ -142,7 +141,7 @@ def test_flashinfer_branch_against_a_stand_in(ps, stand_in):
                             attention="flashinfer", flashinfer=stand_in)
     pairs = run.fi.pairs
     assert len(pairs) == len(run.alloc.ring)  # one FULL + SWA pair per descriptor buffer
-    t = run.tables
+    t = run.alloc.tables  # the allocator's own buffers, written inside each step
     for full, swa in pairs:
         assert full.bufs == (t.full_kv_indptr_buf, t.full_kv_indices_buf,
                              t.full_kv_last_page_len_buf)
@@ -190,3 +189,11 @@ def test_content_is_exact_in_half_precision_and_deterministic():
     assert torch.equal(x, ft.content(ft.KIND_K_SWA, serial, pos, 32))
     assert not torch.equal(x, ft.content(ft.KIND_K_FULL, serial, pos, 32))
     assert len(torch.unique(x)) > 200  # not a constant
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        ft.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage" in out and "--no-progress" in out

@@ -8,8 +8,9 @@ dependency, so here:
   in float32 (FlashInfer's decode has no float32 kernels), off CUDA, and for a head dim its
   kernels are not built for; ``DecodeLoop`` raises ImportError without FlashInfer;
 * the loop's FlashInfer branch (``paged_decode.FlashInferAttention``: one FULL + SWA wrapper
-  pair per descriptor buffer on the tables' own buffers, pair ``i`` planned in the step
-  planned into buffer ``i``, FULL layers ``window_left=-1``, SWA layers ``W - 1``) runs
+  pair per descriptor buffer on ``alloc.tables``' own buffers, pair ``i`` planned from the
+  host copies of the step planned into buffer ``i``, FULL layers ``window_left=-1``, SWA
+  layers ``W - 1``) runs
   against a stand-in wrapper that implements FlashInfer's CUDA-graph-mode contract with the
   project's Torch twin: its tokens and logits must equal the tables mode's bit for bit (same
   kernel, same tables), and a stand-in whose window keeps one key less must change tokens;
@@ -90,7 +91,7 @@ def test_model_size_and_dtype_defaults():
 
 
 def _loop_parts(ps=16, dtype=torch.float16, hidden=128, heads=2, kv_heads=1, window=8,
-                device="cpu"):
+                device="cpu", tables=True):
     mcfg = ModelConfig(vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden,
                        num_layers=4, num_heads=heads, num_kv_heads=kv_heads,
                        sliding_window=window, layer_pattern="sf")
@@ -101,7 +102,8 @@ def _loop_parts(ps=16, dtype=torch.float16, hidden=128, heads=2, kv_heads=1, win
     alloc = decode_loop.build_allocator(page_size=ps, max_batch=3, max_prompt=max_prompt,
                                         max_total=max_prompt + max_out,
                                         alloc_window=window - 1, device=device,
-                                        backend="torch")
+                                        backend="torch",
+                                        tables_window=window if tables else None)
     model = TinyHybridLM(mcfg, weights, device, dtype=dtype)
     return mcfg, requests, alloc, model, max_out
 
@@ -191,10 +193,8 @@ def _run_loop(attention, ps, flashinfer=None):
                                    max_out=max_out, attention=attention,
                                    attention_backend="torch", flashinfer=flashinfer)
     if flashinfer is not None:
-        spec = loop.page_tables.spec
-        _StandInWrapper.max_pages = {
-            "full": spec.max_pages_per_req,
-            "swa": min(spec.max_pages_per_req, -(-spec.sliding_window // spec.page_size) + 1)}
+        _StandInWrapper.max_pages = {"full": loop.tables.spec.max_pages_per_req,
+                                     "swa": paged_decode.swa_max_pages(loop.tables)}
     return loop, loop.run(requests), alloc
 
 
@@ -205,7 +205,8 @@ def test_flashinfer_branch_equals_the_tables_mode_bit_for_bit(ps, stand_in):
     assert loop.attention_backend == "flashinfer" and loop.table_attention is None
     pairs = fi.decode.pairs
     assert len(pairs) == len(alloc.ring)  # one FULL + SWA pair per descriptor buffer
-    t = loop.page_tables
+    t = alloc.tables  # the allocator's buffers, written inside each step
+    assert loop.tables is t
     for full, swa in pairs:
         assert full.bufs == (t.full_kv_indptr_buf, t.full_kv_indices_buf,
                              t.full_kv_last_page_len_buf)

@@ -6,10 +6,12 @@ counts once per round and commits them in the next round's single allocator step
 (``commit=``, ``evict=``, ``decode=..., lookahead=k``). Every request's accepted tokens must
 equal transformers' plain greedy tokens for page sizes 1 and 16, with a window smaller
 than the prompts, requests finishing and being replaced mid-loop, drafts both rejected and
-accepted, and ``alloc.audit()`` empty at midpoints and at the end. The check can fail: an
-allocator window one token too small, and a commit of one token more than was accepted,
-must both change tokens. The verify's fixed-shape SWA keys are checked against the
-full-range key table of the model.
+accepted, and ``alloc.audit()`` empty at midpoints and at the end. Every attention reads
+K/V through the block tables the round's own step writes (``alloc.tables``). The check can
+fail: an allocator window one token too small, SWA block tables one token short, and a
+commit of one token more than was accepted, must all change tokens. The key table built
+from block-table rows (``spec_loop.table_key_table``) is checked against the model's
+full-range key table over ``req_to_token`` / ``full_to_swa``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import speculative_decode  # noqa: E402
 from hybrid_model import ModelConfig, TinyHybridLM, random_weights  # noqa: E402
-from spec_loop import window_key_table  # noqa: E402
+from spec_loop import table_key_table  # noqa: E402
 
 TINY = ["--requests", "8", "--max-batch", "4", "--prompt-len", "9", "24", "--output-len", "6",
         "24", "--window", "8", "--vocab", "128", "--lookahead", "3", "--no-progress",
@@ -87,6 +89,15 @@ def test_allocator_window_one_too_small_is_caught():
     assert not c["tokens_equal"] and c["max_logit_diff"] > 1e-2
 
 
+def test_block_tables_one_token_short_are_caught():
+    """The allocator keeps every key, but the step's SWA block tables are planned for
+    W - 1: the first verify query's oldest key (position C + 1 - W) is outside them."""
+    out = speculative_decode.main([*CONTROL, "--table-window", "7"])
+    assert not out["ok"]
+    run = out["runs"][0]
+    assert run["table_window"] == 7 and not run["comparison"]["tokens_equal"]
+
+
 def test_committing_one_token_too_many_is_caught():
     """The allocator told one token more than was accepted: its committed length and the
     next round's output lanes run one position ahead of the K/V, so the next round reads
@@ -97,30 +108,40 @@ def test_committing_one_token_too_many_is_caught():
     assert not c["tokens_equal"] and c["max_logit_diff"] > 1e-2
 
 
-@pytest.mark.parametrize("n_q", [1, 2, 5])
-def test_verify_window_keys_equal_the_full_range_mask(n_q):
-    """The verify's W + Q - 1 SWA keys give every query the same visible SWA slots as the
-    model's full-range key table (``swa_window_keys=False``): (q - W, q], evicted masked."""
-    W, ctx = 6, 40
+@pytest.mark.parametrize("n_q,ps", [(1, 1), (2, 3), (5, 4)])
+def test_block_table_keys_equal_the_full_range_mask(n_q, ps):
+    """Keys from block-table rows give every query the same visible slots as the model's
+    full-range key table over page-dense ``req_to_token`` / ``full_to_swa``: FULL keys
+    ``<= q``, SWA keys ``(q - W, q]`` with evicted pages (SWA page 0) masked."""
+    W, ctx, B = 6, 40, 4
     cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
                       num_heads=2, num_kv_heads=1, sliding_window=W)
     model = TinyHybridLM(cfg, random_weights(cfg, 0), "cpu")
     g = torch.Generator().manual_seed(n_q)
-    B = 4
-    r2t = torch.randperm(B * ctx, generator=g).view(B, ctx) + 1
-    f2s = torch.randint(0, 50, (B * ctx + 1,), generator=g)  # 0: evicted
+    width = -(-ctx // ps)
+    full_page = (torch.randperm(B * width, generator=g) + 1).view(B, width)  # page 0: sink
+    swa_page = (torch.randperm(B * width, generator=g) + 1).view(B, width)
     q0 = torch.tensor([0, 3, 17, ctx - n_q])
     q_pos = q0[:, None] + torch.arange(n_q)[None]
-    win = window_key_table(model, r2t, f2s, q_pos, ctx)
+    cols = torch.arange(width)[None, :]
+    first = (q0 - W + 1).clamp(min=0) // ps  # each lane's window page: evicted below it
+    evicted = cols < (first - torch.tensor([0, 1, 0, 1])).clamp(min=0)[:, None]
+    swa_page = torch.where(evicted, 0, swa_page)
+    pos = torch.arange(width * ps)
+    r2t = full_page[:, pos // ps] * ps + pos % ps  # page-dense rows
+    f2s = torch.zeros((B * width + 1) * ps, dtype=torch.int64)
+    f2s[r2t.reshape(-1)] = torch.where(swa_page[:, pos // ps] > 0,
+                                       swa_page[:, pos // ps] * ps + pos % ps, 0).reshape(-1)
+    ours = table_key_table(model, full_page, swa_page, ps, q_pos, ctx)
     full = model.key_table(r2t, f2s, q_pos, ctx, swa_window_keys=False)
-    assert win.swa_slot.shape == (B, W + n_q - 1)
+    assert ours.swa_slot.shape == (B, W + n_q - 1)
     for b in range(B):
         for q in range(n_q):
-            ours = sorted(win.swa_slot[b][win.swa_mask[b, q]].tolist())
-            ref = sorted(full.swa_slot[b][full.swa_mask[b, q]].tolist())
-            assert ours == ref
-            assert len(ref) <= W
-    assert torch.equal(win.full_mask, full.full_mask)
+            for kind in ("full", "swa"):
+                got = getattr(ours, f"{kind}_slot")[b][getattr(ours, f"{kind}_mask")[b, q]]
+                ref = getattr(full, f"{kind}_slot")[b][getattr(full, f"{kind}_mask")[b, q]]
+                assert sorted(got.tolist()) == sorted(ref.tolist()), (b, q, kind)
+            assert int(ours.swa_mask[b, q].sum()) <= W
 
 
 @pytest.mark.cuda
@@ -138,3 +159,11 @@ def test_speculative_rounds_in_one_graph_on_cuda_without_syncs():
         assert run["audit_findings"] == [] and run["pages_back"]
         nodes = s["graph_nodes"]
         assert nodes.get("host", 0) == 0, nodes
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        speculative_decode.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage" in out and "--table-window" in out

@@ -1,18 +1,20 @@
 """The decode-loop example attending through the page tables, at tiny sizes.
 
-``examples/decode_loop.py --attention tables`` (the default): each decode step plans the
-FULL and SWA CSR page tables of its lanes right after the allocator's plan, launches them
-after the allocator's step (same ring index), and every attention layer reads K/V only
-through those tables (the Torch twin of the paged kernel on a CPU; one run with the
-Triton kernels through the interpreter). Every token must equal transformers' for page
+``examples/decode_loop.py --attention tables`` (the default): the allocator is built with
+``page_tables=PageTableSpec(max_batch, forms=("csr",), model_window=W)``, so each decode
+step's own launch writes the FULL and SWA CSR page tables of its batch (its decode rows)
+after its allocations, and every attention layer reads K/V only through those tables (the
+Torch twin of the paged kernel on a CPU; one run with the Triton kernels through the
+interpreter). Every token must equal transformers' for page
 sizes 1 and 16 with a window smaller than the prompts, and both negative controls must
 change tokens: an allocator window one token too small (it frees a position the SWA layers
 read; the tables then start at the frontier, clipped) and a table/attention window one
 token too small (the SWA tables and the mask drop a position the model reads).
 
 On a CPU everything runs eagerly (the suite's tests); on a GPU the same tests run eagerly
-on CUDA, and the ``cuda`` test captures each step (allocator step + page tables + model +
-argmax) as one CUDA graph per descriptor buffer under ``set_sync_debug_mode("error")``.
+on CUDA, and the ``cuda`` test captures each step (allocator step with its page tables +
+model + argmax) as one CUDA graph per descriptor buffer under
+``set_sync_debug_mode("error")``.
 """
 
 from __future__ import annotations
@@ -114,3 +116,22 @@ def test_tables_in_one_graph_per_step_on_cuda_without_syncs():
         assert run["summary"]["swa_clipped_lanes"] == 0
         nodes = run["summary"]["graph_nodes"]
         assert nodes.get("host", 0) == 0, nodes  # ("error" only where nodes can't be read)
+
+
+def test_table_modes_need_an_allocator_that_writes_the_tables():
+    """``attention="tables"`` reads ``alloc.tables``: an allocator built without
+    ``page_tables=`` (or with another batch size) is refused before anything runs."""
+    from hybrid_model import ModelConfig, TinyHybridLM, random_weights
+    from paged_decode import DecodeLoop
+
+    mcfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
+                       num_heads=2, num_kv_heads=1, sliding_window=8)
+    model = TinyHybridLM(mcfg, random_weights(mcfg, 0), "cpu")
+    kw = dict(page_size=4, max_batch=3, max_prompt=8, max_total=16, alloc_window=7,
+              device="cpu", backend="torch")
+    for tables_window, batch, match in ((None, 3, "page_tables=decode_tables_spec"),
+                                        (8, 4, "3 lanes, the loop 4")):
+        alloc = decode_loop.build_allocator(**kw, tables_window=tables_window)
+        with pytest.raises(ValueError, match=match):
+            DecodeLoop(model, alloc, max_batch=batch, n_serials=2, max_out=4,
+                       attention="tables")

@@ -23,8 +23,12 @@ allocated once and written in place by the page-table kernel inside the step's r
 on them -- keeps valid addresses. Host copies (indptr, last-page lengths, seq lens; pinned
 on CUDA) are written by the planner per descriptor buffer and come back on the
 ``PlannedStep`` (``p.tables``): FlashInfer's ``plan()`` reads them, never the device. They
-stay valid until the ring comes back to that buffer. Cost: the kernel (one program per
-lane, ``max_batch`` programs) per step with a batch; host O(B) copies.
+stay valid until the ring comes back to that buffer. A step with no descriptor rows (no
+release, no allocation; its batch is empty) launches nothing under the eager and graph
+executors, so the device buffers keep the previous batch's tables while ``p.tables``
+describes an empty batch (a launch captured by an engine, ``alloc.launch(i)``, writes them
+empty). Cost: the kernel (one program per lane, ``max_batch`` programs) per step with a
+batch; host O(B) copies.
 """
 
 from __future__ import annotations
