@@ -39,6 +39,7 @@ from ..kernels.abi import (
     AL_SWA_POP,
     ROW_WIDTH,
 )
+from . import states
 from .context import PlanContext, first_repeat
 from .frees import drop_handles
 from .refusals import Refusal, kind_id
@@ -102,6 +103,8 @@ def take(ctx: PlanContext, handles: np.ndarray, rows: np.ndarray, n: np.ndarray)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise Refusal(11, k, int(rows[i]), int(n[i]), int(limit[i]))
+    if ctx.has_states:
+        states.take(ctx, handles, rows, n)
     put = ctx.journal.put
     swa_start = np.minimum(led.frontier[rows], n)
     put(led.h_live, handles, True)
@@ -123,6 +126,9 @@ def admit(ctx: PlanContext, rows: np.ndarray) -> None:
         need = cfg.swa_ring_pages * len(rows)
         if need > led.swa.n_free:
             raise Refusal(30, kind_id("admit"), int(rows[0]), led.swa.n_free, need)
+    if ctx.has_states:
+        states.need(ctx, len(rows), "admit", int(rows[0]))
+        states.admit(ctx, rows)
     led.reset_rows(rows, live=True)
     ctx.admitted[rows] = True
     if not cfg.ring_mode:
@@ -161,6 +167,8 @@ def admit_on(ctx: PlanContext, rows: np.ndarray, handles: np.ndarray, n: np.ndar
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise Refusal(12, k, int(handles[i]), int(n[i]), int(h_len[i]))
+    if ctx.has_states:
+        states.admit_on(ctx, rows, handles, n, h_len)
     led.reset_rows(rows, live=True)
     ctx.admitted[rows] = True
     swa_start = np.minimum(led.h_swa_start[handles], n)
@@ -238,6 +246,9 @@ def extend(ctx: PlanContext, rows: np.ndarray, n_tokens: np.ndarray, kind: str,
         if (span > cfg.swa_ring_pages).any():
             i = int(np.flatnonzero(span > cfg.swa_ring_pages)[0])
             raise Refusal(29, k, int(rows[i]), int(span[i]), cfg.swa_ring_pages)
+    depth = np.count_nonzero(spec, axis=1)  # each row's new speculative step index
+    if ctx.has_states and is_spec.any():
+        states.speculative(ctx, rows[is_spec], n_tokens[is_spec], depth[is_spec], kind)
     first_lane = ctx.n_tokens + np.cumsum(n_tokens) - n_tokens
     keep = n_tokens > 0
     k_rows, k_start, k_tok, k_pages, k_lane = (rows[keep], start[keep], n_tokens[keep],
@@ -265,8 +276,9 @@ def extend(ctx: PlanContext, rows: np.ndarray, n_tokens: np.ndarray, kind: str,
     put = ctx.journal.put
     put(led.seq_len, rows, end)
     if is_spec.any():  # the step joins the row's speculative steps (first empty slot)
-        put(led.spec_steps, (rows[is_spec], np.count_nonzero(spec[is_spec], axis=1)),
-            n_tokens[is_spec])
+        put(led.spec_steps, (rows[is_spec], depth[is_spec]), n_tokens[is_spec])
+        if ctx.has_states:
+            states.speculative_slots(ctx, rows[is_spec], n_tokens[is_spec], depth[is_spec])
     if not is_spec.all():
         put(led.committed, rows[~is_spec], end[~is_spec])
     ctx.allocated[rows] = True

@@ -83,6 +83,9 @@ class PlanContext:
         self.pages_freed = [0, 0]  # FULL, SWA
         self.pages_allocated = [0, 0]
         self.pages_evicted = 0  # SWA pages freed by frontier moves (part of pages_freed)
+        self.has_states = config.num_state_slots > 0
+        self.state_parts: list[np.ndarray] = []  # ST_SET / ST_COPY rows (plan.states)
+        self.state_freed = 0
 
     # ---- validators ---------------------------------------------------------------------
     def live_rows(self, rows: np.ndarray, kind: str, repeats: bool = False) -> np.ndarray:
@@ -157,6 +160,10 @@ class PlanContext:
     # ---- the rows produced ----------------------------------------------------------------
     def release_rows(self) -> np.ndarray:
         parts = self.release_parts
+        return _EMPTY_ROWS if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def state_rows(self) -> np.ndarray:
+        parts = self.state_parts
         return _EMPTY_ROWS if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def alloc_rows(self) -> np.ndarray:
