@@ -21,7 +21,13 @@ from .get_and_clear import get_and_clear_swa_pages, get_and_clear_swa_pages_torc
 from .page_table import write_page_tables, write_page_tables_torch
 from .paged_attention import paged_decode_attention, paged_decode_attention_torch
 from .release import release_pages, release_pages_torch
-from .state import copy_state_rows, write_state_rows, write_state_rows_torch
+from .state import (
+    copy_state_rows,
+    copy_state_rows_torch,
+    state_tensor_spec,
+    write_state_rows,
+    write_state_rows_torch,
+)
 from .step import run_step_fused, run_step_fused_torch
 
 __all__ = [
@@ -41,4 +47,6 @@ __all__ = [
     "write_state_rows",
     "write_state_rows_torch",
     "copy_state_rows",
+    "copy_state_rows_torch",
+    "state_tensor_spec",
 ]

@@ -181,17 +181,19 @@ def admit_on(ctx: PlanContext, rows: np.ndarray, handles: np.ndarray, n: np.ndar
         _hold(ctx, r, cfg.max_reqs + h, m, s)
 
 
-def _reclaim(ctx: PlanContext, need_full: int, need_swa: int) -> None:
+def reclaim(ctx: PlanContext, need_full: int, need_swa: int, need_states: int = 0) -> None:
     """Drop the prefix cache's offered entries, in its order, until the pools hold
-    ``need_full`` / ``need_swa`` free pages or the offer runs out: SWA by tombstoning first,
-    then FULL by evicting. Each drop is its own drop call (push order)."""
+    ``need_full`` / ``need_swa`` free pages (and ``need_states`` free state slots) or the
+    offer runs out: SWA by tombstoning first, then FULL (and state snapshots) by evicting.
+    Each drop is its own drop call (push order)."""
     led = ctx.ledger
-    for pool, tombstone in ((1, True), (0, False)):
+    for pool, tombstone in ((1, True), (0, False), (2, False)):
         offer = ctx.reclaim[0 if tombstone else 1]
-        ring, need = (led.swa, need_swa) if tombstone else (led.full, need_full)
-        while ring.n_free < need and ctx.reclaim_next[pool ^ 1] < len(offer):
-            h = int(offer[ctx.reclaim_next[pool ^ 1]])
-            ctx.reclaim_next[pool ^ 1] += 1
+        ring, need = ((led.swa, need_swa) if tombstone else (led.full, need_full) if pool == 0
+                      else (led.states, need_states))
+        while ring.n_free < need and ctx.reclaim_next[int(not tombstone)] < len(offer):
+            h = int(offer[ctx.reclaim_next[int(not tombstone)]])
+            ctx.reclaim_next[int(not tombstone)] += 1
             if (not led.h_live[h] or ctx.written_handles[h] or ctx.dropped_handles[h]
                     or (tombstone and led.h_swa_start[h] >= led.h_len[h])):
                 continue  # gone, busy in this step, or already tombstoned
@@ -237,7 +239,7 @@ def extend(ctx: PlanContext, rows: np.ndarray, n_tokens: np.ndarray, kind: str,
     need_full = int(new_pages.sum())
     need_swa = 0 if cfg.ring_mode else need_full
     if (need_full > led.full.n_free or need_swa > led.swa.n_free) and ctx.reclaim is not None:
-        _reclaim(ctx, need_full, need_swa)
+        reclaim(ctx, need_full, need_swa)
     for pool, ring, need in ((0, led.full, need_full), (1, led.swa, need_swa)):
         if need > ring.n_free:
             raise Refusal(28, k, pool, need - ring.n_free, ring.n_free)

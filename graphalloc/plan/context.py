@@ -86,6 +86,7 @@ class PlanContext:
         self.has_states = config.num_state_slots > 0
         self.state_parts: list[np.ndarray] = []  # ST_SET / ST_COPY rows (plan.states)
         self.state_freed = 0
+        self.taken_state = None  # per handle taken this step: the slot its snapshot copies
 
     # ---- validators ---------------------------------------------------------------------
     def live_rows(self, rows: np.ndarray, kind: str, repeats: bool = False) -> np.ndarray:
@@ -160,10 +161,6 @@ class PlanContext:
     # ---- the rows produced ----------------------------------------------------------------
     def release_rows(self) -> np.ndarray:
         parts = self.release_parts
-        return _EMPTY_ROWS if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    def state_rows(self) -> np.ndarray:
-        parts = self.state_parts
         return _EMPTY_ROWS if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def alloc_rows(self) -> np.ndarray:

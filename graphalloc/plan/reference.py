@@ -19,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from . import allocation, frees
+from . import allocation, frees, states
 from .context import PlanContext, first_repeat
 from .lanes import plan_lanes
 from .refusals import Refusal, kind_id
@@ -105,4 +105,4 @@ def plan_step(ctx: PlanContext, a: StepArrays) -> PlanOutcome:
     return PlanOutcome(release, alloc, ctx.n_tokens, tuple(ctx.pages_freed),
                        tuple(ctx.pages_allocated), ctx.pages_evicted, ctx.fusable, rows, first,
                        n_tok, ctx.reclaimed, lanes,
-                       ctx.state_rows() if ctx.has_states else None)
+                       states.finish(ctx) if ctx.has_states else None)

@@ -150,10 +150,13 @@ CODES: dict[int, tuple[type, str]] = {
                         "free. Nothing was allocated: release requests or drop snapshots"),
     44: (BatchTooLargeError, "{kind}: request {row}'s speculative step of {value} tokens "
                              "needs a state slot per token; max_spec_tokens is {limit}"),
+    45: (CapacityError, "{kind}: state slot {value} is copied from in this step, so it cannot "
+                        "also be a copy's destination; the pool had no other free slot. "
+                        "Retry next step (the slot is free then)"),
 }
 
 # Refusals that mean "not now, for lack of room" (fits() -> False, try_step() -> None).
-SHORTAGE_CODES = frozenset({27, 28, 29, 30, 34, 35, 43})
+SHORTAGE_CODES = frozenset({27, 28, 29, 30, 34, 35, 43, 45})
 
 
 class Refusal(Exception):

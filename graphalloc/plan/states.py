@@ -23,7 +23,15 @@ the host knows every slot id, so the device only receives explicit writes and co
 Rules (refusals): a snapshot exists only where a state does -- a take at the request's
 committed length C (code 41), an admit on all of a handle (40); a trim never goes below C
 (42); the pool must hold the pops (43); a speculative step has at most ``max_spec_tokens``
-tokens (44). Cost: O(rows + slots moved) numpy.
+tokens (44).
+
+The device runs a step's copies in parallel, each reading the state as it was when the step
+began: an admit on a handle taken in the same step copies from the take's source (the same
+state), and a slot that a copy reads is never a copy's destination in that step (45, a
+shortage: only when the pool's every other slot is taken; the slot is free next step). The
+table writes are one row per index, the last write of the step (a row released and
+admitted again in one step ends with its new slot). :func:`finish` builds the section.
+Cost: O(rows + slots moved) numpy.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ import numpy as np
 
 from ..kernels.abi import (
     ROW_WIDTH,
+    ST_N_COPY,
+    ST_N_TABLE,
     ST_A,
     ST_B,
     ST_COPY,
@@ -42,7 +52,7 @@ from ..kernels.abi import (
 )
 from .refusals import Refusal, kind_id
 
-__all__ = ["pop", "push", "set_slot", "copy", "spec_index"]
+__all__ = ["pop", "push", "set_slot", "copy", "spec_index", "finish"]
 
 
 def _rows(ctx, kind: int, a: np.ndarray, b: np.ndarray) -> None:
@@ -54,8 +64,13 @@ def _rows(ctx, kind: int, a: np.ndarray, b: np.ndarray) -> None:
 
 
 def need(ctx, n: int, kind: str, row: int = 0) -> None:
-    """Refuse (43) unless the pool holds ``n`` more free slots."""
+    """Refuse (43) unless the pool holds ``n`` more free slots (the prefix cache's offered
+    entries dropped first, when the allocator owns one: their snapshots come back)."""
     free = ctx.ledger.states.n_free
+    if n > free and ctx.reclaim is not None:
+        from .allocation import reclaim  # (allocation imports this module)
+        reclaim(ctx, 0, 0, n)
+        free = ctx.ledger.states.n_free
     if n > free:
         raise Refusal(43, kind_id(kind), row, n, free)
 
@@ -174,6 +189,9 @@ def take(ctx, handles: np.ndarray, rows: np.ndarray, n: np.ndarray) -> None:
     src = ctx.ledger.state_slot[rows].copy()
     set_slot(ctx, ctx.config.max_reqs + handles, slots)
     copy(ctx, src, slots)
+    if ctx.taken_state is None:
+        ctx.taken_state = np.zeros(ctx.config.max_handles, dtype=np.int64)
+    ctx.taken_state[handles] = src  # an admit on h this step copies from the same state
 
 
 def admit(ctx, rows: np.ndarray, kind: str = "admit") -> np.ndarray:
@@ -192,8 +210,10 @@ def admit_on(ctx, rows: np.ndarray, handles: np.ndarray, n: np.ndarray,
         raise Refusal(40, kind_id("admit(handle=)"), int(handles[i]), int(n[i]),
                       int(h_len[i]))
     need(ctx, len(rows), "admit(handle=)", int(rows[0]))
-    slots = admit(ctx, rows)
-    copy(ctx, ctx.ledger.state_slot[ctx.config.max_reqs + handles], slots)
+    src = ctx.ledger.state_slot[ctx.config.max_reqs + handles]
+    if ctx.taken_state is not None:
+        src = np.where(ctx.taken_state[handles] != 0, ctx.taken_state[handles], src)
+    copy(ctx, src, admit(ctx, rows))
 
 
 def speculative(ctx, rows: np.ndarray, n: np.ndarray, depth: np.ndarray, kind: str) -> None:
@@ -227,3 +247,29 @@ def speculative_slots(ctx, rows: np.ndarray, n: np.ndarray, depth: np.ndarray) -
     first = i % ST_SPEC_SLOTS == 0
     out[run[first], ST_A] = starts[first]
     ctx.state_parts.append(out)
+
+
+def finish(ctx) -> np.ndarray:
+    """The step's state section: the header, the copy rows, then one table row per index
+    (its last write) and the speculative rows. Refuses (45) a copy whose destination
+    another copy of the step reads."""
+    parts = ctx.state_parts
+    rows = (np.concatenate(parts) if len(parts) > 1 else parts[0]) if parts else \
+        np.zeros((0, ROW_WIDTH), dtype=np.int64)
+    kind = rows[:, ST_KIND]
+    copies = rows[kind == ST_COPY]
+    if len(copies):
+        clash = np.isin(copies[:, ST_B], copies[:, ST_A])
+        if clash.any():
+            slot = int(copies[np.flatnonzero(clash)[0], ST_B])
+            raise Refusal(45, kind_id("admit(handle=)"), 0, slot, 0)
+    sets = rows[kind == ST_SET]
+    if len(sets):  # the last write per index: unique over the reversed rows
+        _, last = np.unique(sets[::-1, ST_A], return_index=True)
+        sets = sets[::-1][np.sort(last)]
+    table = np.concatenate([sets, rows[kind == ST_SPEC]])
+    out = np.zeros((1 + len(copies) + len(table), ROW_WIDTH), dtype=np.int64)
+    out[0, ST_N_COPY], out[0, ST_N_TABLE] = len(copies), len(table)
+    out[1:1 + len(copies)] = copies
+    out[1 + len(copies):] = table
+    return out
