@@ -40,12 +40,12 @@ import numpy as np
 
 from ..kernels.abi import (
     ROW_WIDTH,
-    ST_N_COPY,
-    ST_N_TABLE,
     ST_A,
     ST_B,
     ST_COPY,
     ST_KIND,
+    ST_N_COPY,
+    ST_N_TABLE,
     ST_SET,
     ST_SPEC,
     ST_SPEC_SLOTS,
