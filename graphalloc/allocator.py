@@ -82,12 +82,21 @@ class HybridAllocator:
         page_tables: a :class:`~graphalloc.attention.spec.PageTableSpec`: every step also
             writes the attention page tables of its batch (``alloc.tables``; host copies on
             ``PlannedStep.tables``), in the same replay.
+        state_tensors: with ``config.num_state_slots > 0``, the model's recurrent-state
+            tensors (each ``[..., num_state_slots + 1, ...]``, slot 0 the sink; a tensor with
+            slots on dimension 0 or a ``(tensor, slot_dim)`` pair, contiguous). A snapshot
+            taken (``take_handle``) or restored (``admit(handle=)``) copies a slot of each,
+            inside the step. Fixed at construction (graphs capture the copies); empty: the
+            slot table is kept and no state is copied (the engine copies itself, from
+            ``PlannedStep.state_counts`` and the descriptor's state section).
     """
 
     def __init__(self, config: AllocatorConfig, *, executor="eager",
                  n_descriptor_bufs: int = 2, fused_step: bool = True,
-                 prefix_cache: bool = False, planner: str = "auto", page_tables=None):
+                 prefix_cache: bool = False, planner: str = "auto", page_tables=None,
+                 state_tensors=()):
         ops.check_arguments(config, n_descriptor_bufs, fused_step, prefix_cache, page_tables)
+        state_tensors = ops.check_state_tensors(config, state_tensors)
         self.config = config
         self.ledger = Ledger(config)
         self.state = DeviceState(config)
@@ -96,8 +105,11 @@ class HybridAllocator:
         self.ring = DescriptorRing(config.max_release_rows, config.max_alloc_rows, config.device,
                                    n_bufs=n_descriptor_bufs,
                                    n_lane_rows=0 if self.tables is None else
-                                   self.tables.spec.max_batch)
-        self.kernels = StepKernels(config, self.state, fused=fused_step, tables=self.tables)
+                                   self.tables.spec.max_batch,
+                                   n_state_rows=config.max_state_rows + 1 if config.has_states
+                                   else 0)
+        self.kernels = StepKernels(config, self.state, fused=fused_step, tables=self.tables,
+                                   state_tensors=state_tensors)
         self.queries = HostQueries(config, self.ledger)
         self.group: FreeGroup | None = None  # the open free_group() block
         self.recorder: StepRecorder | None = None  # the open scheduler_step() block
@@ -132,6 +144,24 @@ class HybridAllocator:
     def full_to_swa(self) -> torch.Tensor:
         """``[(num_full_pages + 1) * page_size]``: SWA slot of each full slot, 0 = none."""
         return self.state.full_to_swa
+
+    @property
+    def req_to_state(self) -> torch.Tensor:
+        """``[max_reqs]``: each request's recurrent-state slot (0: none); with
+        ``num_state_slots > 0``. The model reads and updates the state at this slot."""
+        return self.state.req_to_state
+
+    @property
+    def handle_to_state(self) -> torch.Tensor:
+        """``[max_handles]``: each handle's recurrent-state snapshot slot (0: none)."""
+        return self.state.handle_to_state
+
+    @property
+    def spec_state(self) -> torch.Tensor:
+        """``[max_reqs, max_spec_tokens]``: where the model writes the state after each token
+        of a request's newest speculative step (a decode with lookahead); ``commit`` keeps
+        the accepted one as the request's slot."""
+        return self.state.spec_state
 
     @property
     def handle_to_token(self) -> torch.Tensor:
@@ -266,7 +296,8 @@ class HybridAllocator:
 
     # ---- queries (host only) -----------------------------------------------------------------
     def n_free(self, pool: str = "full") -> int:
-        """Free pages of ``pool`` (``"full"`` or ``"swa"``). O(1)."""
+        """Free pages of ``pool`` (``"full"`` or ``"swa"``), or free recurrent-state slots
+        (``"state"``). O(1)."""
         return self.queries.n_free(pool)
 
     @property

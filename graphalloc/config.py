@@ -175,6 +175,11 @@ class AllocatorConfig:
         max_step_pages: page lanes freed in one step, all release rows together.
         max_step_tokens: tokens allocated in one step, all allocation rows together.
         validate: device-side validation inside the kernels (debug; off by default).
+        max_handles: prefix-sharing handles (pool mode); 0 turns sharing off.
+        num_state_slots: recurrent-state slots (Mamba, linear attention): a slot per request,
+            one per prefix-cache snapshot, ``1 + k`` per speculative step in flight; 0: none.
+        max_spec_tokens: tokens of one speculative step that get a state slot each (1 + k);
+            0 picks 8.
 
     Every field is checked when the config is built: counts must be ints (numpy
     integers are accepted and stored as ``int``; bools are refused), ``validate`` a
@@ -200,6 +205,8 @@ class AllocatorConfig:
     max_step_tokens: int = 0  # 0: max_alloc_rows + max_tokens_per_alloc_row
     validate: bool = False
     max_handles: int = 0  # prefix-sharing handles (pool mode); 0: sharing off
+    num_state_slots: int = 0  # recurrent-state slots (ids 1..S, 0 the sink); 0: none
+    max_spec_tokens: int = 0  # state slots of one speculative step (1 + k); 0: 8
 
     def __post_init__(self) -> None:
         def fix(name: str, value) -> None:
@@ -213,6 +220,10 @@ class AllocatorConfig:
                                       "0 is pool mode"))
         fix("max_handles", _as_int(where, "max_handles", self.max_handles, 0,
                                    "0 turns prefix sharing off"))
+        fix("num_state_slots", _as_int(where, "num_state_slots", self.num_state_slots, 0,
+                                       "0: the model has no recurrent layers"))
+        fix("max_spec_tokens", _as_int(where, "max_spec_tokens", self.max_spec_tokens, 0,
+                                       "0 picks 8") or 8)
         if self.max_handles and self.swa_ring_pages:
             raise ConfigError(f"{where}max_handles={self.max_handles} with swa_ring_pages="
                               f"{self.swa_ring_pages}: prefix sharing needs pool mode (a ring "
@@ -336,6 +347,21 @@ class AllocatorConfig:
     def num_full_slots(self) -> int:
         """Length of ``full_to_swa``: ``(num_full_pages + 1) * page_size``."""
         return (self.num_full_pages + 1) * self.page_size
+
+    @property
+    def has_states(self) -> bool:
+        """Whether requests hold recurrent-state slots (``num_state_slots > 0``)."""
+        return self.num_state_slots > 0
+
+    @property
+    def max_state_rows(self) -> int:
+        """State rows of one step's descriptor: a slot write per request row and handle, a
+        copy per handle taken and per request admitted on one, the speculative slots of each
+        allocating row, six per row (0 without state slots)."""
+        if not self.num_state_slots:
+            return 0
+        per_step = -(-self.max_spec_tokens // 6)  # six slots per speculative row
+        return 2 * (self.max_reqs + self.max_handles) + self.max_alloc_rows * per_step
 
     def frozen_shapes(self) -> dict[str, int]:
         """Every shape a captured step graph freezes: ``req_to_token``'s ``max_reqs`` x

@@ -20,7 +20,7 @@ import torch
 
 from .config import AllocatorConfig
 from .device.buckets import grid_of
-from .device.executor import lanes_of
+from .device.executor import lanes_of, states_of
 from .diagnostics import checkpoint, integrity
 from .diagnostics.inspection import read_fault
 from .diagnostics.sync_points import sync_allowed
@@ -63,6 +63,36 @@ def check_arguments(config, n_descriptor_bufs, fused_step, prefix_cache, page_ta
     if prefix_cache and (config.ring_mode or config.max_handles == 0):
         raise ConfigError("prefix_cache=True needs pool mode and max_handles > 0 (each cache "
                           "entry is a handle)")
+
+
+def check_state_tensors(config, state_tensors) -> tuple:
+    """The registered state tensors as ``(tensor, slot_dim)`` pairs, checked before anything
+    is built: a sequence, only with state slots, each on the allocator's device with
+    ``num_state_slots + 1`` slots."""
+    from .kernels.errors import TensorSpecError
+    from .kernels.state import state_tensor_spec
+
+    if isinstance(state_tensors, torch.Tensor) or not isinstance(state_tensors, (list, tuple)):
+        raise ConfigError("state_tensors takes a list of tensors or (tensor, slot_dim) pairs, "
+                          f"got {type(state_tensors).__name__}")
+    if state_tensors and not config.num_state_slots:
+        raise ConfigError("state_tensors need recurrent-state slots: build the config with "
+                          "num_state_slots > 0")
+    out = []
+    for i, entry in enumerate(state_tensors):
+        try:
+            t, dim = state_tensor_spec(entry)
+        except TensorSpecError as exc:
+            raise ConfigError(f"state_tensors[{i}]: {exc}") from None
+        if t.shape[dim] != config.num_state_slots + 1:
+            raise ConfigError(f"state_tensors[{i}] has {t.shape[dim]} slots on dimension "
+                              f"{dim}; it needs num_state_slots + 1 = "
+                              f"{config.num_state_slots + 1} (slot 0 the sink)")
+        if t.device != torch.device(config.device):
+            raise ConfigError(f"state_tensors[{i}] is on {t.device}, the allocator on "
+                              f"{config.device}")
+        out.append((t, dim))
+    return tuple(out)
 
 
 # ---- the blocks' rules -----------------------------------------------------------------------
@@ -272,10 +302,16 @@ def launch(alloc, buffer_index, fusable, n_rows) -> None:
                 f"launch(n_rows={n_rows!r}): the pending step has {pending.n_release_rows} "
                 f"release and {pending.n_alloc_rows} allocation rows; launch at least that "
                 "many (PlannedStep.fits_rows tells which captured launch fits)")
+        counts = pending.state_counts
         if grid.n_programs == 0:
+            if counts:
+                alloc.kernels.launch_states(alloc.ring.state_rows(index), counts)
             return
+    else:
+        counts = None  # a capture: the state kernels' fixed programs
     alloc.kernels(alloc.ring.release_rows(index), alloc.ring.alloc_rows(index),
-                  fusable=fusable, grid=grid, lane_rows=lanes_of(alloc, index))
+                  fusable=fusable, grid=grid, lane_rows=lanes_of(alloc, index),
+                  state_rows=states_of(alloc, index), state_counts=counts)
 
 
 # ---- queries that are dry runs ---------------------------------------------------------------

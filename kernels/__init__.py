@@ -9,6 +9,7 @@ shares the launcher's signature:
 * ``get_and_clear`` -- the single-call ``get_and_clear_swa_pages`` op
 * ``page_table`` -- the attention batch's FULL/SWA page tables (CSR and block-table forms)
 * ``paged_attention`` -- paged decode attention reading only those CSR tables
+* ``state`` -- recurrent-state slots: the slot table written and state tensors copied
 * ``error_word`` -- the device error word both write faults to
 
 Most users want :class:`graphalloc.HybridAllocator`, not these.
@@ -20,6 +21,13 @@ from .get_and_clear import get_and_clear_swa_pages, get_and_clear_swa_pages_torc
 from .page_table import write_page_tables, write_page_tables_torch
 from .paged_attention import paged_decode_attention, paged_decode_attention_torch
 from .release import release_pages, release_pages_torch
+from .state import (
+    copy_state_rows,
+    copy_state_rows_torch,
+    state_tensor_spec,
+    write_state_rows,
+    write_state_rows_torch,
+)
 from .step import run_step_fused, run_step_fused_torch
 
 __all__ = [
@@ -36,4 +44,9 @@ __all__ = [
     "write_page_tables_torch",
     "paged_decode_attention",
     "paged_decode_attention_torch",
+    "write_state_rows",
+    "write_state_rows_torch",
+    "copy_state_rows",
+    "copy_state_rows_torch",
+    "state_tensor_spec",
 ]

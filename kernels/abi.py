@@ -162,3 +162,41 @@ __all__ += [  # appended: the step-descriptor section above stays as it is
     "PT_REQ", "PT_SEQ_LEN", "PT_END_PAGE", "PT_SWA_FIRST", "PT_FULL_OFF", "PT_SWA_OFF",
     "PT_LAST_LEN", "PT_WINDOW_START",
 ]
+
+
+# =========================================================================================
+# State rows (recurrent-state slots; kernels.state, graphalloc.plan.states)
+# =========================================================================================
+#
+# A fourth section of the step descriptor when the allocator has recurrent-state slots:
+# a header row, then one int64 row of ROW_WIDTH columns per state copy, then one per
+# state-table write, planned on the host (which knows every slot id: the state pool is a
+# host-only FIFO), read by kernels.state.
+#
+#     header (row 0):  col 0 ST_N_COPY  copy rows that follow;  col 1 ST_N_TABLE  table rows
+#                      after them (the kernels loop to these counts: padding costs nothing)
+#
+#     col  name     meaning
+#     0    ST_KIND  ST_SET | ST_COPY | ST_SPEC; 0 marks a padded row
+#     1    ST_A     ST_SET / ST_SPEC: index into the state table; ST_COPY: the source slot
+#     2    ST_B     ST_SET: the slot written there; ST_COPY: the destination slot;
+#     2..7          ST_SPEC: up to ST_SPEC_SLOTS slots, written at A, A + 1, ... (a 0 ends)
+#
+#     ST_COPY: for every registered state tensor t: t[.., B, ..] = t[.., A, ..]   (a snapshot
+#              taken, a snapshot restored). The planner guarantees no destination is a
+#              source of the same step, so the copies run in parallel.
+#     ST_SET:  state_table[A] = B          (a request's slot, a handle's snapshot; one row
+#                                           per index: the planner keeps the last write)
+#     ST_SPEC: state_table[A + i] = row[2 + i]  (the slots after the tokens of a speculative
+#                                           step, six per row)
+#
+# The state table: [0, max_reqs) requests' slots, [max_reqs, max_reqs + max_handles)
+# handles' snapshots, then max_reqs x max_spec_tokens slots of each request's newest
+# speculative step (row-major), then one scratch entry.
+ST_KIND, ST_A, ST_B = 0, 1, 2
+ST_SET, ST_COPY, ST_SPEC = 1, 2, 3
+ST_SPEC_SLOTS = ROW_WIDTH - 2  # slots one ST_SPEC row carries
+ST_N_COPY, ST_N_TABLE = 0, 1  # columns of the header row
+
+__all__ += ["ST_KIND", "ST_A", "ST_B", "ST_SET", "ST_COPY", "ST_SPEC", "ST_SPEC_SLOTS",
+            "ST_N_COPY", "ST_N_TABLE"]

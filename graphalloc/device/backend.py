@@ -13,6 +13,11 @@ a release program writes); ``StepBuilder.fusable`` says so per step, and the
 caller passes it in. A :class:`~graphalloc.device.graph.StepGraph` captures both
 variants per descriptor buffer and replays the one the step allows.
 
+With recurrent-state slots the step's state section (:mod:`graphalloc.kernels.state`) follows:
+one launch writes the state table, one per registered state tensor copies snapshots. Their
+programs loop to the section header's counts, so a graph captured over the whole section
+costs what the step's state rows do.
+
 Grid: a launch covers the first rows of each table that a
 :class:`~graphalloc.device.buckets.StepGrid` names (the eager executor: exactly the step's
 rows, ``StepKernels.grids.exact``; a graph: the bucket it was captured for), with
@@ -43,9 +48,13 @@ class StepKernels:
     the device has finished.
     """
 
+    STATE_TABLE_PROGRAMS = 32  # a graph's programs over the state table rows (a loop each)
+    STATE_COPY_PROGRAMS = 8  # ... over the state copy rows (each x up to 64 over a slot)
+
     def __init__(self, config: AllocatorConfig, state: DeviceState, *, fused: bool = False,
-                 tables=None):
+                 tables=None, state_tensors=()):
         self.config = config
+        self.state_tensors = tuple(state_tensors)  # copied by ST_COPY rows (fixed: graphs)
         self.tables = tables  # the step's attention tables (AttentionTables), or None
         self.state = state
         self.fused = bool(fused)
@@ -63,21 +72,29 @@ class StepKernels:
             from ..kernels.step import run_step_fused
             self._release, self._allocate = release_pages, allocate_tokens
             self._step = run_step_fused
+            from ..kernels.state import copy_state_rows, write_state_rows
         else:
             from ..kernels.allocate import allocate_tokens_torch
             from ..kernels.release import release_pages_torch
             from ..kernels.step import run_step_fused_torch
             self._release, self._allocate = release_pages_torch, allocate_tokens_torch
             self._step = run_step_fused_torch
+            from ..kernels.state import copy_state_rows_torch as copy_state_rows
+            from ..kernels.state import write_state_rows_torch as write_state_rows
+        self._write_states, self._copy_states = write_state_rows, copy_state_rows
 
     def __call__(self, release_rows: torch.Tensor, alloc_rows: torch.Tensor, *,
                  fusable: bool = False, grid: StepGrid | None = None,
-                 lane_rows: torch.Tensor | None = None) -> None:
+                 lane_rows: torch.Tensor | None = None, state_rows: torch.Tensor | None = None,
+                 state_counts: tuple[int, int] | None = None) -> None:
         """Run the step in ``release_rows`` / ``alloc_rows``. ``fusable``: the step's
         ``PlannedStep.fusable``; with it and ``fused=True`` the step is one launch,
         otherwise release then allocation (a table with no rows in ``grid`` is not
         launched). ``grid``: the rows and chunks to launch (None: every row, one program
-        each); it must cover the step's rows."""
+        each); it must cover the step's rows. ``lane_rows`` / ``state_rows``: the buffer's
+        attention-lane and recurrent-state sections (None: the allocator has none);
+        ``state_counts``: the step's ``(n_copy, n_table)`` state rows (eager: exact
+        programs, nothing launched for none) or None (a graph: fixed programs)."""
         cfg, st, common = self.config, self.state, self._common
         if grid is None:
             n_rel = n_al = None
@@ -90,17 +107,30 @@ class StepKernels:
                        n_alloc_lanes=cfg.max_step_tokens, epochs=self._epochs,
                        n_release_rows=n_rel, n_alloc_rows=n_al, n_release_chunks=rel_chunks,
                        n_alloc_chunks=al_chunks, **common, **self._warps())
-            if lane_rows is not None:
-                self.tables.launch(lane_rows)
-            return
-        self._release(release_rows, *self._tables, st.err_buf, n_lanes=cfg.max_step_pages,
-                      epochs=self._epochs, n_rows=n_rel, n_chunks=rel_chunks, **common,
-                      **self._warps())
-        self._allocate(alloc_rows, *self._tables, st.out_full_buf, st.out_swa_buf, st.err_buf,
-                       n_lanes=cfg.max_step_tokens, n_rows=n_al, n_chunks=al_chunks, **common,
-                       **self._warps())
+        elif n_rel is None or n_rel or n_al:
+            self._release(release_rows, *self._tables, st.err_buf, n_lanes=cfg.max_step_pages,
+                          epochs=self._epochs, n_rows=n_rel, n_chunks=rel_chunks, **common,
+                          **self._warps())
+            self._allocate(alloc_rows, *self._tables, st.out_full_buf, st.out_swa_buf,
+                           st.err_buf, n_lanes=cfg.max_step_tokens, n_rows=n_al,
+                           n_chunks=al_chunks, **common, **self._warps())
         if lane_rows is not None:
             self.tables.launch(lane_rows)
+        if state_rows is not None:
+            self.launch_states(state_rows, state_counts)
+
+    def launch_states(self, state_rows: torch.Tensor, counts: tuple[int, int] | None) -> None:
+        """The state section's kernels: the table writes, then one copy launch per state
+        tensor. ``counts``: ``(n_copy, n_table)`` (exact programs; a zero skips the launch)
+        or None (the fixed programs of a captured graph)."""
+        if counts is None:
+            n_copy, n_table = self.STATE_COPY_PROGRAMS, self.STATE_TABLE_PROGRAMS
+        else:
+            n_copy, n_table = counts
+        if n_table:
+            self._write_states(state_rows, self.state.state_table_buf, n_table)
+        if n_copy and self.state_tensors:
+            self._copy_states(state_rows, self.state_tensors, n_copy)
 
     def _warps(self) -> dict:
         # Passed only when set, so a launcher (or a test's stand-in) without the option works.

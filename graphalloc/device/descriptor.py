@@ -31,14 +31,14 @@ class DescriptorRing:
     """
 
     def __init__(self, n_release_rows: int, n_alloc_rows: int, device: torch.device,
-                 n_bufs: int = 2, n_lane_rows: int = 0):
+                 n_bufs: int = 2, n_lane_rows: int = 0, n_state_rows: int = 0):
         if n_bufs < 1:
             raise ValueError(f"n_bufs must be >= 1, got {n_bufs}")
         self.n_release_rows = n_release_rows
         self.n_alloc_rows = n_alloc_rows
         self.is_cuda = device.type == "cuda"
-        self.n_lane_rows = n_lane_rows
-        shape = (n_release_rows + n_alloc_rows + n_lane_rows, ROW_WIDTH)
+        self.n_lane_rows, self.n_state_rows = n_lane_rows, n_state_rows
+        shape = (n_release_rows + n_alloc_rows + n_lane_rows + n_state_rows, ROW_WIDTH)
         self.bufs = [torch.zeros(shape, dtype=torch.int64, pin_memory=self.is_cuda)
                      for _ in range(n_bufs)]
         # numpy views share memory with the (pinned) tensors: the planner writes here.
@@ -46,7 +46,11 @@ class DescriptorRing:
         # Fixed views the kernels read (made once: slicing a tensor costs microseconds).
         self._release_views = [b[:n_release_rows] for b in self.bufs]
         self._alloc_views = [b[n_release_rows:n_release_rows + n_alloc_rows] for b in self.bufs]
-        self._lane_views = [b[n_release_rows + n_alloc_rows:] for b in self.bufs]
+        lanes = n_release_rows + n_alloc_rows
+        self._lane_views = [b[lanes:lanes + n_lane_rows] for b in self.bufs]
+        self._state_base = lanes + n_lane_rows
+        self._state_views = [b[self._state_base:] for b in self.bufs]
+        self.state_used = [0] * n_bufs  # state rows written last time, per buffer
         self.events: list[torch.cuda.Event | None] = [None] * n_bufs
         # The stream submitted() records on, cached by its raw handle: building a Stream
         # object (torch.cuda.current_stream()) costs microseconds on every step.
@@ -77,7 +81,22 @@ class DescriptorRing:
     def write_lanes(self, index: int, rows: np.ndarray) -> None:
         """Copy a step's lane rows in (all ``n_lane_rows`` of them: padding lanes carry the
         running offsets). O(B)."""
-        self.np_bufs[index][self.n_release_rows + self.n_alloc_rows:] = rows
+        base = self.n_release_rows + self.n_alloc_rows
+        self.np_bufs[index][base:base + self.n_lane_rows] = rows
+
+    def state_rows(self, index: int) -> torch.Tensor:
+        """Buffer ``index``'s recurrent-state rows (``[n_state_rows, 8]``; empty without
+        state slots)."""
+        return self._state_views[index]
+
+    def write_states(self, index: int, rows: np.ndarray) -> None:
+        """Copy a step's state rows in; rows past them become padding. O(rows)."""
+        buf, base, n = self.np_bufs[index], self._state_base, len(rows)
+        buf[base:base + n] = rows
+        old = self.state_used[index]
+        if old > n:
+            buf[base + n:base + old] = 0
+        self.state_used[index] = n
 
     def acquire(self) -> int:
         """Index of the next buffer, after making sure the GPU is done reading it."""

@@ -31,7 +31,8 @@ import weakref
 
 from ..errors import ConfigError
 
-__all__ = ["Executor", "EagerExecutor", "make_executor", "warm_up", "launch_exact", "lanes_of"]
+__all__ = ["Executor", "EagerExecutor", "make_executor", "warm_up", "launch_exact", "lanes_of",
+           "states_of"]
 
 
 class Executor:
@@ -86,12 +87,13 @@ def warm_up(alloc, n: int = 1) -> None:
         with torch.cuda.stream(side):
             for i in range(len(ring)):
                 ring.write(i, ring.np_bufs[i][:0], ring.np_bufs[i][:0])
-            lanes = lanes_of(alloc, 0)
+            lanes, states = lanes_of(alloc, 0), states_of(alloc, 0)
             for _ in range(n):
-                alloc.kernels(ring.release_rows(0), ring.alloc_rows(0), lane_rows=lanes)
+                alloc.kernels(ring.release_rows(0), ring.alloc_rows(0), lane_rows=lanes,
+                              state_rows=states)
                 if alloc.kernels.fused:
                     alloc.kernels(ring.release_rows(0), ring.alloc_rows(0), fusable=True,
-                                  lane_rows=lanes)
+                                  lane_rows=lanes, state_rows=states)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()  # sync ok: one-time construction
 
@@ -103,15 +105,25 @@ def launch_exact(alloc, planned) -> bool:
     kernels, ring, index = alloc.kernels, alloc.ring, planned.buffer_index
     fused = planned.fusable and kernels.fused
     grid = kernels.grids.exact(planned.n_release_rows, planned.n_alloc_rows, planned.n_tokens)
+    counts = planned.state_counts
     if grid.n_release_rows or grid.n_alloc_rows:
         kernels(ring.release_rows(index), ring.alloc_rows(index), fusable=planned.fusable,
-                grid=grid, lane_rows=lanes_of(alloc, index))
+                grid=grid, lane_rows=lanes_of(alloc, index),
+                state_rows=states_of(alloc, index) if counts else None, state_counts=counts)
+    elif counts:  # state rows only (a snapshot taken, a commit): the state kernels
+        kernels.launch_states(ring.state_rows(index), counts)
     return fused
 
 
 def lanes_of(alloc, index: int):
     """Buffer ``index``'s lane rows when the allocator writes page tables, else None."""
     return alloc.ring.lane_rows(index) if alloc.kernels.tables is not None else None
+
+
+def states_of(alloc, index: int):
+    """Buffer ``index``'s recurrent-state section when the allocator has state slots, else
+    None."""
+    return alloc.ring.state_rows(index) if alloc.config.num_state_slots else None
 
 
 class EagerExecutor(Executor):

@@ -20,6 +20,10 @@ err_buf           [8] int64                                    device error word
 full_epoch_buf    [num_full_pages + 1] int64                   validate mode: the epoch
 swa_epoch_buf     [num_swa_pages + 1] int64                    (step) that last pushed
                                                                each page to its ring
+state_table_buf   [max_reqs + max_handles + max_reqs * K + 1]  recurrent-state slots: a
+                  (K = max_spec_tokens; [1] without states)    request's, a handle's
+                                                               snapshot, a request's newest
+                                                               speculative step's
 ================  ===========================================  ======================
 
 The epoch tables are scratch of the validate-mode duplicate-push check (see
@@ -54,13 +58,17 @@ class DeviceState:
         self.err_buf = new_error_word(dev)
         self.full_epoch_buf = torch.zeros(cfg.num_full_pages + 1, dtype=torch.int64, device=dev)
         self.swa_epoch_buf = torch.zeros(cfg.num_swa_pages + 1, dtype=torch.int64, device=dev)
+        n_state = (cfg.max_reqs + cfg.max_handles + cfg.max_reqs * cfg.max_spec_tokens
+                   if cfg.num_state_slots else 0)
+        self.state_table_buf = torch.zeros(n_state + 1, dtype=dt, device=dev)
         self.reset()
 
     def reset(self) -> None:
         """Every page free, in order 1..n; no mappings; no faults. In place."""
         cfg = self.config
         for name in ("full_to_swa_buf", "req_to_token_buf", "ring_pages_buf", "out_full_buf",
-                     "out_swa_buf", "err_buf", "full_epoch_buf", "swa_epoch_buf"):
+                     "out_swa_buf", "err_buf", "full_epoch_buf", "swa_epoch_buf",
+                     "state_table_buf"):
             getattr(self, name).zero_()
         dev, dt = cfg.device, cfg.index_dtype
         self.full_free_buf[:-1].copy_(torch.arange(1, cfg.num_full_pages + 1, dtype=dt, device=dev))
@@ -94,6 +102,26 @@ class DeviceState:
     def ring_pages(self) -> torch.Tensor:
         return self.ring_pages_buf[:-1]
 
+    @property
+    def req_to_state(self) -> torch.Tensor:
+        """``[max_reqs]``: each request's recurrent-state slot (0: none)."""
+        return self.state_table_buf[:self.config.max_reqs]
+
+    @property
+    def handle_to_state(self) -> torch.Tensor:
+        """``[max_handles]``: each handle's state snapshot slot (0: none)."""
+        cfg = self.config
+        return self.state_table_buf[cfg.max_reqs:cfg.max_reqs + cfg.max_handles]
+
+    @property
+    def spec_state(self) -> torch.Tensor:
+        """``[max_reqs, max_spec_tokens]``: the state slot after each token of a request's
+        newest speculative step."""
+        cfg = self.config
+        base = cfg.max_reqs + cfg.max_handles
+        n = cfg.max_reqs * cfg.max_spec_tokens if cfg.num_state_slots else 0
+        return self.state_table_buf[base:base + n].view(-1, cfg.max_spec_tokens)
+
     def tables(self) -> dict[str, torch.Tensor]:
         """The state that defines the allocator (for snapshots, digests and comparisons)."""
         return {
@@ -104,4 +132,6 @@ class DeviceState:
             "ring_pages": self.ring_pages,
             "err": self.err_buf,
             **({"handle_to_token": self.handle_to_token} if self.n_handles else {}),
+            **({"state_table": self.state_table_buf[:-1]} if self.config.num_state_slots
+               else {}),
         }

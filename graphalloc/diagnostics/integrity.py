@@ -8,7 +8,9 @@ ledger and lists every discrepancy. The conservation law, per pool::
 with no page both free and owned, none owned twice, page 0 never free or
 owned, ``full_to_swa`` page-dense (every full page's slots are all 0, or all
 ``swa_page * ps + offset``), mapped exactly where a request owns an SWA peer
-(no stale mapping), and ``req_to_token`` page-consistent.
+(no stale mapping), and ``req_to_token`` page-consistent. With recurrent-state slots
+(:func:`audit_slots`): every slot free or held exactly once (free + held == slots), and the
+device's state table equal to the host's slots.
 :func:`check_integrity` raises :class:`~graphalloc.errors.IntegrityError` on the
 first finding, with the numbers.
 
@@ -26,7 +28,8 @@ from ..errors import IntegrityError
 from ..kernels.abi import ERR_CODES, ERR_PAGE, ERR_REQ
 from .sync_points import sync_allowed
 
-__all__ = ["Finding", "snapshot", "audit", "audit_state", "check_integrity", "ownership"]
+__all__ = ["Finding", "snapshot", "audit", "audit_state", "audit_slots", "check_integrity",
+           "ownership"]
 
 
 @dataclasses.dataclass
@@ -230,7 +233,7 @@ def audit_state(config, ledger, snap: dict) -> list[Finding]:
         findings.append(Finding("host_ledger", "-", -1, -1, str(exc)))
     if ledger.refs is not None:  # pool mode: exact, against the host mirror
         findings += audit_references(config, ledger, snap)
-        return findings + _error_word_findings(snap)
+        return findings + audit_slots(config, ledger, snap) + _error_word_findings(snap)
     own = ownership(config, ledger, snap)
     findings += _audit_pool("FULL", config.num_full_pages, own["full_free"], own["full"])
     findings += _audit_pool("SWA", config.num_swa_pages, own["swa_free"], own["swa"])
@@ -273,7 +276,47 @@ def audit_state(config, ledger, snap: dict) -> list[Finding]:
     for v in vals[counts > 1][:8]:
         findings.append(Finding("double_owner", "SWA", int(v), -1,
                                 f"SWA page {v} is the peer of {counts[vals == v][0]} full pages"))
-    return findings + _error_word_findings(snap)
+    return findings + audit_slots(config, ledger, snap) + _error_word_findings(snap)
+
+
+def audit_slots(config, ledger, snap: dict) -> list[Finding]:
+    """Recurrent-state slots: each of ``1..num_state_slots`` exactly once free or held (by a
+    request, a handle's snapshot or a speculative token), and the device table (requests',
+    handles', each request's newest speculative step's slots) equal to the host's."""
+    n_slots = config.num_state_slots
+    if not n_slots:
+        return []
+    findings: list[Finding] = []
+    ring = ledger.state_ring
+    head, n_free = int(ledger.states.head), int(ledger.states.n_free)
+    free = ring[(head + np.arange(n_free)) % len(ring)]
+    held = np.concatenate([ledger.state_slot, ledger.spec_state.reshape(-1)])
+    seen = np.concatenate([free, held[held != 0]])
+    counts = np.bincount(np.clip(seen, 0, n_slots + 1), minlength=n_slots + 2)
+    for slot in np.flatnonzero(counts[1:n_slots + 1] != 1)[:8] + 1:
+        kind = "slot_leak" if counts[slot] == 0 else "slot_double_owner"
+        findings.append(Finding(kind, "STATE", int(slot), -1,
+                                f"state slot {slot} is free or held {counts[slot]} times"))
+    if counts[0] or counts[n_slots + 1]:
+        findings.append(Finding("slot_range", "STATE", -1, -1,
+                                f"a state slot outside 1..{n_slots} is free or held"))
+    table = snap["state_table"]
+    n = config.max_reqs + config.max_handles
+    for i in np.flatnonzero(table[:n] != ledger.state_slot)[:8]:
+        who = f"request {i}" if i < config.max_reqs else f"handle {i - config.max_reqs}"
+        findings.append(Finding("state_table", "STATE", int(table[i]), int(i),
+                                f"{who}: the device's state slot {table[i]}, the host's "
+                                f"{ledger.state_slot[i]}"))
+    spec = table[n:].reshape(config.max_reqs, config.max_spec_tokens)
+    depth = np.count_nonzero(ledger.spec_steps, axis=1)
+    for r in np.flatnonzero(depth)[:64]:
+        host = ledger.spec_state[r, depth[r] - 1]
+        k = int(np.count_nonzero(host))
+        if (spec[r, :k] != host[:k]).any():
+            findings.append(Finding("spec_state", "STATE", -1, int(r),
+                                    f"request {r}: the device's speculative slots "
+                                    f"{spec[r, :k].tolist()}, the host's {host[:k].tolist()}"))
+    return findings
 
 
 def _error_word_findings(snap: dict) -> list[Finding]:

@@ -75,7 +75,7 @@ static PyObject *Planner_bind_ledger(Planner *P, PyObject *args) {
         !(P->h_live = bind(P, o[6], 1, "?", nh, "h_live")) ||
         !(P->h_len = bind(P, o[7], 8, "lq", nh, "h_len")) ||
         !(P->h_swa = bind(P, o[8], 8, "lq", nh, "h_swa_start")) ||
-        !(P->rings = bind(P, o[9], 8, "lq", 4, "rings")))
+        !(P->rings = bind(P, o[9], 8, "lq", 6, "rings")))
         return NULL;
     Py_RETURN_NONE;
 }

@@ -39,6 +39,7 @@ from ..kernels.abi import (
     AL_SWA_POP,
     ROW_WIDTH,
 )
+from . import states
 from .context import PlanContext, first_repeat
 from .frees import drop_handles
 from .refusals import Refusal, kind_id
@@ -102,6 +103,8 @@ def take(ctx: PlanContext, handles: np.ndarray, rows: np.ndarray, n: np.ndarray)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise Refusal(11, k, int(rows[i]), int(n[i]), int(limit[i]))
+    if ctx.has_states:
+        states.take(ctx, handles, rows, n)
     put = ctx.journal.put
     swa_start = np.minimum(led.frontier[rows], n)
     put(led.h_live, handles, True)
@@ -123,6 +126,9 @@ def admit(ctx: PlanContext, rows: np.ndarray) -> None:
         need = cfg.swa_ring_pages * len(rows)
         if need > led.swa.n_free:
             raise Refusal(30, kind_id("admit"), int(rows[0]), led.swa.n_free, need)
+    if ctx.has_states:
+        states.need(ctx, len(rows), "admit", int(rows[0]))
+        states.admit(ctx, rows)
     led.reset_rows(rows, live=True)
     ctx.admitted[rows] = True
     if not cfg.ring_mode:
@@ -161,6 +167,8 @@ def admit_on(ctx: PlanContext, rows: np.ndarray, handles: np.ndarray, n: np.ndar
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise Refusal(12, k, int(handles[i]), int(n[i]), int(h_len[i]))
+    if ctx.has_states:
+        states.admit_on(ctx, rows, handles, n, h_len)
     led.reset_rows(rows, live=True)
     ctx.admitted[rows] = True
     swa_start = np.minimum(led.h_swa_start[handles], n)
@@ -173,17 +181,19 @@ def admit_on(ctx: PlanContext, rows: np.ndarray, handles: np.ndarray, n: np.ndar
         _hold(ctx, r, cfg.max_reqs + h, m, s)
 
 
-def _reclaim(ctx: PlanContext, need_full: int, need_swa: int) -> None:
+def reclaim(ctx: PlanContext, need_full: int, need_swa: int, need_states: int = 0) -> None:
     """Drop the prefix cache's offered entries, in its order, until the pools hold
-    ``need_full`` / ``need_swa`` free pages or the offer runs out: SWA by tombstoning first,
-    then FULL by evicting. Each drop is its own drop call (push order)."""
+    ``need_full`` / ``need_swa`` free pages (and ``need_states`` free state slots) or the
+    offer runs out: SWA by tombstoning first, then FULL (and state snapshots) by evicting.
+    Each drop is its own drop call (push order)."""
     led = ctx.ledger
-    for pool, tombstone in ((1, True), (0, False)):
+    for pool, tombstone in ((1, True), (0, False), (2, False)):
         offer = ctx.reclaim[0 if tombstone else 1]
-        ring, need = (led.swa, need_swa) if tombstone else (led.full, need_full)
-        while ring.n_free < need and ctx.reclaim_next[pool ^ 1] < len(offer):
-            h = int(offer[ctx.reclaim_next[pool ^ 1]])
-            ctx.reclaim_next[pool ^ 1] += 1
+        ring, need = ((led.swa, need_swa) if tombstone else (led.full, need_full) if pool == 0
+                      else (led.states, need_states))
+        while ring.n_free < need and ctx.reclaim_next[int(not tombstone)] < len(offer):
+            h = int(offer[ctx.reclaim_next[int(not tombstone)]])
+            ctx.reclaim_next[int(not tombstone)] += 1
             if (not led.h_live[h] or ctx.written_handles[h] or ctx.dropped_handles[h]
                     or (tombstone and led.h_swa_start[h] >= led.h_len[h])):
                 continue  # gone, busy in this step, or already tombstoned
@@ -229,7 +239,7 @@ def extend(ctx: PlanContext, rows: np.ndarray, n_tokens: np.ndarray, kind: str,
     need_full = int(new_pages.sum())
     need_swa = 0 if cfg.ring_mode else need_full
     if (need_full > led.full.n_free or need_swa > led.swa.n_free) and ctx.reclaim is not None:
-        _reclaim(ctx, need_full, need_swa)
+        reclaim(ctx, need_full, need_swa)
     for pool, ring, need in ((0, led.full, need_full), (1, led.swa, need_swa)):
         if need > ring.n_free:
             raise Refusal(28, k, pool, need - ring.n_free, ring.n_free)
@@ -238,6 +248,9 @@ def extend(ctx: PlanContext, rows: np.ndarray, n_tokens: np.ndarray, kind: str,
         if (span > cfg.swa_ring_pages).any():
             i = int(np.flatnonzero(span > cfg.swa_ring_pages)[0])
             raise Refusal(29, k, int(rows[i]), int(span[i]), cfg.swa_ring_pages)
+    depth = np.count_nonzero(spec, axis=1)  # each row's new speculative step index
+    if ctx.has_states and is_spec.any():
+        states.speculative(ctx, rows[is_spec], n_tokens[is_spec], depth[is_spec], kind)
     first_lane = ctx.n_tokens + np.cumsum(n_tokens) - n_tokens
     keep = n_tokens > 0
     k_rows, k_start, k_tok, k_pages, k_lane = (rows[keep], start[keep], n_tokens[keep],
@@ -265,8 +278,9 @@ def extend(ctx: PlanContext, rows: np.ndarray, n_tokens: np.ndarray, kind: str,
     put = ctx.journal.put
     put(led.seq_len, rows, end)
     if is_spec.any():  # the step joins the row's speculative steps (first empty slot)
-        put(led.spec_steps, (rows[is_spec], np.count_nonzero(spec[is_spec], axis=1)),
-            n_tokens[is_spec])
+        put(led.spec_steps, (rows[is_spec], depth[is_spec]), n_tokens[is_spec])
+        if ctx.has_states:
+            states.speculative_slots(ctx, rows[is_spec], n_tokens[is_spec], depth[is_spec])
     if not is_spec.all():
         put(led.committed, rows[~is_spec], end[~is_spec])
     ctx.allocated[rows] = True

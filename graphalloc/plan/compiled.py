@@ -224,6 +224,12 @@ class CompiledPlanner:
         """The twin for ``alloc``, or ``None`` when ``planner`` resolves to numpy."""
         if resolve_planner(planner) != "compiled":
             return None
+        if alloc.config.has_states:  # the twin does not plan state slots yet: numpy plans
+            if planner == "compiled":
+                raise ConfigError("planner='compiled' with num_state_slots > 0: the compiled "
+                                  "twin does not plan recurrent-state slots yet; use "
+                                  "planner='auto' (numpy plans such allocators)")
+            return None
         return cls(alloc)
 
     def _fresh_results(self, i: int) -> _Results:

@@ -83,6 +83,10 @@ class PlanContext:
         self.pages_freed = [0, 0]  # FULL, SWA
         self.pages_allocated = [0, 0]
         self.pages_evicted = 0  # SWA pages freed by frontier moves (part of pages_freed)
+        self.has_states = config.num_state_slots > 0
+        self.state_parts: list[np.ndarray] = []  # ST_SET / ST_COPY rows (plan.states)
+        self.state_freed = 0
+        self.taken_state = None  # per handle taken this step: the slot its snapshot copies
 
     # ---- validators ---------------------------------------------------------------------
     def live_rows(self, rows: np.ndarray, kind: str, repeats: bool = False) -> np.ndarray:

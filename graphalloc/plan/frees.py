@@ -47,6 +47,7 @@ from ..kernels.abi import (
 )
 from ..state.references import ACT_BOTH, ACT_FULL, ACT_SWA, drop_actions
 from ..state.window import window_targets
+from . import states
 from .context import PlanContext
 from .refusals import Refusal, kind_id
 
@@ -167,6 +168,8 @@ def release(ctx: PlanContext, rows: np.ndarray) -> None:
         add_release(ctx, rows, zero, ring, REL_RING_RETURN)
     else:  # drop FULL [0, L) and SWA [f, L): pages nobody else holds are freed
         _drop(ctx, rows, zero, end_page, frontier // ps, end_page)
+    if ctx.has_states:
+        states.release(ctx, rows)
     led.reset_rows(rows, live=False)
     ctx.released[rows] = True
 
@@ -211,6 +214,8 @@ def commit(ctx: PlanContext, rows: np.ndarray, n: np.ndarray) -> None:
     committed = led.committed[rows] + n
     later = led.spec_steps[rows, 1:]
     _cut(ctx, rows, committed + later.sum(axis=1))
+    if ctx.has_states:
+        states.commit(ctx, rows, n, oldest)
     put = ctx.journal.put
     put(led.committed, rows, committed)
     shifted = np.zeros((len(rows), led.SPEC_DEPTH), dtype=np.int64)
@@ -244,13 +249,18 @@ def trim(ctx: PlanContext, rows: np.ndarray, new_len: np.ndarray) -> None:
             end = shared_end(ctx, int(rows[i]))
             if new_len[i] < end:
                 raise Refusal(18, k, int(rows[i]), int(new_len[i]), end)
+    if ctx.has_states:
+        states.trim(ctx, rows, new_len)
     _cut(ctx, rows, new_len)
     committed = led.committed[rows]
     keep = new_len - committed  # speculative tokens kept, cut step by step (oldest first)
     steps = led.spec_steps[rows]
     before = np.cumsum(steps, axis=1) - steps
+    kept = np.clip(keep[:, None] - before, 0, steps)
+    if ctx.has_states:
+        states.trim_slots(ctx, rows, kept)
     put = ctx.journal.put
-    put(led.spec_steps, rows, np.clip(keep[:, None] - before, 0, steps))
+    put(led.spec_steps, rows, kept)
     put(led.committed, rows, np.minimum(committed, new_len))
 
 
@@ -321,6 +331,8 @@ def drop_handles(ctx: PlanContext, handles: np.ndarray, swa_only: np.ndarray,
     swa_lo = led.h_swa_start[handles] // ps
     zero = np.zeros(len(handles), dtype=np.int64)
     _drop(ctx, rows, zero, np.where(swa_only != 0, 0, n_pages), swa_lo, n_pages)
+    if ctx.has_states:
+        states.drop(ctx, handles, swa_only)
     put = ctx.journal.put
     tomb, whole = handles[swa_only != 0], handles[swa_only == 0]
     put(led.h_swa_start, tomb, led.h_len[tomb])

@@ -32,7 +32,7 @@ import weakref
 import numpy as np
 
 from ..errors import ContractError, LaunchError, PendingStepError
-from ..kernels.abi import REL_EPOCH, REL_N_PAGES, ROW_WIDTH
+from ..kernels.abi import REL_EPOCH, REL_N_PAGES, ROW_WIDTH, ST_N_COPY, ST_N_TABLE
 from .context import PlanContext
 from .reference import PlanOutcome, plan_step
 from .refusals import Refusal, to_error
@@ -110,7 +110,8 @@ class StepPipeline:
                     out = plan_step(ctx, arrays)
             except Refusal as refusal:
                 journal.rollback(mark[0])  # (the compiled twin rolled its own writes back)
-                if refusal.code == 28 and cache is not None and cache.n_unlocked > offered:
+                if (refusal.code in (28, 43) and cache is not None
+                        and cache.n_unlocked > offered):
                     offered = max(64, 2 * offered)  # the cache's entries, a few at a time
                     reclaim = cache.offer(offered)
                     continue
@@ -125,6 +126,8 @@ class StepPipeline:
             self.ring.write(index, out.release_rows, out.alloc_rows, fusable=out.fusable)
             if out.lanes is not None:
                 self.ring.write_lanes(index, out.lanes.rows)
+            if out.state_rows is not None:
+                self.ring.write_states(index, out.state_rows)
         return out
 
     def mark(self) -> tuple[int, int]:
@@ -162,7 +165,9 @@ class StepPipeline:
             index, len(out.release_rows), len(out.alloc_rows), out.n_tokens, out.pages_freed,
             out.pages_allocated, result, out.fusable, out.pages_evicted, owner_ref=self._alloc,
             reclaimed=out.reclaimed,
-            tables=None if out.lanes is None else self._tables(index, out.lanes))
+            tables=None if out.lanes is None else self._tables(index, out.lanes),
+            state_counts=(counts := _state_counts(out.state_rows)),
+            state_copies=None if counts is None else out.state_rows[1:1 + counts[0], 1:3])
         return self.pending
 
     def _tables(self, index: int, lanes):
@@ -212,7 +217,8 @@ class StepPipeline:
             raise LaunchError(f"launching the planned step raised {type(exc).__name__}: "
                               f"{exc}; the step was cancelled and the allocator is as before "
                               "it was planned") from exc
-        self.submit(planned, launched=bool(planned.n_release_rows or planned.n_alloc_rows))
+        self.submit(planned, launched=bool(planned.n_release_rows or planned.n_alloc_rows
+                                           or planned.state_counts))
         return planned.result
 
     def mark_submitted(self, planned: PlannedStep) -> None:
@@ -240,3 +246,10 @@ class StepPipeline:
         self.rollback(self._mark)
         planned.cancelled = True
         self.pending = None
+
+
+def _state_counts(rows) -> tuple[int, int] | None:
+    """``(n_copy, n_table)`` from a state section's header; None for no state rows."""
+    if rows is None or len(rows) < 2:
+        return None
+    return int(rows[0, ST_N_COPY]), int(rows[0, ST_N_TABLE])

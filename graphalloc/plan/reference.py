@@ -19,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from . import allocation, frees
+from . import allocation, frees, states
 from .context import PlanContext, first_repeat
 from .lanes import plan_lanes
 from .refusals import Refusal, kind_id
@@ -46,6 +46,7 @@ class PlanOutcome:
     result_n_tokens: np.ndarray
     reclaimed: list  # (handle, tombstone, FULL, SWA freed) the prefix cache's offer gave up
     lanes: object = None  # the attention lanes (plan.lanes.LaneOutcome), with page tables
+    state_rows: np.ndarray = None  # ST_SET / ST_COPY rows, with recurrent-state slots
 
 
 def _drops(ctx: PlanContext, a: StepArrays) -> None:
@@ -103,4 +104,5 @@ def plan_step(ctx: PlanContext, a: StepArrays) -> PlanOutcome:
         rows = first = n_tok = _EMPTY
     return PlanOutcome(release, alloc, ctx.n_tokens, tuple(ctx.pages_freed),
                        tuple(ctx.pages_allocated), ctx.pages_evicted, ctx.fusable, rows, first,
-                       n_tok, ctx.reclaimed, lanes)
+                       n_tok, ctx.reclaimed, lanes,
+                       states.finish(ctx) if ctx.has_states else None)

@@ -138,10 +138,25 @@ CODES: dict[int, tuple[type, str]] = {
                              "{limit}. Split the step, or build the allocator with a larger "
                              "{shape_name}"),
     36: (CapacityError, "{kind}: request row {row} is not free and every other row is taken"),
+    40: (PositionError, "{kind}: handle {row} holds a recurrent-state snapshot at {limit} "
+                        "tokens only, cannot share {value}: admit on the whole handle (the "
+                        "prefix cache matches at snapshot boundaries)"),
+    41: (PositionError, "{kind}: request {row} has a recurrent state at its committed "
+                        "length {limit} only (when the step begins), cannot snapshot {value} "
+                        "tokens: take the handle at {limit}"),
+    42: (PositionError, "{kind}: request {row}: a recurrent state cannot be rolled back below "
+                        "the committed length {limit}, cannot trim to {value}"),
+    43: (CapacityError, "{kind}: the step needs {value} recurrent-state slots; {limit} are "
+                        "free. Nothing was allocated: release requests or drop snapshots"),
+    44: (BatchTooLargeError, "{kind}: request {row}'s speculative step of {value} tokens "
+                             "needs a state slot per token; max_spec_tokens is {limit}"),
+    45: (CapacityError, "{kind}: state slot {value} is copied from in this step, so it cannot "
+                        "also be a copy's destination; the pool had no other free slot. "
+                        "Retry next step (the slot is free then)"),
 }
 
 # Refusals that mean "not now, for lack of room" (fits() -> False, try_step() -> None).
-SHORTAGE_CODES = frozenset({27, 28, 29, 30, 34, 35})
+SHORTAGE_CODES = frozenset({27, 28, 29, 30, 34, 35, 43, 45})
 
 
 class Refusal(Exception):

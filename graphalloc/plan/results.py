@@ -100,16 +100,20 @@ class PlannedStep:
     pages freed by frontier moves; ``fusable``: release and allocation may run as one
     launch; ``reclaimed``: the prefix cache's entries the step dropped; ``tables``: the
     attention tables' host copies (:class:`~graphalloc.attention.tables.PlannedTables`)
-    when the allocator writes page tables."""
+    when the allocator writes page tables; ``state_counts``: the step's ``(n_copy,
+    n_table)`` recurrent-state rows, None when it has none; ``state_copies``: int64
+    ``[n_copy, 2]`` (source slot, destination slot) the step copies in every registered state
+    tensor (an engine copying its own states reads these), None without state rows."""
 
     __slots__ = ("buffer_index", "n_release_rows", "n_alloc_rows", "n_tokens", "_freed",
                  "_allocated", "result", "fusable", "pages_evicted", "submitted", "owner_ref",
-                 "cancelled", "reclaimed", "tables")
+                 "cancelled", "reclaimed", "tables", "state_counts",
+                 "state_copies")
 
     def __init__(self, buffer_index: int, n_release_rows: int, n_alloc_rows: int,
                  n_tokens: int, pages_freed, pages_allocated, result=None,
                  fusable: bool = False, pages_evicted: int = 0, *, owner_ref=None,
-                 reclaimed=(), tables=None):
+                 reclaimed=(), tables=None, state_counts=None, state_copies=None):
         self.buffer_index, self.n_release_rows, self.n_alloc_rows = (buffer_index,
                                                                       n_release_rows,
                                                                       n_alloc_rows)
@@ -117,6 +121,8 @@ class PlannedStep:
         self._freed, self._allocated = _pair(pages_freed), _pair(pages_allocated)
         self.pages_evicted, self.submitted, self.cancelled = pages_evicted, False, False
         self.owner_ref, self.reclaimed, self.tables = _weak(owner_ref), reclaimed, tables
+        self.state_counts = state_counts  # (n_copy, n_table) state rows; None: none
+        self.state_copies = state_copies  # int64 [n_copy, 2]: (source, destination) slots
 
     @property
     def pages_freed(self) -> dict:

@@ -12,6 +12,14 @@ m)``, so a request admitted on m cached tokens needs the SWA pages of that windo
 still has (``cached_tokens``), and the longest FULL match (``full_tokens``) with how many
 tokens would then have to be recomputed (``recompute_tokens``).
 
+With recurrent-state slots (``num_state_slots > 0``) a prefix is usable only where a state
+snapshot exists, at an entry's end: ``cached_tokens`` is then the longest entry end (with its
+window) along the prompt, and ``state_recompute_tokens`` the matched tokens past it that the
+recurrent layers must recompute. :meth:`insert` caches a request at its committed length only
+(where its state is), when that is page-aligned (vLLM's "align" mode: chunk boundaries on
+pages); otherwise it caches nothing. Eviction under slot pressure drops whole entries (their
+snapshots come back), inside the step, like pages.
+
 Eviction (LRU, leaf first: an entry no other entry extends): when an allocation would be
 refused, the allocator plans the step again with :meth:`offer` -- the unlocked entries in
 eviction order -- and the planner drops as many as the step needs, inside the same step:
@@ -64,13 +72,16 @@ def page_keys(token_ids, page_size: int) -> list[bytes]:
 class CacheMatch:
     """``cached_tokens`` usable as they are (window present) with ``handle``;
     ``full_tokens`` the longest FULL match (``full_handle``), of which ``recompute_tokens``
-    at the end lack their SWA pages. Handles are ``-1`` when there is no match."""
+    at the end lack their SWA pages. With recurrent-state slots ``cached_tokens`` ends at an
+    entry's end (a snapshot) and ``state_recompute_tokens`` counts the matched tokens past it
+    (the recurrent layers recompute them). Handles are ``-1`` when there is no match."""
 
     cached_tokens: int = 0
     handle: int = -1
     full_tokens: int = 0
     full_handle: int = -1
     recompute_tokens: int = 0
+    state_recompute_tokens: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -94,6 +105,7 @@ class PrefixCache:
         self._alloc = weakref.ref(alloc)  # the allocator holds its cache: no cycle
         self.page_size = alloc.config.page_size
         self.window = alloc.config.sliding_window
+        self.states = alloc.config.num_state_slots > 0  # match only at snapshots
         self._holders: dict[bytes, dict[int, _Entry]] = {}  # page key -> handle -> entry
         self._ends: dict[bytes, _Entry] = {}  # an entry's last page key -> the entry
         self._entries: dict[int, _Entry] = {}  # handle -> entry
@@ -124,6 +136,7 @@ class PrefixCache:
         Touches the entries it uses (LRU). Host only."""
         ps, led = self.page_size, self.alloc.ledger
         best_full = best = None
+        snapshots = self.states  # with states: only an entry's end has one
         for j, key in enumerate(page_keys(token_ids, ps)):
             holders = self._holders.get(key)
             if not holders:
@@ -131,11 +144,17 @@ class PrefixCache:
             m = (j + 1) * ps
             ws = max(0, m - self.window) // ps * ps
             first = None
-            for entry in holders.values():
-                first = first or entry
-                if led.h_swa_start[entry.handle] <= ws:  # the window before m is held
-                    best = (entry, m)
-                    break
+            if snapshots:
+                end = self._ends.get(key)
+                if end is not None and led.h_swa_start[end.handle] <= ws:
+                    best = (end, m)
+                first = next(iter(holders.values()))
+            else:
+                for entry in holders.values():
+                    first = first or entry
+                    if led.h_swa_start[entry.handle] <= ws:  # the window before m is held
+                        best = (entry, m)
+                        break
             best_full = (first, m)
         if best_full is None:
             self.misses += 1
@@ -150,7 +169,8 @@ class PrefixCache:
         cached = best[1] if best else 0
         self.hit_tokens += cached
         return CacheMatch(cached, best[0].handle if best else -1, m_full, full_entry.handle,
-                          max(0, min(start, m_full) - ws))
+                          max(0, min(start, m_full) - ws),
+                          m_full - cached if snapshots else 0)
 
     # ---- locks ---------------------------------------------------------------------------
     def lock(self, handle) -> None:
@@ -197,13 +217,17 @@ class PrefixCache:
     # ---- insertion -----------------------------------------------------------------------
     def insert(self, row, token_ids) -> int:
         """Cache the whole pages of ``token_ids`` that live request ``row`` holds (its first
-        positions hold these tokens): at a request's end or a chunked-prefill boundary.
+        positions hold these tokens): at a request's end or a chunked-prefill boundary. With
+        recurrent-state slots only at the committed length, page-aligned (else 0).
         Takes a handle (one step) unless the prefix is cached already; when every handle is
         held, the LRU unlocked leaf is dropped first (one more step). Returns the tokens
         cached (0 when nothing could be). Cost: O(pages) + the step(s)."""
         ps = self.page_size
         keys = page_keys(token_ids, ps)
-        n = min(len(keys), self.alloc.committed_len(row) // ps) * ps
+        committed = self.alloc.committed_len(row)
+        n = min(len(keys), committed // ps) * ps
+        if self.states and n != committed:  # a snapshot is the state at the committed length
+            return 0
         if n == 0:
             return 0
         keys = keys[:n // ps]

@@ -17,6 +17,12 @@ Per request r (positions, half-open ``[a, b)``)::
 Per handle h: FULL ``[0, n)``, SWA ``[swa_start, n)``. A page is free only when no row and
 no handle references it.
 
+Recurrent-state slots (``num_state_slots`` S > 0): ``state_slot[r]`` is request r's slot
+(the state after its committed tokens), ``state_slot[max_reqs + h]`` handle h's snapshot
+(the state after its n tokens), ``spec_state[r, j, i]`` the slot after token i of r's
+speculative step j; free slots sit in a host-only FIFO ring (``state_ring``). Every slot
+has one owner: free + owned == S.
+
 Invariants (``check_host_invariants``): f is page-aligned, ``f <= floor_page(C)``, it only
 moves forward (``load_back`` aside), ``L == C + sum(spec_steps)``, and per pool
 ``free + referenced == pages`` (ring mode: ``free + owned == pages``).
@@ -39,6 +45,7 @@ from .references import PageRefs
 __all__ = ["FreeRing", "Ledger"]
 
 HEAD, N_FREE = 0, 1  # columns of Ledger.rings
+FULL_RING, SWA_RING, STATE_RING = 0, 1, 2  # rows of Ledger.rings
 
 
 class FreeRing:
@@ -94,6 +101,7 @@ class Ledger:
 
     ROW_ARRAYS = ("live", "admitted_once", "seq_len", "frontier", "committed", "spec_steps")
     HANDLE_ARRAYS = ("h_live", "h_len", "h_swa_start")
+    STATE_ARRAYS = ("state_slot", "spec_state", "state_ring")
     SPEC_DEPTH = 2  # speculative steps in flight per request (overlap scheduling: 2)
 
     def __init__(self, config: AllocatorConfig):
@@ -111,9 +119,15 @@ class Ledger:
         self.h_live = np.zeros(n_handles, dtype=bool)
         self.h_len = np.zeros(n_handles, dtype=np.int64)  # tokens held: FULL [0, h_len)
         self.h_swa_start = np.zeros(n_handles, dtype=np.int64)  # SWA held: [start, h_len)
-        self.rings = np.zeros((2, 2), dtype=np.int64)  # [FULL, SWA] x [head, n_free]
-        self.full = FreeRing(config.num_full_pages, self.rings[0], self.journal)
-        self.swa = FreeRing(config.num_swa_pages, self.rings[1], self.journal)
+        self.rings = np.zeros((3, 2), dtype=np.int64)  # [FULL, SWA, STATE] x [head, n_free]
+        self.full = FreeRing(config.num_full_pages, self.rings[FULL_RING], self.journal)
+        self.swa = FreeRing(config.num_swa_pages, self.rings[SWA_RING], self.journal)
+        # Recurrent-state slots (num_state_slots S; all empty and unused when S == 0).
+        n_slots = config.num_state_slots
+        self.state_slot = np.zeros(n + n_handles, dtype=np.int64)  # main slot / snapshot
+        self.spec_state = np.zeros((n, self.SPEC_DEPTH, config.max_spec_tokens), dtype=np.int64)
+        self.state_ring = np.zeros(max(n_slots, 1), dtype=np.int64)  # free slots (FIFO)
+        self.states = FreeRing(max(n_slots, 1), self.rings[STATE_RING], self.journal)
         # Page ids and reference counts (pool mode).
         self.refs = None if config.ring_mode else PageRefs(
             n + n_handles, config.pages_per_request, config.num_full_pages,
@@ -122,10 +136,12 @@ class Ledger:
 
     def reset(self) -> None:
         """Every row and handle free, every page free in order 1..N (in place)."""
-        for name in self.ROW_ARRAYS + self.HANDLE_ARRAYS:
+        for name in self.ROW_ARRAYS + self.HANDLE_ARRAYS + self.STATE_ARRAYS:
             getattr(self, name)[...] = 0
+        n_slots = self.config.num_state_slots
+        self.state_ring[:n_slots] = np.arange(1, n_slots + 1)
         self.rings[:, 0] = 0
-        self.rings[:, 1] = (self.config.num_full_pages, self.config.num_swa_pages)
+        self.rings[:, 1] = (self.config.num_full_pages, self.config.num_swa_pages, n_slots)
         if self.refs is not None:
             self.refs.reset()
         self.journal.commit()
@@ -143,7 +159,8 @@ class Ledger:
     def arrays(self) -> dict[str, np.ndarray]:
         """Every host array by name (rows, handles, rings and, in pool mode, the page
         mirror): the ledger's whole state, as views."""
-        out = {name: getattr(self, name) for name in self.ROW_ARRAYS + self.HANDLE_ARRAYS}
+        out = {name: getattr(self, name) for name in self.ROW_ARRAYS + self.HANDLE_ARRAYS
+               + self.STATE_ARRAYS}
         out["rings"] = self.rings
         if self.refs is not None:
             out.update({name: getattr(self.refs, name) for name in self.refs.NAMES})
@@ -167,7 +184,7 @@ class Ledger:
         if live:
             put(self.admitted_once, rows, True)
         for name in ("seq_len", "frontier", "committed", "spec_steps"):
-            put(getattr(self, name), rows, 0)
+            put(getattr(self, name), rows, 0)  # (state slots: the planner's, see states.py)
 
     # ---- checks -----------------------------------------------------------------------
     def check_host_invariants(self) -> None:
@@ -194,9 +211,12 @@ class Ledger:
             end = -(-self.seq_len // ps)
             owned_full = int(np.where(live, end, 0).sum())
             owned_swa = int(np.count_nonzero(live)) * cfg.swa_ring_pages
+        slots = np.concatenate([self.state_slot, self.spec_state.reshape(-1)])
+        owned_states = int(np.count_nonzero(slots))
         for name, ring, owned, total in (
             ("FULL", self.full, owned_full, cfg.num_full_pages),
             ("SWA", self.swa, owned_swa, cfg.num_swa_pages),
+            ("state", self.states, owned_states, cfg.num_state_slots),
         ):
             if ring.n_free + owned != total or not 0 <= ring.n_free <= total:
                 raise IntegrityError(

@@ -41,12 +41,15 @@ class HostQueries:
         self.config, self.ledger = config, ledger
 
     def n_free(self, pool: str = "full") -> int:
-        """Free pages of ``pool`` (``"full"`` or ``"swa"``). O(1)."""
+        """Free pages of ``pool`` (``"full"`` or ``"swa"``), or free recurrent-state slots
+        (``"state"``). O(1)."""
         if pool == "full" and isinstance(pool, str):
             return self.ledger.full.n_free
         if pool == "swa" and isinstance(pool, str):
             return self.ledger.swa.n_free
-        raise ContractError(f"pool must be 'full' or 'swa', got {pool!r}")
+        if pool == "state" and isinstance(pool, str):
+            return self.ledger.states.n_free if self.config.num_state_slots else 0
+        raise ContractError(f"pool must be 'full', 'swa' or 'state', got {pool!r}")
 
     def n_live(self) -> int:
         return int(np.count_nonzero(self.ledger.live))
