@@ -379,6 +379,12 @@ class AllocatorConfig:
                 else "pool mode")
         rows = [("num_full_pages", self.num_full_pages), ("num_swa_pages", self.num_swa_pages),
                 ("sliding_window", self.sliding_window), *self.frozen_shapes().items()]
+        if self.max_handles:
+            rows.append(("max_handles", self.max_handles))
+        if self.num_state_slots:
+            rows += [("num_state_slots", self.num_state_slots),
+                     ("max_spec_tokens", self.max_spec_tokens),
+                     ("max_state_rows", self.max_state_rows)]
         lines = [f"AllocatorConfig: page_size {self.page_size}, {mode}, backend {self.backend} "
                  f"on {self.device}, {str(self.index_dtype).replace('torch.', '')} indices",
                  "", "| shape | value | rule |", "|---|---:|---|"]

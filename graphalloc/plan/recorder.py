@@ -99,16 +99,17 @@ class StepSlots:
 class StepRecorder:
     """The calls of one ``alloc.scheduler_step()`` block (see the module docstring)."""
 
-    _PAIRS = ("commit", "trim", "advance", "extend", "load_back")
+    __slots__ = ("alloc", "open", "result", "offsets", "_parts", "_evict_all", "_n",
+                 "_admitted", "_taken")
 
     def __init__(self, alloc):
         self.alloc = alloc
         self.open = False  # calls are recorded between __enter__ and __exit__
         self.result = None
         self.offsets = (0, 0, 0)  # first result row of the decode / extend / load-back rows
-        self._parts: dict[str, list] = {}
+        self._parts: dict[str, list] = {}  # kind -> the calls' arguments, in call order
         self._evict_all = False
-        self._n = {"decode": 0, "extend": 0, "load_back": 0}
+        self._n = [0, 0, 0]  # rows recorded by decode / extend / load-back calls
         self._admitted: list[int] = []
         self._taken: list[int] = []
 
@@ -136,7 +137,11 @@ class StepRecorder:
         if not self.open:
             raise RecorderError(f"scheduler_step(): {kind}() on a block that has closed; its "
                                 "step already ran (or was discarded). Record into a new block")
-        self._parts.setdefault(kind, []).append(values)
+        calls = self._parts.get(kind)
+        if calls is None:
+            self._parts[kind] = [values]
+        else:
+            calls.append(values)
 
     # ---- frees ---------------------------------------------------------------------------
     def release(self, rows) -> None:
@@ -152,7 +157,8 @@ class StepRecorder:
         self._add("evict", rows)
 
     def evict_all(self) -> None:
-        self._add("evict_all")
+        if not self.open:
+            self._add("evict_all")  # raises
         self._evict_all = True
 
     def advance(self, rows, new_frontier_pos) -> None:
@@ -190,62 +196,86 @@ class StepRecorder:
         self._admitted.append(row)
         return row
 
-    def _alloc_call(self, kind: str, rows, *values) -> StepSlots:
+    def _alloc_call(self, kind: str, which: int, rows, *values) -> StepSlots:
         self._add(kind, rows, *values)
-        start = self._n[kind]
-        self._n[kind] += len(_listed(rows))
-        return StepSlots(self, (kind, start), self._n[kind])
+        n = self._n
+        start = n[which]
+        n[which] = stop = start + (len(rows) if hasattr(rows, "__len__") else 1)
+        return StepSlots(self, (kind, start), stop)
 
     def decode(self, rows, lookahead=None) -> StepSlots:
         """One token per row; ``lookahead=k``: ``1 + k`` speculative tokens per row."""
-        return self._alloc_call("decode", rows, lookahead)
+        return self._alloc_call("decode", 0, rows, lookahead)
 
     def extend(self, rows, n_tokens) -> StepSlots:
-        return self._alloc_call("extend", rows, n_tokens)
+        return self._alloc_call("extend", 1, rows, n_tokens)
 
     def load_back(self, row, new_frontier_pos) -> StepSlots:
-        return self._alloc_call("load_back", [row] if np.ndim(row) == 0 else row,
+        return self._alloc_call("load_back", 2, [row] if np.ndim(row) == 0 else row,
                                 new_frontier_pos)
 
     # ---- the step ------------------------------------------------------------------------
     def to_step(self) -> Step:
         """The block's calls as one :class:`Step` (O(rows recorded); a kind recorded once is
-        passed on as it was given)."""
-        p, kw = self._parts, {}
-        rows, handles, values = UnknownRequestError, UnknownHandleError, PositionError
-        for kind in ("release", "evict", "admit"):
-            if kind in p:
-                kw[kind] = _cat([v[0] for v in p[kind]], rows, kind)
-        for kind in ("drop", "drop_swa"):
-            if kind in p:
-                kw[kind] = _cat([v[0] for v in p[kind]], handles, kind)
-        for kind in self._PAIRS:
-            if kind in p:
-                kw[kind] = (_cat([v[0] for v in p[kind]], rows, kind),
-                            _cat([_per(v[1], v[0]) for v in p[kind]], values, kind))
-        if "take" in p:
-            kw["take"] = (_cat([[v[0]] for v in p["take"]], handles, "take_handle"),
-                          _cat([[v[1]] for v in p["take"]], rows, "take_handle"),
-                          _cat([[v[2]] for v in p["take"]], values, "take_handle"))
-        if "admit_on" in p:
-            calls = p["admit_on"]
-            kw["admit_on"] = (_cat([[v[0]] for v in calls], rows, "admit"),
-                              _cat([[v[1]] for v in calls], handles, "admit(handle=)"),
-                              _cat([[-1 if v[2] is None else v[2]] for v in calls], values,
-                                   "admit n_tokens"))
-        if "decode" in p:
-            calls = p["decode"]
-            kw["decode"] = _cat([v[0] for v in calls], rows, "decode")
-            if any(v[1] is not None for v in calls):
-                kw["lookahead"] = _cat([_per(-1 if v[1] is None else v[1], v[0])
-                                        for v in calls], values, "lookahead")
-        kw["evict_all"] = self._evict_all
+        passed on as it was given). Only the kinds recorded are visited."""
+        kw = {"evict_all": self._evict_all}
+        for kind, calls in self._parts.items():
+            _BUILD[kind](kw, kind, calls)
         return Step(**kw)
 
     def finish(self, result) -> None:
         self.result = result
-        n_dec, n_ext = self._n["decode"], self._n["extend"]
+        n_dec, n_ext = self._n[0], self._n[1]
         self.offsets = (0, n_dec, n_dec + n_ext)
+
+
+# ---- to_step: one builder per recorded kind (the typed error each part raises) ----------
+def _rows_kind(kw, kind, calls):
+    kw[kind] = _cat([v[0] for v in calls], UnknownRequestError, kind)
+
+
+def _handles_kind(kw, kind, calls):
+    kw[kind] = _cat([v[0] for v in calls], UnknownHandleError, kind)
+
+
+def _pair_kind(kw, kind, calls):
+    if len(calls) == 1:  # as given: the normaliser broadcasts an int
+        kw[kind] = calls[0]
+        return
+    kw[kind] = (_cat([v[0] for v in calls], UnknownRequestError, kind),
+                _cat([_per(v[1], v[0]) for v in calls], PositionError, kind))
+
+
+def _take_kind(kw, kind, calls):
+    kw["take"] = (_cat([[v[0]] for v in calls], UnknownHandleError, "take_handle"),
+                  _cat([[v[1]] for v in calls], UnknownRequestError, "take_handle"),
+                  _cat([[v[2]] for v in calls], PositionError, "take_handle"))
+
+
+def _admit_on_kind(kw, kind, calls):
+    kw["admit_on"] = (_cat([[v[0]] for v in calls], UnknownRequestError, "admit"),
+                      _cat([[v[1]] for v in calls], UnknownHandleError, "admit(handle=)"),
+                      _cat([[-1 if v[2] is None else v[2]] for v in calls], PositionError,
+                           "admit n_tokens"))
+
+
+def _decode_kind(kw, kind, calls):
+    if len(calls) == 1:
+        kw["decode"], lookahead = calls[0]
+        if lookahead is not None:
+            kw["lookahead"] = lookahead
+        return
+    kw["decode"] = _cat([v[0] for v in calls], UnknownRequestError, "decode")
+    if any(v[1] is not None for v in calls):
+        kw["lookahead"] = _cat([_per(-1 if v[1] is None else v[1], v[0]) for v in calls],
+                               PositionError, "lookahead")
+
+
+_BUILD = {"release": _rows_kind, "evict": _rows_kind, "admit": _rows_kind,
+          "drop": _handles_kind, "drop_swa": _handles_kind, "commit": _pair_kind,
+          "trim": _pair_kind, "advance": _pair_kind, "extend": _pair_kind,
+          "load_back": _pair_kind, "take": _take_kind, "admit_on": _admit_on_kind,
+          "decode": _decode_kind}
 
 
 def _per(value, rows):

@@ -111,6 +111,9 @@ class ReplicatedAllocator(ReplicaOps):
         cfg = config
         if mode not in ("replicated", "broadcast"):
             raise ConfigError(f"mode must be 'replicated' or 'broadcast', got {mode!r}")
+        if cfg.num_state_slots:
+            raise ConfigError("recurrent-state slots are not replicated yet: build each rank's "
+                              "HybridAllocator with num_state_slots, or replicas without them")
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call "
                               "init_process_group() on every rank first")
