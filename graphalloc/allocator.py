@@ -97,7 +97,8 @@ class HybridAllocator:
                                    n_bufs=n_descriptor_bufs,
                                    n_lane_rows=0 if self.tables is None else
                                    self.tables.spec.max_batch)
-        self.kernels = StepKernels(config, self.state, fused=fused_step, tables=self.tables)
+        self.kernels = StepKernels(config, self.state, fused=fused_step, tables=self.tables,
+                                   ring=self.ring)
         self.queries = HostQueries(config, self.ledger)
         self.group: FreeGroup | None = None  # the open free_group() block
         self.recorder: StepRecorder | None = None  # the open scheduler_step() block
@@ -330,12 +331,15 @@ class HybridAllocator:
 
     # ---- diagnostics: the sanctioned sync points ---------------------------------------------
     def check(self, sync: bool = False) -> None:
-        """Raise ``DeviceFaultError`` if a kernel recorded a fault (reads the error word: call
-        it where the engine synchronises anyway)."""
+        """Raise ``DeviceFaultError`` if a kernel recorded a fault, or ``SubmissionError`` if
+        a submitted step never ran on the device (a ``mark_submitted`` without a replay) or
+        a step ran unsubmitted. Waits for the submitted steps and reads the error word and
+        the step count (one 80-byte read): call it where the engine synchronises anyway."""
         ops.check(self, sync)
 
     def reset_faults(self) -> None:
-        """Clear the error word and accept steps again."""
+        """Clear the error word and the step count, and accept steps again (call it with no
+        step in flight)."""
         ops.reset_faults(self)
 
     def stats(self) -> dict:

@@ -22,7 +22,7 @@ from .config import AllocatorConfig
 from .device.buckets import grid_of
 from .device.executor import lanes_of
 from .diagnostics import checkpoint, integrity
-from .diagnostics.inspection import read_fault
+from .diagnostics.inspection import first_error
 from .diagnostics.sync_points import sync_allowed
 from .errors import (
     BatchTooLargeError,
@@ -320,7 +320,7 @@ def handle_info(alloc, handle) -> HandleInfo:
 
 # ---- diagnostics ----------------------------------------------------------------------------
 def check(alloc, sync: bool) -> None:
-    error = read_fault(alloc.config, alloc.state, sync)
+    error = first_error(alloc, sync)
     if error is not None:
         alloc.faulted = True
         raise error
@@ -328,6 +328,8 @@ def check(alloc, sync: bool) -> None:
 
 def reset_faults(alloc) -> None:
     alloc.state.err_buf.zero_()
+    alloc.state.seen_buf.zero_()
+    alloc.pipeline.submissions.reset()
     alloc.faulted = False
 
 

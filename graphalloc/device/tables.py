@@ -20,10 +20,14 @@ err_buf           [8] int64                                    device error word
 full_epoch_buf    [num_full_pages + 1] int64                   validate mode: the epoch
 swa_epoch_buf     [num_swa_pages + 1] int64                    (step) that last pushed
                                                                each page to its ring
+seen_buf          [2] int64                                    step stamps: the largest
+                                                               seen, steps counted
 ================  ===========================================  ======================
 
 The epoch tables are scratch of the validate-mode duplicate-push check (see
-``kernels.release``), not allocator state: they are not in :meth:`tables`.
+``kernels.release``), and ``seen_buf`` the step kernels' count of the steps that ran
+(``kernels.stamp``, read by ``check()``); neither is allocator state: they are not in
+:meth:`tables`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 
 from ..config import AllocatorConfig
 from ..kernels.error_word import new_error_word
+from ..kernels.stamp import new_seen_word
 
 __all__ = ["DeviceState"]
 
@@ -54,13 +59,15 @@ class DeviceState:
         self.err_buf = new_error_word(dev)
         self.full_epoch_buf = torch.zeros(cfg.num_full_pages + 1, dtype=torch.int64, device=dev)
         self.swa_epoch_buf = torch.zeros(cfg.num_swa_pages + 1, dtype=torch.int64, device=dev)
+        self.seen_buf = new_seen_word(dev)
         self.reset()
 
     def reset(self) -> None:
         """Every page free, in order 1..n; no mappings; no faults. In place."""
         cfg = self.config
         for name in ("full_to_swa_buf", "req_to_token_buf", "ring_pages_buf", "out_full_buf",
-                     "out_swa_buf", "err_buf", "full_epoch_buf", "swa_epoch_buf"):
+                     "out_swa_buf", "err_buf", "full_epoch_buf", "swa_epoch_buf",
+                     "seen_buf"):
             getattr(self, name).zero_()
         dev, dt = cfg.device, cfg.index_dtype
         self.full_free_buf[:-1].copy_(torch.arange(1, cfg.num_full_pages + 1, dtype=dt, device=dev))
