@@ -94,7 +94,6 @@ from .abi import (
     FaultCode,
 )
 from .error_word import record_fault_bits, record_fault_bits_torch
-from .stamp import check_stamp, record_stamp, record_stamp_torch, stamp_args
 from .rows import (
     block_ps,
     check_rows,
@@ -106,6 +105,7 @@ from .rows import (
     row_col,
     warps,
 )
+from .stamp import check_stamp, record_stamp, record_stamp_torch, stamp_args
 
 __all__ = ["release_pages", "release_pages_torch", "release_meta", "epoch_args"]
 
