@@ -203,8 +203,7 @@ class HybridAllocator:
         """Plan ``step`` and roll it back: its :class:`~graphalloc.plan.reference.PlanOutcome`
         (or the typed error :meth:`step` would raise; ``oversize``: not refused for the frozen
         release shape, as a free is not). Cost: one plan."""
-        return self.pipeline.outcome(step, dry_run=True, use_group=use_group,
-                                     oversize=oversize)
+        return ops.dry_run(self, step, use_group, oversize)
 
     def free_row(self, reserved=()) -> int:
         """The lowest free row (not live, not released in an open free group, not in

@@ -33,12 +33,13 @@ from .errors import (
     PendingStepError,
     PositionError,
     RecorderError,
+    UnknownRequestError,
 )
-from .inputs import as_index
+from .inputs import as_index, as_rows
 from .plan.frees import split_release_rows
 from .plan.recorder import StepRecorder
 from .plan.refusals import SHORTAGE_CODES
-from .plan.step import Step
+from .plan.step import KINDS, Step
 from .state.queries import HandleInfo
 
 __all__ = ["HandleInfo"]
@@ -92,6 +93,10 @@ def step_of(alloc, step, kinds: dict, what: str, *, free_ok: bool, mutates: bool
     if mutates:
         guard(alloc, what)
     if step is None:
+        unknown = sorted(set(kinds) - set(KINDS))
+        if unknown:
+            raise ContractError(f"{what}(): {unknown} is not a kind of Step; the kinds are "
+                                f"{', '.join(KINDS)}")
         step = Step(**kinds)
     elif kinds or not isinstance(step, Step):
         raise ContractError(f"{what}() takes a Step or its keywords, not both; got "
@@ -105,6 +110,15 @@ def step_of(alloc, step, kinds: dict, what: str, *, free_ok: bool, mutates: bool
                                    "/ evict_window() / advance_frontier() / drop_handle() "
                                    "(deferred to the block's end) instead")
     return step
+
+
+def dry_run(alloc, step, use_group, oversize):
+    if not isinstance(step, Step):
+        raise ContractError(f"dry_run() takes a Step, got {type(step).__name__}")
+    for name, value in (("use_group", use_group), ("oversize", oversize)):
+        if not isinstance(value, bool):
+            raise ContractError(f"dry_run({name}=...) takes a bool, got {value!r}")
+    return alloc.pipeline.outcome(step, dry_run=True, use_group=use_group, oversize=oversize)
 
 
 def is_shortage(exc: ContractError) -> bool:
@@ -210,8 +224,8 @@ def free_row(alloc, reserved=()) -> int:
     taken = alloc.ledger.live.copy()
     if alloc.group is not None:
         taken |= alloc.group.released
-    if len(reserved):
-        taken[list(reserved)] = True
+    if not (isinstance(reserved, (list, tuple)) and not reserved):
+        taken[as_rows(reserved, alloc.config.max_reqs, "free_row reserved rows")] = True
     free = np.flatnonzero(~taken)
     if not len(free):
         raise CapacityError(f"all {alloc.config.max_reqs} request rows are in use (or "
@@ -252,10 +266,15 @@ def take_handle(alloc, row, n_tokens) -> int:
 
 def load_back(alloc, row, new_frontier_pos) -> torch.Tensor:
     guard(alloc, "load_back")
-    if alloc.group is not None and alloc.group.touched(
-            as_index(row, "load_back row", alloc.config.max_reqs)):
-        raise NestedGroupError(f"load_back: request {row} is freed or evicted in the open "
-                               "free_group(); load it back after the block")
+    group = alloc.group
+    if group is not None:
+        r = as_rows(row, alloc.config.max_reqs, "load_back row")
+        if len(r) == 1 and group.released[r[0]]:
+            raise UnknownRequestError(f"load_back: request {int(r[0])} is released in the "
+                                      "open free_group(): it is pending release, not live")
+        if len(r) == 1 and group.touched(int(r[0])):
+            raise NestedGroupError(f"load_back: request {int(r[0])}'s frontier moves in the "
+                                   "open free_group(); load it back after the block")
     result = alloc.step(load_back=([row], [new_frontier_pos]))
     return result.swa_slots[int(result.first_lane[0]):]
 
@@ -320,6 +339,8 @@ def handle_info(alloc, handle) -> HandleInfo:
 
 # ---- diagnostics ----------------------------------------------------------------------------
 def check(alloc, sync: bool) -> None:
+    if not isinstance(sync, bool):
+        raise ContractError(f"check(sync=...) takes a bool, got {sync!r}")
     error = first_error(alloc, sync)
     if error is not None:
         alloc.faulted = True
