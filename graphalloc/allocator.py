@@ -50,6 +50,7 @@ from .device.backend import StepKernels
 from .device.descriptor import DescriptorRing
 from .device.executor import make_executor
 from .device.tables import DeviceState
+from .errors import UnknownRequestError
 from .plan.compiled import CompiledPlanner
 from .plan.free_group import FreeGroup
 from .plan.pipeline import StepPipeline
@@ -222,6 +223,7 @@ class HybridAllocator:
 
     def alloc_decode(self, rows, lookahead=None) -> AllocResult:
         """One token per row, or ``1 + k`` speculative (``Step(decode=, lookahead=)``)."""
+        ops.given(rows, "alloc_decode", UnknownRequestError)
         return self.step(decode=rows, lookahead=lookahead)
 
     def commit(self, rows, n_accepted) -> None:

@@ -7,8 +7,9 @@ they add to the planner's: a free inside an open ``free_group()`` is recorded, n
 direct mutation inside an open ``scheduler_step()`` is refused (``RecorderError``);
 ``commit`` / ``trim`` / ``plan()`` and frees through ``step()`` inside a free group are
 refused (``NestedGroupError``); a single free is never refused for size (split over
-consecutive steps). Cost: each function costs the plan (or dry run) it makes; O(1)
-otherwise unless stated.
+consecutive steps); a single operation refuses ``None`` for the rows or handles it acts on
+(``release(None)`` would do nothing; ``evict_window(None)`` alone means every row). Cost:
+each function costs the plan (or dry run) it makes; O(1) otherwise unless stated.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .errors import (
     PendingStepError,
     PositionError,
     RecorderError,
+    UnknownHandleError,
     UnknownRequestError,
 )
 from .inputs import as_index, as_rows
@@ -198,10 +200,22 @@ def run_frees(alloc, step: Step) -> None:
         pipeline.run(pipeline.plan_rows(part))
 
 
+def given(value, what: str, error: type[ContractError]) -> None:
+    """A single operation names what it acts on: ``None`` there is refused (in a Step, a
+    kind set to ``None`` is absent; a call like ``release(None)`` would silently do
+    nothing)."""
+    if value is None:
+        noun = "handles" if error is UnknownHandleError else "request rows"
+        raise error(f"{what}: got None; pass the {noun} (an empty list for none)")
+
+
 def free(alloc, kind: str, value) -> None:
     """A single free: recorded in an open free group, else one step (split if too big)."""
-    guard(alloc, {"evict": "evict_window", "advance": "advance_frontier", "drop":
-                  "drop_handle", "drop_swa": "drop_handle_swa"}.get(kind, kind))
+    what = {"evict": "evict_window", "advance": "advance_frontier", "drop": "drop_handle",
+            "drop_swa": "drop_handle_swa"}.get(kind, kind)
+    guard(alloc, what)
+    if kind in ("release", "drop", "drop_swa"):
+        given(value, what, UnknownRequestError if kind == "release" else UnknownHandleError)
     group = alloc.group
     if group is not None:
         if kind == "release":

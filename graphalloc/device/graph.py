@@ -63,6 +63,9 @@ def _graph_options() -> dict:
     return {"capture_error_mode": "thread_local"} if "capture_error_mode" in params else {}
 
 
+_GRAPH_OPTIONS = _graph_options()  # decided once, for this torch
+
+
 def capture_graph(fn, *, pool=None, stream=None, keep_graph: bool = True,
                   collect: bool = True) -> torch.cuda.CUDAGraph:
     """Capture ``fn()`` into a CUDA graph, keeping the raw graph for :func:`describe_graph`
@@ -93,7 +96,7 @@ def capture_graph(fn, *, pool=None, stream=None, keep_graph: bool = True,
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool, stream=stream, **_graph_options()):
+        with torch.cuda.graph(graph, pool=pool, stream=stream, **_GRAPH_OPTIONS):
             fn()
     except Exception as exc:
         raise CaptureError(

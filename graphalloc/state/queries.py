@@ -42,9 +42,9 @@ class HostQueries:
 
     def n_free(self, pool: str = "full") -> int:
         """Free pages of ``pool`` (``"full"`` or ``"swa"``). O(1)."""
-        if pool == "full" and isinstance(pool, str):
+        if isinstance(pool, str) and pool == "full":
             return self.ledger.full.n_free
-        if pool == "swa" and isinstance(pool, str):
+        if isinstance(pool, str) and pool == "swa":
             return self.ledger.swa.n_free
         raise ContractError(f"pool must be 'full' or 'swa', got {pool!r}")
 
