@@ -251,7 +251,9 @@ class HybridAllocator:
 
     def load_back(self, row, new_frontier_pos) -> torch.Tensor:
         """Re-pair ``[new_frontier_pos, frontier)`` with fresh SWA pages; returns their SWA
-        slots (copy the KV in before the next step). One step."""
+        slots (copy the KV in before the next step). One step, one allocation row: more
+        than ``max_tokens_per_alloc_row`` positions is refused (``BatchTooLargeError``);
+        load back in parts, moving the frontier back a few pages per call."""
         return ops.load_back(self, row, new_frontier_pos)
 
     def take_handle(self, row, n_tokens) -> int:

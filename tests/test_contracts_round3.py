@@ -18,6 +18,8 @@ window 6, 2 handles). Every refusal must leave host and device state as before
  10. Page tables are validated when they are built.
  12. A failed capture raises ``CaptureError`` and leaves the process usable; many allocators
     built, used and dropped in one process capture fine (GPU).
+ 13. What the module docstrings now state about ring admits, long load-backs and tensors on
+    a device holds.
  And: garbage at every public entry point gets a typed error with nothing changed.
 """
 
@@ -606,6 +608,45 @@ def test_own_graph_replays_are_counted_and_a_missing_replay_is_caught(backend):
     with pytest.raises(E.SubmissionError) as info:
         a.check()
     assert info.value.buffer_index == p.buffer_index
+
+
+# ---- 13. what the module docstrings now state ------------------------------------------------
+def test_documented_rules_hold():
+    """plan.step / plan.allocation / inputs state these; each is checked as written."""
+    ring = ga.HybridAllocator(config(max_handles=0, swa_ring_pages=3))
+    p = ring.plan(admit=[0, 1])  # a ring admit takes an allocation row each
+    assert p.n_alloc_rows == 2
+    ring.cancel(p)
+    before = state(ring)
+    with pytest.raises(E.OverlapError, match="next step"):
+        ring.step(admit=[0], extend=([0], [5]))
+    assert_same_state(before, ring)
+    ring.step(admit=[0])
+    ring.step(extend=([0], [5]))
+    pool = ga.HybridAllocator(config())
+    pool.step(admit=[0], extend=([0], [5]))  # a pool admit may extend in its step
+    p = pool.plan(admit=[1])
+    assert p.n_alloc_rows == 0
+    pool.cancel(p)
+
+    a = ga.HybridAllocator(config(max_tokens_per_alloc_row=8))
+    r = a.admit()
+    for _ in range(5):
+        a.alloc_extend([r], [8])
+    a.evict_window()
+    f = a.frontier(r)
+    before = state(a)
+    with pytest.raises(E.BatchTooLargeError, match="in parts"):
+        a.load_back(r, f - 12)
+    assert a.try_step(load_back=([r], [f - 12])) is None  # a shortage of row room
+    assert_same_state(before, a)
+    a.load_back(r, f - 8)
+    a.load_back(r, f - 16)
+    assert a.frontier(r) == f - 16 and a.audit() == []
+
+    for value in (torch.tensor([1.5], device="meta"), torch.tensor([0], device="meta")):
+        with pytest.raises(E.TensorSpecError):  # the device is checked before the dtype
+            a.alloc_extend([r], value)
 
 
 # ---- garbage at every public entry point -----------------------------------------------------
