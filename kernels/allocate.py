@@ -4,6 +4,7 @@
 over the launch's first ``n_rows`` rows (grid ``n_rows * n_chunks``; program ``pid`` works
 on row ``pid // n_chunks``, chunk ``pid % n_chunks``)::
 
+    if STAMP and pid == 0: count the step's stamp once      # kernels.stamp
     row = rows[pid // n_chunks]
     if row.n_tokens == 0 and row.n_pages == 0: return       # padded row
     # each loop below runs over the chunk's contiguous share of its blocks (all of them

@@ -3,6 +3,8 @@
 ``n_chunks`` programs per descriptor release row (layout: ``graphalloc.kernels.abi``),
 over the launch's first ``n_rows`` rows (grid ``n_rows * n_chunks``)::
 
+    if STAMP and pid == 0: count the step's stamp once (kernels.stamp: one 8-byte load,
+                                          # one atomic; before the padded-row exit)
     r_id, chunk = pid // n_chunks, pid % n_chunks
     row = rows[r_id]                      # one 64-byte load from pinned host memory
     if row.n_pages == 0: return           # padded row
@@ -51,8 +53,9 @@ Compiled variants: every size, stride and capacity is a ``do_not_specialize``
 runtime int, and the descriptor's address never changes, so a new page count,
 start position or number of padded rows never compiles a new variant.
 ``page_size`` stays specialisable (it is fixed per allocator and lets ps = 1 or
-a multiple of 16 compile to simpler, aligned code); ``VALIDATE``, ``BLOCK_PAGES``
-and ``BLOCK_PS`` are constexprs fixed per allocator.
+a multiple of 16 compile to simpler, aligned code); ``VALIDATE``, ``STAMP``,
+``BLOCK_PAGES`` and ``BLOCK_PS`` are constexprs fixed per allocator (``STAMP``: launched
+with a step stamp, as every allocator launch is).
 
 Grid. The launcher runs rows ``[0, n_rows)`` of the table (``n_rows=None``: all of
 them); the planner packs real rows at the front and marks the rest padded, so any

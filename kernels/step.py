@@ -20,6 +20,7 @@ row, over the launch's first R release and A allocation rows (the rest of each t
 must be padding: a step launches programs for the rows it has)::
 
     P = R * n_release_chunks
+    pid == 0 (STAMP): count the step's stamp once (kernels.stamp)
     pid < P:  _release_body(pid // n_release_chunks, pid % n_release_chunks)
     else:     q = pid - P; _allocate_body(q // n_alloc_chunks, q % n_alloc_chunks)
 
