@@ -567,14 +567,17 @@ def test_hundreds_of_graph_allocators_built_used_and_dropped_in_one_process(back
         for _ in range(int(rng.integers(1, 12))):
             live = a.live_rows().tolist()
             kind = rng.integers(0, 4)
-            if kind == 0 and a.n_live < cfg.max_reqs:
-                a.try_step(admit=[a.free_row()])
-            elif kind == 1 and live:
-                a.try_step(extend=(live, [int(rng.integers(1, ps + 2))] * len(live)))
-            elif kind == 2 and live:
-                a.try_step(decode=live, evict_all=True)
-            elif live:
-                a.release(live[:1])
+            try:  # a refusal (past the context, say) changes nothing: the workload goes on
+                if kind == 0 and a.n_live < cfg.max_reqs:
+                    a.try_step(admit=[a.free_row()])
+                elif kind == 1 and live:
+                    a.try_step(extend=(live, [int(rng.integers(1, ps + 2))] * len(live)))
+                elif kind == 2 and live:
+                    a.try_step(decode=live, evict_all=True)
+                elif live:
+                    a.release(live[:1])
+            except E.ContractError:
+                pass
         a.check()
         assert a.audit() == []
         if i % 3 == 0:
