@@ -14,6 +14,13 @@ Ledger of one request's positions (``ps`` page size)::
                                 [min(f_r, n), n)       SWA referenced by h too
     admit on handle h, n:       the new request: L = C = n, f = min(swa_start, n), the
                                 same references (+1 each), its req_to_token row copied
+    admit, ring mode:           one AL_RING_ADMIT row pops the request's R ring pages; it
+                                allocates from the next step on (its ring is written by
+                                this one: code 23, OverlapError)
+
+Allocation rows: one per decode / extend / load-back row, take, admit on a handle and ring
+admit, at most ``max_tokens_per_alloc_row`` tokens each (a load-back of ``[f', f)`` is one
+row of ``f - f'`` tokens: longer is refused, code 34, and is split by the caller).
 
 A slot of a page more than one holder references is never written: handles share whole
 pages only, so the only way into a shared partial page is a trim, which the frees refuse

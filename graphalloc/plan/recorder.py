@@ -20,9 +20,12 @@ order, then the extend calls', then the load-backs'. The results (:class:`StepSl
 refuse access before the step ran and after a later allocating step overwrote them.
 
 Misuse is refused, not absorbed (:class:`~graphalloc.errors.RecorderError`): a call on a
-block that has closed, and any direct allocator operation while the block is open (it
-would run as an extra step before the block's). An exception escaping the block runs
-nothing: the block is a transaction (``free_group()`` follows the same rule).
+block that has closed, and any direct allocator operation while the block is open (it would
+run as an extra step before the block's). ``None`` where a call names its rows or handles
+(``it.release(None)``, ``it.evict(None)``, ...) is refused at the call
+(``UnknownRequestError`` / ``UnknownHandleError``) instead of recording nothing. An
+exception escaping the block runs nothing: the block is a transaction (``free_group()``
+follows the same rule).
 
 Cost: recording is O(rows of the call) (the arguments are kept as given); the step at the
 end costs what ``alloc.step`` with the same work costs, plus one concatenation per kind
@@ -143,8 +146,17 @@ class StepRecorder:
         else:
             calls.append(values)
 
+    def _given(self, kind: str, value, error: type) -> None:
+        """A recorded call names what it acts on: None is refused at the call."""
+        if value is None:
+            noun = "handles" if error is UnknownHandleError else "request rows"
+            hint = "; it.evict_all() evicts every row" if kind == "evict" else ""
+            raise error(f"scheduler_step(): {kind}(None); pass the {noun} (an empty list for "
+                        f"none){hint}")
+
     # ---- frees ---------------------------------------------------------------------------
     def release(self, rows) -> None:
+        self._given("release", rows, UnknownRequestError)
         self._add("release", rows)
 
     def commit(self, rows, n_accepted) -> None:
@@ -154,6 +166,7 @@ class StepRecorder:
         self._add("trim", rows, new_len)
 
     def evict(self, rows) -> None:
+        self._given("evict", rows, UnknownRequestError)
         self._add("evict", rows)
 
     def evict_all(self) -> None:
@@ -165,9 +178,11 @@ class StepRecorder:
         self._add("advance", rows, new_frontier_pos)
 
     def drop_handle(self, handle) -> None:
+        self._given("drop_handle", handle, UnknownHandleError)
         self._add("drop", handle)
 
     def drop_handle_swa(self, handle) -> None:
+        self._given("drop_handle_swa", handle, UnknownHandleError)
         self._add("drop_swa", handle)
 
     def take_handle(self, row, n_tokens) -> int:
@@ -205,6 +220,7 @@ class StepRecorder:
 
     def decode(self, rows, lookahead=None) -> StepSlots:
         """One token per row; ``lookahead=k``: ``1 + k`` speculative tokens per row."""
+        self._given("decode", rows, UnknownRequestError)
         return self._alloc_call("decode", 0, rows, lookahead)
 
     def extend(self, rows, n_tokens) -> StepSlots:

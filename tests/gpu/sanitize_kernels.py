@@ -7,9 +7,9 @@ Row kinds exercised: window eviction (SWA+clear), finish above the frontier
 (SWA+FULL+clear), finish below the frontier (FULL only), ring eviction (clear),
 ring return, ring admission, extend (new pages + partial page), decode, padded
 rows; recurrent-state table writes and state copies; prefix sharing (handle
-copies, admits on handles, SWA-only and FULL-only drops); an unmapped peer (fault path) and a sink-marker pop; the single-call op
-with and without validation; eager launches and graph replays; the fused
-one-launch step and validate mode.
+copies, admits on handles, SWA-only and FULL-only drops); an unmapped peer (fault
+path) and a sink-marker pop; the single-call op with and without validation; eager
+launches and graph replays; the fused one-launch step and validate mode.
 """
 
 from __future__ import annotations
