@@ -165,9 +165,11 @@ def compare(tokens: dict, logits: dict | None, ref_tokens: dict, ref_logits: dic
         upto = len(want) if first is None else first + 1
         if logits is not None:
             max_diff = max(max_diff, float(np.abs(logits[s][:upto] - ref_logits[s][:upto]).max()))
-        if first is not None:
+        if first is not None:  # the reference's top-1 minus top-2 logit there (a near tie?)
+            top2 = np.sort(ref_logits[s][first])[-2:]
             diffs.append({"request": s, "index": first, "ours": got[first],
-                          "transformers": want[first]})
+                          "transformers": want[first],
+                          "transformers_top2_gap": float(top2[1] - top2[0])})
     return {"tokens_equal": not diffs, "tokens_compared": n_tok,
             "requests_differing": len(diffs), "differences": diffs,
             "max_logit_diff": max_diff}
@@ -268,13 +270,21 @@ def _print_run(run: dict) -> None:
                  + (f", {c['requests_differing']} requests differ" if c["requests_differing"]
                     else "") + f"), max |logit diff| {c['max_logit_diff']:.1e}")
     print(f"{line} -> {run['verdict']}")
+    if c is not None and c["differences"] and not run["stale_state"]:
+        for d in c["differences"][:8]:
+            print(f"        request {d['request']} token {d['index']}: ours {d['ours']}, "
+                  f"transformers {d['transformers']} (its top-2 gap "
+                  f"{d['transformers_top2_gap']:.2e})")
     if sh is not None:
+        n_copies = sorted({len(r["state_copies"]) for r in sh["restores"]})
+        sources = sorted({c[0] for r in sh["restores"] for c in r["state_copies"]})
         print(f"        shared prompt {sh['prefix_tokens']} tokens, snapshot at "
               f"{sh['cached_prefix_tokens']}: {sh['requests_sharing']}/"
               f"{sh['requests_carrying']} requests served from the cache (hits "
-              f"{sh['cache_hits']}), prefill tokens saved {sh['prefill_tokens_saved']}, "
-              f"state copies {[r['state_copies'] for r in sh['restores']]} from snapshot "
-              f"slots {sh['snapshot_slots']} ok={sh['restores_ok']}")
+              f"{sh['cache_hits']}), prefill tokens saved {sh['prefill_tokens_saved']}; "
+              f"each admit on the handle planned {n_copies} state copies from slots "
+              f"{sources} (the snapshot: {[x for x in sh['snapshot_slots'] if x]}): "
+              f"{'ok' if sh['restores_ok'] else 'WRONG'}")
     print(f"        audit {'empty' if not run['audit_end'] else run['audit_end']}, pages and "
           f"state slots back: {run['all_back']}; host {s['host_us_per_step']['p50']:.0f} "
           f"us/step (median)" + (f", graph nodes {s['graph_nodes']}" if s["graph_nodes"]
