@@ -13,6 +13,8 @@ first chunk, which copies the snapshot into their fresh slot. Checked here:
 * the cache served every later request (hits counted), each admit planned exactly one state
   copy, from the snapshot's slot; ``audit()`` is empty with the cache held and after it is
   dropped, when every page and state slot is back;
+* no host read of a device value inside a step body or a prefill forward (a CPU stand-in
+  for sync debug "error": Tensor.item, tolist, int(), bool(), nonzero ... raise there);
 * negative controls: a sharer's slot zeroed instead of restored, and a verify reading the
   slot from before its round's commit, change the tokens.
 """
@@ -106,6 +108,65 @@ def test_negative_controls_change_tokens(result):
             differing = {d["request"] for d in c["comparison"]["differences"]}
             assert differing == {1, 2, 3, 4}
         assert c["healthy"]  # the allocator itself stays consistent
+
+
+# Tensor methods that read a value on the host: on CUDA each one synchronises
+DEVICE_READS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__", "cpu",
+                "numpy", "nonzero")
+
+
+def test_step_body_and_prefill_never_read_the_device(monkeypatch):
+    """A CPU stand-in for sync debug "error": every step body (but the allocator's own launch,
+    Triton kernels on CUDA, checked by the library's CUDA suite) and every prefill forward,
+    in both modes and under both controls, runs with the host reads of tensor values
+    raising."""
+    import recurrent_loop
+
+    armed, hits = [False], []
+
+    def tripwire(name, original):
+        def read(self, *args, **kwargs):
+            if armed[0]:
+                hits.append(name)
+                raise AssertionError(f"a host read of a device value: Tensor.{name}")
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in DEVICE_READS:
+        monkeypatch.setattr(torch.Tensor, name, tripwire(name, getattr(torch.Tensor, name)))
+    body, forward = RecurrentLoop._body, RecurrentLoop._forward
+
+    def armed_body(self, i):
+        launch = self.alloc.launch
+
+        def unarmed_launch(*args, **kwargs):
+            armed[0] = False
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                armed[0] = True
+        self.alloc.launch = unarmed_launch
+        armed[0] = True
+        try:
+            body(self, i)
+        finally:
+            armed[0] = False
+            del self.alloc.launch
+
+    def armed_forward(self, *args):
+        armed[0] = True
+        try:
+            return forward(self, *args)
+        finally:
+            armed[0] = False
+
+    monkeypatch.setattr(recurrent_loop.RecurrentLoop, "_body", armed_body)
+    monkeypatch.setattr(recurrent_loop.RecurrentLoop, "_forward", armed_forward)
+    out = recurrent_decode.main([*TINY, "--requests", "3", "--no-reference",
+                                 "--negative-control"])
+    assert not hits
+    assert len(out["runs"]) == 2 and len(out["controls"]) == 3
+    assert all(r["healthy"] for r in out["runs"] + out["controls"])
 
 
 def test_chunk_ends_align_with_the_cached_prefix():
