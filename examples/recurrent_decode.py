@@ -19,9 +19,9 @@ captured as ONE CUDA graph per descriptor buffer on a GPU (``--graph``) and run 
 CPU. Every request carries a shared system prompt (``--shared-prompt`` tokens): the first
 prefills it in chunks, one ending at its page-aligned end P, and inserts it into the prefix
 cache there (the step copies its state into a snapshot slot); every later request is
-admitted on the cached handle in the step of its first prefill chunk (K/V of ``[0, P)``
-shared, the snapshot copied into its slot: ``PlannedStep.state_copies``) and prefills only
-``[P, len)``. The drafts of the speculative mode are the target's own greedy tokens from an
+admitted on the cached handle inside a decode step's graph (K/V of ``[0, P)`` shared, the
+snapshot copied into its slot: ``PlannedStep.state_copies``) and prefills only ``[P,
+len)``. The drafts of the speculative mode are the target's own greedy tokens from an
 earlier pass (the plain run at the same page size), each wrong with probability
 ``--draft-error`` (seeded): rounds accept 0..k drafts, so rollback runs at every depth.
 
@@ -229,8 +229,8 @@ def run_one(args, ctx: dict, ps: int, mode: str, stale: str | None) -> dict:
         sh = result.sharing
         snap = alloc.handle_to_state.cpu().tolist()  # sync ok: after the loop
         cache = alloc.prefix_cache
-        restores_ok = all(len(r["state_copies"]) == 1
-                          and r["state_copies"][0][0] == snap[r["handle"]]
+        restores_ok = all(r["step_state_copies"] == r["step_restores"]  # one copy each
+                          and r["state_copies"] == [[snap[r["handle"]], r["slot"]]]
                           and r["cached_tokens"] == sh["cached_prefix_tokens"]
                           for r in sh["restores"])
         sh.update({"cache_hits": cache.hits, "cache_misses": cache.misses,

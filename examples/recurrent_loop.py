@@ -15,7 +15,9 @@ one memory pool)::
 
     lane_buf <- lane_host_bufs[i]          this step's lanes (pinned, 5 x B int64: ROW, POS,
                                            VALID, SERIAL, GEN)
-    alloc.launch(i)                        releases (their slots back), then
+    alloc.launch(i)                        releases (their slots back); admits: a fresh slot
+                                           each, and for a cache hit (admit_on) the K/V
+                                           prefix and the snapshot's state COPIED into it;
       plain:        decode(rows)           one K/V slot per row; the state slot stays
       speculative:  commit(rows, n), decode(rows, lookahead=k)
                                            req_to_state[r] <- spec_state[r, n - 1] (the state
@@ -51,18 +53,20 @@ Ledger of a request's state (C committed tokens, P the cached prefix)::
                            C + n - 1 is causally masked and rewritten by the next round)
     handle_to_state[h]     the snapshot after [0, P), P page-aligned (the cache's entry end)
 
-Admission (eager, between steps; one request at a time). A request's prompt is prefilled
-in chunks of at most ``chunk_tokens``, each one allocator step (``extend``) and one forward
-that reads and updates the request's slot. With a shared system prompt of S tokens the first
-request carrying it also ends a chunk at ``P = floor(S / ps) * ps`` (vLLM's "align" mode) and
-then calls ``prefix_cache.insert(row, prompt)``: a handle on ``[0, P)`` whose step copies
-the request's state (committed length P) into a snapshot slot. Every later carrier gets ``m =
-prefix_cache.match(prompt)`` (``cached_tokens == P``, ending at the snapshot) and ONE step
-``Step(admit_on=([row], [m.handle], [P]), extend=([row], [chunk]))``: its ``req_to_token``
-prefix copied (the K/V of ``[0, P)`` shared, not recomputed) and the snapshot copied into
-its fresh slot (``PlannedStep.state_copies``); it prefills only ``[P, len)``, starting from
-that state. A request admitted without a hit starts at position 0, where the model zeroes
-its state itself.
+Admission. A step admits the requests that get a lane (``admit``, or ``admit_on`` for a
+cache hit: the state copy runs inside the step's graph); after its replay each admitted
+request's prompt is prefilled eagerly, in chunks of at most ``chunk_tokens``, each one
+allocator step (``extend``) and one forward that reads and updates the request's slot; it
+decodes from the next step. With a shared system prompt of S tokens the first request
+carrying it also ends a chunk at ``P = floor(S / ps) * ps`` (vLLM's "align" mode) and then
+calls ``prefix_cache.insert(row, prompt)``: a handle on ``[0, P)`` whose step copies the
+request's state (committed length P) into a snapshot slot; later carriers wait for that
+insert. Every later carrier gets ``m = prefix_cache.match(prompt)`` (``cached_tokens == P``,
+ending at the snapshot) and is admitted with ``admit_on=([row], [m.handle], [P])`` in the
+decode step: its ``req_to_token`` prefix copied (the K/V of ``[0, P)`` shared, not
+recomputed) and the snapshot copied into its fresh slot (``PlannedStep.state_copies``); it
+prefills only ``[P, len)``, starting from that state. A request admitted without a hit
+starts at position 0, where the model zeroes its state itself.
 
 Negative controls (``stale_state``): ``"restore"`` zeroes a sharer's slot after its admit, as
 if the snapshot had not been restored (its recurrence misses the prefix; the K/V is still
@@ -236,7 +240,8 @@ class RecurrentLoop:
         self.arange_q = torch.arange(1 + lookahead, device=dev)
         self.graphs: list = []
         self.sharing: dict | None = None
-        self._prefix_inserted = False
+        # the shared prefix: in the cache; its first carrier admitted; its prefill done
+        self._prefix_inserted = self._first_carrier_seen = self._first_carrier_done = False
 
     # ---- the step body (captured) -------------------------------------------------------
     def _body(self, i: int) -> None:
@@ -328,49 +333,82 @@ class RecurrentLoop:
             alloc.req_to_token[row:row + 1, :end].long(), self.kv, self.state)
         return logits[0, -1]
 
-    def _prefill(self, lane: int, req: Request, lanes_state: dict) -> None:
-        """Admit ``req`` into ``lane`` and prefill its prompt, chunk by chunk (one allocator
-        step and one forward a chunk); the first carrier of the shared prefix inserts it at
-        its page-aligned end, a later one is admitted on the cached handle."""
+    def _admissions(self, queue: list[Request], free_lanes: list[int]) -> list[dict]:
+        """Take the requests this step admits off the front of ``queue``: a lane, a row (and
+        a cache hit: its handle and cached tokens) each, while lanes and rows last. Host
+        only. Until the first carrier of the shared prefix has inserted it, later carriers
+        wait (they would miss the cache)."""
+        alloc, picks, rows = self.alloc, [], []
+        n_max = min(len(free_lanes), alloc.config.max_reqs - alloc.n_live)
+        while queue and len(picks) < n_max:
+            req = queue[0]
+            carries = self._carries_prefix(req)
+            first = carries and not self._first_carrier_seen
+            if carries and not first and not self._first_carrier_done:
+                break  # the prefix is being prefilled: wait for its insert
+            match = None
+            if carries and self._prefix_inserted:
+                match = alloc.prefix_cache.match(req.prompt)
+                if match.cached_tokens >= len(req.prompt):
+                    raise RuntimeError(f"request {req.serial}: {match.cached_tokens} cached "
+                                       f"tokens of a {len(req.prompt)}-token prompt")
+                if not match.cached_tokens:
+                    match = None
+            self._first_carrier_seen |= first
+            rows.append(alloc.free_row(rows))
+            picks.append({"lane": free_lanes[len(picks)], "req": queue.pop(0), "row": rows[-1],
+                          "match": match, "first": first})
+        return picks
+
+    def _admit_kinds(self, picks: list[dict]) -> dict:
+        """The step keywords admitting ``picks``: ``admit`` rows, and ``admit_on`` rows on
+        their cache hits (the K/V prefix and the state snapshot copied in the step)."""
+        plain = [a["row"] for a in picks if a["match"] is None]
+        hits = [a for a in picks if a["match"] is not None]
+        return {"admit": plain or None,
+                "admit_on": ([a["row"] for a in hits], [a["match"].handle for a in hits],
+                             [a["match"].cached_tokens for a in hits]) if hits else None}
+
+    def _record_restores(self, picks: list[dict], p) -> None:
+        """The step's state copies are its admit_on rows' restores, in row order."""
+        hits = [a for a in picks if a["match"] is not None]
+        if not hits:
+            return
+        copies = (np.zeros((0, 2), dtype=np.int64) if p.state_copies is None
+                  else np.asarray(p.state_copies, dtype=np.int64))
+        for i, a in enumerate(hits):
+            m = a["match"]
+            self.sharing["restores"].append({
+                "serial": a["req"].serial, "cached_tokens": m.cached_tokens,
+                "handle": m.handle, "state_recompute_tokens": m.state_recompute_tokens,
+                "slot": int(self.alloc.ledger.state_slot[a["row"]]),  # host: its new slot
+                "state_copies": copies[i:i + 1].tolist(),
+                "step_restores": len(hits), "step_state_copies": len(copies)})
+            if self.stale_state == "restore":  # NEGATIVE CONTROL: the snapshot not restored
+                slot = self.alloc.req_to_state[a["row"]:a["row"] + 1].long()
+                for buf in (self.state.conv, self.state.ssm):
+                    buf.index_fill_(1, slot, 0.0)
+
+    def _prefill(self, adm: dict, lanes_state: dict) -> None:
+        """Prefill an admitted request's prompt past its cached tokens, chunk by chunk (one
+        allocator step and one forward a chunk); the first carrier of the shared prefix ends
+        a chunk at its page-aligned end and inserts it into the cache there."""
         alloc, ps, sh = self.alloc, self.alloc.config.page_size, self.sharing
-        n, carries = len(req.prompt), self._carries_prefix(req)
-        cached, handle, match = 0, -1, None
-        if carries and self._prefix_inserted:
-            match = alloc.prefix_cache.match(req.prompt)
-            cached, handle = match.cached_tokens, match.handle
-            if cached >= n:
-                raise RuntimeError(f"request {req.serial}: {cached} cached tokens of a "
-                                   f"{n}-token prompt (the last must be computed)")
-        align = (len(self.shared_prefix) // ps * ps
-                 if carries and not self._prefix_inserted else None)
-        row = alloc.free_row()
+        req, row, lane = adm["req"], adm["row"], adm["lane"]
+        n = len(req.prompt)
+        cached = 0 if adm["match"] is None else adm["match"].cached_tokens
+        align = len(self.shared_prefix) // ps * ps if adm["first"] else None
         start = cached
-        for c, end in enumerate(chunk_ends(cached, n, self.chunk_tokens, align)):
-            if c == 0 and cached:
-                step = ga.Step(admit_on=([row], [handle], [cached]), extend=([row], [end - start]))
-            elif c == 0:
-                step = ga.Step(admit=[row], extend=([row], [end - start]))
-            else:
-                step = ga.Step(extend=([row], [end - start]))
-            p = alloc.plan(step)
-            alloc.run(p)
-            if c == 0 and cached:
-                copies = (np.zeros((0, 2), dtype=np.int64) if p.state_copies is None
-                          else np.asarray(p.state_copies))
-                sh["restores"].append({"serial": req.serial, "cached_tokens": cached,
-                                       "handle": handle,
-                                       "state_recompute_tokens": match.state_recompute_tokens,
-                                       "state_copies": copies.tolist()})
-                if self.stale_state == "restore":  # NEGATIVE CONTROL: the snapshot not restored
-                    slot = alloc.req_to_state[row:row + 1].long()
-                    for buf in (self.state.conv, self.state.ssm):
-                        buf.index_fill_(1, slot, 0.0)
+        for end in chunk_ends(cached, n, self.chunk_tokens, align):
+            alloc.step(extend=([row], [end - start]))
             logits = self._forward(row, req.serial, start, end)
             if end == align:  # the prefix's page-aligned end: snapshot it (one step)
                 sh["cached_prefix_tokens"] = alloc.prefix_cache.insert(row, self.shared_prefix)
                 sh["snapshot_handles"] = alloc.live_handles().tolist()
                 self._prefix_inserted = sh["cached_prefix_tokens"] > 0
             start = end
+        if adm["first"]:
+            self._first_carrier_done = True
         nxt = torch.argmax(logits)
         self.tokens_buf[lane] = nxt
         self.history_buf[req.serial, 0] = nxt
@@ -401,8 +439,8 @@ class RecurrentLoop:
             guess[s, :len(toks)] = toks
         self.prompts_dev = torch.from_numpy(prompts).to(self.device)  # before the loop
         self.draft_buf.copy_(torch.from_numpy(guess))
+        self._prefix_inserted = self._first_carrier_seen = self._first_carrier_done = False
         if self.shared_prefix is not None:
-            self._prefix_inserted = False
             self.sharing = {"prefix_tokens": len(self.shared_prefix), "cached_prefix_tokens": 0,
                             "requests_carrying": sum(self._carries_prefix(r) for r in requests),
                             "requests_sharing": 0, "prefill_tokens_saved": 0,
@@ -441,15 +479,9 @@ class RecurrentLoop:
             # 1. finished requests free their lanes; their rows are released in this step
             for lane in [b for b, st in lanes_state.items() if st["n_gen"] >= st["n_out"]]:
                 to_release.append(lanes_state.pop(lane)["row"])
-            # 2. admit into free lanes (rows, pages and state slots are sized not to run short)
+            # 2. requests admitted in this step (rows, slots, cache hits: restores in-step)
             free_lanes = [b for b in range(B) if b not in lanes_state]
-            n_new = min(len(free_lanes), len(queue), alloc.config.max_reqs - alloc.n_live)
-            if n_new > 0:
-                t0 = time.perf_counter()
-                for lane, req in zip(free_lanes[:n_new], queue[:n_new], strict=True):
-                    self._prefill(lane, req, lanes_state)
-                del queue[:n_new]
-                prefill_s += time.perf_counter() - t0
+            picks = self._admissions(queue, free_lanes)
             # 3. one step: releases (+ commits) + decode allocation + model + argmax
             lanes = sorted(b for b, st in lanes_state.items() if st["n_gen"] < st["n_out"])
             reqs = [lanes_state[b] for b in lanes]
@@ -460,10 +492,10 @@ class RecurrentLoop:
                 commit = ([st["row"] for st in spec], [st["n_accepted"] for st in spec]
                           ) if spec else None
                 p = alloc.plan(release=to_release, commit=commit, decode=rows,
-                               lookahead=k if rows else None)
+                               lookahead=k if rows else None, **self._admit_kinds(picks))
             else:
                 spec = []
-                p = alloc.plan(release=to_release, decode=rows)
+                p = alloc.plan(release=to_release, decode=rows, **self._admit_kinds(picks))
             self._fill_lanes(p.buffer_index, lanes, reqs)
             if self.graphs:
                 self.graphs[p.buffer_index].replay()
@@ -477,7 +509,9 @@ class RecurrentLoop:
             host_us.append((t1 - t0) * 1e6)
             if k:
                 wait_us.append((t2 - t1) * 1e6)
+            self._record_restores(picks, p)
             steps.append({"lanes": len(rows), "released": len(to_release),
+                          "admitted": len(picks),
                           "committed_rows": len(spec), "accepted": counts.tolist(),
                           "state_counts": p.state_counts,
                           "free_state_slots": alloc.n_free("state")})
@@ -488,6 +522,12 @@ class RecurrentLoop:
                 st["pos"] += n_acc
                 st["n_gen"] += n_acc
                 st["n_accepted"] = n_acc if k else None
+            # 4. the admitted requests' prefills (eager): they decode from the next step
+            if picks:
+                t0 = time.perf_counter()
+                for adm in picks:
+                    self._prefill(adm, lanes_state)
+                prefill_s += time.perf_counter() - t0
             if progress is not None:
                 progress.update(1)
         return steps, host_us, wait_us, prefill_s

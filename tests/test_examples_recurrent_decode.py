@@ -4,8 +4,8 @@ The tiny Mamba-2 + attention hybrid keeps its conv and SSM state in the allocato
 slots (``state_tensors`` registered, ``req_to_state`` / ``spec_state`` read on the device).
 Every request starts with a shared 22-token system prompt; at page size 3 the first request
 prefills it in chunks, one ending at its page-aligned end (21), and inserts it into the
-prefix cache there; the others are admitted on the cached handle in the step of their
-first chunk, which copies the snapshot into their fresh slot. Checked here:
+prefix cache there; the others are admitted on the cached handle in a decode step, which
+copies the snapshot into their fresh slot (two in one step, here). Checked here:
 
 * plain decode steps and speculative rounds (k = 3, drafts wrong 30% of the time, so rounds
   accept 0, 1, 2 and 3 drafts): every request's tokens equal transformers'
@@ -76,7 +76,7 @@ def test_speculative_rollback_at_every_depth(result):
     # rounds kept 1 (every draft rejected), 2, 3 and 4 tokens (every draft accepted)
     assert all(v > 0 for v in s["accepted_histogram"].values()), s["accepted_histogram"]
     assert 0.3 < s["acceptance_rate"] < 0.9
-    assert s["rounds_with_commit"] >= s["steps"] - 2
+    assert s["rounds_with_commit"] > 0
     plain = next(r for r in result["runs"] if r["mode"] == "plain")
     assert s["steps"] < plain["summary"]["steps"]
 
@@ -92,9 +92,10 @@ def test_shared_prompt_served_from_the_snapshot(result):
         assert len(sh["restores"]) == 4
         for r in sh["restores"]:  # admit_on planned exactly one copy, snapshot -> new slot
             assert r["cached_tokens"] == 21 and r["state_recompute_tokens"] == 0
-            assert len(r["state_copies"]) == 1
-            src, dst = r["state_copies"][0]
-            assert src == snapshot[0] and dst not in (0, src)
+            assert r["step_state_copies"] == r["step_restores"]
+            assert r["state_copies"] == [[snapshot[0], r["slot"]]] and r["slot"] != 0
+        # the decode steps carried the restores: one with two of them
+        assert max(r["step_restores"] for r in sh["restores"]) >= 2
         assert sh["restores_ok"] and not sh["audit_with_cache"]
 
 
