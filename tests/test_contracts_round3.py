@@ -463,28 +463,13 @@ def test_page_tables_that_cannot_hold_the_context_are_refused_with_no_allocator(
         ga.HybridAllocator(config(), page_tables=dict(max_batch=2))
 
 
-def test_standalone_page_tables_refuse_bad_tensors_when_built():
-    from graphalloc.attention.page_table_plan import PageTableSpec as StandaloneSpec
-    from graphalloc.attention.page_tables import PageTables
-
-    spec = StandaloneSpec(max_batch=2, page_size=4, sliding_window=6, max_context_len=64,
-                          backend="torch")
-    r2t, f2s = torch.zeros(4, 64, dtype=torch.int64), torch.zeros(132, dtype=torch.int64)
-    for bad in ((r2t[:, :8], f2s), (r2t.float(), f2s), (r2t, f2s[None]), (None, f2s)):
-        with pytest.raises(E.TensorSpecError):
-            PageTables(spec, *bad)
-
-
-@pytest.mark.xfail(strict=True, reason="graphalloc/attention/page_table_plan.py (owned by the "
-                   "page-table work) accepts a bool max_batch and raises RuntimeError for a "
-                   "bad device; remove this marker when it refuses both with ConfigError")
-def test_standalone_page_table_spec_refuses_bools_and_bad_devices():
-    from graphalloc.attention.page_table_plan import PageTableSpec as StandaloneSpec
-
-    base = dict(max_batch=2, page_size=4, sliding_window=6, max_context_len=64)
-    for kw in (dict(max_batch=True), dict(device="bogus")):
+def test_page_table_spec_refuses_bools_and_bad_values():
+    """The in-step tables' spec (the standalone PageTables is gone): a bool count, a
+    negative window and unknown forms / layers are refused with ConfigError when built."""
+    for kw in (dict(max_batch=True), dict(max_batch=0), dict(model_window=-1),
+               dict(forms=("dense",)), dict(layers=("moe",))):
         with pytest.raises(E.ConfigError):
-            StandaloneSpec(**{**base, **kw})
+            PageTableSpec(**{"max_batch": 2, **kw})
 
 
 # ---- 12. graph capture -----------------------------------------------------------------------
