@@ -269,7 +269,7 @@ class CompiledPlanner:
         base = self._alloc_base
         lanes = None
         if self._tables:
-            lanes = CompiledLanes(desc[self._lane_base:], n_lanes, n_full, n_swa,
+            lanes = CompiledLanes(desc[self._lane_base:self._state_base], n_lanes, n_full, n_swa,
                                   index is not None)
         b = res.bases
         self.n_planned += 1
