@@ -447,15 +447,14 @@ def random_step(pair: Pair, rng) -> tuple[Step, tuple | None, tuple | None]:
         order = rng.permutation(cfg.max_handles).astype(np.int64)
         offer = (order, rng.permutation(order))
     if cfg.has_states:
-        offer = _state_kinds(rng, kw, pair, offer)
+        _state_kinds(rng, kw, pair)
     return Step(**kw), excluded, offer
 
 
-def _state_kinds(rng, kw: dict, pair: Pair, offer):
+def _state_kinds(rng, kw: dict, pair: Pair) -> None:
     """With recurrent-state slots: keep the states' rules most of the time -- extends
     ending on a page (so C can be snapshotted), takes at C, admits on whole handles, trims
-    in [C, L], lookahead below K -- and break them sometimes (41, 40, 42, 44). Returns the
-    offer."""
+    in [C, L], lookahead below K -- and break them sometimes (41, 40, 42, 44)."""
     cfg, led = pair.cfg, pair.ref.ledger
     ps, K, L, C = cfg.page_size, cfg.max_spec_tokens, led.seq_len, led.committed
     if "extend" in kw and rng.random() < .6:
@@ -476,10 +475,6 @@ def _state_kinds(rng, kw: dict, pair: Pair, offer):
     if look is not None:
         kw["lookahead"] = [k if k < 0 else int(rng.integers(0, K)) if rng.random() < .95 else K
                            for k in look]
-    if offer is not None and "admit_on" in kw:  # (numpy would reclaim the handle it admits on)
-        on = kw["admit_on"][1]
-        offer = tuple(o[~np.isin(o, on)] for o in offer)
-    return offer
 
 
 def _mutate(rng, kw: dict, live, free, held, cfg) -> None:
@@ -721,10 +716,7 @@ def test_prefix_cache_drops_snapshots_when_state_slots_run_short():
     def admit_on_match(i):
         def op(a):
             m = a.prefix_cache.match(tokens(i) + [7])
-            a.prefix_cache.lock(m.handle)  # (an unlocked one could be the step's own victim)
-            row = a.admit(handle=m.handle, n_tokens=m.cached_tokens)
-            a.prefix_cache.unlock(m.handle)
-            return m.cached_tokens, row
+            return m.cached_tokens, a.admit(handle=m.handle, n_tokens=m.cached_tokens)
         return op
 
     def entries():
@@ -748,6 +740,44 @@ def test_prefix_cache_drops_snapshots_when_state_slots_run_short():
     assert error.refusal == (43, 10, rows[0], 8, 3), error.refusal
     assert entries() == 1  # the refused step dropped nothing
     assert COUNTS["state cache reclaimed"] >= 4
+
+
+def test_an_admit_on_a_cache_entry_never_reclaims_that_entry():
+    """Slots short, the entry admitted on first in the cache's offer: the step drops the
+    other entry (or is refused, 43, when there is none) -- never the one it restores (the
+    admit would copy the sink slot and reference freed pages)."""
+    pair = Pair("states-ps4-k3", prefix_cache=True, num_state_slots=4)
+
+    def insert(i):
+        def op(a):
+            r = a.admit()
+            a.step(extend=([r], [8]))
+            a.prefix_cache.insert(r, list(range(10 * i, 10 * i + 8)))
+            a.release([r])
+        return op
+
+    pair.both(insert(0))
+    pair.both(insert(1))
+    h0, h1 = (int(h) for h in pair.ref.prefix_cache.offer(2)[1])  # the LRU one first
+    for _ in range(2):
+        pair.both(lambda a: a.admit())  # no slot free now
+    snapshot = int(pair.ref.ledger.state_slot[pair.cfg.max_reqs + h0])
+    row, error = pair.both(lambda a: a.admit(handle=h0))
+    out = pair.outcomes[id(pair.ref)]
+    assert error is None and [h for h, *_ in out.reclaimed] == [h1]
+    assert out.state_rows[0, 0] == 1 and out.state_rows[1, 1:3].tolist() == [
+        snapshot, pair.ref.ledger.state_slot[row]]  # h0's snapshot copied, h1's slot reused
+    for alloc in (pair.ref, pair.twin):
+        alloc.check_integrity()
+    (x, y) = free_rows(pair, 2)
+    _, error = pair.both(lambda a: a.admit(handle=h0))  # nothing else to drop
+    assert error.refusal[:2] == (43, 9)
+    _, error = pair.both(lambda a: a.step(admit=[x], admit_on=([y], [h0], [-1])))
+    assert error.refusal[:2] == (43, 8)  # the plain admit's reclaim keeps h0 too
+    assert pair.both(lambda a: a.try_step(admit=[x], admit_on=([y], [h0], [-1]))) == (None,
+                                                                                        None)
+    for alloc in (pair.ref, pair.twin):
+        alloc.check_integrity()
 
 
 def test_planner_argument(monkeypatch):

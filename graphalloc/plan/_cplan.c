@@ -268,8 +268,20 @@ static int get_context(Planner *P, Plan *S, PyObject *const *o, Py_buffer *views
 }
 
 /* ---- one step ----------------------------------------------------------------------------- */
+/* PlanContext.reclaim_keep: the handles the step admits on, kept from reclaim (on) until
+ * admit_on ran (off). */
+static void keep_admit_on_handles(Planner *P, Plan *S, int on) {
+    for (Py_ssize_t i = 0; i < S->n[A_ON_H]; i++) {
+        int64_t h = S->a[A_ON_H][i];
+        if (h < 0 || h >= P->n_handles) continue;
+        if (on) P->hflags[h] |= H_KEEP;
+        else P->hflags[h] &= (uint8_t)~H_KEEP;
+    }
+}
+
 /* reference.plan_step: the kinds in the step's order. */
 static int plan_kinds(Planner *P, Plan *S) {
+    keep_admit_on_handles(P, S, 1);
     TRY(plan_take(P, S));
     TRY(plan_release(P, S));
     TRY(plan_commit(P, S));
@@ -279,6 +291,7 @@ static int plan_kinds(Planner *P, Plan *S) {
     TRY(plan_drops(P, S));
     TRY(plan_admit(P, S));
     TRY(plan_admit_on(P, S));
+    keep_admit_on_handles(P, S, 0);
     TRY(plan_extend(P, S, S->a[A_DEC], S->a[A_DEC_N], S->a[A_DEC_SPEC], S->n[A_DEC], K_DECODE));
     TRY(plan_extend(P, S, S->a[A_EXT_R], S->a[A_EXT_N], NULL, S->n[A_EXT_R], K_EXTEND));
     return plan_load_back(P, S);

@@ -72,6 +72,7 @@ enum { A_TAKE_H, A_TAKE_R, A_TAKE_N, A_RELEASE, A_COMMIT_R, A_COMMIT_N, A_TRIM_R
 #define H_WRITTEN 1
 #define H_DROPPED 2
 #define H_TAKEN 4 /* states.take: taken_src[h] holds the slot its snapshot copies */
+#define H_KEEP 8  /* PlanContext.reclaim_keep: the step admits on it later */
 
 #define N_HOST 5 /* host copies: full indptr, full last len, swa indptr, swa last, seq lens */
 

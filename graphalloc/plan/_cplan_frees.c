@@ -265,7 +265,7 @@ int plan_reclaim(Planner *P, Plan *S, int64_t need_full, int64_t need_swa,
         const int64_t *offer = S->offer[k];
         while (S->nfree[pool] < need && S->offer_next[k] < S->n_offer[k]) {
             int64_t h = offer[S->offer_next[k]++];
-            if (!P->h_live[h] || (P->hflags[h] & (H_WRITTEN | H_DROPPED))
+            if (!P->h_live[h] || (P->hflags[h] & (H_WRITTEN | H_DROPPED | H_KEEP))
                 || (tomb && P->h_swa[h] >= P->h_len[h]))
                 continue;
             int64_t full0 = S->nfree[0], swa0 = S->nfree[1];
