@@ -261,7 +261,8 @@ void states_write(Planner *P, Plan *S) {
         for (int64_t q = 0; q < sp[2]; q += ST_SPEC_SLOTS) {
             row += ROW_WIDTH;
             row[ST_KIND] = ST_SPEC; row[ST_A] = table + sp[0] * P->K + q;
-            for (int64_t i = q; i < sp[2] && i < q + ST_SPEC_SLOTS; i++) row[ST_B + i - q] = slots[i];
+            for (int64_t i = q; i < sp[2] && i < q + ST_SPEC_SLOTS; i++)
+                row[ST_B + i - q] = slots[i];
         }
     }
     int64_t old = imin(S->old_st, P->n_st_rows);
