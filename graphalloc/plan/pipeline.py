@@ -109,7 +109,8 @@ class StepPipeline:
         reclaim, offered = None, 0
         while True:
             try:
-                if compiled is not None:  # writes the descriptor itself (index None: scratch)
+                if compiled is not None:  # writes every section of the descriptor itself
+                    # (release, allocation, lanes, states; index None: its scratch buffer)
                     out = compiled.plan(arrays, self.steps_run + 1, None if dry_run else index,
                                         *excluded, reclaim)
                 else:
@@ -131,7 +132,7 @@ class StepPipeline:
             break
         if dry_run:
             self.rollback(mark)
-        elif index is not None and compiled is None:
+        elif index is not None and compiled is None:  # numpy: the outcome's rows copied in
             self.ring.write(index, out.release_rows, out.alloc_rows, fusable=out.fusable)
             if out.lanes is not None:
                 self.ring.write_lanes(index, out.lanes.rows)
@@ -178,7 +179,7 @@ class StepPipeline:
             reclaimed=out.reclaimed,
             tables=None if out.lanes is None else self._tables(index, out.lanes),
             state_counts=(counts := _state_counts(out.state_rows)),
-            state_copies=None if counts is None else out.state_rows[1:1 + counts[0], 1:3])
+            state_copies=_state_copies(out.state_rows, counts))
         return self.pending
 
     def _tables(self, index: int, lanes):
@@ -262,6 +263,15 @@ class StepPipeline:
         self.rollback(self._mark)
         planned.cancelled = True
         self.pending = None
+
+
+def _state_copies(rows, counts):
+    """``[n_copy, 2]`` (source, destination) slots of a state section, owned by the receipt
+    (the compiled twin's rows are a view of a descriptor buffer the ring plans again)."""
+    if counts is None:
+        return None
+    copies = rows[1:1 + counts[0], 1:3]
+    return copies.copy() if counts[0] else copies
 
 
 def _state_counts(rows) -> tuple[int, int] | None:
