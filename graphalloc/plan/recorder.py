@@ -160,9 +160,11 @@ class StepRecorder:
         self._add("release", rows)
 
     def commit(self, rows, n_accepted) -> None:
+        self._given("commit", rows, UnknownRequestError)
         self._add("commit", rows, n_accepted)
 
     def trim(self, rows, new_len) -> None:
+        self._given("trim", rows, UnknownRequestError)
         self._add("trim", rows, new_len)
 
     def evict(self, rows) -> None:
@@ -175,6 +177,7 @@ class StepRecorder:
         self._evict_all = True
 
     def advance(self, rows, new_frontier_pos) -> None:
+        self._given("advance", rows, UnknownRequestError)
         self._add("advance", rows, new_frontier_pos)
 
     def drop_handle(self, handle) -> None:
@@ -224,6 +227,7 @@ class StepRecorder:
         return self._alloc_call("decode", 0, rows, lookahead)
 
     def extend(self, rows, n_tokens) -> StepSlots:
+        self._given("extend", rows, UnknownRequestError)
         return self._alloc_call("extend", 1, rows, n_tokens)
 
     def load_back(self, row, new_frontier_pos) -> StepSlots:

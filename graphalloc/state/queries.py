@@ -47,7 +47,7 @@ class HostQueries:
             return self.ledger.full.n_free
         if isinstance(pool, str) and pool == "swa":
             return self.ledger.swa.n_free
-        if pool == "state" and isinstance(pool, str):
+        if isinstance(pool, str) and pool == "state":
             return self.ledger.states.n_free if self.config.num_state_slots else 0
         raise ContractError(f"pool must be 'full', 'swa' or 'state', got {pool!r}")
 
