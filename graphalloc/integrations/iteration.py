@@ -150,9 +150,6 @@ class IterationStep:
         return bool(self.has_frees() or self.admit.n or self.on_row.n or self.decode.n
                     or self.ext_row.n)
 
-    def is_released(self, row: int) -> bool:
-        return bool(self.released[row])
-
     # ---- recording ----------------------------------------------------------------------
     def add_release(self, row: int) -> None:
         self.release.append(row)
@@ -278,6 +275,14 @@ class IterationStep:
                 extend=None) -> Step:
         """The records, followed by a call's arrays (``advance`` / ``trim`` / ``admit_on``
         / ``extend`` as tuples of arrays), as one Step; absent kinds left out. O(kinds)."""
+        if not self:  # nothing recorded: the call's arrays as they are
+            kw = {}
+            for kind, value in (("trim", trim), ("advance", advance), ("admit", admit),
+                                ("admit_on", admit_on), ("decode", decode),
+                                ("extend", extend)):
+                if value is not None:
+                    kw[kind] = value
+            return Step(**kw)
         kw = self._frees()
         _merge(kw, "trim", trim)
         _merge(kw, "advance", advance)
@@ -355,6 +360,8 @@ class IterationStep:
 
     def _done(self) -> None:
         """The step was submitted: register its cache entries, clear the records."""
+        if not self:
+            return
         if self.inserts:
             self._register()
         if self.release.n:

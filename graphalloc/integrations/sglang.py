@@ -73,18 +73,33 @@ _POOL_IDX = attrgetter("req_pool_idx")
 
 def batch_field(batch, name: str, n: int) -> np.ndarray:
     """``batch.<name>``: one int per request, as int64 (a CPU tensor, an array or a list);
-    a typed error naming the field for anything else."""
+    a typed error naming the field for anything else. No copy for a CPU int64 tensor or
+    array; one ``np.array`` for a list."""
     values = getattr(batch, name, _MISSING)
-    if values is _MISSING or values is None:
-        raise ContractError(f"the batch has no {name}: SGLang's ScheduleBatch carries it (one "
-                            "int per request)")
-    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
-        raise TensorSpecError(f"{name} is a tensor on {values.device}: reading it would "
-                              "synchronise; pass the host copy (SGLang keeps one on the CPU)")
-    if not isinstance(values, (list, tuple, np.ndarray, torch.Tensor)):
-        raise ContractError(f"{name} must hold one int per request (a list, an array or a CPU "
-                            f"tensor), got {type(values).__name__} {values!r}")
-    arr = as_int64(values, name, PositionError)
+    kind = type(values)
+    arr = None
+    if kind is torch.Tensor:
+        if values.device.type != "cpu":
+            raise TensorSpecError(f"{name} is a tensor on {values.device}: reading it would "
+                                  "synchronise; pass the host copy (SGLang keeps one on the "
+                                  "CPU)")
+        if values.dtype == torch.int64 and values.dim() == 1:
+            arr = values.numpy()
+    elif kind is np.ndarray:
+        if values.dtype == np.int64 and values.ndim == 1:
+            arr = values
+    elif kind is list and values:
+        arr = np.array(values)
+        if arr.dtype != np.int64 or arr.ndim != 1:
+            arr = None
+    if arr is None:
+        if values is _MISSING or values is None:
+            raise ContractError(f"the batch has no {name}: SGLang's ScheduleBatch carries it "
+                                "(one int per request)")
+        if not isinstance(values, (list, tuple, np.ndarray, torch.Tensor)):
+            raise ContractError(f"{name} must hold one int per request (a list, an array or "
+                                f"a CPU tensor), got {type(values).__name__} {values!r}")
+        arr = as_int64(values, name, PositionError)  # the typed error for a bad entry
     if len(arr) != n:
         raise ContractError(f"{name} has {len(arr)} entries for {n} requests")
     return arr
@@ -101,7 +116,7 @@ def batch_reqs(batch) -> list:
 def pool_indices(reqs, allow_new: bool, n_rows: int) -> np.ndarray:
     """Every request's ``req_pool_idx`` as int64 (``None`` -> -1 when ``allow_new``), each
     in ``[0, n_rows)``; ``UnknownRequestError`` naming the field otherwise. One attribute
-    read per request, the rest numpy."""
+    read per request, one ``np.array``, one range check."""
     try:
         idx = list(map(_POOL_IDX, reqs))
     except AttributeError:
@@ -109,28 +124,27 @@ def pool_indices(reqs, allow_new: bool, n_rows: int) -> np.ndarray:
                                   "carries it: None until the allocator gives it a row)"
                                   ) from None
     arr = np.array(idx) if idx else EMPTY
-    if arr.dtype.kind not in "iu":  # None, a bool, a float, a huge int: find it
-        arr = np.empty(len(idx), dtype=np.int64)
-        for i, v in enumerate(idx):
-            if v is None and allow_new:
-                arr[i] = -1
-            elif v is None:
-                raise UnknownRequestError(f"req_pool_idx of request {i} in the batch is None: "
-                                          "it holds no KV here (not admitted, or released)")
-            elif isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-                raise UnknownRequestError(f"req_pool_idx must be an int row (None for a new "
-                                          f"request), got {v!r} ({type(v).__name__})")
-            elif not 0 <= v < n_rows:
-                raise UnknownRequestError(f"req_pool_idx {v} is outside [0, {n_rows})")
-            else:
-                arr[i] = v
+    if arr.dtype == np.int64:
+        if len(arr) and int(arr.view(np.uint64).max()) >= n_rows:  # (a negative is huge)
+            bad = int(arr[(arr < 0) | (arr >= n_rows)][0])
+            raise UnknownRequestError(f"req_pool_idx {bad} is outside [0, {n_rows}): not a "
+                                      "row this seam gave out")
         return arr
-    arr = arr.astype(np.int64, copy=False)
-    if len(arr) and (arr.min() < 0 or arr.max() >= n_rows):
-        bad = int(arr[(arr < 0) | (arr >= n_rows)][0])
-        raise UnknownRequestError(f"req_pool_idx {bad} is outside [0, {n_rows}): not a row "
-                                  "this seam gave out")
-    return arr
+    out = np.empty(len(idx), dtype=np.int64)  # None, a bool, a float, a huge int: find it
+    for i, v in enumerate(idx):
+        if v is None and allow_new:
+            out[i] = -1
+        elif v is None:
+            raise UnknownRequestError(f"req_pool_idx of request {i} in the batch is None: it "
+                                      "holds no KV here (not admitted, or released)")
+        elif isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise UnknownRequestError(f"req_pool_idx must be an int row (None for a new "
+                                      f"request), got {v!r} ({type(v).__name__})")
+        elif not 0 <= v < n_rows:
+            raise UnknownRequestError(f"req_pool_idx {v} is outside [0, {n_rows})")
+        else:
+            out[i] = v
+    return out
 
 
 @dataclasses.dataclass(eq=False)
@@ -194,6 +208,9 @@ class SGLangAllocator:
         self.page_size = alloc.config.page_size
         self.sliding_window_size = alloc.config.sliding_window
         self.swa_eviction_interval = swa_eviction_interval
+        self._max_reqs = alloc.config.max_reqs
+        ps = self.page_size  # floor_page as one bitwise and when the page size is 2^k
+        self._page_mask = -ps if ps & (ps - 1) == 0 else 0
         self.defer_frees = defer_frees
         self.tree_cache = alloc.prefix_cache  # None: SGLang's ChunkCache behaviour
         self._immediate_cache_steps = 0  # inserts run at once (defer_frees=False)
@@ -219,35 +236,42 @@ class SGLangAllocator:
         ``prefix_lens[i]`` equal to its allocated length. Returns ``None`` when a pool or
         the request rows are short (the cache's reclaimable pages count: the step evicts
         them), with nothing changed."""
-        self._refuse_in_group("prepare_for_extend")
+        if self._in_group:
+            self._refuse_in_group("prepare_for_extend")
         reqs = batch_reqs(batch)
         n = len(reqs)
-        self._nonempty(n)
+        if not n:
+            self._nonempty(n)
         prefix = batch_field(batch, "prefix_lens", n)
         ext = batch_field(batch, "extend_lens", n)
-        if (ext < 1).any():
-            raise PositionError(f"extend_lens: {int(ext.min())} for a request; an extend adds "
-                                ">= 1 token")
-        if (prefix < 0).any():
+        if np.count_nonzero((ext < 1) | (prefix < 0)):
+            if (ext < 1).any():
+                raise PositionError(f"extend_lens: {int(ext.min())} for a request; an extend "
+                                    "adds >= 1 token")
             raise PositionError(f"prefix_lens: {int(prefix.min())}; a prefix is >= 0 tokens")
-        rows = pool_indices(reqs, True, self.alloc.config.max_reqs)
-        new = rows < 0
-        run_rows, run_pre = rows[~new], prefix[~new]
-        self._check_running(run_rows, run_pre, "prepare_for_extend")
-        floor = self._floor(run_pre)
-        moved = floor > self.ledger.frontier[run_rows]
-        rows = rows.copy()
-        plain, on_rows, on_h, on_n = [], [], [], []
-        if new.any():
-            taken: list[int] = []
-            for i in np.flatnonzero(new).tolist():
+        rows = pool_indices(reqs, True, self._max_reqs)
+        new = np.flatnonzero(rows < 0).tolist()
+        advance = None
+        if len(new) < n:  # running requests: a chunked prefill's next chunk
+            run = rows >= 0
+            run_rows, run_pre = rows[run], prefix[run]
+            if np.count_nonzero(self.ledger.seq_len[run_rows] != run_pre):
+                self._check_running(run_rows, run_pre, "prepare_for_extend")
+            floor = self._floor(run_pre)
+            moved = floor > self.ledger.frontier[run_rows]
+            if np.count_nonzero(moved):
+                advance = (run_rows[moved], floor[moved])
+        admit = admit_on = None
+        if new:
+            rows = rows.copy()
+            plain, on_rows, on_h, on_n = [], [], [], []
+            for i in new:
                 p = int(prefix[i])
                 handle = self._matched_handle(reqs[i], p) if p else -1
                 try:
-                    row = self.alloc.free_row(reserved=taken)
+                    row = self.alloc.free_row(reserved=plain + on_rows)
                 except CapacityError:
                     return None  # the request rows are short: nothing changed
-                taken.append(row)
                 rows[i] = row
                 if p:
                     on_rows.append(row)
@@ -255,39 +279,48 @@ class SGLangAllocator:
                     on_n.append(p)
                 else:
                     plain.append(row)
-        out = self.pending.run(
-            advance=(run_rows[moved], floor[moved]),
-            admit=np.array(plain, dtype=np.int64) if plain else None,
-            admit_on=(np.array(on_rows, dtype=np.int64), np.array(on_h, dtype=np.int64),
-                      np.array(on_n, dtype=np.int64)) if on_rows else None,
-            extend=(rows, ext))
+            if plain:
+                admit = np.array(plain, dtype=np.int64)
+            if on_rows:
+                admit_on = (np.array(on_rows, dtype=np.int64), np.array(on_h, dtype=np.int64),
+                            np.array(on_n, dtype=np.int64))
+        out = self.pending.run(advance=advance, admit=admit, admit_on=admit_on,
+                               extend=(rows, ext))
         if out is None:
             return None
-        if new.any():
-            for i in np.flatnonzero(new).tolist():
-                reqs[i].req_pool_idx = int(rows[i])
-        self._unlock_all()
+        for i in new:
+            reqs[i].req_pool_idx = int(rows[i])
+        if self._locks:
+            self._unlock_all()
         return SGLangBatchAlloc(out[0], rows, out[2], out[1])
 
     def prepare_for_decode(self, batch) -> SGLangBatchAlloc | None:
         """One slot per request, with the SWA eviction of the requests due by the interval
         and the recorded frees: ONE step. ``seq_lens_cpu[i]`` must equal the request's
         allocated length. Returns ``None`` (nothing changed) when short."""
-        self._refuse_in_group("prepare_for_decode")
+        if self._in_group:
+            self._refuse_in_group("prepare_for_decode")
         reqs = batch_reqs(batch)
         n = len(reqs)
-        self._nonempty(n)
+        if not n:
+            self._nonempty(n)
         lens = batch_field(batch, "seq_lens_cpu", n)
-        rows = pool_indices(reqs, False, self.alloc.config.max_reqs)
-        self._check_running(rows, lens, "prepare_for_decode")
-        front = self.ledger.frontier[rows]
-        floor = self._floor(lens)
-        moved = (lens - self.sliding_window_size >= front + self.swa_eviction_interval) & (
-            floor > front)
-        out = self.pending.run(advance=(rows[moved], floor[moved]), decode=rows)
+        rows = pool_indices(reqs, False, self._max_reqs)
+        led = self.ledger
+        if np.count_nonzero(led.seq_len[rows] != lens):
+            self._check_running(rows, lens, "prepare_for_decode")
+        # SGLang's rule: due once pre_len - W >= frontier + interval; to floor_page(pre_len - W)
+        past = lens - self.sliding_window_size
+        front = led.frontier[rows]
+        floor = past & self._page_mask if self._page_mask else past // self.page_size * \
+            self.page_size
+        moved = (past >= front + self.swa_eviction_interval) & (floor > front)
+        advance = (rows[moved], floor[moved]) if np.count_nonzero(moved) else None
+        out = self.pending.run(advance=advance, decode=rows)
         if out is None:
             return None
-        self._unlock_all()
+        if self._locks:
+            self._unlock_all()
         return SGLangBatchAlloc(out[0], rows, out[2], out[1])
 
     # ---- release (release_kv_cache) and the free-group bracket --------------------------
@@ -466,7 +499,8 @@ class SGLangAllocator:
                                 "call flush() to run the recorded frees")
 
     def _check_running(self, rows: np.ndarray, lens: np.ndarray, what: str) -> None:
-        """Running rows are live, not released in this iteration, at the batch's length."""
+        """Running rows are live, not released in this iteration, at the batch's length
+        (the typed error of the first that is not)."""
         led = self.ledger
         bad = ~led.live[rows] | self.pending.released[rows]
         if bad.any():

@@ -128,7 +128,7 @@ class GraphallocKVCacheManager:
                               "HybridAllocator(cfg, prefix_cache=True) (pool mode, "
                               "max_handles > 0)")
         cfg = alloc.config
-        self.alloc, self.ledger = alloc, alloc.ledger
+        self.alloc, self.ledger, self._pipeline = alloc, alloc.ledger, alloc.pipeline
         self.block_size = cfg.page_size
         self.sliding_window = cfg.sliding_window
         self.max_model_len = cfg.max_context_len
@@ -136,6 +136,7 @@ class GraphallocKVCacheManager:
         self.prefix_cache = alloc.prefix_cache if enable_caching else None
         self.steps_last_run = 0
         self._max_row_tokens = cfg.max_tokens_per_alloc_row
+        self._max_rows, self._max_tokens = cfg.max_alloc_rows, cfg.max_step_tokens
         n = cfg.max_reqs
         self._rows: dict[Hashable, int] = {}  # id -> row (live, or admitted by the next step)
         self._computed = [0] * n  # per row: computed tokens as last granted
@@ -148,8 +149,12 @@ class GraphallocKVCacheManager:
         self._slot_gen = [0] * n  # per row: the iteration of its slot
         self._slot_idx = [0] * n
         self._n = 0
-        self._s_row, self._s_n, self._s_floor, self._s_trim, self._s_kind, self._s_h, \
-            self._s_hit, self._s_pages = (np.zeros(n, dtype=np.int64) for _ in range(8))
+        # slot fields; defaults (floor, trim -1; kind running; pages 0) are written back at
+        # the end of each iteration, so the common call writes only row and tokens
+        self._s_row, self._s_n, self._s_kind, self._s_h, self._s_hit, self._s_pages = (
+            np.zeros(n, dtype=np.int64) for _ in range(6))
+        self._s_floor = np.full(n, -1, dtype=np.int64)
+        self._s_trim = np.full(n, -1, dtype=np.int64)
         self._need = 0  # pages per pool the slots allocate
         self._n_rows = 0  # allocation rows (extends and admit_on copies)
         self._n_tokens = 0
@@ -230,10 +235,38 @@ class GraphallocKVCacheManager:
             computed = self._computed[row]
         elif type(computed) is not int or computed < 0:
             computed = _count(computed, "num_computed_tokens")
-        length = self.ledger.seq_len.item(row)
-        front = self.ledger.frontier.item(row)
-        return self._record(request_id, row, _RUNNING, computed, n_new, look, length, front,
-                            -1, 0)
+        led = self.ledger
+        length, front = led.seq_len.item(row), led.frontier.item(row)
+        # the common call -- a running request's first this iteration, growing, its pages
+        # covered by the free pages now -- inline; everything else through _record
+        target = computed + n_new + look
+        n = target - length
+        ps = self.block_size
+        first = (length + ps - 1) // ps
+        pages = (target + ps - 1) // ps - first
+        need, n_tokens, n_rows = self._need + pages, self._n_tokens + n, self._n_rows + 1
+        if (self._slot_gen[row] == self._gen or computed > length or n <= 0
+                or target > self.max_model_len or n > self._max_row_tokens
+                or need > self._floor or self._floor_key != self._pipeline.steps_run
+                or n_tokens > self._max_tokens
+                or n_rows + self.pending.take_h.n > self._max_rows):
+            return self._record(request_id, row, _RUNNING, computed, n_new, look, length,
+                                front, -1, 0)
+        slot = self._n
+        self._n = slot + 1
+        self._slot_gen[row] = self._gen
+        self._slot_idx[row] = slot
+        self._s_row[slot] = row
+        self._s_n[slot] = n
+        if pages:
+            self._s_pages[slot] = pages
+        floor = (computed - self.sliding_window) // ps * ps
+        if floor > front:
+            self._s_floor[slot] = floor
+            self._slot_frees += 1
+        self._need, self._n_tokens, self._n_rows = need, n_tokens, n_rows
+        self._computed[row] = computed + n_new
+        return GraphallocBlocks(request_id, first, pages, self)
 
     def _allocate_new(self, request_id, row, n_new, look, num_computed, n_hit_arg, blocks):
         """``allocate_slots`` for a request the next step admits (new now, or again)."""
@@ -535,7 +568,7 @@ class GraphallocKVCacheManager:
 
     def _free_floor(self) -> int:
         """min over pools of the free pages now (frees only add: a sufficient bound)."""
-        steps = self.alloc.steps_run
+        steps = self._pipeline.steps_run
         if self._floor_key != steps:
             led = self.ledger
             self._floor_key = steps
@@ -563,16 +596,13 @@ class GraphallocKVCacheManager:
         """The slots' window floors and trims (slot ``skip`` left out), as Step frees."""
         n = self._n
         rows, floor, trim = self._s_row[:n], self._s_floor[:n], self._s_trim[:n]
-        keep = np.ones(n, dtype=bool)
-        if 0 <= skip < n:
-            keep[skip] = False
         out = {}
-        m = keep & (floor >= 0)
-        if m.any():
-            out["advance"] = (rows[m], floor[m])
-        m = keep & (trim >= 0)
-        if m.any():
-            out["trim"] = (rows[m], trim[m])
+        for kind, values in (("advance", floor), ("trim", trim)):
+            m = values >= 0
+            if 0 <= skip < n:
+                m[skip] = False
+            if np.count_nonzero(m):
+                out[kind] = (rows[m], values[m])
         return out
 
     def _slot_arrays(self) -> dict:
@@ -583,16 +613,17 @@ class GraphallocKVCacheManager:
         rows, ext, kind = self._s_row[:n], self._s_n[:n], self._s_kind[:n]
         out = self._slot_frees_arrays()
         m = ext > 0
-        if m.all():
+        k = np.count_nonzero(m)
+        if k == n:
             out["extend"] = (rows, ext)
-        elif m.any():
+        elif k:
             out["extend"] = (rows[m], ext[m])
         if self._reserved:
             m = kind == _ADMIT
-            if m.any():
+            if np.count_nonzero(m):
                 out["admit"] = rows[m]
             m = kind == _ADMIT_ON
-            if m.any():
+            if np.count_nonzero(m):
                 out["admit_on"] = (rows[m], self._s_h[:n][m], self._s_hit[:n][m])
         return out
 
@@ -616,7 +647,12 @@ class GraphallocKVCacheManager:
             self._new[row] = False
         self._reserved.clear()
         self._gen += 1
-        self._n = 0
+        n, self._n = self._n, 0
+        if n:  # the slots' defaults back (see __init__)
+            self._s_floor[:n] = -1
+            self._s_trim[:n] = -1
+            self._s_kind[:n] = _RUNNING
+            self._s_pages[:n] = 0
         self._need = self._n_rows = self._n_tokens = 0
         hits, self._hits = self._hits, {}
         for handle in hits.values():  # the hits were admitted on, or abandoned
