@@ -432,6 +432,17 @@ def test_ring_mode_is_refused():
         SGLangAllocator(ga.HybridAllocator(cfg))
 
 
+def test_example_help(capsys):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import integrate_sglang
+
+    with pytest.raises(SystemExit) as exc:
+        integrate_sglang.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage" in out and "--max-running" in out and "ONE graphalloc step" in out
+
+
 def test_example_runs():
     sys.path.insert(0, str(ROOT / "examples"))
     import integrate_sglang

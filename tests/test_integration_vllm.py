@@ -525,6 +525,17 @@ def test_contracts():
         mgr.allocate_slots("f", 4.0)
 
 
+def test_example_help(capsys):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import integrate_vllm
+
+    with pytest.raises(SystemExit) as exc:
+        integrate_vllm.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage" in out and "--max-seqs" in out and "ONE graphalloc step" in out
+
+
 def test_example_runs():
     sys.path.insert(0, str(ROOT / "examples"))
     import integrate_vllm
