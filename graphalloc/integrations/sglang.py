@@ -125,7 +125,11 @@ def pool_indices(reqs, allow_new: bool, n_rows: int) -> np.ndarray:
                                   ) from None
     arr = np.array(idx) if idx else EMPTY
     if arr.dtype == np.int64:
-        if len(arr) and int(arr.view(np.uint64).max()) >= n_rows:  # (a negative is huge)
+        if len(idx) <= 64:  # a few ints: Python's min / max beat a numpy reduction
+            out = len(idx) and (min(idx) < 0 or max(idx) >= n_rows)
+        else:
+            out = int(arr.view(np.uint64).max()) >= n_rows  # (a negative is huge)
+        if out:
             bad = int(arr[(arr < 0) | (arr >= n_rows)][0])
             raise UnknownRequestError(f"req_pool_idx {bad} is outside [0, {n_rows}): not a "
                                       "row this seam gave out")
@@ -211,6 +215,7 @@ class SGLangAllocator:
         self._max_reqs = alloc.config.max_reqs
         ps = self.page_size  # floor_page as one bitwise and when the page size is 2^k
         self._page_mask = -ps if ps & (ps - 1) == 0 else 0
+        self._due = self.sliding_window_size + max(swa_eviction_interval, ps)
         self.defer_frees = defer_frees
         self.tree_cache = alloc.prefix_cache  # None: SGLang's ChunkCache behaviour
         self._immediate_cache_steps = 0  # inserts run at once (defer_frees=False)
@@ -251,16 +256,16 @@ class SGLangAllocator:
             raise PositionError(f"prefix_lens: {int(prefix.min())}; a prefix is >= 0 tokens")
         rows = pool_indices(reqs, True, self._max_reqs)
         new = np.flatnonzero(rows < 0).tolist()
+        ps = self.page_size
         advance = None
         if len(new) < n:  # running requests: a chunked prefill's next chunk
             run = rows >= 0
             run_rows, run_pre = rows[run], prefix[run]
             if np.count_nonzero(self.ledger.seq_len[run_rows] != run_pre):
                 self._check_running(run_rows, run_pre, "prepare_for_extend")
-            floor = self._floor(run_pre)
-            moved = floor > self.ledger.frontier[run_rows]
+            moved = run_pre >= self.ledger.frontier[run_rows] + (self.sliding_window_size + ps)
             if np.count_nonzero(moved):
-                advance = (run_rows[moved], floor[moved])
+                advance = (run_rows[moved], self._floor(run_pre[moved]))
         admit = admit_on = None
         if new:
             rows = rows.copy()
@@ -309,13 +314,13 @@ class SGLangAllocator:
         led = self.ledger
         if np.count_nonzero(led.seq_len[rows] != lens):
             self._check_running(rows, lens, "prepare_for_decode")
-        # SGLang's rule: due once pre_len - W >= frontier + interval; to floor_page(pre_len - W)
-        past = lens - self.sliding_window_size
-        front = led.frontier[rows]
-        floor = past & self._page_mask if self._page_mask else past // self.page_size * \
-            self.page_size
-        moved = (past >= front + self.swa_eviction_interval) & (floor > front)
-        advance = (rows[moved], floor[moved]) if np.count_nonzero(moved) else None
+        # SGLang's rule: due once pre_len - W >= frontier + interval, to floor_page(pre_len -
+        # W), which moves the (page-aligned) frontier once pre_len - W >= frontier + ps:
+        # one threshold, max(interval, ps), past the frontier
+        moved = lens >= led.frontier[rows] + self._due
+        advance = None
+        if np.count_nonzero(moved):
+            advance = (rows[moved], self._floor(lens[moved]))
         out = self.pending.run(advance=advance, decode=rows)
         if out is None:
             return None
@@ -515,8 +520,10 @@ class SGLangAllocator:
                                 f"says {int(lens[i])}; pass the KV length before this step")
 
     def _floor(self, pre_len: np.ndarray) -> np.ndarray:
-        ps = self.page_size
-        return np.maximum(pre_len - self.sliding_window_size, 0) // ps * ps
+        """floor_page(pre_len - W) (callers pass pre_len >= W + page_size)."""
+        past = pre_len - self.sliding_window_size
+        return past & self._page_mask if self._page_mask else past // self.page_size * \
+            self.page_size
 
     def _row_of(self, req, what: str, allow_none: bool):
         row = getattr(req, "req_pool_idx", _MISSING)
