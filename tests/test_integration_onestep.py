@@ -596,3 +596,40 @@ def test_vllm_unknown_and_unhashable_ids_follow_the_one_policy():
         assert vllm_state(mgr) == state and "b" not in mgr
     mgr.run_step()
     assert mgr.free("a") is True and mgr.free("a") is False
+
+
+def test_page_queries_are_the_planners_dry_runs_once_per_version():
+    """What recorded frees give back is the planner's dry run (takes included: an inserted
+    request frees only what its entry does not hold), made once per version of the records:
+    SGLang's PrefillAdder asks available_size() per candidate at O(1)."""
+    a, _ = make_pair(cache=True)
+    seam = SGLangAllocator(a)
+    reqs = [Req(i, [7 * i + j for j in range(10)], 1) for i in range(3)]
+    seam.prepare_for_extend(Batch(reqs, [0, 0, 0], [10, 10, 10]))
+    calls = []
+    dry_run = a.dry_run
+
+    def counting(step, **kw):
+        calls.append(step.kinds())
+        return dry_run(step, **kw)
+
+    a.dry_run = counting
+    free0 = seam.full_available_size()
+    assert calls == []  # nothing recorded: n_free, no plan
+    for r in reqs[:2]:
+        r.kv_len = 10
+        seam.release_kv_cache(r)  # an insert (take) and a release each
+    sizes = {seam.full_available_size() for _ in range(50)}
+    seam.available_size(), seam.swa_available_size()
+    assert calls == [["take", "release"]]  # one dry run for 52 queries
+    # each request: 3 pages, 2 whole ones kept by its new entry: 1 freed per request
+    assert sizes == {free0 + 2 * PS}
+    seam.evictable_size(), seam.evictable_size()
+    assert len(calls) == 1  # nothing in the cache to reclaim yet: no plan
+    seam.flush()
+    assert a.n_free("full") * PS == free0 + 2 * PS and len(a.prefix_cache) == 2
+    assert seam.full_evictable_size() == 4 * PS and len(calls) == 2  # the entries' pages
+    assert seam.evictable_size() <= 4 * PS and len(calls) == 2
+    seam.release_kv_cache(reqs[2])  # a new version of the records
+    seam.available_size(), seam.available_size()
+    assert len(calls) == 3

@@ -20,9 +20,11 @@ run and the cache), so repeated queries in one iteration cost O(1) after the fir
 Invariants: every recorded row was live when recorded (the seams check), a row is
 released at most once per step (``released``), each take's handle is free and reserved
 for it; after a submitted step every record is cleared and the step's new cache entries
-registered (``cache.add_entry``). Frees beyond the frozen release shape are the one case
-of more than one step: the frees run first (``alloc.free_group()`` splits them), then the
-rest (``n_steps`` says so); a batch over the allocation shape raises with nothing changed.
+registered (``cache.add_entry``). Two cases take more than one step: frees beyond the
+frozen release shape run first (``alloc.free_group()`` splits them), then the rest
+(``n_steps`` says so); an insert when every handle is held or reserved drops the cache's
+LRU unlocked leaf first, a step of its own (``cache_steps``). A batch over the allocation
+shape raises with nothing changed.
 
 Cost: recording is O(1) per scalar (a write into a preallocated array, doubled when
 full) or O(n) numpy per array; :meth:`run` is one ``alloc.plan`` + ``alloc.run`` plus

@@ -1,43 +1,33 @@
 """SGLang's request-level allocator seam: each ``prepare_for_*`` is ONE graphalloc Step.
 
-Contract. :class:`SGLangAllocator` answers the calls SGLang's scheduler makes on its
-allocator and tree cache, on plain objects with SGLang's attribute names. Per iteration:
-``release_finished`` / ``release_kv_cache`` (``cache_finished_req`` with a cache;
-``free_group_begin`` / ``free_group_end``) and ``cache_unfinished_req`` only RECORD (a
-release, a ``take`` for a cache insert) into :class:`~.iteration.IterationStep`;
-``prepare_for_extend`` / ``prepare_for_decode`` turn the batch into arrays once and run
-the records plus the batch as ONE ``Step``: ``take`` (inserts), ``release``, ``advance``
-(SWA eviction), ``admit`` / ``admit_on`` (new requests; a cache hit shares its pages),
-``extend`` / ``decode``; the cache evicts inside that step when the batch is short of pages.
+Contract. :class:`SGLangAllocator` takes the calls SGLang's scheduler makes on its
+allocator and tree cache, on plain objects with SGLang's attribute names. Frees only
+RECORD into :class:`~.iteration.IterationStep` (``release_kv_cache`` / ``release_finished``
+a release; with a cache, ``cache_finished_req`` / ``cache_unfinished_req`` a ``take`` that
+inserts the request's whole pages); ``prepare_for_extend`` / ``prepare_for_decode`` read
+the batch as arrays once -- ``req_pool_idx`` of each request, ``prefix_lens``,
+``extend_lens`` / ``seq_lens_cpu`` (host values) -- and run records plus batch as ONE Step:
+take, release, advance (SWA eviction), admit / admit_on (a hit shares its pages), extend /
+decode; the cache evicts inside it when pages are short. SWA eviction is SGLang's rule,
+vectorised: the SWA KV below ``floor_page(pre_len - W)`` goes, ``pre_len`` the prefix at an
+extend, the KV length at a decode (there once ``swa_eviction_interval`` tokens past).
 
-Reads: a request's ``req_pool_idx`` (``None`` until the seam writes the row; set back to
-``None`` at release), ``finished()``, with a cache ``origin_input_ids`` + ``output_ids``
-and ``last_node`` (written: the locked entry's handle); an extend batch's ``reqs``,
-``prefix_lens``, ``extend_lens``; a decode batch's ``reqs`` and ``seq_lens_cpu`` (KV
-lengths before the new token; host values, a CUDA tensor is refused).
-SWA eviction, vectorised: the SWA KV below ``floor_page(pre_len - W)`` is freed, ``pre_len``
-the prefix length at an extend, the KV length at a decode -- there only once it left the
-window by ``swa_eviction_interval`` tokens past the frontier (SGLang's interval).
+Unknown ids, one policy with the vLLM seam: releasing a request that holds no KV here
+(``req_pool_idx is None``) is a no-op returning ``False``; any other call naming a request
+the seam does not hold raises :class:`~graphalloc.errors.UnknownRequestError`. Malformed
+objects raise a typed error naming the field (``ContractError``: a missing or non-list
+batch field; ``UnknownRequestError``: ``req_pool_idx``; ``PositionError``: lengths, slots).
+A refused call (typed error, or ``None`` for lack of pages or rows) changes nothing.
 
-Unknown ids, one policy with the vLLM seam: a release of a request holding no KV here
-(``req_pool_idx is None``) is a no-op returning ``False``; every other call naming a request
-this seam does not hold (``req_pool_idx`` None in a decode batch, or a row that is not live
-or is released in this iteration) raises :class:`~graphalloc.errors.UnknownRequestError`.
-Malformed objects raise a typed error naming the field (``ContractError`` for a missing or
-non-list batch field, ``UnknownRequestError`` for ``req_pool_idx``, ``PositionError`` for
-lengths and slots). A refused call (typed error, or ``None`` for lack of pages or rows)
-changes nothing: no row given, no record run or dropped.
-
-Invariants: ``available_size()`` (and FULL/SWA) is what the next step leaves free before
-its allocation: ``n_free + pages_freed(records)``, the planner's dry run, cached per
-version; ``evictable_size()`` is the cache's part; a matched entry stays locked until the
-next step. Cost: O(batch) numpy + one plan per ``prepare_*`` (plus ``finished()`` per
-request in ``release_finished`` and hashing per insert); the queries one dry run per
+Invariants: ``available_size()`` is what the next step leaves free before it allocates,
+``n_free`` + the planner's dry run of the records (cached per version); a matched entry is
+locked until the next step. Cost: per ``prepare_*`` a few numpy calls over the batch and
+one plan; ``finished()`` per request in ``release_finished``; the queries one dry run per
 version, then O(1); no device read. The engine still writes ``ForwardBatch.out_cache_loc``
-(:attr:`SGLangBatchAlloc.out_cache_loc`), its attention metadata (``alloc.tables`` with
+(:attr:`SGLangBatchAlloc.out_cache_loc`), attention metadata (``alloc.tables`` with
 ``page_tables=PageTableSpec(...)``, or gathers of ``alloc.req_to_token``), ``seq_lens`` +1
-after a decode, :meth:`SGLangAllocator.flush` on an idle iteration, and ``alloc.check()``
-where it synchronises anyway. Not covered: the overlap scheduler's deferred eviction,
+after a decode, :meth:`SGLangAllocator.flush` on an idle iteration, ``alloc.check()``
+where it synchronises. Not covered: the overlap scheduler's deferred eviction,
 speculative multi-token decode, HiCache, page_size-1 ``alloc(n)``, ring mode.
 """
 

@@ -1,41 +1,34 @@
 """vLLM v1's ``KVCacheManager`` calls over graphalloc: ONE Step per ``schedule()``.
 
-Contract. :class:`GraphallocKVCacheManager` answers vLLM's calls per request and only
+Contract. :class:`GraphallocKVCacheManager` answers vLLM's per-request calls and only
 RECORDS them: ``allocate_slots(request_id, n, num_lookahead_tokens)`` writes one slot of
-preallocated int64 arrays (row, tokens to allocate, window floor, trim target; a new
-request's row from ``alloc.free_row(reserved)``, admitted plain or on its cache hit) and
-returns the new block positions, or ``None`` (back-pressure, nothing changed); ``free``
-records a release (with caching and token ids, a cache insert as a ``take`` of the same
-step, run before the release). :meth:`~GraphallocKVCacheManager.run_step`, the one line
-the engine adds after ``schedule()``'s loop, turns the slots into arrays with a few numpy
-masks and runs everything as ONE ``Step`` (take, release, trim, advance, admit / admit_on,
-extend); the cache evicts inside it when the allocations are short of pages.
-
-Rules, from vLLM's documented semantics: a request holds ``min(computed + n +
-lookahead, max_model_len)`` positions (``computed``: ``num_computed_tokens=``, by default
-what this facade granted); its SWA blocks wholly below ``computed - sliding_window`` are
-removed (null block 0) before it allocates; a target a whole block or more below what it
-holds trims the blocks past it (skipped below ``frontier + window``, which the allocator
-refuses); a second call in one iteration replaces the first; ``get_computed_blocks`` is
-the longest cached whole-block prefix of ``token_ids[:-1]`` whose window is cached too
-(locked until ``run_step``). Request ids: any hashable; ids equal under ``==`` are one.
+preallocated int64 arrays (row, tokens, window floor, trim target; a new request's row from
+``alloc.free_row(reserved)``, admitted plain or on its cache hit) and returns the new block
+positions, or ``None`` (back-pressure, nothing changed); ``free`` records a release (with
+caching and token ids, an insert as a ``take`` run before it in the same step).
+:meth:`~GraphallocKVCacheManager.run_step`, the line the engine adds after ``schedule()``'s
+loop, turns the slots into arrays with a few numpy masks and runs ONE Step (take, release,
+trim, advance, admit / admit_on, extend); the cache evicts inside it when pages are short.
+Rules (vLLM's): a request holds ``min(computed + n + lookahead, max_model_len)`` positions;
+its SWA blocks below ``computed - sliding_window`` are removed (null block 0) first; a
+target a whole block below what it holds trims the rest (not below ``frontier + window``);
+a second call in one iteration replaces the first; a cache hit is the longest cached
+whole-block prefix of ``token_ids[:-1]`` whose window is cached, locked until ``run_step``.
 
 Unknown ids, one policy with the SGLang seam: ``free`` of an id holding no KV here is a
-no-op returning ``False`` (vLLM frees aborted waiting requests so); every other call naming
-an unknown id (``get_block_ids``, ``token_slots``, ``row_of``, ``cache_blocks``, ...) raises
-:class:`~graphalloc.errors.UnknownRequestError`, as does an unhashable id anywhere. A
-refused call changes nothing.
+no-op returning ``False`` (vLLM frees aborted waiting requests so); every other call
+naming an unknown id, and any call with an unhashable id, raises
+:class:`~graphalloc.errors.UnknownRequestError`. A refused call changes nothing.
 
-Invariants: ``None`` is answered only for lack of pages (counting what the recorded frees
-and the cache's unlocked entries give back: the planner's dry runs) or of request rows;
-pages needed are ``ceil((L + n) / bs) - ceil(L / bs)`` per pool. Cost: ``allocate_slots``
-/ ``free`` O(1) host work (a dict lookup, two ledger reads, a few array writes; a dry run
-only when the pools' current free pages do not cover the recorded allocations);
-``run_step`` O(requests) numpy plus one ``alloc.plan`` + ``alloc.run``; no sync. The engine
-still writes: ``run_step()``; the slot mapping from :meth:`token_slots` (device views) and
-block tables from ``alloc.tables`` (``page_tables=PageTableSpec(...)``) -- block ids on the
-host (:meth:`get_block_ids`) are a device read; ``num_computed_tokens=`` under speculative
-decoding; token ids with caching; ``alloc.check()`` where it synchronises anyway.
+Invariants: ``None`` only for lack of pages (counting what the recorded frees and the
+cache's unlocked entries give back: the planner's dry runs) or of rows; pages needed are
+``ceil((L + n) / bs) - ceil(L / bs)`` per pool. Cost: ``allocate_slots`` / ``free`` O(1)
+(a dict lookup, two ledger reads, two array writes; a dry run only when the free pages now
+do not cover the recorded allocations); ``run_step`` O(requests) numpy + one plan; no sync.
+The engine still writes ``run_step()``, the slot mapping from :meth:`token_slots` (device
+views), block tables from ``alloc.tables`` (``page_tables=PageTableSpec(...)``; host ids
+via :meth:`get_block_ids` are a device read), ``num_computed_tokens=`` under speculative
+decoding, token ids with caching, and ``alloc.check()`` where it synchronises anyway.
 """
 
 from __future__ import annotations
