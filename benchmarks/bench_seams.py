@@ -373,22 +373,28 @@ def _q(stats: dict) -> str:
 
 
 def plot(doc: dict, path: str) -> bool:
-    """Seam vs direct p50 (p20-p80 bands) per B, one panel per executor x cache; the
-    ratio on a second axis."""
+    """Top: seam vs direct p50 (p20-p80 bands) per B, one panel per executor x cache.
+    Bottom: the ratio seam p50 / direct p50 per executor, with the target."""
     plt = pyplot()
     rows = doc["results"]
     if plt is None or not rows:
         return False
+    import matplotlib.ticker as mticker
     panels = [(ex, c) for ex in ("host", "eager") for c in (False, True)
               if any(r["executor"] == ex and r["cache"] == c for r in rows)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
+    fig = plt.figure(figsize=(4.4 * len(panels), 7.6))
+    grid = fig.add_gridspec(2, len(panels), height_ratios=(1.25, 1.0))
     styles = {("sglang", "seam"): dict(color="tab:blue", marker="o", label="SGLang seam"),
-              ("sglang", "direct"): dict(color="tab:blue", marker="o", ls=":",
+              ("sglang", "direct"): dict(color="tab:blue", marker="o", ls=":", mfc="white",
                                          label="SGLang: alloc.step of the same work"),
               ("vllm", "seam"): dict(color="tab:red", marker="s", label="vLLM seam"),
-              ("vllm", "direct"): dict(color="tab:red", marker="s", ls=":",
+              ("vllm", "direct"): dict(color="tab:red", marker="s", ls=":", mfc="white",
                                        label="vLLM: alloc.step of the same work")}
-    for ax, (ex, c) in zip(axes[0], panels, strict=True):
+    batches = sorted({r["batch"] for r in rows})
+    top = []
+    for j, (ex, c) in enumerate(panels):
+        ax = fig.add_subplot(grid[0, j])
+        top.append(ax)
         for (kind, side), style in styles.items():
             sel = sorted((r for r in rows if r["executor"] == ex and r["cache"] == c
                           and r["seam"] == kind), key=lambda r: r["batch"])
@@ -396,29 +402,57 @@ def plot(doc: dict, path: str) -> bool:
                 continue
             b = [r["batch"] for r in sel]
             key = f"{side}_us"
-            ax.plot(b, [r[key]["p50"] for r in sel], **style)
-            ax.fill_between(b, [r[key]["p20"] for r in sel], [r[key]["p80"] for r in sel],
-                            color=style["color"], alpha=0.12)
-            if side == "seam":
-                for r in sel:
-                    ax.annotate(f"{r['ratio']:.2f}x", (r["batch"], r["seam_us"]["p50"]),
-                                textcoords="offset points", xytext=(4, 4), fontsize=7,
-                                color=style["color"])
+            ax.plot(b, [r[key]["p50"] / 1e3 for r in sel], **style)
+            ax.fill_between(b, [r[key]["p20"] / 1e3 for r in sel],
+                            [r[key]["p80"] / 1e3 for r in sel], color=style["color"],
+                            alpha=0.12)
         set_log_y(ax)
-        set_b_axis(ax, [r["batch"] for r in rows], "running requests B")
-        ax.set_ylabel("host time per iteration (us)")
+        set_b_axis(ax, batches, "running requests B")
+        ax.set_ylabel("ms per iteration (p50)")
         ax.set_title(f"{'host path (no kernel)' if ex == 'host' else 'eager CPU kernels'}, "
                      f"prefix cache {'on' if c else 'off'}", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
+    executors = [ex for ex in ("host", "eager") if any(r["executor"] == ex for r in rows)]
+    half = len(panels) // max(len(executors), 1)
+    ratio_styles = {("sglang", False): dict(color="tab:blue", marker="o", ls="-"),
+                    ("sglang", True): dict(color="tab:blue", marker="o", ls="--", mfc="white"),
+                    ("vllm", False): dict(color="tab:red", marker="s", ls="-"),
+                    ("vllm", True): dict(color="tab:red", marker="s", ls="--", mfc="white")}
+    for i, ex in enumerate(executors):
+        ax = fig.add_subplot(grid[1, i * half:(i + 1) * half])
+        for (kind, c), style in ratio_styles.items():
+            sel = sorted((r for r in rows if r["executor"] == ex and r["cache"] == c
+                          and r["seam"] == kind), key=lambda r: r["batch"])
+            if sel:
+                ax.plot([r["batch"] for r in sel], [r["ratio"] for r in sel],
+                        label=f"{'SGLang' if kind == 'sglang' else 'vLLM'}, cache "
+                              f"{'on' if c else 'off'}", **style)
+        ax.axhline(TARGET, color="black", ls="--", lw=1, label=f"target {TARGET}x")
+        ax.axhline(1.0, color="gray", ls=":", lw=1)
+        set_b_axis(ax, batches, "running requests B")
+        ratios = [r["ratio"] for r in rows if r["executor"] == ex]
+        ax.set_yscale("log")
+        ax.set_ylim(min(0.7, 0.9 * min(ratios)), max(2.0, 1.25 * max(ratios)))
+        ticks = [t for t in (0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 50)
+                 if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]]
+        ax.yaxis.set_major_locator(mticker.FixedLocator(ticks))
+        ax.yaxis.set_major_formatter(mticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax.yaxis.set_minor_locator(mticker.NullLocator())
+        ax.set_ylabel("seam p50 / direct p50")
+        ax.set_title(f"ratio, {'host path (no kernel)' if ex == 'host' else 'eager CPU kernels'}",
+                     fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", ncol=2)
+    handles, labels = top[0].get_legend_handles_labels()
     caption = (
         "One iteration: the longest request finishes, one is prefilled (256 tokens; with "
         "the cache on a 512-token cached prefix), B - 1 decode. SGLang: release_finished + "
         "prepare_for_extend + prepare_for_decode (two steps); vLLM: free + B allocate_slots "
-        "+ run_step (one step). Dotted: the same Steps through alloc.step on a second "
-        "allocator, with the engine's free_row and the cache insert's own work. Labels: the "
-        f"seam's p50 over the direct p50 (target <= {TARGET}x). Bands: p20-p80. Host path: "
-        "plan + submit, no kernel; eager: the CPU torch kernels run too.")
+        "+ run_step (one step). Direct (dotted, open markers): the same Steps through "
+        "alloc.step on a second allocator, with the engine's free_row and the cache "
+        "insert's own work. Bands: p20-p80. Host path: plan + submit, no kernel (a GPU "
+        "step's host cost without its replay); eager: the CPU torch kernels run too, what "
+        "alloc.step costs on this CPU.")
     finish(fig, path, title="Seam iteration vs alloc.step of the same work, host time ["
            f"{machine_name(doc.get('machine'))}]", caption=caption,
            legend=(handles, labels), ncol=2)

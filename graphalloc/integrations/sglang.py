@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from operator import attrgetter
 
 import numpy as np
 import torch
@@ -58,7 +57,6 @@ from .iteration import IterationStep
 __all__ = ["SGLangAllocator", "SGLangBatchAlloc"]
 
 _MISSING = object()
-_POOL_IDX = attrgetter("req_pool_idx")
 
 
 def batch_field(batch, name: str, n: int) -> np.ndarray:
@@ -108,7 +106,7 @@ def pool_indices(reqs, allow_new: bool, n_rows: int) -> np.ndarray:
     in ``[0, n_rows)``; ``UnknownRequestError`` naming the field otherwise. One attribute
     read per request, one ``np.array``, one range check."""
     try:
-        idx = list(map(_POOL_IDX, reqs))
+        idx = [r.req_pool_idx for r in reqs]
     except AttributeError:
         raise UnknownRequestError("a request has no req_pool_idx attribute (SGLang's Req "
                                   "carries it: None until the allocator gives it a row)"
