@@ -344,6 +344,7 @@ class Driver:
 
 def measure(kind: str, batch: int, cache: bool, executor: str, n_warmup: int,
             n_samples: int, seed: int) -> dict:
+    load0 = os.getloadavg()[0]
     drv = Driver(kind, batch, cache, n_warmup + n_samples, seed)
     for alloc in (drv.a, drv.d):
         alloc.executor.kernels = executor == "eager"
@@ -363,7 +364,8 @@ def measure(kind: str, batch: int, cache: bool, executor: str, n_warmup: int,
     out = {"seam": kind, "batch": batch, "cache": cache, "executor": executor,
            "seam_us": summarize(seam_us), "direct_us": summarize(direct_us),
            "paired_ratio": summarize(ratios), "identical": identical,
-           "steps_seam": drv.a.steps_run, "steps_direct": drv.d.steps_run}
+           "steps_seam": drv.a.steps_run, "steps_direct": drv.d.steps_run,
+           "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)]}
     out["ratio"] = out["seam_us"]["p50"] / out["direct_us"]["p50"]
     return out
 
@@ -508,12 +510,18 @@ def run(args, argv, device, backend, note) -> int:
         "run too (what `alloc.step` costs on this CPU; warm start without kernels, so the "
         "device tables are stale: timing only). `identical`: both allocators' ledgers "
         "equal at the end.", "",
-        "| executor | cache | seam | B | seam us | direct us | ratio | paired | identical |",
-        "|:---|:---:|:---|---:|---:|---:|---:|---:|:---:|"]
+        f"The machine has {os.cpu_count()} cores shared with other jobs: `load` is the "
+        "1-minute load average before / after each case; above the core count an iteration "
+        "of a few milliseconds is often descheduled, which inflates p50 and p80 (p20 is "
+        "the least disturbed).", "",
+        "| executor | cache | seam | B | seam us | direct us | ratio | paired | load | "
+        "identical |",
+        "|:---|:---:|:---|---:|---:|---:|---:|---:|---:|:---:|"]
     for r in results:
         lines.append(f"| {r['executor']} | {'on' if r['cache'] else 'off'} | {r['seam']} | "
                      f"{r['batch']} | {_q(r['seam_us'])} | {_q(r['direct_us'])} | "
                      f"{r['ratio']:.2f} | {r['paired_ratio']['p50']:.2f} | "
+                     f"{r['load_average'][0]:.1f} / {r['load_average'][1]:.1f} | "
                      f"{r['identical']} |")
     with open(os.path.join(args.out, "bench_seams.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -718,3 +718,28 @@ def test_example_with_a_shared_prompt_hits():
     assert s["finished"] == 10 and s["audit_findings"] == 0
     assert s["cache_hit_rate"] > 0.2
     assert s["steps"] == s["iterations"] + s["cache_steps"]
+
+
+def test_a_call_whose_own_window_removal_frees_what_it_needs_is_not_refused():
+    """The SWA pool is full; a decode whose window removal (in the same step, before its
+    allocation) frees SWA pages fits -- the facade's last tier counts the call's own frees
+    -- while a request with nothing to remove is refused (None, nothing changed)."""
+    cfg = ga.AllocatorConfig(page_size=4, num_full_pages=20, num_swa_pages=8, max_reqs=4,
+                             max_context_len=64, sliding_window=8,
+                             max_tokens_per_alloc_row=32)
+    alloc = ga.HybridAllocator(cfg)
+    mgr = GraphallocKVCacheManager(alloc)
+    assert mgr.allocate_slots("r", 24) is not None  # 6 pages per pool
+    mgr.run_step()
+    assert mgr.allocate_slots("fill", 8) is not None  # 2 more: the SWA pool is full
+    mgr.run_step()
+    assert alloc.n_free("swa") == 0 and alloc.n_free("full") == 12
+    before = state(alloc, mgr, ["r", "fill"])
+    assert mgr.allocate_slots("fill", 1, num_computed_tokens=8) is None  # 8 - 8: no page
+    assert state(alloc, mgr, ["r", "fill"]) == before
+    blocks = mgr.allocate_slots("r", 1, num_computed_tokens=24)  # frees SWA [0, 16)
+    assert blocks is not None and blocks.num_blocks == 1
+    assert mgr.free_pages("swa") == 4 - 1
+    mgr.run_step()
+    assert alloc.frontier(mgr.row_of("r")) == 16 and alloc.n_free("swa") == 3
+    check_conserved(alloc)

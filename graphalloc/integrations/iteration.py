@@ -87,6 +87,13 @@ class Ints:
         self.n = 0
 
 
+def _remember(memo: dict, key, value) -> None:
+    """Keep ``value`` for ``key``; a few keys at most (older versions are dead)."""
+    if len(memo) >= 4:
+        memo.clear()
+    memo[key] = value
+
+
 def _merge(kw: dict, kind: str, value) -> None:
     """Add ``value`` (an array, or a tuple of arrays) to ``kw[kind]``; empty: nothing."""
     if value is None:
@@ -141,8 +148,8 @@ class IterationStep:
         self.frees_version = 0  # bumped by every recorded free (takes included)
         self.cache_steps = 0  # steps the cache ran outside the iteration's step
         self.last_step: Step | None = None
-        self._freed = (None, (0, 0))
-        self._reclaim = (None, (0, 0))
+        self._freed: dict = {}  # version key -> pages (a few versions live at once)
+        self._reclaim: dict = {}
 
     # ---- state ------------------------------------------------------------------------
     def has_frees(self) -> bool:
@@ -241,10 +248,12 @@ class IterationStep:
         whose version the caller passes as ``extra_key``) give back when the step runs: a
         dry run of the planner, once per version of the records and of the allocator."""
         key = (self.frees_version, self.alloc.steps_run, extra_key)
-        if self._freed[0] != key:
+        value = self._freed.get(key)
+        if value is None:
             step = self.frees_step(extra)
-            self._freed = (key, self._dry_freed(step) if step.kinds() else (0, 0))
-        return self._freed[1]
+            value = self._dry_freed(step) if step.kinds() else (0, 0)
+            _remember(self._freed, key, value)
+        return value
 
     def pages_reclaimable(self, extra: dict | None = None, extra_key=None) -> tuple[int, int]:
         """``(FULL, SWA)`` pages dropping every unlocked cache entry would add once the
@@ -254,15 +263,16 @@ class IterationStep:
         if cache is None:
             return 0, 0
         key = (self.frees_version, self.alloc.steps_run, extra_key, cache.version)
-        if self._reclaim[0] != key:
+        value = self._reclaim.get(key)
+        if value is None:
             handles = cache.reclaimable_handles()
             value = (0, 0)
             if handles:
                 freed = self.pages_freed(extra, extra_key)
                 both = self._dry_freed(self.frees_step(extra, np.array(handles, np.int64)))
                 value = (both[0] - freed[0], both[1] - freed[1])
-            self._reclaim = (key, value)
-        return self._reclaim[1]
+            _remember(self._reclaim, key, value)
+        return value
 
     def free_pages(self, pool: str, *, with_cache: bool = False, extra: dict | None = None,
                    extra_key=None) -> int:

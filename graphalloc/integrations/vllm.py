@@ -569,16 +569,23 @@ class GraphallocKVCacheManager:
         return self._floor
 
     def _fits(self, need: int, extra=None) -> bool:
-        """Whether ``need`` pages per pool fit once the recorded frees (and ``extra``
-        instead of the slots' own) ran, counting the cache's evictable pages."""
+        """Whether ``need`` pages per pool fit once the recorded frees (and the slots' own
+        window floors and trims, or ``extra`` instead) ran, counting the cache's evictable
+        pages. Three tiers, each a sufficient condition for the next (frees only add
+        pages): the free pages now; after the recorded frees and the cache (one dry run per
+        version of the records); only then with the slots' floors and trims too (a dry run
+        per call: the pools are about to be short)."""
         if need <= self._free_floor():
+            return True
+        c = self.prefix_cache is not None
+        pend = self.pending
+        if need <= min(pend.free_pages("full", with_cache=c),
+                       pend.free_pages("swa", with_cache=c)):
             return True
         if extra is None:
             extra, key = self._frees_extra()
         else:
             key = ("call", self._slot_frees, object())  # a one-off: never cached
-        c = self.prefix_cache is not None
-        pend = self.pending
         return need <= min(pend.free_pages("full", with_cache=c, extra=extra, extra_key=key),
                            pend.free_pages("swa", with_cache=c, extra=extra, extra_key=key))
 
