@@ -3,8 +3,8 @@
 :class:`PrefixModel` is the generator's (``sched_workload.generate``) view of a prefix
 cache that never evicts. It draws every request's token ids, so that hits are real (equal
 token prefixes), and decides each admission's hit: the longest prefix of whole pages
-already computed by an earlier request, at most ``prompt - 1`` tokens (one token is left
-to compute, as both engines do). The engines replaying the trace find their hits in their
+an earlier request computed and a step before this one inserted (below), at most
+``prompt - 1`` tokens (one token is left to compute, as both engines do). The engines replaying the trace find their hits in their
 own caches; with pools that never evict they must find exactly these.
 
 Workloads (``WorkloadSpec.prefix``)::
@@ -26,18 +26,28 @@ Token ids: content ids uniform in [0, VOCAB); every request (system-prompt) or
 conversation (multi-turn) starts its own part with a unique marker id >= MARKER, so two
 requests share exactly the intended prefixes and nothing else.
 
-When pages count as computed (the rule both engines agree on)::
+When pages are inserted, and when an admission can hit them (the rule every replay
+agrees on)::
 
-    prompt pages  whole pages of [hit, pre) after the step whose chunk computed them
-                  (vLLM caches them at allocation, SGLang inserts them after the chunk)
-    output pages  whole pages of [fill, L) when the request is released (SGLang inserts
-                  them at cache_finished_req; vLLM hashed them as they filled, but no
-                  other request can match into a running request's output here)
+    prompt pages  whole pages of [hit, pre): inserted in the step AFTER the step whose
+                  chunk computed them
+    output pages  whole pages of [fill, L): inserted in the step that releases the request
+    a hit         on pages inserted in an EARLIER step: a page inserted in step t is
+                  cached from step t + 1 on
 
-A waiting request whose first uncached page another request is still computing waits
-(:meth:`PrefixModel.admit`, SGLang's in-batch prefix check, here also across the chunks
-of a prefill still running), so no two requests ever compute the same page: the engines
-then hold the same FULL pages in their caches, duplicates never arise.
+That is graphalloc's timing (one step per iteration): an insert is a ``take`` at the start
+of a step, so it can hold only pages an earlier step allocated (a chunk's pages from the
+next step on), and a handle taken in a step is admitted on from the step after (the
+planner refuses a handle written in its own step: code 6). SGLang's overlap scheduler has
+the same lag (a batch's results, its inserts, are processed after the next batch was
+scheduled); the baselines cache earlier (vLLM at allocation, SGLang after the chunk) but
+can only hit what the trace lets wait: no admission ever needs more than the lagged cache.
+
+A waiting request whose first uncached page another request is still computing, or has
+computed but not yet cached, waits (:meth:`PrefixModel.admit`, SGLang's in-batch prefix
+check, here also across the chunks of a prefill still running and the step of the
+insert), so no two requests ever compute the same page: the engines then hold the same
+FULL pages in their caches, duplicates never arise.
 
 SWA: a hit of h tokens needs the SWA pages of the window before h. In a system prompt
 they are the prompt's own (both engines keep them); in multi-turn they are the last
@@ -76,8 +86,11 @@ class PrefixModel:
     """Token ids of every request and the no-eviction cache that gives the hits.
 
     Owns: ``tokens[rid]`` (int32, the request's whole sequence: prompt + output, what its
-    KV holds at release), ``cached`` (keys of computed whole pages; never shrinks),
-    ``pending`` (keys of pages an admitted request will compute; each key at most once),
+    KV holds at release), ``cached`` (keys of whole pages an admission can hit; never
+    shrinks), ``pending`` (keys of pages an admitted request will compute or computed but
+    not yet cached; each key at most once), ``fresh`` / ``inserting`` (keys computed in
+    this step, inserted in the next; keys inserted in this step, cached at its end:
+    :meth:`end_step`),
     ``base[rid]`` (the keys its first pages share with its system prompt, or its previous
     turn's id). Hits, prompt tokens and admissions are counted for the summary.
     """
@@ -99,6 +112,8 @@ class PrefixModel:
         self.keys: dict = {}  # rid -> page keys (admitted requests, until released)
         self.cached: set = set()
         self.pending: set = set()
+        self.fresh: list = []  # computed in this step: inserted in the next
+        self.inserting: list = []  # inserted in this step: cached from the next
         self.n_conversations = 0
         self.turn: list = []
         self.admitted = self.prompt_tokens = self.hit_tokens = self.with_hit = 0
@@ -193,19 +208,25 @@ class PrefixModel:
         return hit
 
     def computed(self, rid: int, pre_old: int, pre_new: int) -> None:
-        """A prefill chunk took ``rid`` from ``pre_old`` to ``pre_new`` computed tokens."""
-        keys = self.keys[rid]
-        for key in keys[pre_old // self.ps:pre_new // self.ps]:
-            self.pending.discard(key)
-            self.cached.add(key)
+        """A prefill chunk took ``rid`` from ``pre_old`` to ``pre_new`` computed tokens: its
+        new whole pages are inserted in the next step (they stay pending until cached)."""
+        self.fresh.extend(self.keys[rid][pre_old // self.ps:pre_new // self.ps])
 
     def released(self, rid: int, fill: int, length: int, continued: bool) -> None:
-        """``rid`` finished at ``length`` tokens: its output pages are cached. Its keys are
-        kept for its next turn when ``continued`` (that turn takes them at admission)."""
-        keys = self.keys[rid]
-        self.cached.update(keys[fill // self.ps:length // self.ps])
+        """``rid`` finished at ``length`` tokens: its output pages are inserted in this step
+        (cached from the next). Its keys are kept for its next turn when ``continued``
+        (that turn takes them at admission)."""
+        keys = self.keys[rid][fill // self.ps:length // self.ps]
+        self.pending.update(keys)
+        self.inserting.extend(keys)
         if not continued:
             del self.keys[rid]
+
+    def end_step(self) -> None:
+        """The step ends: what it inserted is cached, what it computed is inserted next."""
+        self.cached.update(self.inserting)
+        self.pending.difference_update(self.inserting)
+        self.inserting, self.fresh = self.fresh, []
 
     def summary(self) -> dict:
         """Hits over every admission of the trace (what a cache that never evicts gives)."""

@@ -162,6 +162,8 @@ class Trace:
     max_alloc_row_tokens: int = 0  # tokens one request allocates in one step, at most
     max_step_tokens: int = 0  # tokens allocated in one step, at most
     cache_pages: int = 0  # pages a replay with a cache allocates in all (its no-evict pool)
+    n_inserts: int = 0  # cache inserts (chunks + releases): the entries a cache takes, at most
+    max_cache_rows: int = 0  # decode + extend + admit + take rows of one step, at most
     tokens: list | None = None  # token ids of each request (prompt + output)
     fill: np.ndarray | None = None  # prompt tokens (+ bootstrap age) of each request
     prefix: dict | None = None  # PrefixModel.summary(): the hit rate the trace expects

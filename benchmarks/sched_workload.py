@@ -46,7 +46,10 @@ replays of the same decisions::
 
     with a cache     allocates the pages of [h, h + n) (``expect_cache`` = FULL and SWA
                      pages allocated, FULL pages freed: the partial last page of each
-                     release, every whole page going to the cache)
+                     release, every whole page going to the cache); inserts after every
+                     chunk and at every release (``n_inserts`` of them; ``max_cache_rows``
+                     allocation rows in one step at most, counting graphalloc's takes
+                     and admits on a handle)
     without a cache  allocates [0, h + n) at admission (``extend_n_nocache`` = the chunk
                      plus the hit), frees as above; ``expect`` and every size of the
                      Trace (peaks, lanes, rows, tokens) are this replay's
@@ -137,6 +140,7 @@ def generate(spec: WorkloadSpec, n_warmup: int, n_measure: int, n_profile: int =
     used_full = used_swa = 0
     peak_full = peak_swa = max_rel = max_lanes = max_rows = 0
     max_row_tok = max_step_tok = cache_pages = 0
+    n_inserts = max_cache_rows = n_prev_ext = 0  # a replay with a cache: takes, rows
     phases = [("bootstrap", None), ("warmup", n_warmup), ("measure", n_measure),
               ("profile", n_profile)]
     phase_start: dict[str, int] = {}
@@ -264,6 +268,12 @@ def generate(spec: WorkloadSpec, n_warmup: int, n_measure: int, n_profile: int =
                 n_evict_segments=n_seg, n_evict_pages=n_evict_pages,
                 n_release_rows=rel_rows + n_seg, hit=hits, extend_n_nocache=ext_nc,
                 expect_cache=None if px is None else (new_pages, new_pages, tails)))
+            if px is not None:
+                px.end_step()
+                n_inserts += len(release) + len(ext_ids)
+                max_cache_rows = max(max_cache_rows, len(decoding) + len(ext_ids) + len(admit)
+                                     + len(release) + n_prev_ext)
+                n_prev_ext = len(ext_ids)
             # 5. arrivals (steady state only): new requests; the later turns of finished
             # conversations go first in the queue (sched_prefix.py: SGLang's LPM order)
             if not bootstrap:
@@ -280,5 +290,6 @@ def generate(spec: WorkloadSpec, n_warmup: int, n_measure: int, n_profile: int =
                  peak_full=peak_full, peak_swa=peak_swa, max_releases=max_rel,
                  max_free_lanes=max_lanes, max_release_rows=max_rows,
                  max_alloc_row_tokens=max_row_tok, max_step_tokens=max_step_tok,
-                 cache_pages=cache_pages, tokens=None if px is None else px.tokens,
+                 cache_pages=cache_pages, n_inserts=n_inserts,
+                 max_cache_rows=max_cache_rows, tokens=None if px is None else px.tokens,
                  fill=st.fill[:st.n].copy(), prefix=None if px is None else px.summary())
