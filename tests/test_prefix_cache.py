@@ -37,6 +37,10 @@ def test_page_keys_chain_over_the_prefix():
     assert len(a) == 3 and all(x != y for x, y in zip(a, b, strict=True))  # page 0 differs
     assert page_keys(list(range(8)) + [5, 5, 5, 5], 4)[:2] == a[:2]  # equal prefix, equal keys
     assert len(page_keys(list(range(11)), 4)) == 2  # a partial page has no key
+    # incremental: the first pages' keys extended in place, only the new pages hashed
+    keys = page_keys(list(range(5)), 4)
+    assert page_keys(list(range(12)), 4, keys) is keys and keys == a
+    assert page_keys(list(range(12)), 4, keys) == a  # nothing new: unchanged
 
 
 def test_hit_admits_on_the_cached_pages_and_counts():
@@ -46,13 +50,16 @@ def test_hit_admits_on_the_cached_pages_and_counts():
     full_free = a.n_free("full")
     m = a.prefix_cache.match(prompt + [1, 2, 3])
     assert (m.cached_tokens, m.full_tokens, m.recompute_tokens) == (24, 24, 0)
+    assert a.prefix_cache.match(keys=page_keys(prompt + [1, 2, 3], 4)) == m  # keys given
+    with pytest.raises(ga.errors.ContractError, match="token_ids or keys"):
+        a.prefix_cache.match(prompt, keys=page_keys(prompt, 4))
     s = a.admit(handle=m.handle)
     assert a.seq_len(s) == 24 and a.n_free("full") == full_free  # nothing allocated
     a.alloc_extend([s], [3])
     miss = a.prefix_cache.match([7] * 24)
     assert miss.cached_tokens == 0 and miss.handle == -1
     st_ = a.stats()
-    assert (st_["cache_hits"], st_["cache_misses"], st_["cache_hit_tokens"]) == (1, 1, 24)
+    assert (st_["cache_hits"], st_["cache_misses"], st_["cache_hit_tokens"]) == (2, 1, 48)
     a.check_integrity()
 
 

@@ -56,11 +56,17 @@ from ..errors import ContractError, UnknownHandleError
 __all__ = ["PrefixCache", "CacheMatch", "page_keys"]
 
 
-def page_keys(token_ids, page_size: int) -> list[bytes]:
-    """The chained key of every whole page of ``token_ids`` (a partial last page has none)."""
+def page_keys(token_ids, page_size: int, keys: list | None = None) -> list[bytes]:
+    """The chained key of every whole page of ``token_ids`` (a partial last page has none).
+
+    ``keys``: the keys of the first ``len(keys)`` pages of ``token_ids``, computed before
+    (a request's, kept as it grows, as vLLM keeps a request's block hashes): extended in
+    place to every whole page and returned; only the new pages are hashed."""
     tokens = np.asarray(token_ids, dtype=np.int64)
-    keys, prev = [], b""
-    for j in range(len(tokens) // page_size):
+    if keys is None:
+        keys = []
+    prev = keys[-1] if keys else b""
+    for j in range(len(keys), len(tokens) // page_size):
         h = hashlib.blake2b(prev, digest_size=16)
         h.update(tokens[j * page_size:(j + 1) * page_size].tobytes())
         prev = h.digest()
@@ -131,13 +137,17 @@ class PrefixCache:
                 "cache_tombstoned_pages": self.tombstoned_pages}
 
     # ---- lookup --------------------------------------------------------------------------
-    def match(self, token_ids) -> CacheMatch:
+    def match(self, token_ids=None, *, keys: list | None = None) -> CacheMatch:
         """The longest cached prefix of ``token_ids`` (whole pages), see :class:`CacheMatch`.
-        Touches the entries it uses (LRU). Host only."""
+        ``keys`` instead of ``token_ids``: their :func:`page_keys`, computed by the caller
+        (no hashing here). Touches the entries it uses (LRU). Host only."""
+        if (keys is None) == (token_ids is None):
+            raise ContractError("match takes token_ids or keys= (their page_keys), one of "
+                                "them")
         ps, led = self.page_size, self.alloc.ledger
         best_full = best = None
         snapshots = self.states  # with states: only an entry's end has one
-        for j, key in enumerate(page_keys(token_ids, ps)):
+        for j, key in enumerate(page_keys(token_ids, ps) if keys is None else keys):
             holders = self._holders.get(key)
             if not holders:
                 break
