@@ -62,11 +62,14 @@ def page_keys(token_ids, page_size: int, keys: list | None = None) -> list[bytes
     ``keys``: the keys of the first ``len(keys)`` pages of ``token_ids``, computed before
     (a request's, kept as it grows, as vLLM keeps a request's block hashes): extended in
     place to every whole page and returned; only the new pages are hashed."""
-    tokens = np.asarray(token_ids, dtype=np.int64)
     if keys is None:
         keys = []
+    first, n_pages = len(keys), len(token_ids) // page_size
+    if n_pages <= first:
+        return keys
+    tokens = np.asarray(token_ids[first * page_size:n_pages * page_size], dtype=np.int64)
     prev = keys[-1] if keys else b""
-    for j in range(len(keys), len(tokens) // page_size):
+    for j in range(n_pages - first):
         h = hashlib.blake2b(prev, digest_size=16)
         h.update(tokens[j * page_size:(j + 1) * page_size].tobytes())
         prev = h.digest()
