@@ -91,6 +91,7 @@ from sched_baselines import SGLangStyle, VLLMStyle  # noqa: E402
 from sched_graphalloc import SHAPES, GraphallocDriver, engine_config, pool_pages  # noqa: E402
 from sched_plots import plot  # noqa: E402
 from sched_prefix import PREFIX_WORKLOADS  # noqa: E402
+from sched_seams import SGLangSeamDriver, VLLMSeamDriver  # noqa: E402
 from sched_sglang_prefix import SGLangRadixStyle  # noqa: E402
 from sched_workload import STEP_CLASSES, WorkloadSpec, generate  # noqa: E402
 from timing import (  # noqa: E402
@@ -107,11 +108,17 @@ from timing import (  # noqa: E402
     measure_floor,
 )
 
-IMPLS = ("graphalloc", "graphalloc_tables", "sglang", "vllm")
+IMPLS = ("graphalloc", "graphalloc_tables", "graphalloc_sglang", "graphalloc_vllm", "sglang",
+         "vllm")
 LABELS = {"graphalloc": "graphalloc", "graphalloc_tables": "graphalloc + tables",
+          "graphalloc_sglang": "graphalloc via SGLang seam",
+          "graphalloc_vllm": "graphalloc via vLLM facade",
           "sglang": "SGLang-style eager", "vllm": "vLLM-style block manager"}
+SEAMS = ("graphalloc_sglang", "graphalloc_vllm")  # their own window rule (sched_seams.py)
 RATIOS = (("sglang", "graphalloc"), ("vllm", "graphalloc"), ("vllm", "graphalloc_tables"),
-          ("sglang", "graphalloc_tables"))
+          ("sglang", "graphalloc_tables"), ("graphalloc_sglang", "graphalloc"),
+          ("graphalloc_vllm", "graphalloc"), ("sglang", "graphalloc_sglang"),
+          ("vllm", "graphalloc_vllm"))
 
 FULL = dict(b=(1, 16, 64, 256, 1024), ps=(16, 64), window=(128, 4096), interval=(1, 128),
             chunk=8192, steps=300, min_steps=40, steps_1024=120, warmup=10, profile=10,
@@ -331,14 +338,31 @@ def baseline_pools(trace, pool: str) -> tuple[int, int]:
     return n, n
 
 
-def build_driver(ctx, name: str, trace, cfg, pool: str = "no-eviction"):
+def graphalloc_configs(ctx, trace, pool: str = "no-eviction") -> tuple:
+    """``(config, notes, seams' config)``: graphalloc's allocator for the trace (with a
+    prefix workload: its cache on, the baselines' pools) and the seams' (their SWA pool as
+    large as the FULL one: they evict by their own rule, ``sched_seams.py``)."""
+    if trace.spec.prefix:
+        cfg, notes = engine_config(trace, ctx.device, ctx.backend,
+                                   pools=baseline_pools(trace, pool), cache=True)
+        return cfg, notes, cfg
+    cfg, notes = engine_config(trace, ctx.device, ctx.backend)
+    n = max(pool_pages(trace))
+    return cfg, notes, engine_config(trace, ctx.device, ctx.backend, pools=(n, n))[0]
+
+
+def build_driver(ctx, name: str, trace, cfgs, pool: str = "no-eviction"):
     spec = trace.spec
+    cfg, _, seam_cfg = cfgs
     n_full, n_swa = baseline_pools(trace, pool)
     cache = dict(tokens=trace.tokens, prompt_lens=trace.fill) if spec.prefix else None
-    if name == "graphalloc":
-        return GraphallocDriver(cfg, n_requests=trace.n_requests)
-    if name == "graphalloc_tables":
-        return GraphallocDriver(cfg, n_requests=trace.n_requests, tables=True)
+    on = dict(n_requests=trace.n_requests, prefix_cache=bool(cache), **(cache or {}))
+    if name in ("graphalloc", "graphalloc_tables"):
+        return GraphallocDriver(cfg, tables=name == "graphalloc_tables", **on)
+    if name == "graphalloc_sglang":
+        return SGLangSeamDriver(seam_cfg, interval=spec.eviction_interval, **on)
+    if name == "graphalloc_vllm":
+        return VLLMSeamDriver(seam_cfg, **on)
     if name == "sglang":
         return (SGLangRadixStyle if cache else SGLangStyle)(
             num_full_pages=n_full, num_swa_pages=n_swa, max_reqs=cfg.max_reqs,
@@ -394,11 +418,14 @@ def _measure(ctx, d, trace, m0: int, m: int, counts: np.ndarray, classes, seg1,
     gc.collect()
     if is_cuda:
         torch.cuda.synchronize()  # start on an idle device (the previous one's work done)
-    gc.disable()  # no collector pause inside the measured steps (all four alike)
+    gc.disable()  # no collector pause inside the measured steps (all alike)
+    prepare = getattr(d, "prepare", None)  # the engine's own bookkeeping: untimed
     try:
         with SyncCounter(is_cuda) as sc:
             for j in range(m):
                 st = trace.steps[m0 + j]
+                if prepare is not None:
+                    prepare(st)
                 clock.begin()
                 d.step(st, clock)
                 host[j] = clock.end()
@@ -443,22 +470,25 @@ def run_config(ctx, b: int, ps: int, window: int, interval: int, budget_s: float
         m_max = max(m_max, p["small_pool_steps"])
     K = p["profile"]
     trace = generate(spec, p["warmup"], m_max, K)
-    cfg, notes = engine_config(trace, ctx.device, ctx.backend)
+    cfgs = graphalloc_configs(ctx, trace, pool)
+    cfg, notes, seam_cfg = cfgs
     small = " small pool" if pool == "small" else ""
     rec = {"b": b, "ps": ps, "window": window, "interval": interval,
            "label": f"B={b} ps={ps} W={window} ei={interval}{small}",
            "spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
            "allocator": {**{k: getattr(cfg, k) for k in SHAPES}, **notes},
-           "pools": dict(zip(("full", "swa"), pool_pages(trace), strict=True)),
+           "allocator_seams": {k: getattr(seam_cfg, k) for k in SHAPES
+                               if getattr(seam_cfg, k) != getattr(cfg, k)},
+           "pools": {"full": cfg.num_full_pages, "swa": cfg.num_swa_pages},
            "driver_errors": {}}
     if spec.prefix:
-        rec["prefix"] = {"workload": spec.prefix, "pool": pool, "graphalloc": "cache off",
+        rec["prefix"] = {"workload": spec.prefix, "pool": pool, "graphalloc": "cache on",
                          "baseline_pools": dict(zip(("full", "swa"), baseline_pools(
                              trace, pool), strict=True)), "trace": trace.prefix}
     drivers = _Drivers(rec["driver_errors"])
     for name in (n for n in IMPLS if n in ctx.args.impls):
         drivers.attempt(name, lambda name=name: drivers.live.__setitem__(
-            name, build_driver(ctx, name, trace, cfg, pool)))
+            name, build_driver(ctx, name, trace, cfgs, pool)))
     gc.collect()
     gc.freeze()  # the drivers' long-lived objects (vLLM's blocks) are never scanned again
     try:
@@ -525,7 +555,8 @@ def _run_drivers(ctx, rec, drivers, trace, cfg, t_cfg, m_max) -> dict:
     # 4. agreement (every step run) and each device state against its host
     done = {n: counts[n] for n in drivers.live}
     cached = [n for n in drivers.live if n in states]
-    rec["agreement"] = check_agreement(trace, done, stop, cached, strict)
+    rec["agreement"] = check_agreement(trace, done, stop, cached, strict,
+                                       [n for n in done if n in SEAMS])
     rec["agreement"]["impls"] = sorted(done)
     if cached:
         rec["prefix"].update(check_prefix(trace, {n: drivers.live[n] for n in cached}, done,
@@ -618,11 +649,10 @@ def _q(st, key="p50") -> str:
 
 
 def _labels(res: dict) -> dict:
-    """Column labels; with a prefix workload graphalloc's say that its cache is off."""
+    """Column labels; with a prefix workload they say that every cache is on."""
     if not res["params"].get("prefix"):
         return LABELS
-    return {n: f"{v} (prefix cache off)" if n.startswith("graphalloc") else
-            f"{v} (prefix cache on)" for n, v in LABELS.items()}
+    return {n: f"{v} (prefix cache on)" for n, v in LABELS.items()}
 
 
 def _row_key(c: dict) -> str:
@@ -635,15 +665,15 @@ def _prefix_lines(res: dict) -> list[str]:
     cfgs = [c for c in res["configs"] if c.get("prefix") and "impls" in c["prefix"]]
     if not cfgs:
         return []
-    names = [n for n in ("sglang", "vllm") if any(n in c["prefix"]["impls"] for c in cfgs)]
+    names = [n for n in IMPLS if any(n in c["prefix"]["impls"] for c in cfgs)]
 
     def each(c, fn):
         return "; ".join(fn(c["prefix"]["impls"][n]) if n in c["prefix"]["impls"] else "–"
                          for n in names)
 
     lines = ["", f"## Prefix caching ({res['params']['prefix']}): hits and cache contents",
-             "", f"Per implementation ({'; '.join(names)}); graphalloc runs with its "
-             "prefix cache off. Hit rate = hit tokens / prompt tokens of the requests "
+             "", f"Per implementation ({'; '.join(names)}), every one with its prefix "
+             "cache on. Hit rate = hit tokens / prompt tokens of the requests "
              "admitted in the run; the trace's is what a cache that never evicts gives. "
              "Freed = pages whose content was dropped; cached = unreferenced pages kept "
              "for reuse (FULL / SWA).", "",
@@ -694,9 +724,11 @@ def markdown(res: dict) -> str:
                      f"{_f(t['limit'])} | {t['result']} |")
     cfgs = res["configs"]
     lines += ["", "## Host time per step (us, p50 / p90)", "",
+              "Ratios of the p50s: baselines / graphalloc (ga: `alloc.step`), and the seams "
+              "(graphalloc driven through them) / `alloc.step`.", "",
               "| B | ps | W | interval | " + " | ".join(labels[n] for n in IMPLS)
-              + " | sglang / ga | vllm / ga | vllm / ga + tables |",
-              "|---|---|---|---|" + "---|" * (len(IMPLS) + 3)]
+              + " | sglang / ga | vllm / ga | vllm / ga + tables | SGLang seam / ga | "
+              "vLLM facade / ga |", "|---|---|---|---|" + "---|" * (len(IMPLS) + 5)]
     for c in cfgs:
         cells = []
         for n in IMPLS:
@@ -707,7 +739,9 @@ def markdown(res: dict) -> str:
             _row_key(c) + " | " + " | ".join(cells)
             + f" | {_f(rat.get('sglang/graphalloc', {}).get('host_p50'))}x"
             f" | {_f(rat.get('vllm/graphalloc', {}).get('host_p50'))}x"
-            f" | {_f(rat.get('vllm/graphalloc_tables', {}).get('host_p50'))}x |")
+            f" | {_f(rat.get('vllm/graphalloc_tables', {}).get('host_p50'))}x"
+            f" | {_f(rat.get('graphalloc_sglang/graphalloc', {}).get('host_p50'))}x"
+            f" | {_f(rat.get('graphalloc_vllm/graphalloc', {}).get('host_p50'))}x |")
     lines += ["", "## GPU per step (us): interval p50 (CUDA events) / busy (CUPTI, mean)", "",
               "| B | ps | W | interval | " + " | ".join(labels[n] for n in IMPLS)
               + " | ga decode+evict p50 | ga one-segment p50 | floor |",
