@@ -1,22 +1,29 @@
 """Scheduler benchmark: graphalloc's whole step against two engine-style baselines, per iteration.
 
     python benchmarks/bench_scheduler.py --out results/bench/scheduler-h200 \\
-        --time-budget-s 200 --no-progress                           # GPU, under 4 minutes
+        --time-budget-s 240 --no-progress                           # GPU, under 5 minutes
     python benchmarks/bench_scheduler.py --quick --out /tmp/bench_scheduler   # CPU smoke run
 
 A seeded continuous-batching workload (``sched_workload.py``: Poisson arrivals,
 log-normal prompt and output lengths, a chunked-prefill token budget, requests finishing
 and being replaced, window eviction every ``eviction_interval`` decode tokens and at every
 prefill chunk) at B = 1, 16, 64, 256, 1024 running requests x page size 16, 64 x model
-window 128, 4096 x eviction interval 1, 128, replayed by four implementations that make
+window 128, 4096 x eviction interval 1, 128, replayed by six implementations that make
 the same decisions:
 
     graphalloc          one HybridAllocator with graphalloc's StepGraph executor: per
-                        iteration ONE alloc.scheduler_step() block (releases, evictions,
+                        iteration ONE alloc.step(...) (cache inserts, releases, evictions,
                         admits, prefill chunks, decodes) -- one plan, one CUDA-graph replay
                         (sched_graphalloc.py)
     graphalloc_tables   the same plus the step batch's attention block tables (FULL + SWA,
                         graphalloc.attention.page_tables), captured into the same graph: one replay
+    graphalloc_sglang   graphalloc through its SGLang seam, driven as SGLang's scheduler
+                        calls it (free group, prepare_for_extend / prepare_for_decode; with
+                        a cache match_prefix, cache_unfinished_req, cache_finished_req):
+                        one step per iteration (sched_seams.py)
+    graphalloc_vllm     graphalloc through its vLLM facade: per request allocate_slots /
+                        free (get_computed_blocks, cache_blocks with a cache), then
+                        run_step(): one step per iteration (sched_seams.py)
     sglang              SGLang-style eager calls (sched_baselines.SGLangStyle)
     vllm                a vLLM-style CPU block manager and block-table upload
                         (sched_baselines.VLLMStyle)
@@ -43,16 +50,20 @@ M measured steps (M adapts to ``--time-budget-s``), then a profiled window of K 
                    sampler for reference), first and last
 
 Agreement: after every configuration the per-step page counts (FULL allocated, SWA
-allocated, FULL freed, SWA freed) of all four and of the trace's own model must be equal
-at every step run; otherwise the configuration is an error (``AgreementError``) and the
-exit status is 1. Then every implementation's device state is checked against its host
-(graphalloc: ``check()`` and ``audit()``; the baselines: ``verify()``).
+allocated, FULL freed, SWA freed) of every implementation and of the trace's own model
+must be equal at every step run (the seams' SWA frees are reported instead: they evict
+by their engine's own window rule); otherwise the configuration is an error
+(``AgreementError``) and the exit status is 1. Then every implementation's device state
+is checked against its host (graphalloc: ``check()`` and ``audit()``; the baselines:
+``verify()``). Host ratios: baselines / graphalloc and seam / graphalloc (p50s).
 
-``--prefix-cache system-prompt|multi-turn`` replays a prefix-caching trace: the baselines
-with their prefix caches on (SGLang's radix cache, vLLM's prefix caching), graphalloc with
-its cache off (labelled so), plus one small-pool configuration whose caches must evict.
-What must agree then is in ``sched_agreement.py`` (hits per request, allocations and FULL
-frees per step, FULL pool states, no page lost) and in the method text.
+``--prefix-cache system-prompt|multi-turn`` replays a prefix-caching trace with every
+implementation's prefix cache on (SGLang's radix cache, vLLM's prefix caching,
+graphalloc's own: inserts as takes of the iteration's step, hits admitted on their
+handles, eviction inside the step), all on the same pools, plus one small-pool
+configuration whose caches must evict. What must agree then is in ``sched_agreement.py``
+(hits per request, allocations and FULL frees per step, FULL pool states, no page lost)
+and in the method text.
 
 Writes ``bench_scheduler.json`` (rewritten after every configuration), ``bench_scheduler.md``
 (tables, targets, the method) and, with matplotlib, ``host_us_vs_b.png`` and
@@ -826,13 +837,28 @@ of the trace's peak plus 2%, `max_reqs` = B + the most releases in one step; whe
 frees more in one step than for_engine's every-step-eviction sizing allows (the 128-token
 interval), `max_step_pages` / `max_release_rows` are raised to the trace's need (recorded
 per configuration under `allocator.raised_from_for_engine`). Per iteration the new
-requests' `alloc.admit()` (host only, O(1)) and ONE `alloc.step(release=, evict=, decode=,
-extend=)`, planned by the compiled planner and run as one CUDA-graph replay
-(graphalloc's `StepGraph`, subclassed only to put the CUDA events around the replay).
-**graphalloc + tables** adds `PageTables.plan` of the step's batch (block-table form, FULL
-and SWA) and replays one graph holding the allocator's launch and the tables' launch
-(captured per descriptor buffer and launch form): still one replay per step. The JSON's
-`plan_us` is the planning alone (the call to the replay).
+requests' rows (`alloc.free_row()`, host only, O(1)) and ONE `alloc.step(release=, evict=,
+admit=, decode=, extend=)`, planned by the compiled planner and run as one CUDA-graph
+replay (graphalloc's `StepGraph`, subclassed only to put the CUDA events around the
+replay). **graphalloc + tables** adds `PageTables.plan` of the step's batch (block-table
+form, FULL and SWA) and replays one graph holding the allocator's launch and the tables'
+launch (captured per descriptor buffer and launch form): still one replay per step. The
+JSON's `plan_us` is the planning alone (the call to the replay).
+
+**graphalloc via the seams** (`sched_seams.py`): the same allocator driven as the engines
+call `graphalloc.integrations`. SGLang seam: the finished requests released in a free
+group (`release_kv_cache`; with a cache `cache_finished_req`, and `cache_unfinished_req`
+for every request that extended), `match_prefix` per new request, then ONE
+`prepare_for_extend` (the iteration's chunks with the decoding requests as 1-token
+extends: SGLang's mixed chunked prefill) or `prepare_for_decode`, on plain objects with
+SGLang's field names. vLLM facade: `free(rid, token_ids)` per finished request
+(`cache_blocks` per request that extended, with a cache), `allocate_slots` per decoding,
+continuing and new request (`get_computed_blocks` first for a new one), then ONE
+`run_step()`. The engine's own objects (requests, token lists, the batch's host arrays) are
+built before the clock starts; what the seam does with them is timed. Each seam evicts
+windows by its engine's rule (SGLang: every extend, and a decode once `L - W >= frontier +
+interval`; vLLM: every `allocate_slots`), not the trace's decode-count gate, so their SWA
+frees are reported, not compared, and their SWA pools are the FULL pools' size.
 
 **SGLang-style** (`benchmarks/sched_sglang_style.py`, `SGLangStyle`): the same device tables;
 releases split at the frontier (FULL pages by a floor_divide of the page-start slots, SWA
@@ -878,16 +904,22 @@ turn k + 1 (arriving when turn k finishes, with probability 3/4, ahead of new
 conversations as SGLang's cache-aware LPM policy would order it) resends turn k's prompt
 and output plus new user tokens (log-normal, median prompt_median / 4). The trace decides
 every admission's hit with a cache that never evicts: the longest prefix of whole pages an
-earlier request computed (prompt pages after the chunk that computed them, output pages
-at release), at most the prompt less one token; a request whose prefix another request is
-still computing waits (SGLang's in-batch prefix check), so no page is computed twice.
+earlier request computed and an earlier step inserted, at most the prompt less one token.
+Inserts follow graphalloc's one-step timing, the same as an engine that processes a
+step's results after scheduling the next (SGLang's overlap scheduler): a chunk's pages
+are inserted in the step after the chunk (an insert is a `take` at the start of a step:
+it holds only pages an earlier step allocated), a finished request's at its release, and
+a page is hit from the step after its insert (a handle taken in a step is admitted on from
+the next: the planner refuses a handle written in its own step). A request whose prefix
+another request is still computing, or has not yet inserted, waits (SGLang's in-batch
+prefix check), so no page is computed twice.
 Expected hit rate (hit tokens / prompt tokens of the admissions, stated per
 configuration, whole trace / measured steps): system prompts about 1024 / (1024 + mean
 user prompt), 0.57-0.63 / 0.64 at W = 128 (B = 1: 0.23 / 0.32, its first requests miss)
 and 0.20-0.26 / 0.26-0.53 at W = 4096; multi-turn grows as conversations reach later
 turns, 0.36-0.56 / 0.59-0.71 at W = 128 and 0.10-0.23 / 0.49-0.79 at W = 4096. At
 B = 1, W = 4096 no request is admitted within the run (outputs of ~1400 tokens): 0.
-The baselines run with their caches on: **SGLang-style** with an
+Every implementation runs with its cache on. **SGLang-style** with an
 SWA radix tree (`sched_sglang_radix.py`, `sched_sglang_prefix.py`: match_prefix on whole
 pages with the tombstone-window rule, cache_unfinished_req after every chunk,
 cache_finished_req at release, FULL and SWA lock refs, LRU eviction of unlocked leaves,
@@ -895,34 +927,50 @@ SWA tombstoning first when only SWA is short); **vLLM-style** with prefix cachin
 (`sched_vllm_blocks.py`: chained block hashes, a hash -> block map, reference counts,
 freed cached blocks kept in the LRU free queue until a popleft reuses them,
 get_computed_blocks on the prompt less its last token, the SWA hit from the right,
-cache_blocks after allocation). graphalloc runs the same steps with its cache off (its
-columns say so): an admission allocates its cached prefix as fresh tokens with its first
-chunk. Pools: the baselines get every page the cached replay allocates (+2%), so nothing
-is evicted, and one extra small-pool configuration (graphalloc's pools: the peak without
-a cache + 2%; B = 64, 300 steps) in which the caches fill and evict. Both pools get the
-FULL size there: with a smaller SWA pool the SGLang-style cache can need more SWA pages
-than a replay without a cache (its SWA locks cover whole tree nodes, e.g. a shared system
-prompt's while any request on it runs; SGLang's optional leaf split and early lock
-release address this) and would have to retract requests, which the trace cannot model.
+cache_blocks after allocation). **graphalloc** with its own prefix cache
+(`HybridAllocator(prefix_cache=True)`, `max_handles` = the trace's inserts, at most the
+FULL pool): in the iteration's one step, every released request's whole pages and every
+request that extended in the previous step are inserted as a `take` of the lowest free
+handle (skipped when `cache.lookup` finds that prefix; `cache.add_entry` once the step
+ran), a new request's prompt less its last token is matched (`cache.match`, window-aware:
+a hit needs an entry holding the SWA pages of the window before it) and a hit admitted on
+its handle (`admit_on`, the prefix's pages shared, only the rest prefilled); when an
+allocation is short the planner evicts unlocked entries inside the step (SWA tombstones
+first, then LRU leaves). Page keys are hashed once per page (kept per request). Through
+the seams the same cache is driven by `match_prefix` / `cache_unfinished_req` /
+`cache_finished_req` (SGLang) and `get_computed_blocks` / `cache_blocks` / `free(rid,
+token_ids)` (vLLM), which hash a request's tokens at every call. Pools: every
+implementation gets every page the cached replay allocates (+2%), so nothing is evicted,
+and one extra small-pool configuration (the peak without a cache + 2%; B = 64, 300 steps)
+in which the caches fill and evict. Both pools get the FULL size: with a smaller SWA pool
+the SGLang-style cache can need more SWA pages than a replay without a cache (its SWA
+locks cover whole tree nodes, e.g. a shared system prompt's while any request on it
+runs; SGLang's optional leaf split and early lock release address this) and would have
+to retract requests, which the trace cannot model. In the small pool graphalloc cannot
+evict an entry its own step takes (a finished request inserted as it is released): when
+a step is refused for pages, its inserts and frees run first as a step of their own, then
+the rest (`steps_per_iteration` 2 in the JSON's `verify`; 1 everywhere else).
 
-**Agreement with prefix caching** (`sched_agreement.py`): graphalloc as above (its counts
-of the replay without a cache). The baselines, at every step: FULL and SWA pages
-allocated and FULL pages freed (content dropped: the partial last page of each release)
-equal the trace's; per admitted request the hit tokens equal the trace's; the FULL pool's
-(free, used, cached) pages are equal in both; free + used + cached = pool in each pool
-(no page lost). SWA frees and the SWA pool's state are reported, not compared: SGLang
-frees a request's decode-window SWA pages (they are not the tree's) and locks SWA by tree
-node, vLLM keeps every full SWA block cached in its free queue. Page ids are never
-compared. The multi-turn workload needs W mod ps in {0, 1} (true here): otherwise a
-finished turn may have freed the SWA page its next turn's window needs, which SGLang
-frees and vLLM keeps, and their hits differ. In the small-pool configuration only
-conservation is required; the rest is reported (each engine evicts different entries -
-vLLM reuses the least recently freed block even when cached, SGLang evicts only when its
-free list is short - and a hit lost to eviction is recomputed at admission).
+**Agreement with prefix caching** (`sched_agreement.py`), every implementation at every
+step: FULL and SWA pages allocated and FULL pages freed (content dropped: the partial last
+page of each release) equal the trace's; per admitted request the hit tokens equal the
+trace's; the FULL pool's (free, used, cached) pages are equal in all (graphalloc's from its
+host mirror: used = pages a live request holds, cached = pages only cache handles hold);
+free + used + cached = pool in each pool (no page lost). SWA frees and the SWA pool's
+state are reported, not compared: SGLang frees a request's decode-window SWA pages (they
+are not the tree's) and locks SWA by tree node, vLLM keeps every full SWA block cached in
+its free queue, graphalloc keeps the SWA pages an entry took from its request's frontier.
+Page ids are never compared. The multi-turn workload needs W mod ps in {0, 1} (true
+here): otherwise a finished turn may have freed the SWA page its next turn's window
+needs, which SGLang frees and vLLM keeps, and their hits differ. In the small-pool
+configuration only conservation is required; the rest is reported (each engine evicts
+different entries - vLLM reuses the least recently freed block even when cached, SGLang
+evicts only when its free list is short, graphalloc tombstones SWA before it evicts
+whole entries and evicts whole entries, not tree nodes - and a hit lost to eviction is
+recomputed at admission).
 
-**Not covered**: graphalloc with its own prefix cache (to be wired by the API's owner),
-speculative decoding, preemption (the pools are sized so nothing is ever refused), the
-model's own work.
+**Not covered**: speculative decoding, preemption (the pools are sized so nothing is ever
+refused), SGLang's overlap scheduler, the model's own work.
 """
 
 
@@ -954,9 +1002,9 @@ def parse_args(argv):
                     help="the SGLang-style decode allocation: one kernel per pool (default) "
                          "or baselines.eager_decode_alloc's Torch ops")
     ap.add_argument("--prefix-cache", default=None, choices=PREFIX_WORKLOADS,
-                    help="a prefix-caching workload: the baselines run with their prefix "
-                         "caches on (SGLang's radix cache, vLLM's prefix caching), "
-                         "graphalloc with its cache off; adds one small-pool configuration "
+                    help="a prefix-caching workload: every implementation runs with its "
+                         "prefix cache on (SGLang's radix cache, vLLM's prefix caching, "
+                         "graphalloc's own); adds one small-pool configuration "
                          "(B = --small-pool-b) whose caches must evict")
     ap.add_argument("--small-pool-b", type=int, default=None,
                     help="B of the small-pool configuration with --prefix-cache (0: none)")

@@ -103,10 +103,13 @@ def engine_config(trace, device, backend: str, *, pools=None, cache: bool = Fals
             "max_release_rows": trace.max_release_rows,
             "max_tokens_per_alloc_row": trace.max_alloc_row_tokens,  # prefix: hit + chunk
             "max_step_tokens": trace.max_step_tokens}
-    if cache:  # takes are allocation rows; an eviction in the step adds rows and lanes
+    if cache:  # takes are allocation rows; an eviction in the step adds rows and lanes:
+        # at most what the step allocates (both pools) plus one entry's pages past it
+        extra = 2 * (cfg.max_step_tokens // spec.page_size + trace.max_cache_rows
+                     + cfg.max_pages_per_row)
         need["max_alloc_rows"] = trace.max_cache_rows
-        need["max_step_pages"] = 2 * max(trace.max_free_lanes, cfg.max_step_pages)
-        need["max_release_rows"] = 2 * max(trace.max_release_rows, cfg.max_release_rows)
+        need["max_step_pages"] = min(n_full + n_swa, trace.max_free_lanes + extra)
+        need["max_release_rows"] = 2 * trace.max_release_rows + trace.max_cache_rows
     bump = {k: v for k, v in need.items() if v > getattr(cfg, k)}
     if bump:
         notes["raised_from_for_engine"] = {k: [getattr(cfg, k), v] for k, v in bump.items()}
@@ -283,6 +286,8 @@ class GraphallocDriver(AllocatorDriver):
         self.tokens, self.prompt_lens = tokens, prompt_lens
         self.keys: dict = {}  # rid -> page keys so far (prefix cache)
         self.prev_extend = np.zeros(0, dtype=np.int64)  # rids that extended last step
+        self._new_entries: list = []  # (handle, keys) the step takes
+        self._t_block = 0
 
     def step(self, st, clock) -> None:
         """The iteration as ONE step: cache inserts, releases, evictions, admits (rows
@@ -306,19 +311,46 @@ class GraphallocDriver(AllocatorDriver):
         if self.prefix_cache:
             takes = self._inserts(st)
             on, hits, chunks = self._matches(st)
+        plain = [r for r, h in zip(reserved, on, strict=True) if h < 0]
+        if len(plain) < len(reserved):
+            admit_on = tuple(np.array(x, dtype=np.int64) for x in zip(*(
+                (r, h, n) for r, h, n in zip(reserved, on, hits, strict=True) if h >= 0),
+                strict=True))
+        frees = dict(take=takes, release=release, evict=evict)
+        rest = dict(admit=np.array(plain, dtype=np.int64) if plain else None,
+                    admit_on=admit_on, decode=decode,
+                    extend=None if extend is None else (extend, chunks))
         t_body = time.perf_counter_ns()
         if self.api == "step":
-            plain = [r for r, h in zip(reserved, on, strict=True) if h < 0]
-            if len(plain) < len(reserved):
-                admit_on = tuple(np.array(x, dtype=np.int64) for x in zip(*(
-                    (r, h, n) for r, h, n in zip(reserved, on, hits, strict=True) if h >= 0),
-                    strict=True))
-            alloc.step(take=takes, release=release, evict=evict,
-                       admit=np.array(plain, dtype=np.int64) if plain else None,
-                       admit_on=admit_on, decode=decode,
-                       extend=None if extend is None else (extend, chunks))
+            done = alloc.try_step(**frees, **rest) is not None
         else:
-            with alloc.scheduler_step() as it:
+            done = self._block(takes, release, evict, reserved, on, hits, decode, extend,
+                               chunks)
+            t_body = self._t_block
+        if not done:  # short, in a small pool: the takes hold what this step releases
+            if takes is None:
+                raise RuntimeError(f"graphalloc driver: step {st.index} refused for room, "
+                                   "with no cache insert to run first")
+            alloc.step(**frees)  # the inserts and frees first: their entries evictable
+            self._register()
+            alloc.step(**rest)
+        self.plan_ns = ex.t_exec - t_body
+        self._end()
+        if self.prefix_cache:
+            self._register()
+            self.prev_extend = st.extend_ids
+            for rid in st.release.tolist():
+                self.keys.pop(rid, None)
+        if len(st.release):
+            row_of[st.release] = -1
+
+    def _block(self, takes, release, evict, reserved, on, hits, decode, extend, chunks):
+        """The step as one ``scheduler_step()`` block; False when it was refused for room
+        (nothing ran). ``_t_block``: when the block's recording ended."""
+        from graphalloc.errors import BatchTooLargeError, CapacityError
+
+        try:
+            with self.alloc.scheduler_step() as it:
                 got = [it.take_handle(int(row), int(n))  # the lowest free handle each
                        for row, n in zip(*(takes or ((), (), ()))[1:], strict=True)]
                 if release is not None:
@@ -334,19 +366,18 @@ class GraphallocDriver(AllocatorDriver):
                     it.decode(decode)
                 if extend is not None:
                     it.extend(extend, chunks)
-                t_body = time.perf_counter_ns()
-        self.plan_ns = ex.t_exec - t_body
-        self._end()
-        if self.prefix_cache:
-            for h, keys in self._new_entries:
-                self.cache.add_entry(h, keys)
-            self.prev_extend = st.extend_ids
-            for rid in st.release.tolist():
-                self.keys.pop(rid, None)
-        if len(st.release):
-            row_of[st.release] = -1
+                self._t_block = time.perf_counter_ns()
+        except (CapacityError, BatchTooLargeError):
+            return False
+        return True
 
     # ---- the prefix cache ----------------------------------------------------------------
+    def _register(self) -> None:
+        """The step that took them ran: its new entries join the cache."""
+        for h, keys in self._new_entries:
+            self.cache.add_entry(h, keys)
+        self._new_entries = []
+
     def _keys(self, rid: int, n_tokens: int) -> list:
         """``rid``'s page keys, extended to the whole pages of its first ``n_tokens``."""
         from graphalloc.sharing.prefix_cache import page_keys

@@ -20,17 +20,20 @@ FILES = ("host_us_vs_b.png", "gpu_us_vs_b.png")
 LEGEND = {
     "graphalloc": "graphalloc: one alloc.step per iteration, one CUDA-graph replay",
     "graphalloc_tables": "graphalloc + attention block tables, still one replay",
+    "graphalloc_sglang": "graphalloc through its SGLang seam (one step per iteration)",
+    "graphalloc_vllm": "graphalloc through its vLLM facade (one step per iteration)",
     "sglang": "SGLang-style eager allocator (launches per call)",
     "vllm": "vLLM-style CPU block manager + block-table upload",
 }
 STYLE = {"graphalloc": ("tab:blue", "o"), "graphalloc_tables": ("tab:cyan", "D"),
+         "graphalloc_sglang": ("tab:purple", "v"), "graphalloc_vllm": ("tab:green", "P"),
          "sglang": ("tab:red", "s"), "vllm": ("tab:orange", "^")}
 
 HOST_CAPTION = (
     "One seeded continuous-batching trace per panel and B (arrivals, log-normal prompt and "
     "output lengths, an {chunk}-token chunked-prefill budget, requests finishing and being "
-    "replaced), replayed by all four implementations, which freed and allocated the same "
-    "pages at every step. Host time: perf_counter around the whole step, steps pipelined (no "
+    "replaced), replayed by every implementation, which freed and allocated the same "
+    "pages at every step (the seams' SWA frees by their engine's window rule). Host time: perf_counter around the whole step, steps pipelined (no "
     "synchronisation between them), p50 over the measured steps. Eviction interval: the "
     "window rule runs for a decoding request every 1 or every 128 decode tokens.")
 GPU_CAPTION = (

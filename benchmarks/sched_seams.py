@@ -171,17 +171,25 @@ class SGLangSeamDriver(_SeamDriver):
                 if more:
                     batch.prefix_lens[first + i] = hit
                     batch.extend_lens[first + i] += more
-        if self.kind == "extend":
-            out = seam.prepare_for_extend(self.batch)
-        elif self.kind == "decode":
-            out = seam.prepare_for_decode(self.batch)
-        else:
-            out = seam.flush()
+        out = self._batch()
+        if out is None and cache:  # short, in a small pool: the inserts hold what this
+            seam.flush()  # iteration releases; they run first, then the batch again (its
+            for rid in st.admit.tolist():  # hits matched again: flush() unlocked them)
+                if seam.match_prefix(reqs[rid]) != self.hit_tokens[rid]:
+                    raise RuntimeError(f"{self.name}: request {rid}'s hit changed")
+            out = self._batch()
         if out is None:
             raise RuntimeError(f"{self.name}: the seam refused the iteration (pages or rows "
                                "short): the pools are sized from the trace")
         self._end()
         self.prev_extend = st.extend_ids
+
+    def _batch(self):
+        if self.kind == "extend":
+            return self.seam.prepare_for_extend(self.batch)
+        if self.kind == "decode":
+            return self.seam.prepare_for_decode(self.batch)
+        return self.seam.flush()
 
 
 class VLLMSeamDriver(_SeamDriver):
@@ -223,13 +231,13 @@ class VLLMSeamDriver(_SeamDriver):
                 mgr.cache_blocks(rid, ids)
         for rid in st.decode.tolist():
             if mgr.allocate_slots(rid, 1) is None:
-                self._short(rid)
+                self._short(rid, 1)
         chunks = st.extend_n if cache else st.extend_n_nocache
         n_cont = len(st.extend_ids) - len(st.admit)
         for rid, n in zip(st.extend_ids[:n_cont].tolist(), chunks[:n_cont].tolist(),
                           strict=True):
             if mgr.allocate_slots(rid, n) is None:
-                self._short(rid)
+                self._short(rid, n)
         for i, (rid, n) in enumerate(zip(st.admit.tolist(), chunks[n_cont:].tolist(),
                                          strict=True)):
             blocks, hit = None, 0
@@ -238,11 +246,25 @@ class VLLMSeamDriver(_SeamDriver):
                 n += self._check_hit(rid, hit, int(st.hit[i]))
             if mgr.allocate_slots(rid, n, num_new_computed_tokens=hit,
                                   new_computed_blocks=blocks) is None:
-                self._short(rid)
+                self._short(rid, n, self.admit_ids[i] if cache else None, hit)
         mgr.run_step()
         self._end()
         self.prev_extend = st.extend_ids
 
-    def _short(self, rid) -> None:
+    def _short(self, rid, n: int, ids=None, hit: int = 0) -> None:
+        """allocate_slots returned None (in a small pool the inserts hold what this
+        iteration releases): run what is recorded as a step of its own (the inserts then
+        evictable), then ask again (a new request's hit looked up again)."""
+        mgr = self.mgr
+        if self.prefix_cache:
+            mgr.run_step()
+            blocks = None
+            if ids is not None:
+                blocks, again = mgr.get_computed_blocks(rid, ids)
+                if again != hit:
+                    raise RuntimeError(f"{self.name}: request {rid}'s hit changed")
+            if mgr.allocate_slots(rid, n, num_new_computed_tokens=hit,
+                                  new_computed_blocks=blocks) is not None:
+                return
         raise RuntimeError(f"{self.name}: allocate_slots({rid}) returned None (pages or rows "
                            "short): the pools are sized from the trace")

@@ -1,6 +1,7 @@
 """CPU smoke test of benchmarks/bench_scheduler.py: the quick run writes every output and its
-four implementations freed and allocated the same pages at every step; the agreement check
-catches a deliberately wrong baseline; the baseline's allocation kernels equal their twins."""
+six implementations freed and allocated the same pages at every step (the seams' SWA frees
+reported: their own window rule); the agreement check catches a deliberately wrong baseline;
+the baseline's allocation kernels equal their twins."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ bench = _load("bench_scheduler")  # puts benchmarks/ on sys.path for the sched_*
 import sched_baselines as sb  # noqa: E402
 import sched_workload as sw  # noqa: E402
 
-IMPLS = ("graphalloc", "graphalloc_tables", "sglang", "vllm")
+IMPLS = ("graphalloc", "graphalloc_tables", "graphalloc_sglang", "graphalloc_vllm", "sglang",
+         "vllm")
 
 
 def test_quick_run_writes_every_output(tmp_path):
@@ -61,22 +63,38 @@ def test_quick_run_writes_every_output(tmp_path):
             assert r["profile"]["aten_ops"] is not None and r["profile"]["kernels"] is None
             assert r["syncs"] is None  # not observable without CUDA
             assert r["verify"]["ok"], (name, r["verify"])
-        for key in ("sglang/graphalloc", "vllm/graphalloc", "vllm/graphalloc_tables"):
+        for key in ("sglang/graphalloc", "vllm/graphalloc", "vllm/graphalloc_tables",
+                    "graphalloc_sglang/graphalloc", "graphalloc_vllm/graphalloc"):
             assert c["ratios"][key]["host_p50"] > 0
         assert c["allocator"]["max_alloc_rows"] == c["b"]
+        own = c["agreement"]["own_window_rule"]  # the seams: SWA frees reported
+        assert set(own) == {"graphalloc_sglang", "graphalloc_vllm"}
+        for r in own.values():  # at interval 1 the same rule: the same total by the end
+            assert r["swa_freed"] == r["trace_swa_freed"] > 0 or c["interval"] > 1
+        for name in ("graphalloc", "graphalloc_sglang", "graphalloc_vllm"):
+            assert c["impls"][name]["verify"]["steps_per_iteration"] == 1, name
     assert all(t["result"] == "not judged (no CUDA)" for t in res["targets"])
     md = (out / "bench_scheduler.md").read_text()
     assert "## Targets" in md and "## Method" in md and md.count("| 4 | 16 | 32 |") == 8
+    assert "graphalloc via SGLang seam" in md and "vLLM facade / ga" in md
 
 
 def _drivers(trace, tables=False, sglang_decode="kernels", vllm_cls=sb.VLLMStyle,
-             sglang_cls=sb.SGLangStyle):
+             sglang_cls=sb.SGLangStyle, seams=False):
     from sched_graphalloc import GraphallocDriver, engine_config, pool_pages
+    from sched_seams import SGLangSeamDriver, VLLMSeamDriver
 
     cfg, _ = engine_config(trace, "cpu", "torch")
     n_full, n_swa = pool_pages(trace)
     spec = trace.spec
+    if seams:  # their SWA pools as large as the FULL ones (bench.graphalloc_configs)
+        n = max(n_full, n_swa)
+        seam_cfg = engine_config(trace, "cpu", "torch", pools=(n, n))[0]
+        seams = {"graphalloc_sglang": SGLangSeamDriver(
+                     seam_cfg, n_requests=trace.n_requests, interval=spec.eviction_interval),
+                 "graphalloc_vllm": VLLMSeamDriver(seam_cfg, n_requests=trace.n_requests)}
     return {
+        **(seams or {}),
         "graphalloc": GraphallocDriver(cfg, n_requests=trace.n_requests, tables=tables),
         "sglang": sglang_cls(
             num_full_pages=n_full, num_swa_pages=n_swa, max_reqs=cfg.max_reqs,
@@ -102,22 +120,27 @@ def _replay_all(trace, drivers) -> dict:
 
 @pytest.mark.parametrize("b,ps,window,interval,decode", [
     (6, 1, 9, 1, "kernels"), (5, 3, 17, 4, "torch_ops"), (8, 4, 24, 7, "kernels")])
-def test_three_implementations_free_the_same_pages(b, ps, window, interval, decode):
-    """Odd page sizes, windows and intervals: every step's counts agree with the trace, and
-    every device state matches its host afterwards."""
+def test_five_implementations_free_the_same_pages(b, ps, window, interval, decode):
+    """Odd page sizes, windows and intervals: every step's counts agree with the trace (the
+    seams' SWA frees by their own rule: the same total at interval 1, reported otherwise),
+    one graphalloc step per iteration, and every device state matches its host afterwards."""
     spec = sw.WorkloadSpec(n_running=b, page_size=ps, window=window,
                            eviction_interval=interval, max_context_len=192, chunk_tokens=40,
                            prompt_median=30, output_median=14, seed=b)
     trace = sw.generate(spec, 4, 30, 0)
     assert sum(s.n_evict_segments for s in trace.steps) > 0
     assert sum(len(s.release) for s in trace.steps) > 0
-    drivers = _drivers(trace, tables=True, sglang_decode=decode)
+    drivers = _drivers(trace, tables=True, sglang_decode=decode, seams=True)
     counts = _replay_all(trace, drivers)
-    agreement = bench.check_agreement(trace, counts, len(trace.steps))
+    seams = ["graphalloc_sglang", "graphalloc_vllm"]
+    agreement = bench.check_agreement(trace, counts, len(trace.steps), own_rule=seams)
     assert agreement["equal"]
+    for r in agreement["own_window_rule"].values():
+        assert r["swa_freed"] == r["trace_swa_freed"] or interval > 1
     live = bench.live_ids(trace, len(trace.steps))
     for name, d in drivers.items():
         assert d.verify(live)["ok"], name
+        assert getattr(d, "steps_per_iteration", 1) == 1, name
 
 
 class _LateWindowVLLM(sb.VLLMStyle):
