@@ -33,7 +33,8 @@ HOST_CAPTION = (
     "One seeded continuous-batching trace per panel and B (arrivals, log-normal prompt and "
     "output lengths, an {chunk}-token chunked-prefill budget, requests finishing and being "
     "replaced), replayed by every implementation, which freed and allocated the same "
-    "pages at every step (the seams' SWA frees by their engine's window rule). Host time: perf_counter around the whole step, steps pipelined (no "
+    "pages at every step (the seams' SWA frees by their engine's window rule). Host time: "
+    "perf_counter around the whole step, steps pipelined (no "
     "synchronisation between them), p50 over the measured steps. Eviction interval: the "
     "window rule runs for a decoding request every 1 or every 128 decode tokens.")
 GPU_CAPTION = (

@@ -4,8 +4,9 @@
 cache that never evicts. It draws every request's token ids, so that hits are real (equal
 token prefixes), and decides each admission's hit: the longest prefix of whole pages
 an earlier request computed and a step before this one inserted (below), at most
-``prompt - 1`` tokens (one token is left to compute, as both engines do). The engines replaying the trace find their hits in their
-own caches; with pools that never evict they must find exactly these.
+``prompt - 1`` tokens (one token is left to compute, as both engines do). The engines
+replaying the trace find their hits in their own caches; with pools that never evict they
+must find exactly these.
 
 Workloads (``WorkloadSpec.prefix``)::
 

@@ -1,8 +1,10 @@
 """Prefix caching in the scheduler benchmark (benchmarks/sched_prefix.py, the baselines'
-caches, sched_agreement.py): the traces' hits are the real longest cached prefixes of
-their token ids, both baselines find exactly those hits and agree with the trace and with
-each other step by step, no page is ever lost (also when a small pool forces eviction),
-and the checks catch a wrong cache. Traces without the option are unchanged."""
+caches, graphalloc's own cache driven directly and through the seams, sched_agreement.py):
+the traces' hits are the real longest cached prefixes of their token ids, every
+implementation finds exactly those hits and agrees with the trace and with the others step
+by step (allocations, FULL frees, FULL pool states), graphalloc in ONE step per iteration,
+no page is ever lost (also when a small pool forces eviction), and the checks catch a wrong
+cache. Traces without the option are unchanged."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)  # puts benchmarks/ on sys.path for the sched_* modules
 import sched_agreement as sa  # noqa: E402
 import sched_workload as sw  # noqa: E402
+from sched_graphalloc import GraphallocDriver, engine_config  # noqa: E402
+from sched_seams import SGLangSeamDriver, VLLMSeamDriver  # noqa: E402
 from sched_sglang_prefix import SGLangRadixStyle  # noqa: E402
 from sched_vllm_style import VLLMStyle  # noqa: E402
 
@@ -48,6 +52,19 @@ def _baselines(trace, n_pages: int, sglang_cls=SGLangRadixStyle, vllm_cls=VLLMSt
             max_tokens=8 * CTX, n_requests=trace.n_requests, device="cpu",
             prefix_caching=True, tokens=trace.tokens, prompt_lens=trace.fill),
     }
+
+
+def _graphallocs(trace, pool: str = "no-eviction", api: str = "step", cls=GraphallocDriver):
+    """graphalloc with its cache on, directly and through both seams, on the baselines'
+    pools (bench.graphalloc_configs)."""
+    cfg, _ = engine_config(trace, "cpu", "torch", pools=bench.baseline_pools(trace, pool),
+                           cache=True)
+    kw = dict(n_requests=trace.n_requests, prefix_cache=True, tokens=trace.tokens,
+              prompt_lens=trace.fill)
+    return {"graphalloc": cls(cfg, api=api, **kw),
+            "graphalloc_sglang": SGLangSeamDriver(
+                cfg, interval=trace.spec.eviction_interval, **kw),
+            "graphalloc_vllm": VLLMSeamDriver(cfg, **kw)}
 
 
 def _replay(trace, drivers, strict=True):
@@ -178,14 +195,56 @@ def test_baselines_agree_on_hits_counts_and_full_state(prefix, ps, window, inter
         assert d.verify(live)["ok"], (name, d.verify(live))
 
 
-def test_graphalloc_runs_the_prefix_trace_with_its_cache_off():
-    from sched_graphalloc import GraphallocDriver, engine_config
+@pytest.mark.parametrize("prefix,ps,window,interval,api", [
+    ("system-prompt", 4, 16, 3, "step"), ("multi-turn", 3, 10, 4, "context"),
+    ("multi-turn", 4, 16, 1, "step")])
+def test_graphalloc_with_its_cache_agrees_with_the_baselines(prefix, ps, window, interval,
+                                                            api):
+    """graphalloc's own cache -- directly (``alloc.step`` or a ``scheduler_step()`` block)
+    and through the SGLang seam and the vLLM facade -- on the baselines' pools: the same
+    hits as the trace, the same allocations and FULL frees at every step, the same FULL
+    pool state as both baselines, ONE graphalloc step per iteration, nothing evicted."""
+    trace = sw.generate(_spec_of(prefix, ps=ps, window=window, interval=interval), 4, 60, 0)
+    drivers = {**_graphallocs(trace, api=api),
+               **_baselines(trace, bench.baseline_pools(trace, "no-eviction")[0])}
+    counts, states = _replay(trace, drivers)  # raises at a step that differs or loses a page
+    n = len(trace.steps)
+    assert sa.check_agreement(trace, counts, n, cached=list(drivers))["equal"]
+    rec = sa.check_prefix(trace, drivers, counts, states, n)
+    assert rec["full_state_equal"] and rec["trace_hit_rate"] > 0.2
+    for name, r in rec["impls"].items():
+        assert r["hits_equal_trace"] and r["recomputed_tokens"] == 0, name
+        assert r["evicted_pages"] == [0, 0], name
+    live = sa.live_ids(trace, n)
+    for name, d in drivers.items():
+        assert d.verify(live)["ok"], name
+        if name.startswith("graphalloc"):
+            assert d.steps_per_iteration == 1, name
+            assert 0 < len(d.cache) <= d.config.max_handles, name
+            d.alloc.check_integrity()
+    assert drivers["graphalloc_sglang"].seam.cache_steps == 0
+    assert drivers["graphalloc_vllm"].mgr.cache_steps == 0
 
+
+class _NoChunkInserts(GraphallocDriver):
+    """Wrong on purpose: caches finished requests only, never a prefill's chunks."""
+
+    def _inserts(self, st):
+        self.prev_extend = self.prev_extend[:0]
+        return super()._inserts(st)
+
+
+def test_a_missing_insert_is_caught():
+    trace = sw.generate(_spec_of("system-prompt"), 4, 60, 0)
+    ga = _graphallocs(trace, cls=_NoChunkInserts)["graphalloc"]
+    with pytest.raises(sa.AgreementError, match="^graphalloc differs at step"):
+        _replay(trace, {"graphalloc": ga})  # a missed hit is recomputed: more allocated
+
+
+def test_graphalloc_runs_the_prefix_trace_with_its_cache_off():
     trace = sw.generate(_spec_of("system-prompt"), 2, 30, 0)
     cfg, notes = engine_config(trace, "cpu", "torch")
     assert "max_step_tokens" in notes["raised_from_for_engine"]  # hits joined the chunks
-    with pytest.raises(NotImplementedError, match="prefix cache"):
-        GraphallocDriver(cfg, n_requests=trace.n_requests, prefix_cache=True)
     ga = GraphallocDriver(cfg, n_requests=trace.n_requests)
     n = len(trace.steps)
     counts = np.zeros((n, 4), dtype=np.int64)
@@ -196,14 +255,15 @@ def test_graphalloc_runs_the_prefix_trace_with_its_cache_off():
 
 
 def test_small_pool_evicts_and_loses_no_page():
-    trace = sw.generate(_spec_of("multi-turn", b=4, seed=4), 4, 200, 0)
+    trace = sw.generate(_spec_of("multi-turn", b=4, seed=6), 4, 200, 0)
     n_pages = bench.baseline_pools(trace, "small")[0]
     assert n_pages < trace.cache_pages  # the caches cannot keep everything
-    drivers = _baselines(trace, n_pages)
+    drivers = {**_baselines(trace, n_pages), **_graphallocs(trace, "small")}
     counts, states = _replay(trace, drivers, strict=False)  # conservation: every step
     n = len(trace.steps)
-    assert (states["sglang"][:, :3].sum(axis=1) == n_pages).all()
-    assert (states["vllm"][:, 3:].sum(axis=1) == n_pages).all()
+    for name in drivers:
+        assert (states[name][:, :3].sum(axis=1) == n_pages).all(), name
+        assert (states[name][:, 3:].sum(axis=1) == n_pages).all(), name
     rec = sa.check_prefix(trace, drivers, counts, states, n, strict=False)
     hits = trace.hits()
     admitted = hits >= 0
@@ -213,6 +273,10 @@ def test_small_pool_evicts_and_loses_no_page():
         assert d.recomputed_tokens == int((hits - d.hit_tokens)[admitted].sum()), name
         assert rec["impls"][name]["hit_rate"] > 0, name
         assert d.verify(sa.live_ids(trace, n))["ok"], name
+    # graphalloc evicted inside its steps; where a step's own inserts held the pages it
+    # needed (this trace has such a step), they ran first: two steps in that iteration
+    for name in ("graphalloc", "graphalloc_sglang", "graphalloc_vllm"):
+        assert drivers[name].steps_per_iteration == 2, name
 
 
 # ---- the checks catch a wrong cache ------------------------------------------------------------
@@ -270,7 +334,7 @@ def test_quick_run_with_prefix_cache(tmp_path):
     assert [c["prefix"]["pool"] for c in res["configs"]] == ["no-eviction", "small"]
     for c in res["configs"]:
         pr = c["prefix"]
-        assert c["agreement"]["equal"] and set(pr["impls"]) == {"sglang", "vllm"}
+        assert c["agreement"]["equal"] and set(pr["impls"]) == set(bench.IMPLS)
         assert pr["trace"]["hit_rate"] > 0 and pr["trace_hit_rate"] > 0
         assert set(c["impls"]) == set(bench.IMPLS)
         for r in c["impls"].values():
@@ -280,7 +344,7 @@ def test_quick_run_with_prefix_cache(tmp_path):
         r["hits_equal_trace"] for r in strict["impls"].values())
     md = (out / "bench_scheduler.md").read_text()
     assert "## Prefix caching (system-prompt)" in md
-    assert "graphalloc (prefix cache off)" in md and "(small pool)" in md
+    assert "graphalloc (prefix cache on)" in md and "(small pool)" in md
 
 
 # ---- the radix tree's rules, one by one ------------------------------------------------------
