@@ -1,25 +1,32 @@
 """What every implementation of the scheduler benchmark must report alike, step by step.
 
-Each driver reports ``last_counts`` after every step (FULL allocated, SWA allocated, FULL
-freed, SWA freed pages); a driver with ``prefix_cache`` also reports ``state()`` (free,
-used, cached pages of the FULL pool, then of the SWA pool) and ``hit_tokens`` per request.
+Each driver reports ``last_counts`` after every iteration (FULL allocated, SWA allocated,
+FULL freed, SWA freed pages; graphalloc's drivers add up the steps an iteration ran); a
+driver with ``prefix_cache`` also reports ``state()`` (free, used, cached pages of the FULL
+pool, then of the SWA pool) and ``hit_tokens`` per request. A driver with ``prepare(st)``
+(the seams: the engine's own objects) has it called before each step, outside the clock.
 
-Without a prefix cache (graphalloc, and both baselines on a trace without a prefix
-workload): the four counts equal the trace's ``expect`` at every step.
+Without a prefix cache (every implementation on a trace without a prefix workload; with
+one, graphalloc when run with ``prefix_cache=False``): the four counts equal the trace's
+``expect`` at every step -- the first three only for a driver with ``own_window_rule``
+(graphalloc through the seams: each evicts windows by its engine's rule, not the trace's
+decode-count gate), whose SWA frees are reported (total, steps that differ).
 
-With one (the baselines on a prefix workload; graphalloc runs the same trace with its
-cache off, against ``expect``, as above)::
+With one (every implementation on a prefix workload)::
 
     every step      FULL allocated, SWA allocated, FULL freed == the trace's expect_cache
                     (freed = content dropped: the partial last page of each release);
                     free + used + cached == the pool, per pool (no page lost)
-    every request   hit tokens == the trace's (what a cache that never evicts gives)
+    every request   hit tokens == the trace's (what a cache that never evicts gives, with
+                    graphalloc's insert timing: sched_prefix.py)
     every step      the FULL pool's (free, used, cached) equal across the caching
                     implementations: they cache the same FULL pages
     reported        SWA freed and the SWA pool's state: they differ by design (SGLang
                     frees a request's SWA pages outside the window unless the tree owns
                     them, and locks SWA by tree node; vLLM keeps every full SWA block
-                    cached in its free queue), so do not compare SWA page ids or counts
+                    cached in its free queue; graphalloc's entries keep the SWA pages
+                    from their request's frontier when taken), so do not compare SWA
+                    page ids or counts
 
 With a pool small enough to evict (``strict=False``) only conservation is required; the
 counts, hits and states are reported (which entries each engine evicts differs, and a
