@@ -44,7 +44,10 @@ Per iteration, in the same ONE step::
               admitted on its handle (``admit_on``) and prefills only the rest; a hit
               shorter than the trace's (a pool small enough to evict) recomputes the rest
     eviction  inside the step: when an allocation is short the planner drops the cache's
-              unlocked entries (SWA tombstones first, then LRU leaves)
+              unlocked entries (SWA tombstones first, then LRU leaves); a step cannot drop
+              an entry it takes, so when it is refused for pages (a small pool, its takes
+              holding what it releases) its inserts and frees run first as a step of their
+              own, then the rest: two steps in that iteration (``steps_per_iteration``)
 
 Page keys are kept per request and extended as it grows (``page_keys(..., keys)``), as
 vLLM keeps block hashes: each page is hashed once. With ``prefix_cache=False`` an

@@ -29,7 +29,12 @@ vLLM v1's calls per request::
                            num_new_computed_tokens=hit, new_computed_blocks=blocks)
     after schedule()       run_step(): ONE step
 
-Every frees and inserts the seam recorded run in that iteration's step (``defer_frees``).
+The frees and inserts the seam recorded run in that iteration's step (``defer_frees``).
+In a small pool a step can be short of pages its own inserts hold (a finished request is
+inserted as it is released, and a step cannot evict what it takes): then the driver runs
+the records first (SGLang: ``flush()``, the new requests matched again; vLLM:
+``run_step()``, the request asked again), two steps in that iteration
+(``steps_per_iteration``), as the direct driver does.
 The engine's own bookkeeping -- the request objects, token-id lists, the batch's host
 arrays -- is built by :meth:`prepare`, which the benchmark calls before it starts the
 step's clock: it is the engine's work, not the allocator's; what the seam reads from them
@@ -89,6 +94,11 @@ class _SeamDriver(AllocatorDriver):
         self.tokens, self.prompt_lens = tokens, prompt_lens
         self.prev_extend = _EMPTY  # rids that extended in the last iteration
 
+    def verify(self, live_ids, audit: bool = True) -> dict:
+        out = super().verify(live_ids, audit)
+        out["cache_steps"] = self._cache_steps()  # steps the cache ran outside an iteration's
+        return out
+
     def _seq_len(self, row) -> np.ndarray:
         return self.alloc.ledger.seq_len[row]
 
@@ -114,6 +124,9 @@ class SGLangSeamDriver(_SeamDriver):
         self.seam = SGLangAllocator(self.alloc, swa_eviction_interval=interval)
         self.reqs: dict = {}  # rid -> _Req, while it holds KV
         self.batch = self.kind = None
+
+    def _cache_steps(self) -> int:
+        return self.seam.cache_steps
 
     def prepare(self, st) -> None:
         """The engine's side of the iteration: new ``Req`` objects, the finished requests'
@@ -203,6 +216,9 @@ class VLLMSeamDriver(_SeamDriver):
         super().__init__(cfg, **kw)
         self.mgr = GraphallocKVCacheManager(self.alloc, enable_caching=self.prefix_cache)
         self.released_ids = self.inserted = self.admit_ids = ()
+
+    def _cache_steps(self) -> int:
+        return self.mgr.cache_steps
 
     def prepare(self, st) -> None:
         """The engine's side: each request's token ids where the facade reads them (its
