@@ -24,11 +24,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+import bench_seams  # noqa: E402
 import figures  # noqa: E402
 import frees_plots  # noqa: E402
 import sched_plots  # noqa: E402
-
-import bench_seams  # noqa: E402
 
 __all__ = ["PLOTTERS", "replot", "main"]
 
