@@ -10,12 +10,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))
+PAGES = ["README.md", *sorted(p.relative_to(ROOT).as_posix()
+                             for p in (ROOT / "docs").glob("*.md"))]
 
 
 def blocks(page: str) -> list[str]:
     text = (ROOT / page).read_text()
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_readme_has_blocks():
+    """The README's first use is a python block, so the test below really runs it."""
+    assert blocks("README.md")
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)])
@@ -30,3 +36,30 @@ def test_page_runs_as_written(page):
         exec(compile(code, f"{page}[{i}]", "exec"), scope)  # noqa: S102
         ran += 1
     assert ran, f"{page}: every block is skipped"
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading (lower case, punctuation dropped, spaces to -)."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_links_resolve(page):
+    """Every relative link of the page names a file that exists, and an anchor into a
+    markdown page names one of its headings."""
+    text = (ROOT / page).read_text()
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (ROOT / page).parent / path if path else ROOT / page
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", dest.read_text(), flags=re.M)
+            if anchor not in {slug(h) for h in headings}:
+                broken.append(target)
+    assert not broken, f"{page}: links that do not resolve: {broken}"
