@@ -315,3 +315,15 @@ def plot_decode_loop_example(out: dict, path) -> bool:
            caption=caption,
            legend=_legend_of(axes[0]))
     return True
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run benchmarks/replot.py (it "
+            "redraws committed plots from their JSON) instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

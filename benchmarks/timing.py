@@ -526,3 +526,15 @@ def _git_commit():
     if commit and _run_quiet(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO):
         commit += "-dirty"
     return commit
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run any benchmarks/bench_*.py "
+            "instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")
