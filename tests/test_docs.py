@@ -63,3 +63,36 @@ def test_links_resolve(page):
             if anchor not in {slug(h) for h in headings}:
                 broken.append(target)
     assert not broken, f"{page}: links that do not resolve: {broken}"
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``graphalloc.a.b.c`` names a module, or an attribute of one."""
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_names_and_paths_exist(page):
+    """Every ``graphalloc.*`` dotted name the page mentions imports, and every repository
+    path it quotes in backticks exists (patterns with ``*`` aside): the docs follow the
+    code when modules move."""
+    text = (ROOT / page).read_text()
+    names = set(re.findall(r"\bgraphalloc(?:\.[A-Za-z_]\w*)+", text))
+    missing = sorted(n for n in names if not _resolves(n))
+    paths = set(re.findall(r"`((?:graphalloc|kernels|tests|examples|benchmarks|docs|results)"
+                           r"/[\w./-]*)`", text))
+    missing += sorted(p for p in paths if "*" not in p and not (ROOT / p).exists())
+    assert not missing, f"{page}: names or paths that do not exist: {missing}"
