@@ -132,7 +132,7 @@ class CaseWorkload:
         row_tokens = min(context, max(8192, self.prefill_tokens))
         self.config = AllocatorConfig(
             page_size=ps, num_full_pages=pool, num_swa_pages=pool, max_reqs=n_reqs,
-            max_context_len=context, sliding_window=window, index_dtype=torch.int32,
+            max_context_len=context, model_window=window + 1, index_dtype=torch.int32,
             device=device, backend=backend, max_tokens_per_alloc_row=row_tokens,
             max_step_tokens=max(8 * row_tokens, row_tokens + n_reqs))
         self.alloc = HybridAllocator(self.config, executor=executor, fused_step=True,
@@ -535,7 +535,7 @@ def run_parts(ctx) -> dict:
     p = ctx.params
     n, n_cold = p["parts_samples"], p["cold_samples"]
     cfg = AllocatorConfig(page_size=16, num_full_pages=64, num_swa_pages=64, max_reqs=256,
-                          max_context_len=1024, sliding_window=63, device=ctx.device)
+                          max_context_len=1024, model_window=64, device=ctx.device)
     policy = GridPolicy(cfg)
     ring = DescriptorRing(cfg.max_release_rows, cfg.max_alloc_rows, cfg.device, n_bufs=2)
     parts = {"grid_choice (GridPolicy.bucket)": lambda: policy.bucket(256, 256, 256),

@@ -71,7 +71,7 @@ def make_alloc(batch: int, planner: str, device, executor: str) -> ga.HybridAllo
     cfg = ga.AllocatorConfig(
         page_size=PAGE_SIZE, num_full_pages=int((batch + 2) * per_req_full * 0.8) + 64,
         num_swa_pages=(batch + 2) * (per_req_swa + CHUNK // PAGE_SIZE + 1),
-        max_reqs=batch + 2, max_context_len=max_ctx, sliding_window=w,
+        max_reqs=batch + 2, max_context_len=max_ctx, model_window=w + 1,
         index_dtype=torch.int32, device=device, backend="torch",
         max_tokens_per_alloc_row=MODEL_WINDOW, max_step_tokens=MODEL_WINDOW + 4 * batch + 8)
     return ga.HybridAllocator(cfg, planner=planner, executor="eager")

@@ -60,7 +60,7 @@ class StepWorkload:
         shape = dict(
             page_size=ps, num_full_pages=n_reqs * pages_per_req,
             num_swa_pages=n_reqs * pages_per_req, max_reqs=n_reqs, max_context_len=context,
-            sliding_window=window, index_dtype=torch.int64, device=device, backend=backend,
+            model_window=window + 1, index_dtype=torch.int64, device=device, backend=backend,
             max_pages_per_row=row_cap, max_alloc_rows=n_reqs,
             max_tokens_per_alloc_row=min(context, budget // min(n_reqs, 16)),
             max_step_tokens=budget)

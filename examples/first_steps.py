@@ -50,7 +50,7 @@ def main(argv=None) -> dict:
     swa_per_req = -(-(W + a.chunk) // ps) + 2  # the window plus one chunk, both ends partial
     cfg = ga.AllocatorConfig(page_size=ps, num_full_pages=n * -(-max_len // ps),
                              num_swa_pages=n * swa_per_req, max_reqs=2 * n,
-                             max_context_len=max_len, sliding_window=W - 1,  # see glossary
+                             max_context_len=max_len, model_window=W,
                              device="cuda" if cuda else "cpu",
                              backend="triton" if cuda else "torch")
     alloc = ga.HybridAllocator(cfg, executor="graph" if cuda else "eager")
