@@ -114,7 +114,7 @@ class EngineState:
         swa_pages = b * (-(-W // ps) + 3) + -(-p["prefill_step_tokens"] // ps) + b
         self.cfg = ga.AllocatorConfig(
             page_size=ps, max_reqs=b, max_context_len=ctx, num_full_pages=full_pages,
-            num_swa_pages=swa_pages, sliding_window=W - 1, device=device, backend=backend,
+            num_swa_pages=swa_pages, model_window=W, device=device, backend=backend,
             index_dtype=torch.int32, max_tokens_per_alloc_row=row_tokens,
             max_step_tokens=p["prefill_step_tokens"] + b)
         self.spec = ga.PageTableSpec(max_batch=b)  # CSR + block tables, FULL + SWA

@@ -31,7 +31,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_planner import CHUNK, Workload, make_alloc  # noqa: E402
-from timing import bench_main, bench_parser, machine_info, summarize  # noqa: E402
+from timing import bench_main, bench_parser, machine_info, progress, say, summarize  # noqa: E402
 
 from graphalloc.device.executor import Executor  # noqa: E402
 
@@ -100,13 +100,17 @@ def run(args, argv, device, backend, note) -> int:
     batches = (16, 64) if args.quick else BATCHES
     n_warmup, n_steps = (5, 20) if args.quick else (100, 600)
     rows = []
+    bar = progress(len(batches), "bench_recorder", not args.no_progress, unit="batch")
     for batch in batches:
         res = measure(batch, n_warmup, n_steps, seed=batch)
         rows.append({"batch": batch, **res})
-        print(f"B={batch:5d}  step {res['step']['p50']:8.1f} us  recorder "
-              f"{res['recorder']['p50']:8.1f} us  overhead {res['overhead']['p50']:6.2f} us "
-              f"(p20 {res['overhead']['p20']:.2f}, p80 {res['overhead']['p80']:.2f})",
-              flush=True)
+        say(bar, f"B={batch:5d}  step {res['step']['p50']:8.1f} us  recorder "
+            f"{res['recorder']['p50']:8.1f} us  overhead {res['overhead']['p50']:6.2f} us "
+            f"(p20 {res['overhead']['p20']:.2f}, p80 {res['overhead']['p80']:.2f})")
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     os.makedirs(args.out, exist_ok=True)
     result = {"command": "python benchmarks/bench_recorder.py " + " ".join(argv),
               "machine": machine_info("cpu"), "chunk_tokens": CHUNK, "rows": rows}
@@ -126,6 +130,7 @@ def run(args, argv, device, backend, note) -> int:
 
 def main(argv=None) -> int:
     parser = bench_parser(__doc__, "results/bench/recorder-cpu", "ignored: no kernel runs")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return bench_main(argv, parser.parse_args, run)
 
 

@@ -16,7 +16,7 @@ the same decisions:
                         admits, prefill chunks, decodes) -- one plan, one CUDA-graph replay
                         (sched_graphalloc.py)
     graphalloc_tables   the same plus the step batch's attention block tables (FULL + SWA,
-                        graphalloc.attention.page_tables), captured into the same graph: one replay
+                        PageTableSpec: written in the step), in the same graph: one replay
     graphalloc_sglang   graphalloc through its SGLang seam, driven as SGLang's scheduler
                         calls it (free group, prepare_for_extend / prepare_for_decode; with
                         a cache match_prefix, cache_unfinished_req, cache_finished_req):

@@ -86,7 +86,7 @@ def make_config(batch: int, cache: bool, n_iters: int) -> ga.AllocatorConfig:
     return ga.AllocatorConfig(
         page_size=PAGE_SIZE, num_full_pages=(batch + 2 + n_entries) * per_req_full + 64,
         num_swa_pages=(batch + 2 + n_entries) * (per_req_swa + CHUNK // PAGE_SIZE + 1),
-        max_reqs=batch + 8, max_context_len=max_ctx, sliding_window=w,
+        max_reqs=batch + 8, max_context_len=max_ctx, model_window=w + 1,
         index_dtype=torch.int32, device="cpu", backend="torch",
         max_tokens_per_alloc_row=MODEL_WINDOW, max_step_tokens=MODEL_WINDOW + 4 * batch + 8,
         max_alloc_rows=batch + 8, max_handles=n_entries)

@@ -446,3 +446,15 @@ class GraphallocDriver(AllocatorDriver):
             handles.append(m.handle if hit else -1)
             hits.append(hit)
         return handles, hits, chunks
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run benchmarks/bench_scheduler.py "
+            "instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

@@ -60,7 +60,7 @@ class StepWorkload:
         shape = dict(
             page_size=ps, num_full_pages=n_reqs * pages_per_req,
             num_swa_pages=n_reqs * pages_per_req, max_reqs=n_reqs, max_context_len=context,
-            sliding_window=window, index_dtype=torch.int64, device=device, backend=backend,
+            model_window=window + 1, index_dtype=torch.int64, device=device, backend=backend,
             max_pages_per_row=row_cap, max_alloc_rows=n_reqs,
             max_tokens_per_alloc_row=min(context, budget // min(n_reqs, 16)),
             max_step_tokens=budget)
@@ -135,3 +135,15 @@ class StepWorkload:
         self.step_graph.graphs.clear()
         self.step_graph.fused_graphs.clear()
         self.alloc = None
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run benchmarks/bench_frees.py (and"
+            " bench_fused.py) instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

@@ -174,7 +174,7 @@ def build_allocator(*, page_size: int, max_batch: int, max_prompt: int, max_tota
         page_size=ps, max_reqs=max_reqs, max_context_len=max_total,
         num_full_pages=max_reqs * -(-max_total // ps) + extra,
         num_swa_pages=max_reqs * (-(-max_prompt // ps) + -(-alloc_window // ps) + 2) + extra,
-        sliding_window=alloc_window, max_handles=4 if shared_prompt else 0,
+        model_window=alloc_window + 1, max_handles=4 if shared_prompt else 0,
         device=device, backend=backend)
     tables = None if tables_window is None else decode_tables_spec(max_batch, tables_window)
     return ga.HybridAllocator(cfg, prefix_cache=bool(shared_prompt), page_tables=tables)

@@ -114,9 +114,12 @@ GPU (an H200; FlashInfer JIT-compiles two decode variants on first use)::
 
     python examples/flashinfer_tables.py --out results/examples/flashinfer-tables-h200
 
-CPU (no FlashInfer: the workload and the Torch reference path; exit status 1)::
+CPU (no FlashInfer: the workload and the Torch reference path, a progress bar per page size;
+exit status 1). At the defaults this takes minutes on a CPU (7.5 min on 2 cores, 157 steps per
+page size); a smaller model and fewer requests take about 40 s::
 
-    python examples/flashinfer_tables.py --device cpu --timing-batches --out ''
+    python examples/flashinfer_tables.py --device cpu --timing-batches --out '' \
+        --requests 16 --max-batch 8 --heads 4 --head-dim 32
 """
 
 from __future__ import annotations
@@ -412,7 +415,7 @@ class CorrectnessRun:
             page_size=ps, max_reqs=max_reqs, max_context_len=max_total,
             num_full_pages=max_reqs * -(-max_total // ps) + extra,
             num_swa_pages=max_reqs * (-(-max_prompt // ps) + -(-W // ps) + 2) + extra,
-            sliding_window=W - 1, max_handles=2 if share else 0, device=device,
+            model_window=W, max_handles=2 if share else 0, device=device,
             backend="triton" if self.is_cuda else "torch")
         self.cfg = cfg
         # the default eager executor; every step writes its batch's CSR tables
@@ -742,7 +745,7 @@ class TimingRun:
             page_size=ps, max_reqs=B, max_context_len=max_ctx,
             num_full_pages=B * (max_ctx // ps) + 8,
             num_swa_pages=B * (-(-W // ps) + 3) + -(-max_step_tokens // ps) + B + 8,
-            sliding_window=W - 1, device=device,
+            model_window=W, device=device,
             backend="triton" if device.type == "cuda" else "torch")
         self.cfg = cfg
         self.alloc = ga.HybridAllocator(cfg, page_tables=table_spec(B, W))

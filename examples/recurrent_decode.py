@@ -115,7 +115,7 @@ def build(mcfg: RecurrentConfig, *, page_size: int, max_batch: int, max_total: i
     state = RecurrentState.zeros(mcfg, n_slots, device)
     cfg = ga.AllocatorConfig(
         page_size=ps, max_reqs=max_reqs, max_context_len=max_total, num_full_pages=n_pages,
-        num_swa_pages=n_pages, sliding_window=max_total, max_handles=handles,
+        num_swa_pages=n_pages, model_window=max_total + 1, max_handles=handles,
         num_state_slots=n_slots, max_spec_tokens=1 + lookahead, device=device,
         backend=backend)
     alloc = ga.HybridAllocator(cfg, prefix_cache=bool(shared_prompt),

@@ -531,3 +531,15 @@ class RecurrentLoop:
             if progress is not None:
                 progress.update(1)
         return steps, host_us, wait_us, prefill_s
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run examples/recurrent_decode.py "
+            "instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

@@ -91,7 +91,7 @@ def build(args) -> ga.HybridAllocator:
     max_ctx = args.max_prompt + args.max_output
     swa_per_req = -(-(W + args.chunk) // ps) + 2  # window + one prefill chunk, both ends partial
     cfg = ga.AllocatorConfig(
-        page_size=ps, sliding_window=W, max_reqs=n_run + 8, max_context_len=max_ctx,
+        page_size=ps, model_window=W + 1, max_reqs=n_run + 8, max_context_len=max_ctx,
         num_full_pages=args.full_pages or n_run * -(-int(2.5 * (args.prompt_median
                                                                  + args.output_median)) // ps),
         num_swa_pages=n_run * swa_per_req, device=args.device, backend=args.backend,

@@ -95,7 +95,7 @@ def build_allocator(*, page_size: int, max_batch: int, max_prompt: int, max_tota
         num_full_pages=max_reqs * -(-max_total // ps),
         num_swa_pages=max_reqs * (-(-max_prompt // ps) + -(-(alloc_window + 1 + lookahead)
                                                            // ps) + 2),
-        sliding_window=alloc_window, device=device, backend=backend)
+        model_window=alloc_window + 1, device=device, backend=backend)
     return ga.HybridAllocator(cfg, page_tables=spec_tables_spec(max_batch, model_window))
 
 

@@ -3,7 +3,7 @@
 Example::
 
     cfg = AllocatorConfig(page_size=16, num_full_pages=1024, num_swa_pages=256, max_reqs=64,
-                          max_context_len=4096, sliding_window=511, device="cuda",
+                          max_context_len=4096, model_window=512, device="cuda",
                           backend="triton")
     alloc = HybridAllocator(cfg, executor="graph")   # every step is one graph replay
     r = alloc.admit()

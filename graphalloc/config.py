@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import warnings
 import weakref
 
 import numpy as np
@@ -41,6 +42,32 @@ def _remember_origins(cfg, origins: dict[str, str]) -> None:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _windows(where: str, model_window, sliding_window) -> tuple[int, int]:
+    """``(model_window, sliding_window)`` from what was given: the model's window W
+    (``model_window``, Hugging Face's ``config.sliding_window``) sets the allocator's
+    ``sliding_window = max(W - 1, 1)``; ``sliding_window`` alone (the old input, W - 1) still
+    works for one release, with a ``DeprecationWarning``. Both: they must agree (a
+    ``dataclasses.replace`` that changes the window passes both, or ``sliding_window=None``)."""
+    if model_window is None:
+        if sliding_window is None:
+            raise ConfigError(f"{where}give the model's window: model_window=W (Hugging Face's "
+                              "config.sliding_window; the allocator's sliding_window = W - 1 "
+                              "is derived)")
+        allocator_w = _as_int(where, "sliding_window", sliding_window, 1)
+        warnings.warn("AllocatorConfig(sliding_window=...) is the model's window minus one and "
+                      "is deprecated: pass model_window=W (Hugging Face's "
+                      f"config.sliding_window), here model_window={allocator_w + 1}",
+                      DeprecationWarning, stacklevel=4)
+        return allocator_w + 1, allocator_w
+    model_w = _as_int(where, "model_window", model_window, 1)
+    derived = max(model_w - 1, 1)
+    if sliding_window is not None and sliding_window != derived:
+        raise ConfigError(f"{where}model_window={model_w} gives sliding_window={derived}, but "
+                          f"sliding_window={sliding_window} was given too: give the window "
+                          "once (dataclasses.replace: model_window=W, sliding_window=None)")
+    return model_w, derived
 
 
 def _as_int(where: str, name: str, value, minimum: int, meaning: str = "") -> int:
@@ -100,7 +127,11 @@ class AllocatorConfig:
     ``1..num_swa_pages``; page 0 of each is a sink that is never handed out.
     A slot is ``page * page_size + offset``.
 
-    **Window convention.** ``sliding_window`` is the *allocator's* window: an
+    **Window convention.** Give the *model's* window: ``model_window=W`` as Hugging Face
+    defines it (``config.sliding_window``); the allocator derives its own window
+    ``sliding_window = max(W - 1, 1)`` and :meth:`describe` shows both. (Passing
+    ``sliding_window`` itself, the allocator's window, still works for one release with a
+    ``DeprecationWarning``.) ``sliding_window`` is the *allocator's* window: an
     SWA layer at sequence length L reads positions ``>= L - sliding_window``,
     and a step frees the SWA pages below ``floor_page(L - sliding_window)``,
     L being the length when the step begins. A *model's* window W_model
@@ -115,8 +146,7 @@ class AllocatorConfig:
     ``floor_page(10000 - 4095) = floor_page(5905)``. ``sliding_window = 4096``
     would also be safe, but keeps one token more than needed; 4094 would (at
     page_size 1) free key 5905 while it is read (``tests/test_examples.py`` checks that it
-    changes the model's output). :meth:`for_engine` takes W_model and converts
-    it; the constructor takes the allocator's window as it is.
+    changes the model's output). :meth:`for_engine` and the constructor take W_model.
 
     A window at or past ``max_context_len`` is accepted and means what it says: no request
     ever grows past its window, so nothing is ever evicted and SWA layers keep every
@@ -175,7 +205,8 @@ class AllocatorConfig:
         num_swa_pages: usable SWA pages (page 0 excluded).
         max_reqs: rows of ``req_to_token``.
         max_context_len: columns of ``req_to_token`` (positions per request).
-        sliding_window: the allocator's window, in tokens (convention above).
+        sliding_window: deprecated input: the allocator's window (W - 1), in tokens; derived
+            from ``model_window`` (convention above) and always set after construction.
         index_dtype: ``torch.int32`` or ``torch.int64`` for slots and page ids on the device.
         device: where the device tables live: ``"cpu"`` (runs everything eagerly) or an
             available CUDA device.
@@ -194,6 +225,8 @@ class AllocatorConfig:
             one per prefix-cache snapshot, ``1 + k`` per speculative step in flight; 0: none.
         max_spec_tokens: tokens of one speculative step that get a state slot each (1 + k);
             0 picks 8.
+        model_window: the model's sliding window W in tokens, as Hugging Face's
+            ``config.sliding_window`` (a keyword; the convention above).
 
     Every field is checked when the config is built: counts must be ints (numpy
     integers are accepted and stored as ``int``; bools are refused), ``validate`` a
@@ -206,7 +239,7 @@ class AllocatorConfig:
     num_swa_pages: int
     max_reqs: int
     max_context_len: int
-    sliding_window: int
+    sliding_window: int | None = None  # deprecated input (W - 1); always set after init
     index_dtype: torch.dtype = torch.int64
     device: str | torch.device = "cpu"
     backend: str = "torch"
@@ -221,14 +254,18 @@ class AllocatorConfig:
     max_handles: int = 0  # prefix-sharing handles (pool mode); 0: sharing off
     num_state_slots: int = 0  # recurrent-state slots (ids 1..S, 0 the sink); 0: none
     max_spec_tokens: int = 0  # state slots of one speculative step (1 + k); 0: 8
+    model_window: int | None = None  # the model's window W (Hugging Face); sets sliding_window
 
     def __post_init__(self) -> None:
         def fix(name: str, value) -> None:
             object.__setattr__(self, name, value)
 
         where = "AllocatorConfig: "
+        model_w, allocator_w = _windows(where, self.model_window, self.sliding_window)
+        fix("model_window", model_w)
+        fix("sliding_window", allocator_w)
         for name in ("page_size", "num_full_pages", "num_swa_pages", "max_reqs",
-                     "max_context_len", "sliding_window"):
+                     "max_context_len"):
             fix(name, _as_int(where, name, getattr(self, name), 1))
         fix("swa_ring_pages", _as_int(where, "swa_ring_pages", self.swa_ring_pages, 0,
                                       "0 is pool mode"))
@@ -414,7 +451,8 @@ class AllocatorConfig:
         mode = (f"ring mode, {self.swa_ring_pages} SWA pages per request" if self.ring_mode
                 else "pool mode")
         rows = [("num_full_pages", self.num_full_pages), ("num_swa_pages", self.num_swa_pages),
-                ("sliding_window", self.sliding_window), *self.frozen_shapes().items()]
+                ("model_window", self.model_window), ("sliding_window", self.sliding_window),
+                *self.frozen_shapes().items()]
         if self.max_handles:
             rows.append(("max_handles", self.max_handles))
         if self.num_state_slots:

@@ -166,7 +166,7 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
     n_slots, slot_rule = _engine_states(where, rows, n_run, k, n_handles, num_state_slots,
                                         state_bytes_per_slot, state_bytes)
     cfg = cls(page_size=ps, num_full_pages=n_full, num_swa_pages=n_swa, max_reqs=rows,
-              max_context_len=ctx, sliding_window=window, index_dtype=index_dtype,
+              max_context_len=ctx, model_window=w_model, index_dtype=index_dtype,
               device=device, backend=backend, swa_ring_pages=ring,
               max_release_rows=release_rows, max_pages_per_row=c,
               max_alloc_rows=n_run + hits, max_tokens_per_alloc_row=row_tokens,
@@ -177,6 +177,7 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
     ring_pages = " + min(F x R, num_swa_pages)" if ring else ""
     _ORIGINS[id(cfg)].update({
         "num_full_pages": pool_rule[0], "num_swa_pages": pool_rule[1],
+        "model_window": "model_sliding_window",
         "sliding_window": f"max(model window - 1, 1) = max({w_model} - 1, 1)",
         "max_reqs": "max_running_requests" if max_reqs is None else "given",
         "max_pages_per_row": ("ceil(max_context_len / page_size)" if max_pages_per_row

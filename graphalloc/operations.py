@@ -91,7 +91,9 @@ def check_state_tensors(config, state_tensors) -> tuple:
             raise ConfigError(f"state_tensors[{i}] has {t.shape[dim]} slots on dimension "
                               f"{dim}; it needs num_state_slots + 1 = "
                               f"{config.num_state_slots + 1} (slot 0 the sink)")
-        if t.device != torch.device(config.device):
+        want = torch.device(config.device)
+        if t.device.type != want.type or (want.index is not None
+                                           and t.device.index != want.index):
             raise ConfigError(f"state_tensors[{i}] is on {t.device}, the allocator on "
                               f"{config.device}")
         out.append((t, dim))

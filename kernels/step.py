@@ -1,7 +1,7 @@
 """The fused step: release and allocation of one step in ONE launch.
 
 Why it is allowed. The free lists are FIFO rings whose positions the host
-owns (``graphalloc.ledger.FreeRing``): a step pushes the pages it frees at the
+owns (``graphalloc.state.ledger.FreeRing``): a step pushes the pages it frees at the
 tail and pops the pages it allocates from the head. When the step's pops of
 each ring fit in what was free *before* the step, the pop positions
 ``[head, head + pops)`` and the push positions ``[head + n_free, ...)`` are

@@ -464,3 +464,31 @@ def test_for_engine_sizes_handles_and_prefix_hits():
     with pytest.raises(ga.ConfigError):  # handles need pool mode
         ga.AllocatorConfig.for_engine(**{**base, "num_swa_pages": 80}, max_handles=2,
                                       swa_ring_pages=10)
+
+
+# ---- the model's window W (Hugging Face's) and the deprecated sliding_window input -----------
+def test_model_window_is_huggingfaces_and_the_old_input_warns():
+    import dataclasses
+    import warnings
+
+    base = dict(page_size=4, num_full_pages=16, num_swa_pages=16, max_reqs=2,
+                max_context_len=64)
+    new = ga.AllocatorConfig(**base, model_window=8)
+    assert (new.model_window, new.sliding_window) == (8, 7)
+    assert "| model_window | 8 |" in new.describe() and "| sliding_window | 7 |" in new.describe()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = ga.AllocatorConfig(**base, sliding_window=7)
+    assert [w.category for w in caught] == [DeprecationWarning]
+    assert "model_window=8" in str(caught[0].message) and caught[0].filename == __file__
+    assert old == new  # the same config either way
+    assert dataclasses.replace(new, max_reqs=3).sliding_window == 7  # replace keeps it
+    assert dataclasses.replace(new, model_window=12, sliding_window=None).sliding_window == 11
+    with pytest.raises(ga.ConfigError, match="give the window once"):
+        dataclasses.replace(new, model_window=12)  # both given, and they disagree
+    with pytest.raises(ga.ConfigError, match="model_window"):
+        ga.AllocatorConfig(**base)
+    for bad in (0, True, 2.5):
+        with pytest.raises(ga.ConfigError):
+            ga.AllocatorConfig(**base, model_window=bad)
+    assert ga.AllocatorConfig(**base, model_window=1).sliding_window == 1  # max(W - 1, 1)

@@ -42,7 +42,7 @@ from ..sharing.prefix_cache import page_keys
 
 __all__ = ["IterationStep", "Ints"]
 
-_SHORT = frozenset({28, 36})  # refusal codes meaning "not now": pages or request rows short
+_SHORT = frozenset({28, 36, 43, 45})  # "not now": pages, request rows or state slots short
 _SHAPE = 35  # the frozen step shape
 
 
@@ -136,6 +136,7 @@ class IterationStep:
         self.alloc, self.config, self.ledger = alloc, cfg, alloc.ledger
         self.cache = alloc.prefix_cache
         self.ps = cfg.page_size
+        self.states = cfg.num_state_slots > 0  # inserts only at the committed length
         n = cfg.max_reqs
         self.take_h, self.take_row, self.take_n = Ints(16), Ints(16), Ints(16)
         self.release, self.trim_row, self.trim_len = Ints(n), Ints(16), Ints(16)
@@ -181,11 +182,14 @@ class IterationStep:
         SWA from the row's frontier. Returns the tokens cached (0: nothing to cache, or no
         handle could be freed). A prefix already cached, or recorded in this iteration,
         costs no take. When every handle is held or reserved, the cache drops its LRU
-        unlocked leaf first: one step of its own (``cache_steps``). O(prefix pages)."""
+        unlocked leaf first: one step of its own (``cache_steps``). With recurrent-state
+        slots only a page-aligned committed length is cached (the state snapshot is the
+        state there). O(prefix pages)."""
         cache, ps = self.cache, self.ps
         keys = page_keys(token_ids, ps)
-        n = min(len(keys), int(self.ledger.committed[row]) // ps) * ps
-        if n == 0:
+        committed = int(self.ledger.committed[row])
+        n = min(len(keys), committed // ps) * ps
+        if n == 0 or (self.states and n != committed):  # a snapshot: the committed length
             return 0
         keys = keys[:n // ps]
         if keys[-1] in self._ends or cache.lookup(keys) >= 0:

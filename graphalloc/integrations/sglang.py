@@ -27,7 +27,11 @@ version, then O(1); no device read. The engine still writes ``ForwardBatch.out_c
 (:attr:`SGLangBatchAlloc.out_cache_loc`), attention metadata (``alloc.tables`` with
 ``page_tables=PageTableSpec(...)``, or gathers of ``alloc.req_to_token``), ``seq_lens`` +1
 after a decode, :meth:`SGLangAllocator.flush` on an idle iteration, ``alloc.check()``
-where it synchronises. Not covered: the overlap scheduler's deferred eviction,
+where it synchronises. Recurrent-state slots (a config with ``num_state_slots``): the
+Mamba pool's mapping is :attr:`SGLangAllocator.req_index_to_mamba_index_mapping`, its
+alloc / free ride in the admits and releases, snapshot copies in the steps; the engine
+still zeroes a new request's state before its prefill and runs its layers on the slot.
+Not covered: the overlap scheduler's deferred eviction,
 speculative multi-token decode, HiCache, page_size-1 ``alloc(n)``, ring mode.
 """
 
@@ -479,6 +483,43 @@ class SGLangAllocator:
                                   f"{full_slots.dtype}")
         inside = (full_slots >= 0) & (full_slots < n)
         return torch.where(inside, table[full_slots.clamp(0, n - 1)], 0)
+
+    # ---- recurrent-state slots: what SGLang's Mamba pool offers ----------------------------
+    @property
+    def req_index_to_mamba_index_mapping(self) -> torch.Tensor:
+        """``[max_reqs]`` device tensor: each ``req_pool_idx``'s recurrent-state slot (SGLang's
+        ``HybridReqToTokenPool.req_index_to_mamba_index_mapping``; slot 0: none). Written
+        inside each step: a request gets its slot when ``prepare_for_extend`` admits it and
+        gives it back at its release, as SGLang's ``alloc`` / ``free`` of the pool do. The
+        engine's Mamba layers read and update the state there; a cache hit's state is
+        copied into it inside the step (``state_tensors=`` given to the allocator). O(1)."""
+        self._need_states("req_index_to_mamba_index_mapping")
+        return self.alloc.req_to_state
+
+    def get_mamba_indices(self, req_pool_indices) -> torch.Tensor:
+        """The slots of ``req_pool_indices`` (a device tensor, or host ints): one gather of
+        :attr:`req_index_to_mamba_index_mapping`, no sync. Host values outside the request
+        rows raise ``UnknownRequestError``."""
+        table = self._need_states("get_mamba_indices")
+        if isinstance(req_pool_indices, torch.Tensor) and req_pool_indices.device == \
+                table.device and req_pool_indices.device.type != "cpu":
+            return table[req_pool_indices]
+        rows = as_int64(req_pool_indices, "req_pool_indices", UnknownRequestError)
+        if len(rows) and (rows.min() < 0 or rows.max() >= table.shape[0]):
+            raise UnknownRequestError(f"get_mamba_indices: a req_pool_idx outside [0, "
+                                      f"{table.shape[0]})")
+        return table[torch.as_tensor(rows, device=table.device)]
+
+    def mamba_available_size(self) -> int:
+        """Free recurrent-state slots now (SGLang's ``mamba_pool.available_size()``). O(1)."""
+        self._need_states("mamba_available_size")
+        return self.alloc.n_free("state")
+
+    def _need_states(self, what: str) -> torch.Tensor:
+        if not self.alloc.config.num_state_slots:
+            raise ConfigError(f"{what}: the allocator has no recurrent-state slots; build its "
+                              "config with num_state_slots > 0")
+        return self.alloc.req_to_state
 
     @property
     def n_recorded_releases(self) -> int:

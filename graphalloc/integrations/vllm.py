@@ -29,6 +29,10 @@ The engine still writes ``run_step()``, the slot mapping from :meth:`token_slots
 views), block tables from ``alloc.tables`` (``page_tables=PageTableSpec(...)``; host ids
 via :meth:`get_block_ids` are a device read), ``num_computed_tokens=`` under speculative
 decoding, token ids with caching, and ``alloc.check()`` where it synchronises anyway.
+Recurrent-state slots (``num_state_slots``): :meth:`~GraphallocKVCacheManager.state_block_id`
+is a request's block id in each Mamba group (one state block per request), admitted and
+freed with the request, cache hits restored inside the step; the engine zeroes a new
+state and runs its layers on it. Speculative states are not driven through the facade.
 """
 
 from __future__ import annotations
@@ -130,6 +134,7 @@ class GraphallocKVCacheManager:
         self.prefix_cache = alloc.prefix_cache if enable_caching else None
         self.steps_last_run = 0
         self._max_row_tokens = cfg.max_tokens_per_alloc_row
+        self._states = cfg.num_state_slots > 0  # recurrent-state slots: one per request
         self._max_rows, self._max_tokens = cfg.max_alloc_rows, cfg.max_step_tokens
         n = cfg.max_reqs
         self._rows: dict[Hashable, int] = {}  # id -> row (live, or admitted by the next step)
@@ -278,6 +283,8 @@ class GraphallocKVCacheManager:
             raise PositionError(f"request {request_id!r}: {computed} computed tokens but 0 "
                                 "allocated; computed tokens must have slots")
         if row is None:
+            if self._states and not self._state_fits():
+                return None  # the recurrent-state slots are short
             try:
                 row = self.alloc.free_row(reserved=self._reserved)
             except CapacityError:
@@ -443,6 +450,25 @@ class GraphallocKVCacheManager:
                                     -(-self.alloc.seq_len(row) // self.block_size))
         removed = self.alloc.frontier(row) // self.block_size  # shared pages may be mapped
         return full, [NULL_BLOCK_ID] * removed + swa[removed:]
+
+    def state_block_id(self, request_id: Hashable) -> int:
+        """The request's recurrent-state slot: its block id in a Mamba KV-cache group
+        (vLLM's one state block per request and group; every group reads the same slot of
+        its own state tensors). Host value, no device read; valid once the step that admits
+        the request ran (``run_step``). The device view for the batch is
+        ``alloc.req_to_state[rows]`` (rows from :meth:`row_of`). Unknown id:
+        ``UnknownRequestError``; without state slots: ``ConfigError``."""
+        if not self._states:
+            raise ConfigError("state_block_id: the allocator has no recurrent-state slots; "
+                              "build its config with num_state_slots > 0")
+        return int(self.ledger.state_slot[self._row(request_id, "state_block_id")])
+
+    def _state_fits(self) -> bool:
+        """A new request's slot fits: the free slots now, plus what the recorded releases
+        and the cache's unlocked snapshots give back, cover the admits reserved. O(1)."""
+        back = self.pending.release.n + (0 if self.prefix_cache is None
+                                          else self.prefix_cache.n_unlocked)
+        return len(self._reserved) + 1 <= self.alloc.n_free("state") + back
 
     def _handle_block_ids(self, handle: int, n_blocks: int) -> tuple[list[int], list[int]]:
         """A cache hit's first ``n_blocks`` ids (a device read; the handle's row)."""

@@ -362,7 +362,7 @@ class ReplicatedAllocator(ReplicaOps):
             header)
 
     def _first_divergence(self, table: np.ndarray) -> ReplicaDivergenceError | None:
-        """:func:`~graphalloc.replica_checks.first_divergence` with this wrapper's ranks."""
+        """:func:`~graphalloc.replicas.checks.first_divergence` with this wrapper's ranks."""
         return first_divergence(table, self.columns, self.global_ranks, self.src,
                                 self.last_equal_step)
 
