@@ -48,7 +48,7 @@ from graphalloc.device.executor import EagerExecutor
 from graphalloc.kernels.abi import SEEN_COUNT
 
 CFG = dict(page_size=4, num_full_pages=32, num_swa_pages=32, max_reqs=4, max_context_len=64,
-           sliding_window=6, max_handles=2)
+           model_window=7, max_handles=2)
 
 
 def config(**kw) -> ga.AllocatorConfig:
@@ -409,12 +409,12 @@ def test_triton_on_a_cpu_without_the_interpreter_is_refused_with_the_fix():
 def test_an_swa_pool_smaller_than_one_window_is_refused():
     """Pool mode: a request at its window holds ceil(W / ps) + 1 SWA pages (capped by the
     pages one request can own); a smaller pool could never serve it."""
-    need = -(-CFG["sliding_window"] // CFG["page_size"]) + 1  # 3
+    need = -(-(CFG["model_window"] - 1) // CFG["page_size"]) + 1  # 3
     with pytest.raises(E.ConfigError, match="window"):
         config(num_swa_pages=need - 1)
     assert config(num_swa_pages=need).num_swa_pages == need
     # a context shorter than the window caps the need at the pages one request owns
-    short = dict(max_context_len=8, sliding_window=40)
+    short = dict(max_context_len=8, model_window=41)
     assert config(num_swa_pages=2, **short).num_swa_pages == 2
     with pytest.raises(E.ConfigError):
         config(num_swa_pages=1, **short)
@@ -423,7 +423,7 @@ def test_an_swa_pool_smaller_than_one_window_is_refused():
 def test_a_window_past_the_context_is_accepted_and_never_evicts():
     """Decision: a window at or past max_context_len is a real configuration (a model's
     window served at a shorter context): accepted, and nothing is ever evicted."""
-    a = ga.HybridAllocator(config(sliding_window=100, num_swa_pages=16))
+    a = ga.HybridAllocator(config(model_window=101, num_swa_pages=16))
     r = a.admit()
     a.alloc_extend([r], [63])
     a.alloc_decode([r])

@@ -148,42 +148,48 @@ class PrefixCache:
             raise ContractError("match takes token_ids or keys= (their page_keys), one of "
                                 "them")
         ps, led = self.page_size, self.alloc.ledger
-        best_full = best = None
-        snapshots = self.states  # with states: only an entry's end has one
-        for j, key in enumerate(page_keys(token_ids, ps) if keys is None else keys):
-            holders = self._holders.get(key)
-            if not holders:
+        keys = page_keys(token_ids, ps) if keys is None else keys
+        holders_of = self._holders.get
+        n = 0  # pages matched: one dict lookup each
+        for key in keys:
+            if not holders_of(key):
                 break
-            m = (j + 1) * ps
-            ws = max(0, m - self.window) // ps * ps
-            first = None
-            if snapshots:
-                end = self._ends.get(key)
-                if end is not None and led.h_swa_start[end.handle] <= ws:
-                    best = (end, m)
-                first = next(iter(holders.values()))
-            else:
-                for entry in holders.values():
-                    first = first or entry
-                    if led.h_swa_start[entry.handle] <= ws:  # the window before m is held
-                        best = (entry, m)
-                        break
-            best_full = (first, m)
-        if best_full is None:
+            n += 1
+        if not n:
             self.misses += 1
             return CacheMatch()
-        for found in (best_full, best):
-            if found is not None:
-                self._touch(found[0])
-        full_entry, m_full = best_full
+        m_full = n * ps
+        full_entry = next(iter(self._holders[keys[n - 1]].values()))
+        best, cached = self._usable(keys, n, led.h_swa_start)
+        self._touch(full_entry)
+        if best is not None:
+            self._touch(best)
         start = int(led.h_swa_start[full_entry.handle])
         ws = max(0, m_full - self.window) // ps * ps
         self.hits += 1
-        cached = best[1] if best else 0
         self.hit_tokens += cached
-        return CacheMatch(cached, best[0].handle if best else -1, m_full, full_entry.handle,
-                          max(0, min(start, m_full) - ws),
-                          m_full - cached if snapshots else 0)
+        return CacheMatch(cached, best.handle if best is not None else -1, m_full,
+                          full_entry.handle, max(0, min(start, m_full) - ws),
+                          m_full - cached if self.states else 0)
+
+    def _usable(self, keys: list, n: int, swa_start) -> tuple:
+        """The longest usable match within the first ``n`` matched pages, ``(entry,
+        tokens)``: from the longest down, the first page some holder of which keeps the
+        window before it (with state slots: an entry ending there does). Usually the first
+        page tried; O(pages walked back x their holders)."""
+        ps, window = self.page_size, self.window
+        for j in range(n - 1, -1, -1):
+            m = (j + 1) * ps
+            ws = max(0, m - window) // ps * ps
+            if self.states:
+                end = self._ends.get(keys[j])
+                if end is not None and swa_start[end.handle] <= ws:
+                    return end, m
+                continue
+            for entry in self._holders[keys[j]].values():
+                if swa_start[entry.handle] <= ws:  # the window before m is held
+                    return entry, m
+        return None, 0
 
     # ---- locks ---------------------------------------------------------------------------
     def lock(self, handle) -> None:
