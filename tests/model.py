@@ -110,7 +110,7 @@ Rules modelled (``ps`` page size, ``W`` window, ``R`` ring pages, L a length):
   place). Pops of one kind are refused together when the queue, as it is at that point of
   the step, is short (``state_short``). A copy whose destination is the source of a copy
   of the same step is refused (``state_read``): every copy reads the states as the step
-  began. The step's copies: takes' first, then admits on handles, in call order.
+  began (checked last, once the step passed every other rule, its frozen shape included). The step's copies: takes' first, then admits on handles, in call order.
   ``state_writes`` lists the slots the network writes after each step (an admit's new
   slot, a plain allocation's slot, each speculative token's slot), ``step_copies`` the
   last step's copies, ``state_content`` what each slot holds (the copies applied).
@@ -651,7 +651,6 @@ class Model:
             if taken & {int(h) for h in admit_on[1] if _is_int(h)}:
                 raise Violation({OVERLAP})  # a handle is used from the step after its take
             extra_rows += work._admit_on(*admit_on, released=set(release))
-        work._check_reads()
         if list(decode):
             rows = work._rows(decode)
             if lookahead is None:
@@ -670,6 +669,7 @@ class Model:
             results = (results or []) + work._extend(rows, list(extend[1]), allocated,
                                                      alloc_rows)
         work._check_shape(rel_rows, alloc_rows + [0] * extra_rows)
+        work._check_reads()
         work._end_step()
         work.steps += 1
         self.__dict__.update(work.__dict__)
