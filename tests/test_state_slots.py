@@ -67,7 +67,7 @@ SHORTAGE = frozenset({CAPACITY, BATCH, STATE_SHORT, STATE_READ})
 CONFIGS = {
     "ps1_numpy": dict(page_size=1, num_full_pages=14, num_swa_pages=10, max_reqs=4,
                       max_context_len=12, sliding_window=3, index_dtype=torch.int64,
-                      max_handles=3, num_state_slots=6, max_spec_tokens=3, fused_step=False,
+                      max_handles=3, num_state_slots=7, max_spec_tokens=3, fused_step=False,
                       planner="numpy", max_release_rows=64),
     "ps2_auto": dict(page_size=2, num_full_pages=12, num_swa_pages=8, max_reqs=3,
                      max_context_len=14, sliding_window=5, index_dtype=torch.int32,
@@ -270,7 +270,7 @@ class StateMachine(AllocatorMachine):
             r = pick(trim_rows)
             q = m.reqs[r]
             target = q.committed + draw(st.integers(0, sum(q.spec)))
-            kw["trim"] = ([r], [self.steer_trim(r, target - 1 if chance(10) else target)])
+            kw["trim"] = ([r], [self.steer_trim(r, q.committed - 1 if chance(20) else target)])
         if chance(15):
             kw["evict_all"] = True
         dropped = []
@@ -287,9 +287,9 @@ class StateMachine(AllocatorMachine):
             kw["admit"] = plain
         handles = [h for h in sorted(m.handles) if h not in dropped]
         admitted_on = []
-        if handles and free_rows and (chance(40) or conflict):
+        if handles and free_rows and (chance(60) or conflict):
             h = pick(handles)
-            n = None if chance(85) else m.handles[h].n_tokens - ps
+            n = None if chance(80) else m.handles[h].n_tokens - ps
             admitted_on = free_rows[:1]
             kw["admit_on"] = (admitted_on, [h], [-1 if n is None else n])
         allocating = rest + (plain if chance(50) else [])
@@ -454,8 +454,8 @@ def _make(name: str, config: dict, examples: int, steps: int):
 
 
 for _name, _config in CONFIGS.items():
-    globals()[f"TestStateSlots_{_name}"] = _make(_name, _config, 25, 30)
-TestStateSlots_triton = _make("triton", TRITON, 3, 10)
+    globals()[f"TestStateSlots_{_name}"] = _make(_name, _config, 40, 30)
+TestStateSlots_triton = _make("triton", TRITON, 4, 15)
 
 
 def test_compiled_planner_with_states():
