@@ -110,7 +110,8 @@ Rules modelled (``ps`` page size, ``W`` window, ``R`` ring pages, L a length):
   place). Pops of one kind are refused together when the queue, as it is at that point of
   the step, is short (``state_short``). A copy whose destination is the source of a copy
   of the same step is refused (``state_read``): every copy reads the states as the step
-  began (checked last, once the step passed every other rule, its frozen shape included). The step's copies: takes' first, then admits on handles, in call order.
+  began (checked last, once the step passed every other rule, its frozen shape
+  included). The step's copies: takes' first, then admits on handles, in call order.
   ``state_writes`` lists the slots the network writes after each step (an admit's new
   slot, a plain allocation's slot, each speculative token's slot), ``step_copies`` the
   last step's copies, ``state_content`` what each slot holds (the copies applied).

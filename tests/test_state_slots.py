@@ -539,6 +539,24 @@ def test_a_copy_into_a_slot_the_step_reads_is_refused_then_runs_next_step():
     assert a.audit() == []
 
 
+def test_a_take_reads_the_state_as_the_step_began():
+    """take and commit of one request in one step: the snapshot is the state after the
+    committed tokens when the step began (slot 1), not the accepted token's (slot 2)."""
+    cfg, a, tensors = small(num_state_slots=6)
+    r = a.admit()  # slot 1
+    a.alloc_extend([r], [2])
+    a.alloc_decode([r], lookahead=1)  # slots 2, 3
+    for slot, marker in ((1, 10), (2, 20), (3, 30)):
+        write_marker(tensors, slot, marker)
+    p = a.plan(take=([0], [r], [2]), commit=([r], [1]))
+    assert p.state_copies.tolist() == [[1, 4]]
+    a.run(p)
+    assert (a.req_to_state[r], a.handle_to_state[0]) == (2, 4)
+    assert free_queue(a) == [5, 6, 1, 3]
+    assert_contents(tensors, [0, 10, 20, 30, 10, 0, 0])
+    assert a.audit() == []
+
+
 def test_admit_on_a_handle_taken_in_the_same_step_is_refused():
     """The rule 'an admit on a handle taken in the same step copies from the take's source'
     is unreachable: the page rules refuse using a handle written in the step (code 6)."""
