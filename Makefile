@@ -26,8 +26,9 @@ test: install
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
+# The read-me-first example (examples/first_steps.py): < 1 min on a 2-core CPU.
 demo: install
-	$(PY) examples/replay_batched_frees.py
+	$(PY) examples/first_steps.py
 
 lint: install
 	$(PY) -m ruff check .

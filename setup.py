@@ -1,5 +1,5 @@
 """Build of the one compiled part: the optional compiled twin of the step planner,
-``graphalloc.plan._cplan`` (C, four files under graphalloc/plan/).
+``graphalloc.plan._cplan`` (C, five files under graphalloc/plan/).
 
 Everything else is in pyproject.toml. The extension is optional: without a C compiler (or
 Python headers) the build goes on without it and prints one line; ``graphalloc.plan.compiled``
@@ -37,7 +37,8 @@ class OptionalBuildExt(build_ext):
 setup(
     ext_modules=[Extension("graphalloc.plan._cplan",
                            sources=[f"graphalloc/plan/{name}.c" for name in (
-                               "_cplan", "_cplan_core", "_cplan_frees", "_cplan_alloc")],
+                               "_cplan", "_cplan_core", "_cplan_frees", "_cplan_alloc",
+                               "_cplan_states")],
                            depends=["graphalloc/plan/_cplan.h"],
                            extra_compile_args=["-O3", "-fwrapv"], optional=True)],
     cmdclass={"build_ext": OptionalBuildExt},

@@ -151,3 +151,15 @@ def eager_decode_alloc(t: DecodeTables):
     t.req_to_token[t.rows, pos] = full_slot                      # index_put_
     t.full_to_swa[full_slot] = swa_slot                          # index_put_
     return full_slot, swa_slot
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run benchmarks/bench_frees.py "
+            "instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

@@ -50,6 +50,8 @@ from timing import (  # noqa: E402
     machine_info,
     measure_floor,
     pick_backend,
+    progress,
+    say,
     summarize,
 )
 
@@ -83,6 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--with-eager", action="store_true", help="also run without any graph")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "bench"
                                           / "decode-loop"),
                     help="directory for bench_decode_loop.{json,md,png}; '' writes nothing")
@@ -107,6 +110,8 @@ def run_bench(args) -> dict:
     variants = (["in_graph", "eager_alloc"] + (["eager"] if args.with_eager else [])
                 if cuda else ["eager"])
     results = []
+    n_runs = len(args.batch) * len(args.backends) * len(variants) * args.repeats
+    bar = progress(n_runs, "bench_decode_loop", not args.no_progress, unit="run")
     for batch in args.batch:
         n_req = args.requests or int(args.requests_per_lane * batch)
         reqs = make_requests(n_req, tuple(args.prompt_len), tuple(args.output_len),
@@ -143,6 +148,8 @@ def run_bench(args) -> dict:
                 sm["graph_nodes"] = res.graph_nodes
                 sm["evict_steps"] = sum(s["swa_pages_evicted"] > 0 for s in res.steps)
                 tokens[k] = res.tokens
+                if bar is not None:
+                    bar.update(1)
         ref_tokens = next(iter(tokens.values()))
         for (backend, v), sm in samples.items():
             results.append({
@@ -156,12 +163,14 @@ def run_bench(args) -> dict:
                 "graph_nodes": sm["graph_nodes"],
             })
             r = results[-1]
-            print(f"batch {batch:>4} {backend:>6} {v:<11} {r['steps_per_s']['p50']:8.0f} "
-                  f"steps/s  host {r['host_us_per_step']['p50']:7.1f} us/step (launch "
-                  f"{r['host_launch_us_per_step']['p50']:6.1f})"
-                  + (f"  GPU {r['gpu_us_per_step']['p50']:7.1f} us/step"
-                     if r["gpu_us_per_step"] else "")
-                  + ("" if r["tokens_equal_across_variants"] else "  TOKENS DIFFER"))
+            say(bar, f"batch {batch:>4} {backend:>6} {v:<11} {r['steps_per_s']['p50']:8.0f} "
+                f"steps/s  host {r['host_us_per_step']['p50']:7.1f} us/step (launch "
+                f"{r['host_launch_us_per_step']['p50']:6.1f})"
+                + (f"  GPU {r['gpu_us_per_step']['p50']:7.1f} us/step"
+                   if r["gpu_us_per_step"] else "")
+                + ("" if r["tokens_equal_across_variants"] else "  TOKENS DIFFER"))
+    if bar is not None:
+        bar.close()
     floor = measure_floor(Sampler(args.device, n_samples=FLOOR_SAMPLES, flush_mib=0))
     meta = {"machine": machine_info(args.device), "device_clock": "cuda-events" if cuda else
             "cpu-wall", "floor": floor, "page_size": args.page_size, "window": args.window,

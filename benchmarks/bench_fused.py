@@ -58,6 +58,8 @@ from timing import (  # noqa: E402
     graph_nodes,
     machine_info,
     measure_floor,
+    progress,
+    say,
     summarize,
 )
 from workloads import StepWorkload  # noqa: E402
@@ -223,6 +225,7 @@ def parse_args(argv):
     p.add_argument("--token-budget", type=int, help="max_step_tokens")
     p.add_argument("--time-budget-s", type=float, default=900.0,
                    help="cases not started by then are skipped (outputs are still written)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     params = dict(QUICK if args.quick else FULL)
     for key in ("b", "ps", "pages"):
@@ -262,24 +265,29 @@ def _run(args, argv, device, backend, note) -> int:
     except Exception as exc:
         res["errors"].append({"case": "floor", "error": f"{type(exc).__name__}: {exc}",
                               "traceback": traceback.format_exc()})
+    bar = progress(len(cases), "bench_fused", not args.no_progress)
     for b, ps, n, d in cases:
         label = f"B={b} ps={ps} pages={n}" + (" +decode" * d)
         if time.perf_counter() - t_start > args.time_budget_s:
             res["skipped"].append(f"{label}: time budget of {args.time_budget_s:.0f} s spent")
-            continue
-        t0 = time.perf_counter()
-        try:
-            rec = measure_case(ctx, b, ps, n, d)
-            rec["wall_s"] = time.perf_counter() - t0
-            res["cases"].append(rec)
-            q = {name: format_quantiles(stats) for name, stats in rec["gpu_us"].items()}
-            print(f"{label}: two {q['two']}  fused {q['fused']}  ({rec['wall_s']:.1f} s)",
-                  file=sys.stderr)
-        except Exception as exc:
-            res["errors"].append({"case": label, "error": f"{type(exc).__name__}: {exc}",
-                                  "traceback": traceback.format_exc()})
-            print(f"{label}: FAILED {type(exc).__name__}: {exc}", file=sys.stderr)
-            ctx.sampler.release_memory()
+        else:
+            t0 = time.perf_counter()
+            try:
+                rec = measure_case(ctx, b, ps, n, d)
+                rec["wall_s"] = time.perf_counter() - t0
+                res["cases"].append(rec)
+                q = {name: format_quantiles(stats) for name, stats in rec["gpu_us"].items()}
+                say(bar, f"{label}: two {q['two']}  fused {q['fused']}  "
+                    f"({rec['wall_s']:.1f} s)")
+            except Exception as exc:
+                res["errors"].append({"case": label, "error": f"{type(exc).__name__}: {exc}",
+                                      "traceback": traceback.format_exc()})
+                say(bar, f"{label}: FAILED {type(exc).__name__}: {exc}")
+                ctx.sampler.release_memory()
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     try:
         res["floor_end"] = measure_floor(ctx.sampler)
     except Exception as exc:

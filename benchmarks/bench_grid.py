@@ -69,6 +69,8 @@ from timing import (  # noqa: E402
     empty_graph,
     format_quantiles,
     machine_info,
+    progress,
+    say,
     summarize,
 )
 
@@ -683,6 +685,7 @@ def parse_args(argv):
     p.add_argument("--thrash-mib", type=int, help="MiB the heavy host work writes")
     p.add_argument("--time-budget-s", type=float, default=100.0,
                    help="parts not started by then are skipped (outputs are still written)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     params = dict(QUICK if args.quick else FULL)
     for key in ("window", "repeats", "samples", "host_samples", "cold_samples", "thrash_mib"):
@@ -714,20 +717,29 @@ def _run(args, argv, device, backend, note) -> int:
         res["skipped"].append("GPU-only parts (no CUDA device): graphs, node updates, one-warp "
                               "variant, CUDA events, L2 flush; device times are CPU wall clock")
     t_start = time.perf_counter()
+    bar = progress(2 + 2 * len(ctx.params["cases"]), "bench_grid", not args.no_progress,
+                   unit="part")
 
     def part(label, fn):
+        try:
+            return _part(label, fn)
+        finally:
+            if bar is not None:
+                bar.update(1)
+
+    def _part(label, fn):
         if time.perf_counter() - t_start > args.time_budget_s:
             res["skipped"].append(f"{label}: time budget of {args.time_budget_s:.0f} s spent")
             return None
         t0 = time.perf_counter()
         try:
             out = fn()
-            print(f"{label}: done ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+            say(bar, f"{label}: done ({time.perf_counter() - t0:.1f} s)")
             return out
         except Exception as exc:
             res["errors"].append({"case": label, "error": f"{type(exc).__name__}: {exc}",
                                   "traceback": traceback.format_exc()})
-            print(f"{label}: FAILED {type(exc).__name__}: {exc}", file=sys.stderr)
+            say(bar, f"{label}: FAILED {type(exc).__name__}: {exc}")
             ctx.sampler.release_memory()
             return None
 
@@ -741,6 +753,8 @@ def _run(args, argv, device, backend, note) -> int:
         rec = part(f"{case} (host run())", lambda case=case: host_case(ctx, case))
         if rec is not None:
             res["host"][case] = rec
+    if bar is not None:
+        bar.close()
     res["targets"] = verdicts(res)
     res["wall_s"] = time.perf_counter() - t_start
     os.makedirs(args.out, exist_ok=True)

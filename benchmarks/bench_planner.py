@@ -49,7 +49,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from timing import bench_main, bench_parser, machine_info, summarize  # noqa: E402
+from timing import bench_main, bench_parser, machine_info, progress, say, summarize  # noqa: E402
 
 import graphalloc as ga  # noqa: E402
 from graphalloc.plan import compiled as twin  # noqa: E402
@@ -183,6 +183,7 @@ def run(args, argv, device, backend, note) -> int:
     n_warmup, n_steps = (5, 30) if args.quick else (50, 1000)
     keep = 20 if args.quick else 200
     results = []
+    bar = progress(2 * len(cases), "bench_planner", not args.no_progress, unit="run")
     for case, batch in cases:
         row = {"case": case, "batch": batch}
         ref_bufs = None
@@ -190,6 +191,8 @@ def run(args, argv, device, backend, note) -> int:
             out, bufs = measure(batch, planner, n_warmup, n_steps, seed=batch, keep=keep,
                                 speculative=case == "speculative")
             row[planner] = out
+            if bar is not None:
+                bar.update(1)
             if ref_bufs is None:
                 ref_bufs = bufs
             else:
@@ -200,10 +203,12 @@ def run(args, argv, device, backend, note) -> int:
         # every step, its re-plan and the admit before it: planned by the twin
         row["all_compiled"] = c["compiled_planned"] >= 3 * (n_warmup + n_steps)
         results.append(row)
-        print(f"{case:11s} B={batch:5d}  numpy plan {_q(n['plan'])}  compiled plan "
-              f"{_q(c['plan'])} (C {c['C']['p50']:.1f}, normalize "
-              f"{c['normalize']['p50']:.1f})  x{row['speedup']:.0f}  identical "
-              f"{row['identical']}", flush=True)
+        say(bar, f"{case:11s} B={batch:5d}  numpy plan {_q(n['plan'])}  compiled plan "
+            f"{_q(c['plan'])} (C {c['C']['p50']:.1f}, normalize "
+            f"{c['normalize']['p50']:.1f})  x{row['speedup']:.0f}  identical "
+            f"{row['identical']}")
+    if bar is not None:
+        bar.close()
     info = machine_info(device)
     doc = {"benchmark": "bench_planner", "command": "python benchmarks/bench_planner.py "
            + " ".join(argv), "device": str(device), "page_size": PAGE_SIZE,
@@ -251,6 +256,7 @@ def run(args, argv, device, backend, note) -> int:
 def main(argv=None) -> int:
     parser = bench_parser(__doc__, os.path.join(REPO, "results", "bench", "planner"),
                           "kernels for the GPU run (the CPU run launches none)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return bench_main(argv, parser.parse_args, run)
 
 

@@ -16,7 +16,7 @@ the same decisions:
                         admits, prefill chunks, decodes) -- one plan, one CUDA-graph replay
                         (sched_graphalloc.py)
     graphalloc_tables   the same plus the step batch's attention block tables (FULL + SWA,
-                        graphalloc.attention.page_tables), captured into the same graph: one replay
+                        PageTableSpec: written in the step), in the same graph: one replay
     sglang              SGLang-style eager calls (sched_baselines.SGLangStyle)
     vllm                a vLLM-style CPU block manager and block-table upload
                         (sched_baselines.VLLMStyle)

@@ -310,8 +310,22 @@ def plot_decode_loop_example(out: dict, path) -> bool:
            "the saving there is 0)." if shared else
            " After the last step nothing is held, so it has no saving to plot."))
     mode = "one CUDA graph per step" if cfg.get("graph") else "eager launches"
+    prompt = f", a {shared}-token system prompt shared" if shared else ""
     finish(fig, path, title=f"Decode loop: the allocator's pages per decode step (attention "
-           f"{attention}, {dtype}, {mode}) [{machine_name(cfg.get('machine'), cfg.get('gpu'))}]",
+           f"{attention}, {dtype}, {mode}{prompt}) "
+           f"[{machine_name(cfg.get('machine'), cfg.get('gpu'))}]",
            caption=caption,
            legend=_legend_of(axes[0]))
     return True
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run benchmarks/replot.py (it "
+            "redraws committed plots from their JSON) instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

@@ -211,3 +211,15 @@ def write_plots(res: dict, out_dir: str) -> list[str]:
                legend=_legend(axes))
         written.append(FILES[2])
     return written
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run benchmarks/bench_frees.py or "
+            "benchmarks/replot.py instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

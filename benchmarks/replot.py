@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+import bench_seams  # noqa: E402
 import figures  # noqa: E402
 import frees_plots  # noqa: E402
 import sched_plots  # noqa: E402
@@ -43,6 +44,7 @@ PLOTTERS = {  # result JSON name: (the PNGs it makes, (result, out_dir) -> names
                                _one(figures.plot_page_tables, "bench_page_tables.png")),
     "bench_decode_loop.json": (("bench_decode_loop.png",),
                                _one(figures.plot_decode_loop_bench, "bench_decode_loop.png")),
+    "bench_seams.json": (("bench_seams.png",), _one(bench_seams.plot, "bench_seams.png")),
     "decode_loop.json": (("decode_loop.png",),
                          _one(figures.plot_decode_loop_example, "decode_loop.png")),
 }

@@ -17,7 +17,8 @@ import json
 import os
 import sys
 
-from frees_plots import write_plots
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from frees_plots import write_plots  # noqa: E402
 
 __all__ = ["write_outputs", "write_plots", "markdown", "targets", "summary_text"]
 

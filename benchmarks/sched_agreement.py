@@ -166,3 +166,15 @@ def live_ids(trace, stop: int) -> list[int]:
         live.update(st.admit.tolist())
         live.difference_update(st.release.tolist())
     return sorted(live)
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run benchmarks/bench_scheduler.py "
+            "instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

@@ -41,3 +41,15 @@ from sched_vllm_style import VLLMStyle
 __all__ = ["SGLangStyle", "VLLMStyle", "NullClock", "NULL_CLOCK", "alloc_slots", "write_rows",
            "alloc_slots_torch", "write_rows_torch", "BLOCK_T", "N_META", "M_ROW", "M_PRE",
            "M_N", "M_PREV", "M_LANE", "M_PAGE"]
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run benchmarks/bench_scheduler.py "
+            "instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

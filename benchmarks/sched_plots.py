@@ -143,3 +143,15 @@ def plot(res: dict, out_dir: str) -> list[str]:
     finish(fig, os.path.join(out_dir, FILES[1]), title=f"Scheduler benchmark: {what} [{machine}]",
            caption=caption, legend=_gpu_legend(axes, cuda), ncol=2)
     return list(FILES)
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run benchmarks/bench_scheduler.py "
+            "or benchmarks/replot.py instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

@@ -348,3 +348,15 @@ class SWARadixTree:
             "no_tombstone_leaf": not any(x.swa_tombstone and not x.children for x in nodes),
             "locks_ok": all(x.full_lock_ref == want.get(id(x), 0) for x in nodes),
             "nodes": len(nodes)}
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run benchmarks/bench_scheduler.py "
+            "instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

@@ -294,3 +294,15 @@ class _DecodeView:
         self.req_to_token, self.full_to_swa = owner.req_to_token, owner.full_to_swa
         self.full_free, self.swa_free = owner.rings["full"], owner.rings["swa"]
         self.full_head, self.swa_head = owner.head["full"], owner.head["swa"]
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run benchmarks/bench_scheduler.py "
+            "instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

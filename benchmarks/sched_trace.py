@@ -221,3 +221,15 @@ class Trace:
             "swa_pages_freed": mean(lambda s: s.expect[3]),
             "step_classes": {c: classes.get(c, 0) for c in STEP_CLASSES},
         }
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run benchmarks/bench_scheduler.py "
+            "instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

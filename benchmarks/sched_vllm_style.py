@@ -323,3 +323,15 @@ class VLLMStyle:
         out["rows"] = n
         out["ok"] = all(v for k, v in out.items() if k != "rows" and not k.endswith("state"))
         return out
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run benchmarks/bench_scheduler.py "
+            "instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

@@ -282,3 +282,15 @@ def generate(spec: WorkloadSpec, n_warmup: int, n_measure: int, n_profile: int =
                  max_alloc_row_tokens=max_row_tok, max_step_tokens=max_step_tok,
                  cache_pages=cache_pages, tokens=None if px is None else px.tokens,
                  fill=st.fill[:st.n].copy(), prefix=None if px is None else px.summary())
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run benchmarks/bench_scheduler.py "
+            "instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

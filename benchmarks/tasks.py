@@ -194,3 +194,15 @@ def task_traces(ctx, out_dir):
     prof.export_chrome_trace(graph_path)
     ctx.results["traces"] = {"eager": os.path.basename(eager_path),
                              "graphalloc": os.path.basename(graph_path), "page_size": ps}
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run benchmarks/bench_frees.py "
+            "instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

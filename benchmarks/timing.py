@@ -38,6 +38,7 @@ import gc
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -47,7 +48,7 @@ import torch
 __all__ = ["Sampler", "StepEvents", "summarize", "format_quantiles", "replayable",
            "empty_graph", "measure_floor", "count_launches", "graph_nodes",
            "copy_bandwidth_gbs", "pick_device", "pick_backend", "cpu_threads",
-           "graphalloc_version", "machine_info"]
+           "graphalloc_version", "machine_info", "progress", "say"]
 
 QUANTILES = (20, 50, 80)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -446,14 +447,33 @@ def bench_main(argv, parse_args, run) -> int:
     """A benchmark's entry point: parse, pick the device and backend (the backend first: it
     may set ``TRITON_INTERPRET``), then ``run(args, argv, device, backend, note)`` with one
     intra-op thread on a CPU."""
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     device = pick_device(args.device)
     backend, note = pick_backend(args.backend, device)
     with cpu_threads(device):
         return run(args, argv, device, backend, note)
+
+
+def progress(total: int, desc: str, enabled: bool = True, unit: str = "case"):
+    """A tqdm bar on stderr over ``total`` units of a benchmark's work (host only: safe
+    under sync debug), or None when disabled (``--no-progress``) or tqdm (the [bench]
+    extra) is not installed."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
+
+
+def say(bar, message: str) -> None:
+    """A progress line on stderr that does not break the bar (``bar`` may be None)."""
+    if bar is None:
+        print(message, file=sys.stderr, flush=True)
+    else:
+        bar.write(message, file=sys.stderr)
 
 
 def graphalloc_version() -> str:
@@ -526,3 +546,15 @@ def _git_commit():
     if commit and _run_quiet(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO):
         commit += "-dirty"
     return commit
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run any benchmarks/bench_*.py "
+            "instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

@@ -135,3 +135,15 @@ class StepWorkload:
         self.step_graph.graphs.clear()
         self.step_graph.fused_graphs.clear()
         self.alloc = None
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run benchmarks/bench_frees.py (and"
+            " bench_fused.py) instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

@@ -114,9 +114,12 @@ GPU (an H200; FlashInfer JIT-compiles two decode variants on first use)::
 
     python examples/flashinfer_tables.py --out results/examples/flashinfer-tables-h200
 
-CPU (no FlashInfer: the workload and the Torch reference path; exit status 1)::
+CPU (no FlashInfer: the workload and the Torch reference path, a progress bar per page size;
+exit status 1). At the defaults this takes minutes on a CPU (7.5 min on 2 cores, 157 steps per
+page size); a smaller model and fewer requests take about 40 s::
 
-    python examples/flashinfer_tables.py --device cpu --timing-batches --out ''
+    python examples/flashinfer_tables.py --device cpu --timing-batches --out '' \
+        --requests 16 --max-batch 8 --heads 4 --head-dim 32
 """
 
 from __future__ import annotations

@@ -364,3 +364,16 @@ def to_transformers(cfg: ModelConfig, weights: dict[str, torch.Tensor], *, devic
         for prm in model.parameters():
             prm.data = prm.data.to(dtype)
     return model
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run examples/decode_loop.py (and "
+            "speculative_decode.py, recurrent_decode.py, "
+            "benchmarks/bench_decode_loop.py) instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

@@ -11,8 +11,8 @@ does, caches a chunked request's prefix (``cache_unfinished_req``) and releases 
 requests in a free group (``release_kv_cache``: ``cache_finished_req``, the request's
 whole pages stay in the cache). Every iteration with a batch is ONE graphalloc step (the
 previous iteration's releases, this one's window evictions, its admits -- cache hits
-admitted on their shared pages -- and its allocation), plus one step per new cache
-entry. The summary prints the cache hit rate and checks that every request read back its
+admitted on their shared pages, the cache inserts of the requests that finished -- and
+its allocation). The summary prints the cache hit rate and checks that every request read back its
 own tokens, that the audit is clean and that every page comes back once the cache is
 dropped.
 
@@ -77,7 +77,8 @@ class Batch:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--max-running", type=int, default=8)
     p.add_argument("--chunk", type=int, default=64, help="chunked-prefill token budget")
@@ -224,7 +225,8 @@ def main(argv=None) -> dict:
               f"({s['extend_batches']} extend, {s['decode_batches']} decode batches, "
               f"{s['refused']} refused, {s['retracted']} retracted)")
         print(f"  graphalloc steps: {s['steps']} for {s['iterations_with_batch']} iterations "
-              f"with a batch (one each) + {s['cache_steps']} for new cache entries, "
+              f"with a batch (one each, cache inserts included) + {s['cache_steps']} where "
+              f"every cache handle was held and the LRU entry was dropped first, "
               f"{s['idle_flush_steps']} idle flushes")
         print(f"  prefix cache: {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens "
               f"served from it (hit rate {s['cache_hit_rate']:.0%}); "

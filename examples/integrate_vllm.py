@@ -11,11 +11,11 @@ which caches its computed blocks, and the call retried), then waiting ones
 budget (chunked prefill), with ``--lookahead`` speculative slots per request. When a
 prompt's prefill completes its blocks are cached (``cache_blocks``); a finished request's
 go into the cache at ``free``. ``run_step()`` at the end of each ``schedule()`` is the
-iteration's ONE graphalloc step (hits admitted on their shared blocks, in it); a new
-cache entry is one more. Request ids are deliberately odd hashables (tuples). The
-summary prints the hit rate (vLLM's prefix-cache stats) and checks that every request
-read back its own tokens, that the audit is clean and that every page comes back once
-the cache is dropped.
+iteration's ONE graphalloc step: hits admitted on their shared blocks, cache inserts (a
+take before the release), frees, window removals and allocations. Request ids are
+deliberately odd hashables (tuples). The summary prints the hit rate (vLLM's prefix-cache
+stats) and checks that every request read back its own tokens, that the audit is clean
+and that every page comes back once the cache is dropped.
 
     python examples/integrate_vllm.py
     python examples/integrate_vllm.py --lookahead 3 --requests 32 --page-size 16
@@ -76,7 +76,8 @@ class Request:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--max-seqs", type=int, default=8, help="max_num_seqs")
     p.add_argument("--budget", type=int, default=64, help="max_num_batched_tokens")
@@ -167,7 +168,7 @@ def main(argv=None) -> dict:
             running.append(waiting.popleft())
             scheduled.append((req, n_hit, n, False))
             left -= n
-        if not scheduled and not mgr.pending:
+        if not scheduled and not mgr.pending_work:
             continue
         mgr.run_step()  # the iteration's ONE graphalloc step
         s["iterations"] += 1
@@ -222,9 +223,10 @@ def main(argv=None) -> dict:
              host_ms_per_iteration=1e3 * seconds / max(s["iterations"], 1))
     if not args.quiet:
         print(f"vLLM facade: {s['finished']} requests in {s['iterations']} schedule() calls, "
-              f"{s['steps']} graphalloc steps (one each + {s['cache_steps']} for new cache "
-              f"entries); {s['preempted']} preemptions, {s['admission_stops']} admission "
-              "stops (allocate_slots -> None)")
+              f"{s['steps']} graphalloc steps (one each, cache inserts included, + "
+              f"{s['cache_steps']} where every cache handle was held and the LRU entry was "
+              f"dropped first); {s['preempted']} preemptions, {s['admission_stops']} "
+              "admission stops (allocate_slots -> None)")
         print(f"  prefix cache: {s['cache_hit_tokens']} of {s['cache_query_tokens']} looked-up "
               f"tokens hit (hit rate {s['cache_hit_rate']:.0%}); {s['cache_entries_at_end']} "
               "entries at the end")

@@ -670,3 +670,15 @@ class DecodeLoop:
             if progress is not None:
                 progress.update(1)
         return steps, host_s, launch_s, prefill_s, events
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run examples/decode_loop.py (and "
+            "benchmarks/bench_decode_loop.py) instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

@@ -387,3 +387,15 @@ def to_transformers(cfg: RecurrentConfig, weights: dict[str, torch.Tensor], *, d
     model = BambaForCausalLM(hf_cfg).eval()
     model.load_state_dict(weights, strict=True)
     return model.to(device)
+
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run examples/recurrent_decode.py "
+            "instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

@@ -519,3 +519,14 @@ def _poison(kv: PagedKV, full_slot, swa_slot, bad) -> None:
         s = slot.reshape(-1)
         cache[:, s] = torch.where(flat, POISON, cache[:, s])
 
+
+if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run
+    import argparse
+
+    _ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "A module imported by other scripts; run examples/speculative_decode.py"
+            " instead (each takes --help)."))
+    _ap.parse_args()
+    _ap.error("nothing to run here: see --help")

@@ -50,6 +50,7 @@ from .device.backend import StepKernels
 from .device.descriptor import DescriptorRing
 from .device.executor import make_executor
 from .device.tables import DeviceState
+from .errors import UnknownRequestError
 from .plan.compiled import CompiledPlanner
 from .plan.free_group import FreeGroup
 from .plan.pipeline import StepPipeline
@@ -109,7 +110,7 @@ class HybridAllocator:
                                    n_state_rows=config.max_state_rows + 1 if config.has_states
                                    else 0)
         self.kernels = StepKernels(config, self.state, fused=fused_step, tables=self.tables,
-                                   state_tensors=state_tensors)
+                                   ring=self.ring, state_tensors=state_tensors)
         self.queries = HostQueries(config, self.ledger)
         self.group: FreeGroup | None = None  # the open free_group() block
         self.recorder: StepRecorder | None = None  # the open scheduler_step() block
@@ -231,8 +232,7 @@ class HybridAllocator:
         """Plan ``step`` and roll it back: its :class:`~graphalloc.plan.reference.PlanOutcome`
         (or the typed error :meth:`step` would raise; ``oversize``: not refused for the frozen
         release shape, as a free is not). Cost: one plan."""
-        return self.pipeline.outcome(step, dry_run=True, use_group=use_group,
-                                     oversize=oversize)
+        return ops.dry_run(self, step, use_group, oversize)
 
     def free_row(self, reserved=()) -> int:
         """The lowest free row (not live, not released in an open free group, not in
@@ -251,6 +251,7 @@ class HybridAllocator:
 
     def alloc_decode(self, rows, lookahead=None) -> AllocResult:
         """One token per row, or ``1 + k`` speculative (``Step(decode=, lookahead=)``)."""
+        ops.given(rows, "alloc_decode", UnknownRequestError)
         return self.step(decode=rows, lookahead=lookahead)
 
     def commit(self, rows, n_accepted) -> None:
@@ -278,7 +279,9 @@ class HybridAllocator:
 
     def load_back(self, row, new_frontier_pos) -> torch.Tensor:
         """Re-pair ``[new_frontier_pos, frontier)`` with fresh SWA pages; returns their SWA
-        slots (copy the KV in before the next step). One step."""
+        slots (copy the KV in before the next step). One step, one allocation row: more
+        than ``max_tokens_per_alloc_row`` positions is refused (``BatchTooLargeError``);
+        load back in parts, moving the frontier back a few pages per call."""
         return ops.load_back(self, row, new_frontier_pos)
 
     def take_handle(self, row, n_tokens) -> int:
@@ -360,12 +363,15 @@ class HybridAllocator:
 
     # ---- diagnostics: the sanctioned sync points ---------------------------------------------
     def check(self, sync: bool = False) -> None:
-        """Raise ``DeviceFaultError`` if a kernel recorded a fault (reads the error word: call
-        it where the engine synchronises anyway)."""
+        """Raise ``DeviceFaultError`` if a kernel recorded a fault, or ``SubmissionError`` if
+        a submitted step never ran on the device (a ``mark_submitted`` without a replay) or
+        a step ran unsubmitted. Waits for the submitted steps and reads the error word and
+        the step count (one 80-byte read): call it where the engine synchronises anyway."""
         ops.check(self, sync)
 
     def reset_faults(self) -> None:
-        """Clear the error word and accept steps again."""
+        """Clear the error word and the step count, and accept steps again (call it with no
+        step in flight)."""
         ops.reset_faults(self)
 
     def stats(self) -> dict:

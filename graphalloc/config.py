@@ -118,6 +118,20 @@ class AllocatorConfig:
     changes the model's output). :meth:`for_engine` takes W_model and converts
     it; the constructor takes the allocator's window as it is.
 
+    A window at or past ``max_context_len`` is accepted and means what it says: no request
+    ever grows past its window, so nothing is ever evicted and SWA layers keep every
+    position (they read like full attention). Engines derive the window from the model and
+    the context from the deployment, so this is a real configuration (a 4096-token window
+    served at 2048 tokens), not a mistake; it costs SWA pages for every position.
+
+    **Pools that can serve one request.** In pool mode an SWA pool smaller than one
+    request's window, ``num_swa_pages < min(ceil(sliding_window / page_size) + 1, P)``, is
+    refused: a request reaching its window would need more SWA pages than exist, and no
+    eviction could free them (the window still reads them). ``P`` (below) caps the need
+    when requests are shorter than the window. ``backend="triton"`` on a CPU device is
+    refused unless the kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` set
+    before graphalloc is imported).
+
     **Frozen shape.** The ``max_*`` fields freeze the step descriptor, so a
     captured graph never sees a new shape: a step that needs more rows, pages
     or tokens is refused with :class:`~graphalloc.errors.BatchTooLargeError`.
@@ -260,6 +274,28 @@ class AllocatorConfig:
                     f"{where}swa_ring_pages={ring} exceeds num_swa_pages="
                     f"{self.num_swa_pages}: no request could ever be admitted (each takes a "
                     f"ring of {ring} SWA pages); use num_swa_pages >= {ring}")
+        else:
+            window_pages = _ceil_div(self.sliding_window, ps) + 1
+            need = min(window_pages, self.request_pages)
+            if self.num_swa_pages < need:
+                raise ConfigError(
+                    f"{where}num_swa_pages={self.num_swa_pages} cannot hold one request's "
+                    f"window: a request at its window of {self.sliding_window} tokens holds "
+                    f"up to {window_pages} SWA pages of {ps} (ceil(sliding_window / "
+                    f"page_size) + 1), and {need} when capped by the pages one request can own "
+                    f"({self.request_pages}); no eviction frees them while the window reads "
+                    f"them. Use num_swa_pages >= {need}, a smaller sliding_window or a larger "
+                    "page_size")
+        if self.backend == "triton" and self.device.type == "cpu":
+            from .kernels import interpreted
+
+            if not interpreted():
+                raise ConfigError(
+                    f"{where}backend='triton' on device='cpu' needs the Triton interpreter, "
+                    "and the kernels were defined for a GPU. Set TRITON_INTERPRET=1 in the "
+                    "environment before importing graphalloc (the interpreter is chosen when "
+                    "the kernels are defined), or use backend='torch' (the reference twins "
+                    "run anywhere)")
         self._resolve_shapes()
 
     def _resolve_shapes(self) -> None:
@@ -379,6 +415,12 @@ class AllocatorConfig:
                 else "pool mode")
         rows = [("num_full_pages", self.num_full_pages), ("num_swa_pages", self.num_swa_pages),
                 ("sliding_window", self.sliding_window), *self.frozen_shapes().items()]
+        if self.max_handles:
+            rows.append(("max_handles", self.max_handles))
+        if self.num_state_slots:
+            rows += [("num_state_slots", self.num_state_slots),
+                     ("max_spec_tokens", self.max_spec_tokens),
+                     ("max_state_rows", self.max_state_rows)]
         lines = [f"AllocatorConfig: page_size {self.page_size}, {mode}, backend {self.backend} "
                  f"on {self.device}, {str(self.index_dtype).replace('torch.', '')} indices",
                  "", "| shape | value | rule |", "|---|---:|---|"]

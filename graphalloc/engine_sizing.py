@@ -36,7 +36,9 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
                max_pages_per_row: int | None = None, swa_ring_pages: int = 0,
                index_dtype: torch.dtype = torch.int64, device: str | torch.device = "cpu",
                backend: str = "torch", validate: bool = False, max_handles: int = 0,
-               max_prefix_hits_per_step: int | None = None) -> AllocatorConfig:
+               max_prefix_hits_per_step: int | None = None,
+               num_state_slots: int | None = None, state_bytes_per_slot: int | None = None,
+               state_bytes: int | None = None) -> AllocatorConfig:
     """A config derived from what a serving engine knows; every shape from a budget.
 
     Example (a 4096-token window model, 256 running requests, 8192 prefill tokens
@@ -86,6 +88,15 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
       pool mode only). ``max_prefix_hits_per_step`` (H, default N when there are
       handles, else 0): requests admitted on a cached prefix in one step; each adds
       one allocation row (the prefix copy) to the step.
+    * recurrent-state slots (models with Mamba / linear-attention layers): give
+      ``num_state_slots``, or ``state_bytes_per_slot`` (one request's state over every
+      recurrent layer) and optionally ``state_bytes`` (the memory for states). Need:
+      ``max_reqs + max_handles + 2 x N x (1 + k)`` (k > 0: two speculative steps of 1 + k
+      tokens in flight per running request; k = 0: no speculative slots); with
+      ``state_bytes`` the pool is ``floor(state_bytes / state_bytes_per_slot) - 1`` slots
+      (slot 0 the sink), refused below ``max_reqs``; fewer than the need means a step may be
+      refused for slots (a shortage: ``try_step`` returns None), the prefix cache's snapshots
+      reclaimed first. ``max_spec_tokens = 1 + k``.
     * ``swa_ring_pages``, ``index_dtype``, ``device``, ``backend``, ``validate``: as in
       the constructor. A ring must hold the window plus one row's allocation:
       ``R >= ceil((max(W, ps) + max_tokens_per_alloc_row - 1) / ps) + 1``.
@@ -152,13 +163,16 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
     evict_pages = min(step_tokens // ps + n_run, n_swa)
     step_pages = (min(n_rel * p_req, n_full) + (min(n_rel * ring, n_swa) if ring else 0)
                   + evict_pages)
+    n_slots, slot_rule = _engine_states(where, rows, n_run, k, n_handles, num_state_slots,
+                                        state_bytes_per_slot, state_bytes)
     cfg = cls(page_size=ps, num_full_pages=n_full, num_swa_pages=n_swa, max_reqs=rows,
               max_context_len=ctx, sliding_window=window, index_dtype=index_dtype,
               device=device, backend=backend, swa_ring_pages=ring,
               max_release_rows=release_rows, max_pages_per_row=c,
               max_alloc_rows=n_run + hits, max_tokens_per_alloc_row=row_tokens,
               max_step_tokens=step_tokens, max_step_pages=step_pages, validate=validate,
-              max_handles=n_handles)
+              max_handles=n_handles, num_state_slots=n_slots,
+              max_spec_tokens=1 + k if n_slots else 0)
     ring_rows = " + ceil(R / c)" if ring else ""
     ring_pages = " + min(F x R, num_swa_pages)" if ring else ""
     _ORIGINS[id(cfg)].update({
@@ -170,6 +184,10 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
         "max_alloc_rows": (f"max_running_requests + max_prefix_hits_per_step = {n_run} + "
                            f"{hits}"),
         "max_handles": "given" if n_handles else "default",
+        "num_state_slots": slot_rule,
+        "max_spec_tokens": "1 + lookahead",
+        "max_state_rows": ("2 x (max_reqs + max_handles) + max_alloc_rows x ceil("
+                           "max_spec_tokens / 6)"),
         "max_tokens_per_alloc_row": (f"min(max_context_len, max(chunked_prefill_size, "
                                      f"1 + lookahead)) = min({ctx}, max({prefill}, {1 + k}))"),
         "max_step_tokens": (f"chunked_prefill_size + max_running_requests x (1 + "
@@ -236,3 +254,31 @@ def _engine_pools(where, n_rows, n_run, ps, window, ring, step_tokens, num_full_
             f"SWA pages (a FULL page is {full_page} bytes, an SWA page {swa_page}, and "
             "page 0 of each pool is a sink). Give more memory or a smaller page_size")
     return n_full, n_swa, rules
+
+
+def _engine_states(where, n_rows, n_run, k, n_handles, num_state_slots, bytes_per_slot,
+                   total_bytes) -> tuple[int, str]:
+    """(num_state_slots, rule) by the state rule of for_engine (0: no recurrent layers)."""
+    from .config import _as_int
+
+    need = n_rows + n_handles + (2 * n_run * (1 + k) if k else 0)
+    if num_state_slots is not None:
+        if bytes_per_slot is not None or total_bytes is not None:
+            raise ConfigError(f"{where}give the state slots one way: num_state_slots, or "
+                              "state_bytes_per_slot (with state_bytes)")
+        return _as_int(where, "num_state_slots", num_state_slots, 0), "given"
+    if bytes_per_slot is None:
+        if total_bytes is not None:
+            raise ConfigError(f"{where}state_bytes needs state_bytes_per_slot")
+        return 0, "default"
+    per = _as_int(where, "state_bytes_per_slot", bytes_per_slot, 1)
+    rule = (f"max_reqs + max_handles + 2 x N x (1 + lookahead) = {n_rows} + {n_handles} + "
+            f"{need - n_rows - n_handles}")
+    if total_bytes is None:
+        return need, rule
+    fit = _as_int(where, "state_bytes", total_bytes, 1) // per - 1
+    if fit < n_rows:
+        raise ConfigError(f"{where}state_bytes={total_bytes} holds {fit} state slots of "
+                          f"{per} bytes (slot 0 the sink); every request row needs one: "
+                          f"max_reqs = {n_rows}. Give more memory or fewer rows")
+    return fit, f"floor(state_bytes / state_bytes_per_slot) - 1 = {fit} (need {need})"

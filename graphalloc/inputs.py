@@ -9,13 +9,23 @@ accepted               Python ints, numpy integer scalars, 1-D sequences of them
                        1-D numpy integer arrays, 1-D (or 0-d) integer CPU tensors
 refused, typed         bools (``True`` is not row 1), floats (even ``2.0``),
                        strings, ``None`` inside a sequence, nested sequences,
-                       2-D arrays, NaN/inf, ints outside int64, meta tensors:
-                       ``UnknownRequestError`` for rows, ``PositionError`` for
-                       counts and positions
-refused, typed         a CUDA tensor: reading it would synchronise with the GPU
-                       (``TensorSpecError``: pass the host copy, e.g. SGLang's
-                       ``req_pool_indices_cpu``)
+                       2-D arrays and tensors, NaN/inf, ints outside int64, bool,
+                       float or complex CPU tensors: ``UnknownRequestError`` for
+                       rows, ``PositionError`` for counts and positions (the
+                       class the argument's rule names)
+refused, typed         a tensor on any device but the CPU (CUDA, or a ``meta``
+                       tensor standing in for one): reading it would synchronise
+                       with the GPU, so it is ``TensorSpecError`` whatever the
+                       argument (rows, counts, positions): pass the host copy,
+                       e.g. SGLang's ``req_pool_indices_cpu``
 =====================  ===========================================================
+
+Checked first, before the values: the device of a tensor, then its dtype, then the shape;
+so a CUDA tensor of floats is a ``TensorSpecError``, not a ``PositionError``. ``None`` as
+the whole argument means "this kind is absent" inside a :class:`~graphalloc.plan.step.Step`;
+the single operations refuse it where they act on rows (see
+:mod:`graphalloc.operations`). Ranges (a row below ``max_reqs``, a count below a limit) are
+the callers' rules (:func:`as_rows`, :func:`as_counts`).
 
 Cost: O(n) numpy, no copy when the input is already a 1-D int64 array. The
 caller's array is never written to.

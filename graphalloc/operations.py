@@ -7,8 +7,9 @@ they add to the planner's: a free inside an open ``free_group()`` is recorded, n
 direct mutation inside an open ``scheduler_step()`` is refused (``RecorderError``);
 ``commit`` / ``trim`` / ``plan()`` and frees through ``step()`` inside a free group are
 refused (``NestedGroupError``); a single free is never refused for size (split over
-consecutive steps). Cost: each function costs the plan (or dry run) it makes; O(1)
-otherwise unless stated.
+consecutive steps); a single operation refuses ``None`` for the rows or handles it acts on
+(``release(None)`` would do nothing; ``evict_window(None)`` alone means every row). Cost:
+each function costs the plan (or dry run) it makes; O(1) otherwise unless stated.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .config import AllocatorConfig
 from .device.buckets import grid_of
 from .device.executor import lanes_of, states_of
 from .diagnostics import checkpoint, integrity
-from .diagnostics.inspection import read_fault
+from .diagnostics.inspection import first_error
 from .diagnostics.sync_points import sync_allowed
 from .errors import (
     BatchTooLargeError,
@@ -33,11 +34,13 @@ from .errors import (
     PendingStepError,
     PositionError,
     RecorderError,
+    UnknownHandleError,
+    UnknownRequestError,
 )
-from .inputs import as_index
+from .inputs import as_index, as_rows
 from .plan.frees import split_release_rows
 from .plan.refusals import SHORTAGE_CODES
-from .plan.step import Step
+from .plan.step import KINDS, Step
 from .state.queries import HandleInfo
 
 __all__ = ["HandleInfo"]
@@ -88,7 +91,9 @@ def check_state_tensors(config, state_tensors) -> tuple:
             raise ConfigError(f"state_tensors[{i}] has {t.shape[dim]} slots on dimension "
                               f"{dim}; it needs num_state_slots + 1 = "
                               f"{config.num_state_slots + 1} (slot 0 the sink)")
-        if t.device != torch.device(config.device):
+        want = torch.device(config.device)
+        if t.device.type != want.type or (want.index is not None
+                                           and t.device.index != want.index):
             raise ConfigError(f"state_tensors[{i}] is on {t.device}, the allocator on "
                               f"{config.device}")
         out.append((t, dim))
@@ -121,6 +126,10 @@ def step_of(alloc, step, kinds: dict, what: str, *, free_ok: bool, mutates: bool
     if mutates:
         guard(alloc, what)
     if step is None:
+        unknown = sorted(set(kinds) - set(KINDS))
+        if unknown:
+            raise ContractError(f"{what}(): {unknown} is not a kind of Step; the kinds are "
+                                f"{', '.join(KINDS)}")
         step = Step(**kinds)
     elif kinds or not isinstance(step, Step):
         raise ContractError(f"{what}() takes a Step or its keywords, not both; got "
@@ -134,6 +143,15 @@ def step_of(alloc, step, kinds: dict, what: str, *, free_ok: bool, mutates: bool
                                    "/ evict_window() / advance_frontier() / drop_handle() "
                                    "(deferred to the block's end) instead")
     return step
+
+
+def dry_run(alloc, step, use_group, oversize):
+    if not isinstance(step, Step):
+        raise ContractError(f"dry_run() takes a Step, got {type(step).__name__}")
+    for name, value in (("use_group", use_group), ("oversize", oversize)):
+        if not isinstance(value, bool):
+            raise ContractError(f"dry_run({name}=...) takes a bool, got {value!r}")
+    return alloc.pipeline.outcome(step, dry_run=True, use_group=use_group, oversize=oversize)
 
 
 def is_shortage(exc: ContractError) -> bool:
@@ -197,10 +215,22 @@ def run_frees(alloc, step: Step) -> None:
         pipeline.run(pipeline.plan_rows(part))
 
 
+def given(value, what: str, error: type[ContractError]) -> None:
+    """A single operation names what it acts on: ``None`` there is refused (in a Step, a
+    kind set to ``None`` is absent; a call like ``release(None)`` would silently do
+    nothing)."""
+    if value is None:
+        noun = "handles" if error is UnknownHandleError else "request rows"
+        raise error(f"{what}: got None; pass the {noun} (an empty list for none)")
+
+
 def free(alloc, kind: str, value) -> None:
     """A single free: recorded in an open free group, else one step (split if too big)."""
-    guard(alloc, {"evict": "evict_window", "advance": "advance_frontier", "drop":
-                  "drop_handle", "drop_swa": "drop_handle_swa"}.get(kind, kind))
+    what = {"evict": "evict_window", "advance": "advance_frontier", "drop": "drop_handle",
+            "drop_swa": "drop_handle_swa"}.get(kind, kind)
+    guard(alloc, what)
+    if kind in ("release", "drop", "drop_swa"):
+        given(value, what, UnknownRequestError if kind == "release" else UnknownHandleError)
     group = alloc.group
     if group is not None:
         if kind == "release":
@@ -223,8 +253,8 @@ def free_row(alloc, reserved=()) -> int:
     taken = alloc.ledger.live.copy()
     if alloc.group is not None:
         taken |= alloc.group.released
-    if len(reserved):
-        taken[list(reserved)] = True
+    if not (isinstance(reserved, (list, tuple)) and not reserved):
+        taken[as_rows(reserved, alloc.config.max_reqs, "free_row reserved rows")] = True
     free = np.flatnonzero(~taken)
     if not len(free):
         raise CapacityError(f"all {alloc.config.max_reqs} request rows are in use (or "
@@ -265,10 +295,15 @@ def take_handle(alloc, row, n_tokens) -> int:
 
 def load_back(alloc, row, new_frontier_pos) -> torch.Tensor:
     guard(alloc, "load_back")
-    if alloc.group is not None and alloc.group.touched(
-            as_index(row, "load_back row", alloc.config.max_reqs)):
-        raise NestedGroupError(f"load_back: request {row} is freed or evicted in the open "
-                               "free_group(); load it back after the block")
+    group = alloc.group
+    if group is not None:
+        r = as_rows(row, alloc.config.max_reqs, "load_back row")
+        if len(r) == 1 and group.released[r[0]]:
+            raise UnknownRequestError(f"load_back: request {int(r[0])} is released in the "
+                                      "open free_group(): it is pending release, not live")
+        if len(r) == 1 and group.touched(int(r[0])):
+            raise NestedGroupError(f"load_back: request {int(r[0])}'s frontier moves in the "
+                                   "open free_group(); load it back after the block")
     result = alloc.step(load_back=([row], [new_frontier_pos]))
     return result.swa_slots[int(result.first_lane[0]):]
 
@@ -339,7 +374,9 @@ def handle_info(alloc, handle) -> HandleInfo:
 
 # ---- diagnostics ----------------------------------------------------------------------------
 def check(alloc, sync: bool) -> None:
-    error = read_fault(alloc.config, alloc.state, sync)
+    if not isinstance(sync, bool):
+        raise ContractError(f"check(sync=...) takes a bool, got {sync!r}")
+    error = first_error(alloc, sync)
     if error is not None:
         alloc.faulted = True
         raise error
@@ -347,6 +384,8 @@ def check(alloc, sync: bool) -> None:
 
 def reset_faults(alloc) -> None:
     alloc.state.err_buf.zero_()
+    alloc.state.seen_buf.zero_()
+    alloc.pipeline.submissions.reset()
     alloc.faulted = False
 
 

@@ -30,7 +30,20 @@ from .state import (
 )
 from .step import run_step_fused, run_step_fused_torch
 
+
+def interpreted() -> bool:
+    """Whether the kernels were defined under the Triton interpreter (``TRITON_INTERPRET=1``
+    set before this package was imported): only then does ``backend="triton"`` run on a CPU
+    device. Decided once, at import; setting the variable later changes nothing."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from .release import _release_kernel
+
+    return isinstance(_release_kernel, InterpretedFunction)
+
+
 __all__ = [
+    "interpreted",
     "release_pages",
     "release_pages_torch",
     "allocate_tokens",

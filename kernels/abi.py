@@ -59,6 +59,22 @@ host memory. Free lists are FIFO rings: pops take from the head, pushes go to th
 tail, positions wrap at the pool's page count. The host owns head and fill count and
 writes the positions into the rows, so no shape or address depends on device data.
 
+Step stamp
+----------
+Beside each descriptor buffer the host keeps one int64 word in pinned memory, the step's
+*stamp* (``DescriptorRing.stamp(i)``): a plan serial, > 0, larger for every plan, written
+when the step is planned. The device keeps ``seen`` (int64, ``SEEN_WORDS`` = 2 entries,
+``DeviceState.seen_buf``)::
+
+    SEEN_MAX    the largest stamp any step kernel has read
+    SEEN_COUNT  steps counted: program 0 of each step kernel (release, allocate, fused)
+                does old = atomic_max(seen[SEEN_MAX], stamp); if old < stamp: SEEN_COUNT += 1
+
+so the two kernels of one step count it once. ``check()`` compares SEEN_COUNT with the
+submitted steps that had rows: a ``mark_submitted`` without a replay shows there
+(:mod:`graphalloc.kernels.stamp`). Cost: one 8-byte pinned read and one atomic per kernel,
+program 0 only.
+
 Error word
 ----------
 ``err`` (int64, ``ERR_WORDS`` = 8 entries, on the device)::
@@ -83,7 +99,7 @@ __all__ = [
     "AL_REQ", "AL_START_POS", "AL_N_TOKENS", "AL_FULL_POP", "AL_SWA_POP", "AL_OUT", "AL_FLAGS",
     "AL_N_PAGES", "AL_RING", "AL_RING_ADMIT", "AL_SWA_ONLY", "AL_COPY",
     "ERR_CODES", "ERR_COUNT", "ERR_CLAIMED", "ERR_CODE", "ERR_ROW", "ERR_REQ", "ERR_PAGE",
-    "ERR_STAGE", "ERR_WORDS",
+    "ERR_STAGE", "ERR_WORDS", "SEEN_MAX", "SEEN_COUNT", "SEEN_WORDS",
     "STAGE_RELEASE", "STAGE_ALLOC", "STAGE_SINGLE", "STAGE_NAMES",
     "FaultCode", "FAULT_NAMES", "N_FAULT_BITS",
 ]
@@ -102,6 +118,10 @@ AL_RING, AL_RING_ADMIT, AL_SWA_ONLY, AL_COPY = 1, 2, 4, 8
 # ---- error word ------------------------------------------------------------------------
 ERR_CODES, ERR_COUNT, ERR_CLAIMED, ERR_CODE, ERR_ROW, ERR_REQ, ERR_PAGE, ERR_STAGE = range(8)
 ERR_WORDS = 8
+
+# ---- step stamp ------------------------------------------------------------------------
+SEEN_MAX, SEEN_COUNT = 0, 1
+SEEN_WORDS = 2
 STAGE_RELEASE, STAGE_ALLOC, STAGE_SINGLE = 0, 1, 2
 STAGE_NAMES = {STAGE_RELEASE: "release", STAGE_ALLOC: "alloc", STAGE_SINGLE: "single-call"}
 

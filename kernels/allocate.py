@@ -4,6 +4,7 @@
 over the launch's first ``n_rows`` rows (grid ``n_rows * n_chunks``; program ``pid`` works
 on row ``pid // n_chunks``, chunk ``pid % n_chunks``)::
 
+    if STAMP and pid == 0: count the step's stamp once      # kernels.stamp
     row = rows[pid // n_chunks]
     if row.n_tokens == 0 and row.n_pages == 0: return       # padded row
     # each loop below runs over the chunk's contiguous share of its blocks (all of them
@@ -100,6 +101,7 @@ from .rows import (
     row_col,
     warps,
 )
+from .stamp import check_stamp, record_stamp, record_stamp_torch, stamp_args
 
 __all__ = ["allocate_tokens", "allocate_tokens_torch", "allocate_meta"]
 
@@ -295,15 +297,19 @@ def _allocate_kernel(
     rows_ptr,
     # device tables and outputs
     r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, out_full_ptr, out_swa_ptr, err_ptr,
+    # the step stamp (pinned int64 [1]) and the seen word (kernels.stamp; unread unless STAMP)
+    stamp_ptr, seen_ptr,
     # strides
     stride_r2t_row, stride_ring_row,
     # sizes (n_chunks: programs per row)
     page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols, n_chunks,
     # meta-parameters
-    VALIDATE: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_PAGES: tl.constexpr,
-    BLOCK_PS: tl.constexpr,
+    VALIDATE: tl.constexpr, STAMP: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+    BLOCK_PAGES: tl.constexpr, BLOCK_PS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
+    if STAMP:  # program 0 counts the step (before its row: a padded row 0 still counts)
+        record_stamp(stamp_ptr, seen_ptr, pid)
     row_id = pid // n_chunks
     _allocate_body(row_id, pid - row_id * n_chunks, n_chunks, rows_ptr,
                    r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, out_full_ptr,
@@ -324,26 +330,30 @@ def allocate_tokens(rows, req_to_token, full_to_swa, full_free, swa_free, ring_p
                     out_full_slots, out_swa_slots, err, *, page_size: int, n_full_cap: int,
                     n_swa_cap: int, n_lanes: int, validate: bool = False,
                     n_rows: int | None = None, n_chunks: int = 1,
-                    num_warps: int | None = None) -> None:
+                    num_warps: int | None = None, stamp=None, seen=None) -> None:
     """Launch the allocation kernel over rows ``[0, n_rows)`` of ``rows`` (None: every row),
     ``n_chunks`` programs per row (grid ``n_rows * n_chunks``; the rows past ``n_rows``
     must be padding), ``num_warps`` warps per program (None: Triton's default). Shares the
     twin's signature and results. ``validate`` compiles in
-    the range checks of popped ids. Returns before the device has finished; launches
-    nothing for ``n_rows = 0``."""
+    the range checks of popped ids; ``stamp`` / ``seen``: the step stamp and the seen word
+    (:mod:`graphalloc.kernels.stamp`; both or neither). Returns before the device has
+    finished; launches nothing for ``n_rows = 0``."""
     check_rows(rows, full_to_swa, "allocation")
     check_tables(req_to_token, ring_pages, err, False, None, (n_full_cap, n_swa_cap))
+    check_stamp(stamp, seen, full_to_swa)
     if not (out_full_slots.is_contiguous() and out_swa_slots.is_contiguous()):
         raise TensorSpecError("the output slot buffers must be contiguous")
     n_rows = launch_rows(rows, n_rows, n_chunks, "allocation")
     if n_rows == 0:
         return
+    stamp_ptr, seen_ptr, stamped = stamp_args(stamp, seen, err)
     _allocate_kernel[(n_rows * n_chunks,)](
         rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, out_full_slots,
-        out_swa_slots, err,
+        out_swa_slots, err, stamp_ptr, seen_ptr,
         req_to_token.stride(0), ring_pages.stride(0),
         page_size, n_full_cap, n_swa_cap, n_lanes, ring_pages.shape[1], n_chunks,
-        VALIDATE=bool(validate), **allocate_meta(page_size), **warps(num_warps),
+        VALIDATE=bool(validate), STAMP=stamped, **allocate_meta(page_size),
+        **warps(num_warps),
     )
 
 
@@ -352,7 +362,7 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
                           out_full_slots, out_swa_slots, err, *, page_size: int, n_full_cap: int,
                           n_swa_cap: int, n_lanes: int, validate: bool = False,
                           n_rows: int | None = None, n_chunks: int = 1,
-                          num_warps: int | None = None) -> None:
+                          num_warps: int | None = None, stamp=None, seen=None) -> None:
     """Reference twin of the allocation kernel over ``n_lanes`` flat token lanes of rows
     ``[0, n_rows)`` (``n_chunks`` is checked and otherwise, like ``num_warps``, has no
     effect: lanes are flat).
@@ -363,9 +373,11 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     """
     check_rows(rows, full_to_swa, "allocation")
     check_tables(req_to_token, ring_pages, err, False, None, (n_full_cap, n_swa_cap))
+    check_stamp(stamp, seen, full_to_swa)
     n_rows = launch_rows(rows, n_rows, n_chunks, "allocation")
     if n_rows == 0:  # as the launcher: nothing to run
         return
+    record_stamp_torch(stamp, seen)
     if n_rows < rows.shape[0]:
         rows = rows[:n_rows]
     device = full_to_swa.device

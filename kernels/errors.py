@@ -50,6 +50,8 @@ __all__ = [
     "SharedPageError",
     "RecorderError",
     "LaunchError",
+    "CaptureError",
+    "SubmissionError",
     "IntegrityError",
     "DeviceFaultError",
     "ReplicaDivergenceError",
@@ -146,6 +148,27 @@ class RecorderError(ContractError):
 class LaunchError(GraphallocError, RuntimeError):
     """Launching a planned step raised; the step was taken back (the allocator is exactly as
     before the plan). The original exception is the ``__cause__``."""
+
+
+class CaptureError(GraphallocError, RuntimeError):
+    """Capturing a CUDA graph failed. Nothing was kept: the stream left capture mode and the
+    process stays usable (the allocator under construction was not built). The original
+    exception is the ``__cause__``."""
+
+
+class SubmissionError(GraphallocError, RuntimeError):
+    """Raised by ``check()``: the steps the host marked submitted and the steps the device
+    ran differ (a ``mark_submitted(p)`` without a replay of p's buffer, or a replay of a step
+    never submitted). Attributes: ``expected`` (steps with rows submitted since the last
+    reset), ``seen`` (steps the device counted), ``step`` and ``buffer_index`` (the step
+    named, when one can be; else None). The allocator refuses steps until
+    ``reset_faults()``."""
+
+    def __init__(self, message: str, expected: int, seen: int, step: int | None,
+                 buffer_index: int | None):
+        super().__init__(message)
+        self.expected, self.seen, self.step, self.buffer_index = (expected, seen, step,
+                                                                  buffer_index)
 
 
 class IntegrityError(GraphallocError, AssertionError):

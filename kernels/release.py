@@ -3,6 +3,8 @@
 ``n_chunks`` programs per descriptor release row (layout: ``graphalloc.kernels.abi``),
 over the launch's first ``n_rows`` rows (grid ``n_rows * n_chunks``)::
 
+    if STAMP and pid == 0: count the step's stamp once (kernels.stamp: one 8-byte load,
+                                          # one atomic; before the padded-row exit)
     r_id, chunk = pid // n_chunks, pid % n_chunks
     row = rows[r_id]                      # one 64-byte load from pinned host memory
     if row.n_pages == 0: return           # padded row
@@ -51,8 +53,9 @@ Compiled variants: every size, stride and capacity is a ``do_not_specialize``
 runtime int, and the descriptor's address never changes, so a new page count,
 start position or number of padded rows never compiles a new variant.
 ``page_size`` stays specialisable (it is fixed per allocator and lets ps = 1 or
-a multiple of 16 compile to simpler, aligned code); ``VALIDATE``, ``BLOCK_PAGES``
-and ``BLOCK_PS`` are constexprs fixed per allocator.
+a multiple of 16 compile to simpler, aligned code); ``VALIDATE``, ``STAMP``,
+``BLOCK_PAGES`` and ``BLOCK_PS`` are constexprs fixed per allocator (``STAMP``: launched
+with a step stamp, as every allocator launch is).
 
 Grid. The launcher runs rows ``[0, n_rows)`` of the table (``n_rows=None``: all of
 them); the planner packs real rows at the front and marks the rest padded, so any
@@ -105,6 +108,7 @@ from .rows import (
     row_col,
     warps,
 )
+from .stamp import check_stamp, record_stamp, record_stamp_torch, stamp_args
 
 __all__ = ["release_pages", "release_pages_torch", "release_meta", "epoch_args"]
 
@@ -258,14 +262,19 @@ def _release_kernel(
     # device tables (*_epoch_ptr: validate mode's stamps; unread otherwise)
     r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr, full_epoch_ptr,
     swa_epoch_ptr,
+    # the step stamp (pinned int64 [1]) and the seen word (kernels.stamp; unread unless STAMP)
+    stamp_ptr, seen_ptr,
     # strides
     stride_r2t_row, stride_ring_row,
     # sizes (n_chunks: programs per row)
     page_size, n_full_cap, n_swa_cap, n_lanes, n_ring_cols, n_chunks,
     # meta-parameters
-    VALIDATE: tl.constexpr, BLOCK_PAGES: tl.constexpr, BLOCK_PS: tl.constexpr,
+    VALIDATE: tl.constexpr, STAMP: tl.constexpr, BLOCK_PAGES: tl.constexpr,
+    BLOCK_PS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
+    if STAMP:  # program 0 counts the step (before its row: a padded row 0 still counts)
+        record_stamp(stamp_ptr, seen_ptr, pid)
     row_id = pid // n_chunks
     _release_body(row_id, pid - row_id * n_chunks, n_chunks, rows_ptr,
                   r2t_ptr, f2s_ptr, full_free_ptr, swa_free_ptr, ring_ptr, err_ptr,
@@ -290,7 +299,8 @@ def epoch_args(validate: bool, epochs, err):
 def release_pages(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, err,
                   *, page_size: int, n_full_cap: int, n_swa_cap: int, n_lanes: int,
                   validate: bool = False, epochs=None, n_rows: int | None = None,
-                  n_chunks: int = 1, num_warps: int | None = None) -> None:
+                  n_chunks: int = 1, num_warps: int | None = None, stamp=None,
+                  seen=None) -> None:
     """Launch the release kernel over rows ``[0, n_rows)`` of ``rows`` (None: every row),
     ``n_chunks`` programs per row (grid ``n_rows * n_chunks``; see the module docstring:
     the rows past ``n_rows`` must be padding), ``num_warps`` warps per program (None:
@@ -298,19 +308,22 @@ def release_pages(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pag
     and results.
     ``validate`` compiles in the checks of the module docstring; it needs ``epochs =
     (full_epoch, swa_epoch)`` (int64 ``[n_full_cap + 1]`` and ``[n_swa_cap + 1]``,
-    zero-initialised, kept across steps), not read otherwise. Returns before the device
-    has finished; launches nothing for ``n_rows = 0``."""
+    zero-initialised, kept across steps), not read otherwise. ``stamp`` / ``seen``: the
+    step stamp and the seen word (:mod:`graphalloc.kernels.stamp`; both or neither).
+    Returns before the device has finished; launches nothing for ``n_rows = 0``."""
     check_rows(rows, full_to_swa, "release")
     check_tables(req_to_token, ring_pages, err, validate, epochs, (n_full_cap, n_swa_cap))
+    check_stamp(stamp, seen, full_to_swa)
     n_rows = launch_rows(rows, n_rows, n_chunks, "release")
     if n_rows == 0:
         return
+    stamp_ptr, seen_ptr, stamped = stamp_args(stamp, seen, err)
     _release_kernel[(n_rows * n_chunks,)](
         rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, err,
-        *epoch_args(validate, epochs, err),
+        *epoch_args(validate, epochs, err), stamp_ptr, seen_ptr,
         req_to_token.stride(0), ring_pages.stride(0),
         page_size, n_full_cap, n_swa_cap, n_lanes, ring_pages.shape[1], n_chunks,
-        VALIDATE=bool(validate), **release_meta(page_size), **warps(num_warps),
+        VALIDATE=bool(validate), STAMP=stamped, **release_meta(page_size), **warps(num_warps),
     )
 
 
@@ -347,7 +360,8 @@ def stamp_epochs_torch(table: torch.Tensor, page: torch.Tensor, epoch: torch.Ten
 def release_pages_torch(rows, req_to_token, full_to_swa, full_free, swa_free, ring_pages, err,
                         *, page_size: int, n_full_cap: int, n_swa_cap: int, n_lanes: int,
                         validate: bool = False, epochs=None, n_rows: int | None = None,
-                        n_chunks: int = 1, num_warps: int | None = None) -> None:
+                        n_chunks: int = 1, num_warps: int | None = None, stamp=None,
+                        seen=None) -> None:
     """Reference twin of the release kernel over ``n_lanes`` flat page lanes of rows
     ``[0, n_rows)`` (``n_chunks`` is checked and otherwise, like ``num_warps``, has no
     effect: lanes are flat).
@@ -357,9 +371,11 @@ def release_pages_torch(rows, req_to_token, full_to_swa, full_free, swa_free, ri
     """
     check_rows(rows, full_to_swa, "release")
     check_tables(req_to_token, ring_pages, err, validate, epochs, (n_full_cap, n_swa_cap))
+    check_stamp(stamp, seen, full_to_swa)
     n_rows = launch_rows(rows, n_rows, n_chunks, "release")
     if n_rows == 0:  # as the launcher: nothing to run
         return
+    record_stamp_torch(stamp, seen)
     if n_rows < rows.shape[0]:
         rows = rows[:n_rows]
     device = full_to_swa.device

@@ -49,9 +49,12 @@ if CORE_DEVICE == "cuda":
                 torch.cuda.set_sync_debug_mode(old)
         return wrapper
 
-    for _name in ("_plan", "run", "launch", "admit"):
+    for _name in ("run", "launch", "admit"):
         setattr(_allocator.HybridAllocator, _name,
                 _no_sync(getattr(_allocator.HybridAllocator, _name)))
+    import graphalloc.plan.pipeline as _pipeline  # planning (the ring's wait is apart)
+
+    _pipeline.StepPipeline.outcome = _no_sync(_pipeline.StepPipeline.outcome)
 
 
 # Hypothesis example counts. GRAPHALLOC_HYPOTHESIS_MAX_EXAMPLES=N caps max_examples of every

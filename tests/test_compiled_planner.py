@@ -3,10 +3,11 @@
 Two allocators of one config plan identical :class:`StepArrays` through their pipelines,
 one with the numpy reference (``planner="numpy"``), one with the compiled twin
 (``planner="compiled"``). After every step both must have the same refusal (its five
-integers, the error class and message), the same descriptor buffers (release, allocation
-and lane sections of every buffer, ``ring.used`` / ``ring.fusable``), the same ledger
-(``Ledger.arrays()``: rows, handles, rings, page mirror), the same :class:`PlanOutcome`
-fields (lanes included), the same tables' host copies and the same ``PlannedStep`` fields.
+integers, the error class and message), the same descriptor buffers (release, allocation,
+lane and state sections of every buffer, ``ring.used`` / ``ring.fusable`` /
+``ring.state_used``), the same ledger (``Ledger.arrays()``: rows, handles, rings, page
+mirror, state slots), the same :class:`PlanOutcome` fields (lanes and state rows included),
+the same tables' host copies and the same ``PlannedStep`` fields.
 
 Random sequences (seeded) cover page sizes 1, 2, 3, 4, 16 and 128, int32 and int64 tables,
 pool and ring mode, handles taken / admitted on / dropped / tombstoned with the prefix
@@ -16,6 +17,12 @@ enough that every shape refusal happens. Steps are submitted, cancelled or dry-r
 refused, cancelled or dry-run step must leave every array as before. The compiled path is
 asserted to have planned (its counter), and the coverage of kinds and refusal codes is
 asserted at the end, so a test that stopped exercising something fails.
+
+With recurrent-state slots (``STATE_CONFIGS``: pools short enough to refuse and reclaim,
+``max_spec_tokens`` 2 to 12, so a speculative step spans one or two ``ST_SPEC`` rows) the
+random steps mostly keep the states' rules (takes at the committed length, admits on whole
+handles, trims down to C, lookahead up to K) and sometimes break them (codes 40-44); code
+45, and the built-in prefix cache dropping snapshots under slot pressure, are directed cases.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch
 import graphalloc.plan.compiled as compiled
 from graphalloc import AllocatorConfig, ConfigError, ContractError, HybridAllocator
 from graphalloc.attention.spec import PageTableSpec
+from graphalloc.kernels.abi import ST_SPEC
 from graphalloc.plan.step import Step, normalize
 
 if os.environ.get("CI") and not compiled.AVAILABLE:  # CI must build it: never skip there
@@ -68,11 +76,36 @@ CONFIGS = {
                       max_tokens_per_alloc_row=16), dict(max_batch=2, forms=("block_table",))),
 }
 
+STATE_CONFIGS = {
+    # recurrent-state slots: pools a few requests' speculative steps exhaust
+    "states-ps4-k3": (dict(page_size=4, num_full_pages=48, num_swa_pages=24, max_reqs=6,
+                           max_context_len=96, sliding_window=11, max_handles=5,
+                           max_tokens_per_alloc_row=24, num_state_slots=14, max_spec_tokens=3),
+                      dict(max_batch=6)),
+    "states-ps1-k7-i32": (dict(page_size=1, num_full_pages=120, num_swa_pages=40, max_reqs=5,
+                               max_context_len=48, sliding_window=9, max_handles=4,
+                               index_dtype=torch.int32, num_state_slots=16,
+                               max_spec_tokens=7), None),
+    "states-ps3-tight": (dict(page_size=3, num_full_pages=40, num_swa_pages=24, max_reqs=5,
+                              max_context_len=48, sliding_window=7, max_handles=3,
+                              max_pages_per_row=2, max_alloc_rows=3, max_step_tokens=20,
+                              max_tokens_per_alloc_row=12, num_state_slots=9,
+                              max_spec_tokens=2), "tight"),
+    "states-ps16-k12": (dict(page_size=16, num_full_pages=40, num_swa_pages=18, max_reqs=4,
+                             max_context_len=256, sliding_window=31, max_handles=4,
+                             max_tokens_per_alloc_row=48, num_state_slots=40,
+                             max_spec_tokens=12), dict(max_batch=4)),
+    "states-ring-ps4": (dict(page_size=4, num_full_pages=50, num_swa_pages=20, max_reqs=4,
+                             max_context_len=64, sliding_window=6, swa_ring_pages=4,
+                             max_tokens_per_alloc_row=16, num_state_slots=8,
+                             max_spec_tokens=4), dict(max_batch=4)),
+}
+
 COUNTS: collections.Counter = collections.Counter()  # kinds planned, refusal codes, modes
 
 
 def make_config(name: str, **overrides):
-    kwargs, tables = CONFIGS[name]
+    kwargs, tables = {**CONFIGS, **STATE_CONFIGS}[name]
     kwargs = dict(kwargs, backend="torch", device="cpu")
     if tables == "tight":  # every frozen release shape at its minimum: steps exceed them
         probe = AllocatorConfig(**kwargs)
@@ -102,10 +135,12 @@ class FakeCache:
 class Pair:
     """A numpy-planned and a compiled-planned allocator fed identical steps."""
 
-    def __init__(self, name: str, **overrides):
+    def __init__(self, name: str, prefix_cache: bool = False, **overrides):
         self.cfg, spec = make_config(name, **overrides)
-        self.ref = HybridAllocator(self.cfg, planner="numpy", page_tables=spec)
-        self.twin = HybridAllocator(self.cfg, planner="compiled", page_tables=spec)
+        self.ref = HybridAllocator(self.cfg, planner="numpy", page_tables=spec,
+                                   prefix_cache=prefix_cache)
+        self.twin = HybridAllocator(self.cfg, planner="compiled", page_tables=spec,
+                                    prefix_cache=prefix_cache)
         assert self.ref.pipeline.compiled is None
         assert isinstance(self.twin.pipeline.compiled, compiled.CompiledPlanner)
         self.outcomes = {}
@@ -162,6 +197,8 @@ class Pair:
             COUNTS["not fusable"] += not o_ref.fusable
             cut = set(arrays.commit_row.tolist()) | set(arrays.trim_row.tolist())
             COUNTS["cut and allocated"] += bool(cut & set(o_ref.result_rows.tolist()))
+            if o_ref.state_rows is not None:
+                count_state_rows(self.cfg, o_ref.state_rows, o_ref.reclaimed)
         self.compare()
         if p_ref is not None:
             compare_planned(p_ref, p_twin)
@@ -184,6 +221,46 @@ class Pair:
     def compare(self) -> None:
         assert_same(state(self.ref), state(self.twin), "numpy and compiled differ")
 
+    def both(self, op):
+        """``op(alloc)`` on both (public API calls, the built-in prefix cache included);
+        the same result or error, then everything compared (the last plan's outcome too)."""
+        results = []
+        for alloc in (self.ref, self.twin):
+            self.outcomes.pop(id(alloc), None)
+            try:
+                results.append((op(alloc), None))
+            except ContractError as exc:
+                results.append((None, exc))
+        (r_ref, e_ref), (r_twin, e_twin) = results
+        assert (e_ref is None) == (e_twin is None), (e_ref, e_twin)
+        if e_ref is not None:
+            assert type(e_ref) is type(e_twin) and str(e_ref) == str(e_twin)
+            assert getattr(e_ref, "refusal", None) == getattr(e_twin, "refusal", None)
+            COUNTS[f"refused {e_ref.refusal[0]}"] += hasattr(e_ref, "refusal")
+        else:
+            assert r_ref == r_twin, (r_ref, r_twin)
+        o_ref, o_twin = (self.outcomes.get(id(a)) for a in (self.ref, self.twin))
+        assert (o_ref is None) == (o_twin is None)
+        if o_ref is not None:
+            compare_outcomes(o_ref, o_twin)
+            COUNTS["state cache reclaimed"] += len(o_ref.reclaimed)
+        self.compare()
+        if self.ref.prefix_cache is not None:
+            assert self.ref.prefix_cache.stats() == self.twin.prefix_cache.stats()
+        return r_ref, e_ref
+
+
+def count_state_rows(cfg, rows: np.ndarray, reclaimed) -> None:
+    """What a planned state section held (for the coverage test)."""
+    spec = rows[1:][rows[1:, 0] == ST_SPEC]
+    COUNTS["state copies"] += int(rows[0, 0])
+    COUNTS["state sets"] += int((rows[1:, 0] == 1).sum())
+    COUNTS["state spec rows"] += len(spec)
+    first = cfg.max_reqs + cfg.max_handles  # a second ST_SPEC row of one step: not at r * K
+    COUNTS["state spec row continued"] += int(((spec[:, 1] - first) % cfg.max_spec_tokens
+                                               != 0).sum())
+    COUNTS["state reclaimed"] += len(reclaimed)
+
 
 def state(alloc, ledger_only: bool = False) -> dict:
     out = {f"ledger.{k}": v.copy() for k, v in alloc.ledger.arrays().items()}
@@ -194,6 +271,7 @@ def state(alloc, ledger_only: bool = False) -> dict:
         out[f"buffer {i}"] = buf.copy()
     out["ring.used"] = list(ring.used)
     out["ring.fusable"] = list(ring.fusable)
+    out["ring.state_used"] = list(ring.state_used)
     if alloc.tables is not None:
         for name, arrays in alloc.tables.host_np.items():
             for i, arr in enumerate(arrays):
@@ -227,6 +305,11 @@ def compare_outcomes(a, b) -> None:
             x, y = getattr(a.lanes, name), getattr(b.lanes, name)
             assert np.array_equal(x, y), f"lanes.{name}\n{x}\n{y}"
         assert a.lanes.n_lanes == b.lanes.n_lanes
+    x, y = a.state_rows, b.state_rows
+    assert (x is None) == (y is None)
+    if x is not None:  # the whole section: header, copies, table writes, speculative rows
+        assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), \
+            f"state_rows\n{x}\n{y}"
 
 
 def compare_planned(a, b) -> None:
@@ -236,6 +319,9 @@ def compare_planned(a, b) -> None:
     for name in ("rows", "first_lane", "n_tokens"):
         assert np.array_equal(getattr(a.result, name), getattr(b.result, name)), name
     assert a.result.n_step_tokens == b.result.n_step_tokens
+    assert a.state_counts == b.state_counts
+    x, y = a.state_copies, b.state_copies
+    assert (x is None) == (y is None) and (x is None or np.array_equal(x, y))
     assert (a.tables is None) == (b.tables is None)
     if a.tables is not None:
         for name in ("n_lanes", "n_full_pages", "n_swa_pages", "buffer_index"):
@@ -360,7 +446,35 @@ def random_step(pair: Pair, rng) -> tuple[Step, tuple | None, tuple | None]:
     if cfg.max_handles and rng.random() < 0.5:
         order = rng.permutation(cfg.max_handles).astype(np.int64)
         offer = (order, rng.permutation(order))
+    if cfg.has_states:
+        _state_kinds(rng, kw, pair)
     return Step(**kw), excluded, offer
+
+
+def _state_kinds(rng, kw: dict, pair: Pair) -> None:
+    """With recurrent-state slots: keep the states' rules most of the time -- extends
+    ending on a page (so C can be snapshotted), takes at C, admits on whole handles, trims
+    in [C, L], lookahead below K -- and break them sometimes (41, 40, 42, 44)."""
+    cfg, led = pair.cfg, pair.ref.ledger
+    ps, K, L, C = cfg.page_size, cfg.max_spec_tokens, led.seq_len, led.committed
+    if "extend" in kw and rng.random() < .6:
+        rows, ns = kw["extend"]
+        to_page = [n + (-(L[r] + n)) % ps for r, n in zip(rows, ns, strict=True)]
+        kw["extend"] = (rows, [m if m <= cfg.max_tokens_per_alloc_row else n
+                               for m, n in zip(to_page, ns, strict=True)])
+    if "take" in kw and 0 <= kw["take"][1][0] < cfg.max_reqs and rng.random() < .8:
+        h, r, _ = kw["take"]
+        kw["take"] = (h, r, [int(C[r[0]])])
+    if "admit_on" in kw and rng.random() < .7:
+        kw["admit_on"] = (*kw["admit_on"][:2], [-1])
+    if "trim" in kw:
+        rows, lens = kw["trim"]
+        kw["trim"] = (rows, [int(rng.integers(C[r], L[r] + 1)) if rng.random() < .85 else n
+                             for r, n in zip(rows, lens, strict=True)])
+    look = kw.get("lookahead")
+    if look is not None:
+        kw["lookahead"] = [k if k < 0 else int(rng.integers(0, K)) if rng.random() < .95 else K
+                           for k in look]
 
 
 def _mutate(rng, kw: dict, live, free, held, cfg) -> None:
@@ -412,6 +526,14 @@ def drive(name: str, seed: int, n_steps: int) -> Pair:
 def test_random_steps_match_the_reference(name, seed):
     pair = drive(name, seed, 300)
     assert pair.twin.pipeline.compiled.n_planned > 50
+
+
+@pytest.mark.parametrize("name", sorted(STATE_CONFIGS))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_steps_with_state_slots_match_the_reference(name, seed):
+    pair = drive(name, seed, 300)
+    assert pair.twin.pipeline.compiled.n_planned > 50
+    assert pair.ref.ledger.states.n_free < pair.cfg.num_state_slots  # slots were held
 
 
 # ---- directed cases ---------------------------------------------------------------------------
@@ -527,6 +649,137 @@ def test_results_held_by_the_caller_are_never_overwritten():
     assert np.array_equal(kept.first_lane, first[1])
 
 
+# ---- recurrent-state slots: directed cases --------------------------------------------------
+def free_rows(pair: Pair, n: int) -> list[int]:
+    return [int(r) for r in np.flatnonzero(~pair.ref.ledger.live)][:n]
+
+
+def test_state_rules_refuse_alike():
+    pair = Pair("states-ps4-k3", num_state_slots=4)  # K = 3
+    (r,) = prefill(pair, [8])
+    (b,) = free_rows(pair, 1)
+    assert run(pair, take=([0], [r], [4])) == (41, 0, r, 4, 8)  # a snapshot at C only
+    assert run(pair, take=([0], [r], [8])) is None
+    assert run(pair, admit_on=([b], [0], [4])) == (40, 9, 0, 4, 8)  # the whole handle only
+    assert run(pair, decode=[r], lookahead=[3]) == (44, 10, r, 4, 3)  # 1 + k > K
+    assert run(pair, decode=[r], lookahead=[2]) == (43, 10, r, 3, 2)  # 2 of 4 slots free
+    assert run(pair, decode=[r], lookahead=[1]) is None
+    assert run(pair, trim=([r], [4])) == (42, 3, r, 4, 8)  # below C
+    assert run(pair, trim=([r], [9])) is None  # the second token's slot goes back
+    assert run(pair, admit=[b]) is None
+    assert run(pair, commit=([r], [1])) is None
+    assert pair.ref.ledger.states.n_free == 1
+
+
+@pytest.mark.parametrize("n_slots", [3, 4])
+def test_a_copy_into_a_slot_another_copy_reads_is_refused(n_slots):
+    """Take a snapshot of a, release a and admit b on another handle in one step: with one
+    free slot the admit pops a's slot, which the take's copy reads (45); with two it pops a
+    free one. Split over two steps it always works."""
+    pair = Pair("states-ps4-k3", num_state_slots=n_slots)
+    (a,) = prefill(pair, [8])
+    assert run(pair, take=([1], [a], [8])) is None
+    (b,) = free_rows(pair, 1)
+    slot_a = int(pair.ref.ledger.state_slot[a])
+    both = dict(take=([0], [a], [8]), release=[a], admit_on=([b], [1], [-1]))
+    if n_slots == 3:
+        assert run(pair, **both) == (45, 9, 0, slot_a, 0)
+        assert run(pair, take=([0], [a], [8]), release=[a]) is None
+        assert run(pair, admit_on=([b], [1], [-1])) is None
+    else:
+        assert run(pair, **both) is None
+    assert pair.ref.ledger.states.n_free == n_slots - 3
+
+
+def test_prefix_cache_drops_snapshots_when_state_slots_run_short():
+    """The built-in prefix cache on both planners: entries inserted until the slot pool is
+    short, then admits (plain and on a locked entry) and speculative decodes that only fit
+    after the step drops entries (their snapshots come back), until nothing is left to drop."""
+    pair = Pair("states-ps4-k3", prefix_cache=True, num_state_slots=7)
+
+    def tokens(i):
+        return list(range(100 * i, 100 * i + 8))
+
+    def prefill_and_insert(i):
+        def op(a):
+            r = a.admit()
+            a.step(extend=([r], [8]))
+            n = a.prefix_cache.insert(r, tokens(i))
+            a.release([r])
+            return r, n
+        return op
+
+    for i in range(6):  # every handle held, then the LRU entry makes room for the next
+        assert pair.both(prefill_and_insert(i)) == ((0, 8), None)
+    assert pair.ref.ledger.states.n_free == 2  # 5 snapshots of 7 slots
+
+    def admit_on_match(i):
+        def op(a):
+            m = a.prefix_cache.match(tokens(i) + [7])
+            return m.cached_tokens, a.admit(handle=m.handle, n_tokens=m.cached_tokens)
+        return op
+
+    def entries():
+        assert len(pair.ref.prefix_cache) == len(pair.twin.prefix_cache)
+        return len(pair.ref.prefix_cache)
+
+    def step(**kinds):
+        def op(a):
+            a.step(**kinds)
+        return pair.both(op)[1]
+
+    rows = [pair.both(lambda a: a.admit())[0] for _ in range(2)]  # the pool is empty now
+    assert entries() == 5
+    rows.append(pair.both(admit_on_match(5))[0][1])  # an entry dropped for its slot
+    rows.append(pair.both(lambda a: a.admit())[0])  # another
+    assert entries() == 3
+    assert step(decode=rows[:1], lookahead=1) is None  # two more for the speculative step
+    assert entries() == 1
+    assert step(commit=(rows[:1], [1])) is None  # two slots back
+    error = step(decode=rows, lookahead=1)  # 8 slots: 2 free + 1 snapshot are not enough
+    assert error.refusal == (43, 10, rows[0], 8, 3), error.refusal
+    assert entries() == 1  # the refused step dropped nothing
+    assert COUNTS["state cache reclaimed"] >= 4
+
+
+def test_an_admit_on_a_cache_entry_never_reclaims_that_entry():
+    """Slots short, the entry admitted on first in the cache's offer: the step drops the
+    other entry (or is refused, 43, when there is none) -- never the one it restores (the
+    admit would copy the sink slot and reference freed pages)."""
+    pair = Pair("states-ps4-k3", prefix_cache=True, num_state_slots=4)
+
+    def insert(i):
+        def op(a):
+            r = a.admit()
+            a.step(extend=([r], [8]))
+            a.prefix_cache.insert(r, list(range(10 * i, 10 * i + 8)))
+            a.release([r])
+        return op
+
+    pair.both(insert(0))
+    pair.both(insert(1))
+    h0, h1 = (int(h) for h in pair.ref.prefix_cache.offer(2)[1])  # the LRU one first
+    for _ in range(2):
+        pair.both(lambda a: a.admit())  # no slot free now
+    snapshot = int(pair.ref.ledger.state_slot[pair.cfg.max_reqs + h0])
+    row, error = pair.both(lambda a: a.admit(handle=h0))
+    out = pair.outcomes[id(pair.ref)]
+    assert error is None and [h for h, *_ in out.reclaimed] == [h1]
+    assert out.state_rows[0, 0] == 1 and out.state_rows[1, 1:3].tolist() == [
+        snapshot, pair.ref.ledger.state_slot[row]]  # h0's snapshot copied, h1's slot reused
+    for alloc in (pair.ref, pair.twin):
+        alloc.check_integrity()
+    (x, y) = free_rows(pair, 2)
+    _, error = pair.both(lambda a: a.admit(handle=h0))  # nothing else to drop
+    assert error.refusal[:2] == (43, 9)
+    _, error = pair.both(lambda a: a.step(admit=[x], admit_on=([y], [h0], [-1])))
+    assert error.refusal[:2] == (43, 8)  # the plain admit's reclaim keeps h0 too
+    assert pair.both(lambda a: a.try_step(admit=[x], admit_on=([y], [h0], [-1]))) == (None,
+                                                                                        None)
+    for alloc in (pair.ref, pair.twin):
+        alloc.check_integrity()
+
+
 def test_planner_argument(monkeypatch):
     cfg, _ = make_config("pool-ps16-handles")
     assert compiled.resolve_planner("numpy") == "numpy"
@@ -534,6 +787,9 @@ def test_planner_argument(monkeypatch):
     assert HybridAllocator(cfg).pipeline.compiled is None
     monkeypatch.delenv("GRAPHALLOC_PLANNER")
     assert HybridAllocator(cfg).pipeline.compiled is not None
+    states, _ = make_config("states-ps4-k3")  # the twin plans state slots too
+    assert HybridAllocator(states).pipeline.compiled is not None
+    assert HybridAllocator(states, planner="compiled").pipeline.compiled is not None
     monkeypatch.setattr(compiled, "AVAILABLE", False)
     with pytest.raises(ConfigError):
         HybridAllocator(cfg, planner="compiled")
@@ -561,3 +817,14 @@ def test_zz_coverage():
     assert COUNTS["lookahead"] and COUNTS["mode cancel"] and COUNTS["mode dry"]
     assert COUNTS["reclaimed"] and COUNTS["not fusable"] and COUNTS["cut and allocated"]
     print(sorted(COUNTS.items()))
+
+
+def test_zz_states_coverage():
+    """The state-slot cases above reached every state rule and row kind (run after them)."""
+    if COUNTS["state sets"] < 1000:
+        pytest.skip("runs after the random tests with state slots")
+    codes = {int(k.split()[1].split(".")[0]) for k in COUNTS if k.startswith("refused")}
+    assert codes >= set(range(40, 46)), sorted(set(range(40, 46)) - codes)
+    for what in ("state copies", "state spec rows", "state spec row continued",
+                 "state reclaimed", "state cache reclaimed"):
+        assert COUNTS[what] > 0, what

@@ -101,11 +101,13 @@ def shuffled_programs(rng):
     its own one-program launch, in a random order over both tables: any interleaving of
     release and allocation rows a GPU could produce at row granularity."""
     def run(release_rows, alloc_rows, *tables, page_size, n_full_cap, n_swa_cap,
-            n_release_lanes, n_alloc_lanes, validate=False, epochs=None, **grid):
-        # grid (row counts, chunks): every non-padded row runs whatever the launch's grid
+            n_release_lanes, n_alloc_lanes, validate=False, epochs=None, stamp=None,
+            seen=None, **grid):
+        # grid (row counts, chunks): every non-padded row runs whatever the launch's grid;
+        # every launch carries the step's stamp (the step counts once, as a fused launch)
         r2t, f2s, full_free, swa_free, ring, out_full, out_swa, err = tables
         common = dict(page_size=page_size, n_full_cap=n_full_cap, n_swa_cap=n_swa_cap,
-                      validate=validate)
+                      validate=validate, stamp=stamp, seen=seen)
         rel = [i for i in range(len(release_rows)) if release_rows[i, REL_N_PAGES]]
         al = [i for i in range(len(alloc_rows))
               if alloc_rows[i, AL_N_TOKENS] or alloc_rows[i, AL_N_PAGES]]

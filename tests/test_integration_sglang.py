@@ -432,6 +432,17 @@ def test_ring_mode_is_refused():
         SGLangAllocator(ga.HybridAllocator(cfg))
 
 
+def test_example_help(capsys):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import integrate_sglang
+
+    with pytest.raises(SystemExit) as exc:
+        integrate_sglang.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage" in out and "--max-running" in out and "ONE graphalloc step" in out
+
+
 def test_example_runs():
     sys.path.insert(0, str(ROOT / "examples"))
     import integrate_sglang
@@ -467,7 +478,7 @@ def test_shared_system_prompt_is_served_from_the_cache(ps, interval):
     assert all(r.finished() for r in reqs) and log["released"] == len(reqs)
     assert log["hit_tokens"] >= 10 * 32  # most requests reuse at least the first chunk
     cache = alloc.prefix_cache
-    assert cache.hits >= 10 and seam.cache_steps > 0
+    assert cache.hits >= 10  # the inserts rode in the iterations' steps (run_loop: one each)
     seam.flush()
     assert alloc.n_live == 0 and len(cache) > 0
     check_conserved(alloc)
@@ -523,13 +534,14 @@ def test_cache_finished_req_keeps_whole_pages_and_frees_the_tail():
     row, length = a.req_pool_idx, a.kv_len  # 13 positions with KV
     slots = alloc.req_to_token[row, :length].clone()
     free0, steps = alloc.n_free("full"), alloc.steps_run
-    seam.release_kv_cache(a)  # insert (one step: a new entry), release recorded
-    assert alloc.steps_run == steps + 1 and seam.cache_steps == 1
+    seam.release_kv_cache(a)  # insert (a take) and release, both recorded for the next step
+    assert alloc.steps_run == steps and seam.cache_steps == 0
+    assert len(alloc.prefix_cache) == 0  # the entry exists once its step ran
+    assert seam.full_available_size() == (free0 + 1) * ps  # only the partial page [12, 13)
+    assert seam.flush() == 1  # ONE step: the take first, then the release
     (h,) = alloc.prefix_cache.reclaimable_handles()
     info = alloc.handle_info(h)
     assert (info.n_tokens, info.swa_start) == (length // ps * ps, 0)
-    assert seam.full_available_size() == (free0 + 1) * ps  # only the partial page [12, 13)
-    seam.flush()
     assert alloc.n_free("full") == free0 + 1
     b = Req(1, 0, 2, origin_input_ids=a.fill_ids + [7, 7, 7])  # the next turn
     p = seam.match_prefix(b)
@@ -568,8 +580,8 @@ def test_out_of_window_kv_is_a_tombstone_in_the_cache():
 
 def test_an_equal_prefix_cached_twice_keeps_one_copy():
     """Two requests with one prompt prefilled in one batch (both miss): the first finished
-    request's insert makes the entry (one step), the second's finds it (no step) and its
-    own copies of those pages are freed with it."""
+    request's insert records the entry's take, the second's finds it recorded (no second
+    take) and its own copies of those pages are freed with it, in the same step."""
     alloc, seam = make(ps=4, window=65, chunk=32, cache=True)
     prompt = list(range(100, 116))
     a, b = Req(0, 0, 1, origin_input_ids=prompt), Req(1, 0, 1, origin_input_ids=prompt)
@@ -579,8 +591,8 @@ def test_an_equal_prefix_cached_twice_keeps_one_copy():
         r.sample()
     free0 = alloc.n_free("full")
     assert seam.release_finished([a, b]) == 2
-    assert seam.cache_steps == 1 and len(alloc.prefix_cache) == 1
-    seam.flush()
+    assert seam.pending.take_h.n == 1 and seam.cache_steps == 0
+    assert seam.flush() == 1 and len(alloc.prefix_cache) == 1
     assert alloc.n_free("full") == free0 + 4  # b's 4 pages; a's are the entry's
     check_conserved(alloc)
 

@@ -220,10 +220,11 @@ def schedule_loop(mgr, reqs, *, budget, max_seqs, k=0, rng=None, max_iters=600, 
             log["resumed_hits"] += bool(n_hit and req.num_output_tokens)
             scheduled[req.request_id] = (req, n_hit, n, k)
             tokens_left -= n
-        work = 1 if mgr.pending else 0  # nothing recorded (every target covered): no step
-        # the recorder's page accounting is exact: free after the step = its prediction
-        # plus what the cache's eviction gave back inside the step
-        predicted = [mgr.pending.free_pages(pool) for pool in ("full", "swa")]
+        work = 1 if mgr.pending_work else 0  # nothing recorded (every target covered): no step
+        # the page accounting is exact: free after the step = its prediction (the planner's
+        # dry run of the recorded frees, minus the recorded allocations) plus what the
+        # cache's eviction gave back inside the step
+        predicted = [mgr.free_pages(pool) for pool in ("full", "swa")]
         cached = alloc.prefix_cache
         given = (0, 0) if cached is None else (cached.evicted_pages, cached.tombstoned_pages)
         mgr.run_step()
@@ -291,13 +292,15 @@ def test_a_lookahead_that_shrinks_gives_pages_back(ps, cache):
     alloc, mgr = make(ps=ps, k=4, full=800 // ps, swa=480 // ps, cache=cache)
     reqs = [Request(f"req-{i}", int(rng.integers(3, 70)), int(rng.integers(5, 40)))
             for i in range(12)]
-    trims, run = [], mgr.pending.run
+    trims, run = [], mgr.run_step
 
     def counting_run():  # how many trims each step carried
-        trims.append(len(mgr.pending.trims))
-        return run()
+        out = run()
+        step = mgr.pending.last_step
+        trims.append(0 if step is None or step.trim is None else len(step.trim[0]))
+        return out
 
-    mgr.pending.run = counting_run
+    mgr.run_step = counting_run
     log = schedule_loop(mgr, reqs, budget=32, max_seqs=6, k=4, rng=rng, vary_k=True)
     assert log["finished"] == len(reqs) and log["rejected"] > 0
     assert sum(trims) > 5  # lookaheads shrank a page or more, many times
@@ -471,18 +474,19 @@ def test_request_ids_of_any_hashable_type():
     assert len(set(rows)) == len(ids) and Key(7) in mgr and Key(8) not in mgr
     for rid in ids:
         assert mgr.num_allocated_tokens(rid) == 5
-    mgr.free(Key(7))
-    mgr.free((1, "a"))
-    mgr.free("never-seen")  # unknown ids are a no-op, as vLLM
+    assert mgr.free(Key(7)) and mgr.free((1, "a"))
+    assert mgr.free("never-seen") is False  # a free of an unknown id is a no-op, as vLLM
+    assert mgr.free(Key(7)) is False  # freed already: unknown
     mgr.run_step()
     assert len(mgr) == 6 and alloc.n_live == 6
-    assert mgr.get_block_ids(Key(7)) == ([], [])
+    with pytest.raises(ga.UnknownRequestError):  # every other call: a typed error
+        mgr.get_block_ids(Key(7))
     # dict keys: ids equal under == are one request
     assert mgr.allocate_slots(1, 4) is not None
     assert True in mgr and 1.0 in mgr
     mgr.free(True)
     assert 1 not in mgr
-    with pytest.raises(TypeError):
+    with pytest.raises(ga.UnknownRequestError, match="hashable"):
         mgr.allocate_slots(["unhashable"], 1)
     mgr.run_step()
     check_conserved(alloc)
@@ -519,6 +523,17 @@ def test_contracts():
     assert mgr.allocate_slots("np", np.int64(4), num_lookahead_tokens=np.int32(1)).num_blocks == 2
     with pytest.raises(ga.ContractError):
         mgr.allocate_slots("f", 4.0)
+
+
+def test_example_help(capsys):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import integrate_vllm
+
+    with pytest.raises(SystemExit) as exc:
+        integrate_vllm.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage" in out and "--max-seqs" in out and "ONE graphalloc step" in out
 
 
 def test_example_runs():
@@ -590,9 +605,10 @@ def test_a_hit_is_full_blocks_short_of_the_last_token_and_shares_the_blocks():
     mgr.run_step()
     a_blocks = mgr.get_block_ids("a")
     free0, steps = alloc.n_free("full"), alloc.steps_run
-    mgr.free("a", a.all_token_ids[:16])  # 4 full blocks go into the cache (one step)
-    assert alloc.steps_run == steps + 1 == alloc.steps_run - mgr.cache_steps + 1
-    mgr.run_step()
+    mgr.free("a", a.all_token_ids[:16])  # 4 full blocks go into the cache: a take, recorded
+    assert alloc.steps_run == steps and mgr.cache_steps == 0
+    mgr.run_step()  # ONE step: the take, then the release
+    assert alloc.steps_run == steps + 1 and len(alloc.prefix_cache) == 1
     assert alloc.n_free("full") == free0  # every block of a is the cache's
     assert mgr.get_num_free_blocks() == min(alloc.n_free("full"), alloc.n_free("swa")) + 4
     b = Request("b", 0, 1, prompt_token_ids=a.prompt_token_ids)  # the same prompt
@@ -671,7 +687,10 @@ def test_prefix_caching_contracts():
     with pytest.raises(ga.ContractError, match="waiting"):
         mgr.get_computed_blocks("a", a.all_token_ids)  # a running request
     mgr.free("a", a.all_token_ids)
+    assert mgr.get_computed_blocks("b", a.all_token_ids)[1] == 0  # cached by the next step
+    mgr.run_step()
     hit, n = mgr.get_computed_blocks("b", a.all_token_ids)
+    assert n == 12
     before = state(alloc, mgr, [])
     with pytest.raises(ga.ContractError, match="get_computed_blocks"):
         mgr.allocate_slots("c", 4, num_new_computed_tokens=n, new_computed_blocks=hit)
@@ -699,3 +718,28 @@ def test_example_with_a_shared_prompt_hits():
     assert s["finished"] == 10 and s["audit_findings"] == 0
     assert s["cache_hit_rate"] > 0.2
     assert s["steps"] == s["iterations"] + s["cache_steps"]
+
+
+def test_a_call_whose_own_window_removal_frees_what_it_needs_is_not_refused():
+    """The SWA pool is full; a decode whose window removal (in the same step, before its
+    allocation) frees SWA pages fits -- the facade's last tier counts the call's own frees
+    -- while a request with nothing to remove is refused (None, nothing changed)."""
+    cfg = ga.AllocatorConfig(page_size=4, num_full_pages=20, num_swa_pages=8, max_reqs=4,
+                             max_context_len=64, sliding_window=8,
+                             max_tokens_per_alloc_row=32)
+    alloc = ga.HybridAllocator(cfg)
+    mgr = GraphallocKVCacheManager(alloc)
+    assert mgr.allocate_slots("r", 24) is not None  # 6 pages per pool
+    mgr.run_step()
+    assert mgr.allocate_slots("fill", 8) is not None  # 2 more: the SWA pool is full
+    mgr.run_step()
+    assert alloc.n_free("swa") == 0 and alloc.n_free("full") == 12
+    before = state(alloc, mgr, ["r", "fill"])
+    assert mgr.allocate_slots("fill", 1, num_computed_tokens=8) is None  # 8 - 8: no page
+    assert state(alloc, mgr, ["r", "fill"]) == before
+    blocks = mgr.allocate_slots("r", 1, num_computed_tokens=24)  # frees SWA [0, 16)
+    assert blocks is not None and blocks.num_blocks == 1
+    assert mgr.free_pages("swa") == 4 - 1
+    mgr.run_step()
+    assert alloc.frontier(mgr.row_of("r")) == 16 and alloc.n_free("swa") == 3
+    check_conserved(alloc)

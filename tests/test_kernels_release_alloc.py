@@ -170,7 +170,7 @@ def _free_window(snap, pool):
 def test_unmapped_peer_then_sink_pop(ps, dtype, device):
     # Three SWA pages: the release pushes the sink marker to the head of the next pops.
     pair = make_pair(ps, dtype, device, num_full_pages=8, num_swa_pages=3, max_reqs=2,
-                     max_context_len=4 * ps, sliding_window=4 * ps)
+                     max_context_len=4 * ps, sliding_window=ps)  # (a pool holds a window)
     for alloc in pair:
         r = alloc.admit()
         alloc.alloc_extend([r], [2 * ps + 1])  # three pages in each pool

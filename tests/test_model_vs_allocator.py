@@ -21,6 +21,14 @@ count (all rejected, all accepted, one past the step: refused), trims (to a page
 boundary, across one, below the frontier plus the window: refused), and the typical
 round as one step (commit, evict, then the next lookahead decode); committed lengths and
 speculative tails are compared with the model after every rule.
+
+Contracts of the blocks and the launch (round 3): trims drawn into the pages a row shares
+with a handle (SharedPageError, nothing changed); launches that raise at random steps (the
+executor fails before launching: LaunchError, the model does nothing, the audit stays
+exact and ``check()`` -- device faults and the step count -- stays clean); audits and
+``check()`` inside open ``free_group()`` and ``scheduler_step()`` blocks; scheduler_step()
+blocks compared with the model's one step, with misuse inside (a direct mutation: refused,
+nothing changed), a block that raises (discarded), and calls on the closed block (refused).
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ from model import (
 
 from graphalloc import AllocatorConfig, HybridAllocator
 from graphalloc import errors as E
+from graphalloc.device.executor import EagerExecutor
 
 ERRORS = {
     UNKNOWN: E.UnknownRequestError,
@@ -128,6 +137,22 @@ class Boom(Exception):
     """Raised inside a free_group block on purpose."""
 
 
+class FlakyExecutor(EagerExecutor):
+    """The eager executor, raising before it launches anything when ``fail_next`` is set."""
+
+    name = "flaky"
+
+    def __init__(self):
+        super().__init__()
+        self.fail_next = False
+
+    def execute(self, planned) -> None:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("injected launch failure")
+        super().execute(planned)
+
+
 def expected_error(kinds):
     return tuple(ERRORS[k] for k in sorted(kinds))
 
@@ -151,7 +176,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         config = dict(self.CONFIG)
         fused = config.pop("fused_step")
         self.cfg = AllocatorConfig(device="cpu", backend="torch", **config)
-        self.alloc = HybridAllocator(self.cfg, fused_step=fused)
+        self.executor = FlakyExecutor()
+        self.alloc = HybridAllocator(self.cfg, fused_step=fused, executor=self.executor)
         self.model = Model.from_config(self.cfg)
         assert self.model.max_handles == config.get("max_handles", 0)
         self.ps = self.cfg.page_size
@@ -397,11 +423,12 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: any(q.length >= self.ps for q in self.model.reqs.values()))
     @rule(src=st.integers(0, 7), h_code=hcodes, code=codes, then=st.sampled_from(
-        ["keep", "drop", "drop_swa", "release_donor"]))
+        ["keep", "drop", "drop_swa", "release_donor", "trim_shared"]))
     def share_and_extend(self, src, h_code, code, then):
         """A handle on whole pages of a live request, a request admitted on it that then
         extends with its own tokens, and the handle kept, dropped or tombstoned, or the
-        donor released (the sharer and the handle keep the pages)."""
+        donor released (the sharer and the handle keep the pages), or the sharer trimmed
+        into the shared prefix (mid-page: SharedPageError, nothing changed)."""
         live = sorted(self.model.reqs)
         sources = [r for r in live if self.model.reqs[r].length >= self.ps]
         donor = sources[src % len(sources)]
@@ -417,6 +444,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.do_drop_handle(sorted(self.model.handles).index(h), None, True)
         elif then == "release_donor":
             self.do_release([sorted(self.model.reqs).index(donor)], None)
+        elif then == "trim_shared" and row is not None:
+            n = self.shared_targets([row], [code])
+            self.apply(lambda m: m.trim([row], n), lambda a: a.trim([row], n))
 
     @rule(i=st.integers(0, 7), bad=hbadness, swa_only=st.booleans(), k=st.integers(0, 2))
     def drop_handle(self, i, bad, swa_only, k):
@@ -448,11 +478,142 @@ class AllocatorMachine(RuleBasedStateMachine):
         n = self.accepted(rows, codes)
         self.apply(lambda m: m.commit(rows, n), lambda a: a.commit(rows, n))
 
-    @rule(idx=picks, codes=st.lists(codes, max_size=3), bad=badness)
-    def trim(self, idx, codes, bad):
-        rows = self.spec_rows(idx, bad)
-        n = self.trim_targets(rows, codes)
+    def shared_rows(self, idx) -> list[int]:
+        """Live rows holding a page another holder references (rows admitted on handles,
+        donors of handles)."""
+        m = self.model
+        rows = [r for r, q in sorted(m.reqs.items()) if any(m.full_ref[p] > 1 for p in q.pages)]
+        return list(dict.fromkeys(rows[i % len(rows)] for i in idx)) if rows else []
+
+    def shared_targets(self, rows, codes) -> list[int]:
+        """Trim lengths inside a shared page (mid-page when ps > 1: refused, the next
+        allocation would write it), or at its end."""
+        m, ps, out = self.model, self.ps, []
+        for i, r in enumerate(rows):
+            q = m.reqs[r]
+            shared = [k for k, p in enumerate(q.pages) if m.full_ref[p] > 1]
+            kind, v = codes[i % len(codes)] if codes else (0, 0)
+            k = shared[v % len(shared)]
+            n = k * ps + (1 + v % (ps - 1) if ps > 1 and kind != 1 else ps)
+            out.append(min(n, q.length))
+        return out
+
+    @rule(idx=picks, codes=st.lists(codes, max_size=3), bad=badness, shared=st.booleans())
+    def trim(self, idx, codes, bad, shared):
+        rows = self.shared_rows(idx) if shared and bad is None else []
+        if rows:  # into the pages a row shares with a handle (or another request)
+            n = self.shared_targets(rows, codes)
+        else:
+            rows = self.spec_rows(idx, bad)
+            n = self.trim_targets(rows, codes)
         self.apply(lambda m: m.trim(rows, n), lambda a: a.trim(rows, n))
+
+    @rule(kind=st.sampled_from(["decode", "extend", "step", "release"]), idx=picks,
+          codes=st.lists(codes, max_size=3))
+    def launch_fails(self, kind, idx, codes):
+        """The executor raises at this step, before launching anything: the step is cancelled
+        (LaunchError from the cause) and nothing changes; a step the model refuses is refused
+        before any launch (the executor is not reached)."""
+        rows = self.rows_from(idx)
+        n = [self.tokens_value(c) for c in codes][:len(rows)]
+        n += [1] * (len(rows) - len(n))
+        if kind == "decode":
+            op = dict(decode=rows)
+        elif kind == "extend":
+            op = dict(extend=(rows, n))
+        elif kind == "step":
+            op = dict(evict=rows, decode=rows[:1], extend=(rows[1:], n[1:]))
+        else:
+            op = dict(release=rows[:1])
+        before, stats = self.alloc.snapshot(), self.alloc.stats()
+        try:
+            self.model.clone().step(**op)
+        except Violation as v:
+            with pytest.raises(expected_error(v.kinds)):
+                self.alloc.step(**op)
+        else:
+            self.executor.fail_next = True
+            with pytest.raises(E.LaunchError) as info:
+                self.alloc.step(**op)
+            assert isinstance(info.value.__cause__, RuntimeError)
+        self.executor.fail_next = False  # (a refused step never reached the executor)
+        assert self.alloc.pending is None
+        assert_same_snapshot(before, self.alloc.snapshot())
+        assert self.alloc.stats() == stats
+
+    @precondition(lambda self: self.model.reqs)
+    @rule(rel=picks, dec=picks, ext=picks, codes=st.lists(codes, max_size=3),
+          n_admit=st.integers(0, 2), misuse=st.booleans(), raise_inside=st.booleans(),
+          bad=badness)
+    def scheduler_block(self, rel, dec, ext, codes, n_admit, misuse, raise_inside, bad):
+        """One scheduler_step() block against the model's one step: the audit is clean and
+        the snapshot committed inside it; a direct mutation inside it is refused with nothing
+        changed; a block that raises runs nothing; after it, a call on the closed block is
+        refused."""
+        a, m = self.alloc, self.model
+        release = self.rows_from(rel[:1]) if self.busy() else []
+        others = [r for r in sorted(m.reqs) if r not in release]
+        pick = lambda idx: list(dict.fromkeys(others[i % len(others)] for i in idx)) \
+            if others else []
+        decode = pick(dec)
+        ext_rows = [r for r in pick(ext) if r not in decode]
+        if bad == "dup" and release:
+            decode = decode + release  # released in this step, then decoded: unknown
+        elif bad == "range":
+            decode = decode + [self.cfg.max_reqs]
+        n = [self.tokens_value(c) for c in codes][:len(ext_rows)]
+        n += [1] * (len(ext_rows) - len(n))
+        admitted: list[int] = []
+        for _ in range(n_admit):
+            free = [r for r in m._free_rows() if r not in admitted]
+            if free:
+                admitted.append(free[0])
+        before, stats = a.snapshot(), a.stats()
+
+        def block():
+            with a.scheduler_step() as it:
+                if release:
+                    it.release(release)
+                assert [it.admit() for _ in admitted] == admitted
+                if decode:
+                    it.decode(decode)
+                if ext_rows:
+                    it.extend(ext_rows, n)
+                assert a.audit() == []  # nothing ran yet: the committed state, healthy
+                a.check()
+                assert_same_snapshot(before, a.snapshot())
+                if misuse:
+                    with pytest.raises(E.RecorderError):
+                        a.alloc_decode(decode or [0])
+                    with pytest.raises(E.RecorderError):
+                        a.release(release or [0])
+                    assert_same_snapshot(before, a.snapshot())
+                if raise_inside:
+                    raise Boom()
+            return it
+
+        if raise_inside:
+            with pytest.raises(Boom):
+                block()
+            assert_same_snapshot(before, a.snapshot())
+            assert a.stats() == stats
+            return
+        step = dict(release=release, admit=admitted, decode=decode,
+                    extend=(ext_rows, n) if ext_rows else None)
+        try:
+            expected = m.step(**step)
+        except Violation as v:
+            with pytest.raises(expected_error(v.kinds)):
+                block()
+            assert_same_snapshot(before, a.snapshot())
+            assert a.stats() == stats
+            return
+        it = block()
+        self.compare_result(expected, it.result)
+        after = a.snapshot()
+        with pytest.raises(E.RecorderError):
+            it.decode(decode or [0])
+        assert_same_snapshot(after, a.snapshot())
 
     @rule(idx=picks, codes=st.lists(codes, max_size=3), k=st.integers(0, 2),
           evict=st.booleans(), overlap=st.booleans())
@@ -585,7 +746,8 @@ class AllocatorMachine(RuleBasedStateMachine):
                 # nothing changes until the block exits
                 assert self.alloc.stats()["full_free_pages"] == len(model.full_q)
                 assert self.alloc.stats()["swa_free_pages"] == len(model.swa_q)
-                self.alloc.check_integrity()  # a healthy allocator is healthy inside a block
+                assert self.alloc.audit() == []  # a healthy allocator is healthy inside a block
+                self.alloc.check()
                 if raise_inside:
                     raise Boom()
         except Boom:
@@ -639,6 +801,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def matches_model(self):
         a, m, cfg, ps = self.alloc, self.model, self.cfg, self.ps
         a.check_integrity()
+        a.check()  # no device fault, and the device ran exactly the steps submitted
         m.check_self()
         stats = a.stats()
         assert stats["full_free_pages"] == len(m.full_q)

@@ -92,9 +92,9 @@ def test_zero_new_page_extend_succeeds_with_no_free_page():
 @pytest.mark.parametrize("short", ["full", "swa"])
 @pytest.mark.parametrize("ps", [1, 3, 16])
 def test_exact_capacity_succeeds_one_page_over_is_refused(short, ps):
-    cap = 3
+    cap = 3  # an SWA pool of 3 pages serves a window of up to 2 pages (ceil(W / ps) + 1)
     a = make(ps=ps, n_full=cap if short == "full" else 7, n_swa=cap if short == "swa" else 7,
-             ctx=8 * ps)
+             ctx=8 * ps, window=2 * ps)
     r, s = a.admit(), a.admit()
     before, stats = a.snapshot(), a.stats()
     # one page over, split across two requests (refused whole: nothing allocated for r either)

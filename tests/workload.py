@@ -64,6 +64,8 @@ def random_step(allocs: list[HybridAllocator], rng: np.random.Generator) -> str:
         apply_all(allocs, lambda a: a.advance_frontier([r], [target]))
         return "advance_frontier"
     if led.n_handles and not cfg.ring_mode and roll < 0.52:  # shared pages
+        if cfg.num_state_slots and rng.random() < 0.5:
+            return _snapshot_op(allocs, rng, live)
         return _sharing_op(allocs, rng, live)
     if roll < 0.62:
         return _speculative_op(allocs, rng, live)
@@ -134,3 +136,23 @@ def _sharing_op(allocs: list[HybridAllocator], rng: np.random.Generator, live) -
         return "drop_handle_swa"
     apply_all(allocs, lambda a: a.drop_handle(h))
     return "drop_handle"
+
+
+def _snapshot_op(allocs: list[HybridAllocator], rng: np.random.Generator, live) -> str:
+    """With recurrent-state slots a snapshot exists only at a request's committed length:
+    extend a request without a speculative tail to a page boundary, or take a handle there
+    (its state copied inside the step)."""
+    a0 = allocs[0]
+    led, ps = a0.ledger, a0.config.page_size
+    plain = live[led.spec_steps[live, 0] == 0]
+    if not len(plain):
+        return "snapshot(skip)"
+    r = int(rng.choice(plain))
+    c = int(led.committed[r])
+    if c % ps or c == 0:
+        n = ps - c % ps
+        if c + n <= a0.config.max_context_len:
+            apply_all(allocs, lambda a: a.alloc_extend([r], [n]))
+        return "align"
+    apply_all(allocs, lambda a: a.take_handle(r, c))
+    return "take_handle(state)"

@@ -13,6 +13,11 @@ a release program writes); ``StepBuilder.fusable`` says so per step, and the
 caller passes it in. A :class:`~graphalloc.device.graph.StepGraph` captures both
 variants per descriptor buffer and replays the one the step allows.
 
+Stamp: a launch over a descriptor buffer of the allocator's ring carries that buffer's step
+stamp and the device's seen word (:mod:`graphalloc.kernels.stamp`), whoever launches it
+(an executor, ``alloc.launch(i)`` inside an engine's graph, a test's own executor): the
+buffer is recognised by its release-row view, which never changes.
+
 With recurrent-state slots the step's state section (:mod:`graphalloc.kernels.state`) follows:
 one launch writes the state table, one per registered state tensor copies snapshots. Their
 programs loop to the section header's counts, so a graph captured over the whole section
@@ -52,8 +57,9 @@ class StepKernels:
     STATE_COPY_PROGRAMS = 8  # ... over the state copy rows (each x up to 64 over a slot)
 
     def __init__(self, config: AllocatorConfig, state: DeviceState, *, fused: bool = False,
-                 tables=None, state_tensors=()):
+                 tables=None, ring=None, state_tensors=()):
         self.config = config
+        self.ring = ring  # the DescriptorRing whose buffers carry step stamps (or None)
         self.state_tensors = tuple(state_tensors)  # copied by ST_COPY rows (fixed: graphs)
         self.tables = tables  # the step's attention tables (AttentionTables), or None
         self.state = state
@@ -101,19 +107,23 @@ class StepKernels:
             rel_chunks = al_chunks = 1
         else:
             n_rel, rel_chunks, n_al, al_chunks = grid
+        stamp = None if self.ring is None else self.ring.stamp_of(release_rows)
+        seen = None if stamp is None else st.seen_buf
         if fusable and self.fused:
             self._step(release_rows, alloc_rows, *self._tables, st.out_full_buf,
                        st.out_swa_buf, st.err_buf, n_release_lanes=cfg.max_step_pages,
                        n_alloc_lanes=cfg.max_step_tokens, epochs=self._epochs,
                        n_release_rows=n_rel, n_alloc_rows=n_al, n_release_chunks=rel_chunks,
-                       n_alloc_chunks=al_chunks, **common, **self._warps())
+                       n_alloc_chunks=al_chunks, stamp=stamp, seen=seen, **common,
+                       **self._warps())
         elif n_rel is None or n_rel or n_al:
             self._release(release_rows, *self._tables, st.err_buf, n_lanes=cfg.max_step_pages,
-                          epochs=self._epochs, n_rows=n_rel, n_chunks=rel_chunks, **common,
-                          **self._warps())
+                          epochs=self._epochs, n_rows=n_rel, n_chunks=rel_chunks, stamp=stamp,
+                          seen=seen, **common, **self._warps())
             self._allocate(alloc_rows, *self._tables, st.out_full_buf, st.out_swa_buf,
                            st.err_buf, n_lanes=cfg.max_step_tokens, n_rows=n_al,
-                           n_chunks=al_chunks, **common, **self._warps())
+                           n_chunks=al_chunks, stamp=stamp, seen=seen, **common,
+                           **self._warps())
         if lane_rows is not None:
             self.tables.launch(lane_rows)
         if state_rows is not None:

@@ -4,7 +4,8 @@ A step's descriptor (two tables of int64 rows: release rows, then allocation row
 has the layout of the device ABI, :mod:`graphalloc.kernels.abi`; the planner writes
 it and the kernels read it. This module owns where descriptors live between the two:
 a ring of pinned host buffers, each guarded by an event, so the host never rewrites
-a buffer the GPU has not consumed.
+a buffer the GPU has not consumed. Beside each buffer sits its step's stamp (one pinned
+int64, :mod:`graphalloc.kernels.stamp`), guarded by the same event.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class DescriptorRing:
     recorded behind its last step has completed. With two or more buffers the
     host plans step k+1 while the GPU runs step k and, in steady state, never
     waits; ``stalls`` counts the times it had to.
+
+    ``stamp(i)`` is buffer i's stamp word (int64 ``[1]``, a view of one pinned ``[n_bufs]``
+    tensor that never changes address): the pipeline writes the step's stamp there at plan
+    time and program 0 of each step kernel reads it (``kernels.stamp``).
     """
 
     def __init__(self, n_release_rows: int, n_alloc_rows: int, device: torch.device,
@@ -51,6 +56,9 @@ class DescriptorRing:
         self._state_base = lanes + n_lane_rows
         self._state_views = [b[self._state_base:] for b in self.bufs]
         self.state_used = [0] * n_bufs  # state rows written last time, per buffer
+        self.stamp_buf = torch.zeros(n_bufs, dtype=torch.int64, pin_memory=self.is_cuda)
+        self.stamp_np = self.stamp_buf.numpy()
+        self._stamp_views = [self.stamp_buf[i:i + 1] for i in range(n_bufs)]
         self.events: list[torch.cuda.Event | None] = [None] * n_bufs
         # The stream submitted() records on, cached by its raw handle: building a Stream
         # object (torch.cuda.current_stream()) costs microseconds on every step.
@@ -72,6 +80,26 @@ class DescriptorRing:
 
     def alloc_rows(self, index: int) -> torch.Tensor:
         return self._alloc_views[index]
+
+    def stamp(self, index: int) -> torch.Tensor:
+        """Buffer ``index``'s stamp word (int64 ``[1]``, pinned on a CUDA device)."""
+        return self._stamp_views[index]
+
+    def stamp_of(self, release_rows: torch.Tensor) -> torch.Tensor | None:
+        """The stamp word of the buffer whose release-row view this is (the very object
+        :meth:`release_rows` returns), else None: a launch of tables that are not this
+        ring's (a replica's payload) carries no stamp. O(n_bufs)."""
+        for view, stamp in zip(self._release_views, self._stamp_views, strict=True):
+            if view is release_rows:
+                return stamp
+        return None
+
+    def wait_submitted(self) -> None:
+        """Wait until every submitted step has run (each buffer's last event). A sync point:
+        only ``check()`` calls it."""
+        for event in self.events:
+            if event is not None:
+                event.synchronize()  # sync ok: check() is a sanctioned sync point
 
     def lane_rows(self, index: int) -> torch.Tensor:
         """The attention lanes' rows of buffer ``index`` (``[n_lane_rows, 8]``; empty when

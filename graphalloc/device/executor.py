@@ -21,8 +21,12 @@ The protocol (for writing another strategy): ``bind(alloc)`` is called once by t
 allocator's constructor, after its device tables and descriptor ring exist;
 ``execute(planned)`` must enqueue the step and return without synchronising;
 ``plans_locally = False`` makes the allocator refuse ``plan()`` before anything changes
-(a broadcast follower replays steps planned elsewhere). ``n_fused`` / ``n_two_launch``
-count executed steps of each launch form.
+(a broadcast follower replays steps planned elsewhere); ``stamps_steps`` says whether
+``execute`` runs the step kernels over the allocator's own descriptor buffer (then they
+count the step's stamp on the device and ``check()`` expects it: launching through
+``alloc.kernels`` / ``alloc.launch`` / :func:`launch_exact` does; an executor that runs
+the step from other memory sets it False). ``n_fused`` / ``n_two_launch`` count executed
+steps of each launch form.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class Executor:
 
     name = "executor"
     plans_locally = True
+    stamps_steps = True  # execute() launches over the ring's buffers: stamps are counted
 
     def __init__(self) -> None:
         self._alloc = None

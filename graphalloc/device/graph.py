@@ -38,32 +38,75 @@ nodes only: no memcpy, memset or host nodes).
 from __future__ import annotations
 
 import collections
+import gc
+import inspect
 import types
+import warnings
 
 import torch
 
 from ..diagnostics.sync_points import sync_allowed
-from ..errors import ConfigError
+from ..errors import CaptureError, ConfigError, ContractError
 from .buckets import LONG_EXTRA_TOKENS, GridPolicy, StepGrid
 from .executor import Executor, lanes_of, launch_exact, warm_up
 
 __all__ = ["StepGraph", "describe_graph", "capture_graph"]
 
 
-def capture_graph(fn, *, pool=None, stream=None, keep_graph: bool = True
-                  ) -> torch.cuda.CUDAGraph:
+def _graph_options() -> dict:
+    """``torch.cuda.graph`` options this torch supports: thread-local capture errors (another
+    thread's CUDA calls cannot invalidate our capture)."""
+    try:
+        params = inspect.signature(torch.cuda.graph.__init__).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"capture_error_mode": "thread_local"} if "capture_error_mode" in params else {}
+
+
+_GRAPH_OPTIONS = _graph_options()  # decided once, for this torch
+
+
+def capture_graph(fn, *, pool=None, stream=None, keep_graph: bool = True,
+                  collect: bool = True) -> torch.cuda.CUDAGraph:
     """Capture ``fn()`` into a CUDA graph, keeping the raw graph for :func:`describe_graph`
-    (``keep_graph``) where this torch supports it."""
-    graph = None
-    if keep_graph:
-        try:
-            graph = torch.cuda.CUDAGraph(keep_graph=True)
-        except TypeError:  # torch without keep_graph
-            pass
-    if graph is None:
-        graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        fn()
+    (``keep_graph``) where this torch supports it.
+
+    The capture is kept apart from the rest of the process: garbage is collected first
+    (``collect=False``: the caller did, once before a series of captures) and the collector
+    is paused while the stream captures (a dropped allocator's finaliser --
+    pinned buffers, events -- then never runs mid-capture, so no free or event query lands
+    inside it), capture errors are thread-local where torch supports it, and the capture
+    runs on torch's side stream unless ``stream`` is given. A capture that fails raises
+    :class:`~graphalloc.errors.CaptureError` (the cause chained) with the stream out of
+    capture mode and nothing kept; the process stays usable."""
+    try:
+        graph = None
+        if keep_graph:
+            try:
+                graph = torch.cuda.CUDAGraph(keep_graph=True)
+            except TypeError:  # torch without keep_graph
+                pass
+        if graph is None:
+            graph = torch.cuda.CUDAGraph()
+    except Exception as exc:
+        raise CaptureError(f"could not create a CUDA graph: {type(exc).__name__}: {exc}"
+                           ) from exc
+    if collect:
+        gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream, **_GRAPH_OPTIONS):
+            fn()
+    except Exception as exc:
+        raise CaptureError(
+            f"CUDA graph capture failed: {type(exc).__name__}: {exc}. Nothing was kept and "
+            "the stream left capture mode. Common causes: a host/device synchronisation or "
+            "a CPU tensor read inside the captured function, another thread using CUDA in "
+            "global capture mode, or an earlier CUDA error") from exc
+    finally:
+        if collecting:
+            gc.enable()
     if hasattr(graph, "instantiate"):
         try:
             graph.instantiate()
@@ -101,7 +144,10 @@ class StepGraph(Executor):
     ``replays`` counts graph launches, ``fused_replays`` those of fused graphs,
     ``empty_steps`` the steps that had nothing to replay. Capture synchronises (once,
     at construction); it costs about one capture per bucket, form and buffer
-    (``n_graphs``).
+    (``n_graphs``). Captures go through :func:`capture_graph` (garbage collected once
+    before them, the collector paused during each, thread-local capture errors); a capture
+    that fails raises :class:`~graphalloc.errors.CaptureError` and no allocator is built.
+    On a CPU device a ``UserWarning`` (once per process) names the eager fallback.
 
     Cost per step (host): the bucket choice (list lookups) and one graph launch.
     """
@@ -153,11 +199,13 @@ class StepGraph(Executor):
             full = self.policy.full()
             self._choose = lambda n_rel, n_al, n_tokens: full
         if cfg.device.type != "cuda":
+            _warn_cpu_fallback()
             return
         ring, kernels = alloc.ring, alloc.kernels
         shapes = self.policy.shapes() if self.buckets else [self.policy.full()]
         full = self.policy.full()
         warm_up(alloc, self.warmup)
+        gc.collect()  # once: dropped allocators are finalised now, never mid-capture
         pool = None
         replays: list[tuple[dict, dict]] = []
         with sync_allowed():
@@ -169,7 +217,7 @@ class StepGraph(Executor):
                         graph = capture_graph(
                             lambda rel=rel, al=al, grid=grid, fused=fused, lanes=lanes: kernels(
                                 rel, al, fusable=fused, grid=grid, lane_rows=lanes),
-                            pool=pool, keep_graph=grid == full)
+                            pool=pool, keep_graph=grid == full, collect=False)
                         pool = graph.pool() if pool is None else pool
                         self._all.append(graph)
                         forms[fused][grid] = _bare_replay(graph)
@@ -243,6 +291,20 @@ class StepGraph(Executor):
         return describe_graph(graphs[0])
 
 
+_warned_cpu = False  # the CPU fallback is announced once per process
+
+
+def _warn_cpu_fallback() -> None:
+    global _warned_cpu
+    if _warned_cpu:
+        return
+    _warned_cpu = True
+    warnings.warn("executor='graph' on a CPU device captures nothing: every step runs "
+                  "eagerly over exactly its rows (the eager fallback, same results). Use "
+                  "executor='eager' on a CPU to say so, or a CUDA device to replay graphs "
+                  "(announced once per process)", UserWarning, stacklevel=4)
+
+
 def _bare_replay(graph: torch.cuda.CUDAGraph):
     """``graph.replay`` without the Python wrapper's frame (it only checks an input-liveness
     tracker, which capture_graph never enables): the C++ replay bound to the graph."""
@@ -273,10 +335,22 @@ def describe_graph(graph: torch.cuda.CUDAGraph) -> dict:
     """Nodes of a captured graph by type, e.g. ``{"kernel": 2}``, plus ``"kernel_names"``.
 
     Needs a graph captured with ``keep_graph=True`` (as :func:`capture_graph` does
-    where torch supports it) and cuda-python.
+    where torch supports it) and cuda-python: anything else raises ``ContractError``
+    (not a graph, no raw graph kept) or ``ConfigError`` (no cuda-python).
     """
-    cudart = _cudart()
-    raw = graph.raw_cuda_graph()
+    if not isinstance(graph, torch.cuda.CUDAGraph):
+        raise ContractError(f"describe_graph takes a torch.cuda.CUDAGraph (capture_graph "
+                            f"returns one), got {type(graph).__name__}")
+    try:
+        cudart = _cudart()
+    except ImportError:
+        raise ConfigError("describe_graph needs cuda-python (pip install cuda-python) to walk "
+                          "the graph's nodes") from None
+    try:
+        raw = graph.raw_cuda_graph()
+    except (RuntimeError, AttributeError) as exc:
+        raise ContractError(f"describe_graph: this graph kept no raw CUDA graph ({exc}); "
+                            "capture it with capture_graph(fn, keep_graph=True)") from None
     handle = cudart.cudaGraph_t(init_value=int(raw)) if isinstance(raw, int) else raw
     _, n_nodes = _check(cudart.cudaGraphGetNodes(handle, 0))
     nodes, _ = _check(cudart.cudaGraphGetNodes(handle, n_nodes))

@@ -24,10 +24,14 @@ state_table_buf   [max_reqs + max_handles + max_reqs * K + 1]  recurrent-state s
                   (K = max_spec_tokens; [1] without states)    request's, a handle's
                                                                snapshot, a request's newest
                                                                speculative step's
+seen_buf          [2] int64                                    step stamps: the largest
+                                                               seen, steps counted
 ================  ===========================================  ======================
 
 The epoch tables are scratch of the validate-mode duplicate-push check (see
-``kernels.release``), not allocator state: they are not in :meth:`tables`.
+``kernels.release``), and ``seen_buf`` the step kernels' count of the steps that ran
+(``kernels.stamp``, read by ``check()``); neither is allocator state: they are not in
+:meth:`tables`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 
 from ..config import AllocatorConfig
 from ..kernels.error_word import new_error_word
+from ..kernels.stamp import new_seen_word
 
 __all__ = ["DeviceState"]
 
@@ -61,6 +66,7 @@ class DeviceState:
         n_state = (cfg.max_reqs + cfg.max_handles + cfg.max_reqs * cfg.max_spec_tokens
                    if cfg.num_state_slots else 0)
         self.state_table_buf = torch.zeros(n_state + 1, dtype=dt, device=dev)
+        self.seen_buf = new_seen_word(dev)
         self.reset()
 
     def reset(self) -> None:
@@ -68,7 +74,7 @@ class DeviceState:
         cfg = self.config
         for name in ("full_to_swa_buf", "req_to_token_buf", "ring_pages_buf", "out_full_buf",
                      "out_swa_buf", "err_buf", "full_epoch_buf", "swa_epoch_buf",
-                     "state_table_buf"):
+                     "state_table_buf", "seen_buf"):
             getattr(self, name).zero_()
         dev, dt = cfg.device, cfg.index_dtype
         self.full_free_buf[:-1].copy_(torch.arange(1, cfg.num_full_pages + 1, dtype=dt, device=dev))

@@ -11,9 +11,15 @@
   ``get_block_ids`` per KV-cache group, ``get_computed_blocks``, ``cache_blocks``),
   prefix caching included (``enable_caching=True``).
 * :mod:`graphalloc.integrations.iteration` -- :class:`IterationStep`, the layer below
-  both: it records an iteration's frees, window evictions, admits (plain or on a cached
-  prefix) and allocations with host page accounting (shared pages counted by reference)
-  and runs them as ONE ``alloc.scheduler_step()`` block.
+  both: a thin accumulator of int64 arrays per :class:`~graphalloc.plan.step.Step` kind,
+  handed to the allocator as ONE step per iteration; what recorded frees give back is the
+  planner's dry run (one rule site), cached per version of the records.
+
+Unknown ids, one policy in both seams: releasing a request that holds no KV here (vLLM
+``free`` of an unknown id, SGLang ``release_kv_cache`` of a request whose ``req_pool_idx``
+is ``None``) is a no-op returning ``False``; every other call naming a request the seam
+does not hold raises :class:`~graphalloc.errors.UnknownRequestError`; malformed engine
+objects raise a typed error naming the field. A refused call changes nothing.
 
 Neither seam imports its engine; each module's docstring lists what it covers, what
 it does not, and what an engine must still write itself.

@@ -1,193 +1,127 @@
-"""One graphalloc step per scheduler iteration: what the seams record, and how it runs.
+"""The seams' per-iteration accumulator: int64 arrays per Step kind, ONE Step per iteration.
 
-Engines free, evict and allocate through many small calls per iteration (SGLang:
-``release_kv_cache`` per finished request, ``_evict_swa`` per request, one
-``alloc_*`` per batch; vLLM: ``free`` and ``allocate_slots`` per request). The
-seams (:mod:`.sglang`, :mod:`.vllm`) record those calls in an
-:class:`IterationStep` and run them as ONE ``alloc.scheduler_step()`` block --
-releases, then frontier advances, then admits (new requests, plain or on a prefix
-handle), then allocations, the step's own order, so the pages the frees return are
-available to the allocations of the same step.
+Contract. :class:`IterationStep` holds what an engine's calls recorded since the last step
+-- cache inserts (``take``), releases, trims, frontier moves, admits (plain or on a cached
+prefix), decode and extend rows -- as growable int64 arrays, one per field of
+:class:`~graphalloc.plan.step.Step`, and hands them to the allocator as ONE step
+(:meth:`IterationStep.run`: ``alloc.plan`` + ``alloc.run``) in the Step's own order: the
+takes first (a finished request is inserted and released in one step), then the frees, the
+admits, the allocations; the prefix cache's eviction happens inside that step when an
+allocation is short (:mod:`graphalloc.plan.pipeline` replans with ``cache.offer()``).
+A step refused for pages or rows returns ``None`` with nothing changed and the records
+kept; any other refusal raises its typed error, records kept.
 
-Host accounting (what lets a seam answer "does it fit" per call without a dry-run
-plan): with ``ps = page_size``, extending a request from length L to T takes
-``ceil(T / ps) - ceil(L / ps)`` fresh pages from EACH pool (a request admitted on a
-handle starts at the handle's whole pages and allocates none for them). So, per pool::
+What a set of frees gives back comes from ONE rule site, the planner: :meth:`pages_freed`
+is ``alloc.dry_run`` of the recorded frees (takes included: what a new cache entry keeps
+is not freed), :meth:`pages_reclaimable` the dry run of those frees plus dropping every
+unlocked cache entry. Both are cached per version of the recorded frees (and of the steps
+run and the cache), so repeated queries in one iteration cost O(1) after the first.
 
-    free after the step = n_free(pool) + freed(pool) - needed   (+ reclaimable(pool))
+Invariants: every recorded row was live when recorded (the seams check), a row is
+released at most once per step (``released``), each take's handle is free and reserved
+for it; after a submitted step every record is cleared and the step's new cache entries
+registered (``cache.add_entry``). Two cases take more than one step: frees beyond the
+frozen release shape run first (``alloc.free_group()`` splits them), then the rest
+(``n_steps`` says so); an insert when every handle is held or reserved drops the cache's
+LRU unlocked leaf first, a step of its own (``cache_steps``). A batch over the allocation
+shape raises with nothing changed.
 
-``freed`` is what the recorded releases, trims and frontier moves return. Without sharing
-(``max_handles == 0``) it is O(1) arithmetic: a request at length L and frontier f
-returns ``ceil(L / ps)`` FULL and ``ceil(L / ps) - f / ps`` SWA pages, an advance to g
-``(g - f) / ps`` SWA pages. With handles, pages may be shared and the count is
-:meth:`HybridAllocator.pages_released` over all the recorded frees together (a page
-goes only with its last reference), kept as per-page counts of the references the
-recorded frees drop: O(pages of a record) per record, recounted once when a step ran or
-the cache changed. ``reclaimable`` (with a prefix cache) is what evicting
-every unlocked cache entry would add once the frees ran; the allocator runs that
-eviction itself inside the step when an allocation needs it.
-
-Only the frozen shape of the *frees* (``max_release_rows``, ``max_step_pages``)
-is not predicted here (the cache's eviction inside the step included): a step refused
-for it (:class:`BatchTooLargeError`, nothing changed) is rerun as the trims (one step),
-the frees through ``alloc.free_group()`` (which splits them into as many steps as the
-shape needs), the
-cache eviction the allocations need (``PrefixCache.evict``, split the same way), and
-then the rest: more than one step that iteration, reported in the step count. Ring mode
-is refused: its admit pops ring pages and the per-call accounting above does not cover
-it.
+Cost: recording is O(1) per scalar (a write into a preallocated array, doubled when
+full) or O(n) numpy per array; :meth:`run` is one ``alloc.plan`` + ``alloc.run`` plus
+O(kinds) array views; the page queries are one dry run per version, then O(1).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..allocator import AllocResult, HybridAllocator
-from ..errors import (
-    AlignmentError,
-    BatchTooLargeError,
-    ConfigError,
-    OverlapError,
-    UnknownRequestError,
-)
+from ..allocator import HybridAllocator
+from ..errors import BatchTooLargeError, CapacityError, ConfigError, ContractError
+from ..plan.step import EMPTY, Step
+from ..sharing.prefix_cache import page_keys
 
-__all__ = ["IterationStep"]
+__all__ = ["IterationStep", "Ints"]
 
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+_SHORT = frozenset({28, 36, 43, 45})  # "not now": pages, request rows or state slots short
+_SHAPE = 35  # the frozen step shape
 
 
-def _record(name: str, key: int, value) -> tuple:
-    """The free counter's record of ``releases`` / ``advances`` / ``trims`` entries."""
-    if name == "rel":
-        return ("rel", key)
-    return (name, key, value[0] if name == "adv" else value)
+def refusal_code(exc: ContractError) -> int:
+    """The planner's refusal code carried by a typed error (0 when none)."""
+    refusal = getattr(exc, "refusal", None)
+    return 0 if refusal is None else int(refusal[0])
 
 
-class _FreedPages:
-    """What the recorded frees return, kept up to date as records come and go.
+class Ints:
+    """A growable int64 array: :meth:`append` O(1) amortised, :meth:`view` without a copy."""
 
-    A record is ``("rel", row)``, ``("adv", row, new_frontier)`` or ``("trim", row,
-    new_len)``. Without sharing each record's (FULL, SWA) count is arithmetic. With
-    sharing, the references each record drops are added to per-page counts (``drop``, one
-    dense array per pool), next to the references the unlocked cache entries hold
-    (``cache``); a page is freed when ``drop == refs``, reclaimable when ``drop + cache
-    == refs``, and both totals move by the pages a record touches. :meth:`toggle` costs
-    O(pages of the record); :meth:`counts` is O(1) unless a step ran (the references
-    changed) or the cache changed since, which rebuilds it (O(pages of every record and
-    entry + pool size)). ``journal`` lets the recorder undo a refused batch.
-    """
+    __slots__ = ("buf", "n")
 
-    def __init__(self, alloc, shared: bool):
-        self.alloc, self.shared, self.ps = alloc, shared, alloc.config.page_size
-        cfg = alloc.config
-        sizes = (cfg.num_full_pages + 1, cfg.num_swa_pages + 1)
-        self.drop = [np.zeros(n, dtype=np.int64) for n in sizes]
-        self.cache = [np.zeros(n, dtype=np.int64) for n in sizes]
-        self.applied: dict = {}  # record -> its (FULL, SWA) pages (or counts)
-        self.journal: list = []  # (record, +1 | -1), for undo
-        self.freed, self.both = [0, 0], [0, 0]
-        self.state = None
+    def __init__(self, capacity: int = 64):
+        self.buf = np.empty(max(capacity, 1), dtype=np.int64)
+        self.n = 0
 
-    def toggle(self, key, sign: int) -> None:
-        """Add (``sign`` 1) or remove (-1) a record."""
-        self.journal.append((key, sign))
-        if sign > 0:
-            self.applied[key] = self._pages(key)
-            self._apply(self.applied[key], 1)
-        else:
-            self._apply(self.applied.pop(key), -1)
+    def _grow(self, need: int) -> None:
+        buf = np.empty(max(need, 2 * len(self.buf)), dtype=np.int64)
+        buf[:self.n] = self.buf[:self.n]
+        self.buf = buf
 
-    def undo(self, mark: int) -> None:
-        while len(self.journal) > mark:
-            key, sign = self.journal.pop()
-            self.toggle(key, -sign)
-            self.journal.pop()
+    def append(self, value: int) -> None:
+        n = self.n
+        if n == len(self.buf):
+            self._grow(n + 1)
+        self.buf[n] = value
+        self.n = n + 1
+
+    def extend(self, values: np.ndarray) -> None:
+        n, m = self.n, len(values)
+        if n + m > len(self.buf):
+            self._grow(n + m)
+        self.buf[n:n + m] = values
+        self.n = n + m
+
+    def view(self) -> np.ndarray:
+        return self.buf[:self.n] if self.n else EMPTY
 
     def clear(self) -> None:
-        self.applied, self.journal, self.state = {}, [], None
+        self.n = 0
 
-    def counts(self, cache_handles, state):
-        """((freed FULL, SWA), (reclaimable FULL, SWA)); ``cache_handles()`` lists the
-        entries' handles to count when ``state`` (the references' and the cache's)
-        changed since the last call."""
-        if state != self.state:
-            self._rebuild(cache_handles() if self.shared else ())
-            self.state = state
-        return tuple(self.freed), (self.both[0] - self.freed[0], self.both[1] - self.freed[1])
 
-    def _rebuild(self, handles) -> None:
-        keys, self.freed, self.both = list(self.applied), [0, 0], [0, 0]
-        if self.shared:
-            refs, cfg, led = self.alloc.ledger.refs, self.alloc.config, self.alloc.ledger
-            for arr in self.drop + self.cache:
-                arr[:] = 0
-            for h in handles:
-                n, start = int(led.h_len[h]) // self.ps, int(led.h_swa_start[h]) // self.ps
-                pages = refs.page_of[cfg.max_reqs + h, :n].astype(np.int64)
-                np.add.at(self.cache[0], pages, 1)
-                np.add.at(self.cache[1], refs.swa_of[pages[start:]].astype(np.int64), 1)
-            for i, ref in enumerate((refs.full_ref, refs.swa_ref)):
-                c = self.cache[i]
-                self.both[i] = int(np.count_nonzero((c > 0) & (c == ref)))
-        for key in keys:
-            self.applied[key] = self._pages(key)
-            self._apply(self.applied[key], 1)
+def _remember(memo: dict, key, value) -> None:
+    """Keep ``value`` for ``key``; a few keys at most (older versions are dead)."""
+    if len(memo) >= 4:
+        memo.clear()
+    memo[key] = value
 
-    def _pages(self, key):
-        """The record's dropped references: (FULL pages, SWA pages), or its counts."""
-        alloc, ps = self.alloc, self.ps
-        kind, row = key[0], key[1]
-        end, front = _ceil_div(alloc.seq_len(row), ps), alloc.frontier(row) // ps
-        if kind == "rel":
-            lo, hi, slo, shi = 0, end, front, end
-        elif kind == "adv":
-            lo, hi, slo, shi = 0, 0, front, key[2] // ps
-        else:  # trim: [ceil_page(new), end) of both pools (above the frontier)
-            lo = _ceil_div(key[2], ps)
-            hi, slo, shi = end, lo, end
-        if not self.shared:
-            return max(hi - lo, 0), max(shi - slo, 0)
-        refs = alloc.ledger.refs
-        full = refs.page_of[row, lo:hi].astype(np.int64)
-        swa = refs.swa_of[refs.page_of[row, slo:shi].astype(np.int64)].astype(np.int64)
-        return full, swa
 
-    def _apply(self, pages, sign: int) -> None:
-        if not self.shared:
-            self.freed = [self.freed[0] + sign * pages[0], self.freed[1] + sign * pages[1]]
-            self.both = list(self.freed)
-            return
-        refs = self.alloc.ledger.refs
-        for i, ref in enumerate((refs.full_ref, refs.swa_ref)):
-            if not len(pages[i]):
-                continue
-            u = pages[i]  # distinct: one row's pages
-            d, c, r = self.drop[i], self.cache[i], ref[u]
-            du, cu = d[u], c[u]
-            before = (du > 0) & (du == r), (du + cu > 0) & (du + cu == r)
-            du += sign
-            d[u] = du
-            after = (du > 0) & (du == r), (du + cu > 0) & (du + cu == r)
-            self.freed[i] += int(after[0].sum()) - int(before[0].sum())
-            self.both[i] += int(after[1].sum()) - int(before[1].sum())
+def _merge(kw: dict, kind: str, value) -> None:
+    """Add ``value`` (an array, or a tuple of arrays) to ``kw[kind]``; empty: nothing."""
+    if value is None:
+        return
+    first = value[0] if isinstance(value, tuple) else value
+    if not len(first):
+        return
+    old = kw.get(kind)
+    if old is None:
+        kw[kind] = value
+    elif isinstance(value, tuple):
+        kw[kind] = tuple(np.concatenate([a, b]) for a, b in zip(old, value, strict=True))
+    else:
+        kw[kind] = np.concatenate([old, value])
+
+
+def _cat(a: np.ndarray, b) -> np.ndarray:
+    """Recorded ``a`` followed by a call's ``b`` (either may be empty)."""
+    if b is None or not len(b):
+        return a
+    return b if not len(a) else np.concatenate([a, b])
 
 
 class IterationStep:
-    """The frees, frontier moves, admits and allocations recorded for the next step.
+    """The records of one iteration and the step that runs them (see the module docstring).
 
-    Keys: a live request row (an int >= 0), or, for a request admitted by the next step,
-    a negative key handed out by :meth:`reserve` (its row is known once :meth:`run` ran:
-    ``admitted[key]``). Owns four host dicts (insertion order = lane order of the
-    allocations) and running totals. Invariants: a row is in at most one of ``releases``
-    and ``extends``/``advances`` (a release cancels the row's other records); every
-    recorded row is live in ``alloc``; ``needed`` / ``n_tokens`` / ``n_rows`` equal the
-    sums over the records. Cost: every record is O(1) per row without sharing, O(pages
-    it frees) with it; the queries are O(1), except the first after a step ran or the
-    cache changed (O(pages of the records and the cache's entries + pool size)); :meth:`run`
-    is one step.
-    """
+    ``alloc``: a pool-mode :class:`HybridAllocator`; ``owner`` names the seam in errors.
+    ``last_step`` is the :class:`Step` the last :meth:`run` planned (for inspection)."""
 
     def __init__(self, alloc: HybridAllocator, owner: str):
         if not isinstance(alloc, HybridAllocator):
@@ -196,276 +130,260 @@ class IterationStep:
         cfg = alloc.config
         if cfg.ring_mode:
             raise ConfigError(
-                f"{owner} needs a pool-mode allocator (swa_ring_pages=0): in ring mode every "
-                "admit is a device step of its own and the per-call page accounting of the "
-                "seam does not hold")
-        self.alloc = alloc
-        self.ps = cfg.page_size
+                f"{owner} needs a pool-mode allocator (swa_ring_pages=0): in ring mode an "
+                "admit pops ring pages, so a request cannot be admitted on a cached prefix "
+                "and the seams' one-step iteration does not hold")
+        self.alloc, self.config, self.ledger = alloc, cfg, alloc.ledger
         self.cache = alloc.prefix_cache
-        self.shared = alloc.ledger.n_handles > 0  # pages may be shared: count by references
-        self.releases: dict[int, tuple[int, int]] = {}  # row -> (FULL, SWA) pages it holds
-        self.advances: dict[int, tuple[int, int]] = {}  # row -> (new frontier, SWA pages)
-        self.trims: dict[int, int] = {}  # row -> new length (pages wholly past it given back)
-        self.extends: dict[int, tuple[int, int]] = {}  # key -> (tokens, pages per pool)
-        self.admits: dict[int, tuple[int | None, int]] = {}  # key < 0 -> (handle, prefix)
-        self.admitted: dict[int, int] = {}  # after run(): key -> the row it got
-        self.needed = self.n_tokens = self.n_rows = 0  # pages per pool, tokens, alloc rows
-        self._next_key = -1
-        self._version = 0  # bumped by every change of the records
-        self._freed = _FreedPages(alloc, self.shared)
+        self.ps = cfg.page_size
+        self.states = cfg.num_state_slots > 0  # inserts only at the committed length
+        n = cfg.max_reqs
+        self.take_h, self.take_row, self.take_n = Ints(16), Ints(16), Ints(16)
+        self.release, self.trim_row, self.trim_len = Ints(n), Ints(16), Ints(16)
+        self.adv_row, self.adv_pos = Ints(n), Ints(n)
+        self.admit, self.on_row, self.on_h, self.on_n = Ints(16), Ints(16), Ints(16), Ints(16)
+        self.decode, self.ext_row, self.ext_n = Ints(n), Ints(n), Ints(n)
+        self.released = np.zeros(n, dtype=bool)  # rows whose release is recorded
+        self.inserts: list[tuple[int, list]] = []  # (handle, page keys): entries after the step
+        self._ends: dict[bytes, int] = {}  # last page key of a recorded insert -> its handle
+        self.frees_version = 0  # bumped by every recorded free (takes included)
+        self.cache_steps = 0  # steps the cache ran outside the iteration's step
+        self.last_step: Step | None = None
+        self._freed: dict = {}  # version key -> pages (a few versions live at once)
+        self._reclaim: dict = {}
 
-    # ---- queries ---------------------------------------------------------------------
+    # ---- state ------------------------------------------------------------------------
+    def has_frees(self) -> bool:
+        return bool(self.take_h.n or self.release.n or self.trim_row.n or self.adv_row.n)
+
     def __bool__(self) -> bool:
-        return bool(self.releases or self.advances or self.trims or self.extends
-                    or self.admits)
+        return bool(self.has_frees() or self.admit.n or self.on_row.n or self.decode.n
+                    or self.ext_row.n)
 
-    def free_pages(self, pool: str, *, with_cache: bool = False) -> int:
-        """Pages of ``pool`` free once the recorded step has run (``with_cache``: plus
-        what evicting the unlocked cache entries would give back)."""
-        freed, reclaimable = self._counts()
-        i = 0 if pool == "full" else 1
-        extra = reclaimable[i] if with_cache else 0
-        return self.alloc.n_free(pool) + freed[i] + extra - self.needed
+    # ---- recording ----------------------------------------------------------------------
+    def add_release(self, row: int) -> None:
+        self.release.append(row)
+        self.released[row] = True
+        self.frees_version += 1
 
-    def fits(self) -> bool:
-        """Whether the recorded work fits the pools, counting what the prefix cache could
-        give back (a lock taken after a reservation may withdraw pages it counted on)."""
-        cached = self.cache is not None
-        return (self.free_pages("full", with_cache=cached) >= 0
-                and self.free_pages("swa", with_cache=cached) >= 0)
+    def add_trim(self, row: int, new_len: int) -> None:
+        self.trim_row.append(row)
+        self.trim_len.append(new_len)
+        self.frees_version += 1
 
-    def reclaimable_pages(self, pool: str) -> int:
-        """Pages of ``pool`` the prefix cache could give back once the recorded frees ran
-        (0 without a cache)."""
-        return self._counts()[1][0 if pool == "full" else 1]
+    def add_advance(self, row: int, pos: int) -> None:
+        self.adv_row.append(row)
+        self.adv_pos.append(pos)
+        self.frees_version += 1
 
-    def length(self, key: int) -> int:
-        """The request's length once the recorded step has run."""
-        rec = self.extends.get(key)
-        base = self.admits[key][1] if key < 0 else self.trims.get(key, self.alloc.seq_len(key))
-        return base + (rec[0] if rec else 0)
+    def insert(self, row: int, token_ids) -> int:
+        """Record a prefix-cache insert of live ``row``'s whole pages of ``token_ids`` (its
+        first positions hold them) as a ``take`` of the next step: FULL pages of the prefix,
+        SWA from the row's frontier. Returns the tokens cached (0: nothing to cache, or no
+        handle could be freed). A prefix already cached, or recorded in this iteration,
+        costs no take. When every handle is held or reserved, the cache drops its LRU
+        unlocked leaf first: one step of its own (``cache_steps``). With recurrent-state
+        slots only a page-aligned committed length is cached (the state snapshot is the
+        state there). O(prefix pages)."""
+        cache, ps = self.cache, self.ps
+        keys = page_keys(token_ids, ps)
+        committed = int(self.ledger.committed[row])
+        n = min(len(keys), committed // ps) * ps
+        if n == 0 or (self.states and n != committed):  # a snapshot: the committed length
+            return 0
+        keys = keys[:n // ps]
+        if keys[-1] in self._ends or cache.lookup(keys) >= 0:
+            return n
+        handle = self._free_handle()
+        if handle < 0:
+            before = self.alloc.steps_run
+            cache.evict(n_full=1)  # the LRU unlocked leaf: its handle becomes free
+            self.cache_steps += self.alloc.steps_run - before
+            handle = self._free_handle()
+            if handle < 0:
+                return 0
+        self.take_h.append(handle)
+        self.take_row.append(row)
+        self.take_n.append(n)
+        self.inserts.append((handle, keys))
+        self._ends[keys[-1]] = handle
+        self.frees_version += 1
+        return n
 
-    def frontier(self, key: int) -> int:
-        """The request's frontier once the recorded step has run."""
-        if key < 0:
-            handle, prefix = self.admits[key]
-            return 0 if handle is None else min(self.alloc.handle_info(handle).swa_start,
-                                                prefix)
-        rec = self.advances.get(key)
-        return rec[0] if rec else self.alloc.frontier(key)
+    def _free_handle(self) -> int:
+        taken = self.ledger.h_live.copy()
+        taken[self.take_h.view()] = True
+        free = np.flatnonzero(~taken)
+        return int(free[0]) if len(free) else -1
 
-    def held_pages(self, row: int) -> tuple[int, int]:
-        """(FULL, SWA) pages ``row`` holds now (before the recorded step), shared or not."""
-        end = _ceil_div(self.alloc.seq_len(row), self.ps)
-        return end, end - self.alloc.frontier(row) // self.ps
+    # ---- what the recorded frees give back: the planner's dry runs ------------------------
+    def frees_step(self, extra: dict | None = None, drop=None) -> Step:
+        """The recorded takes and frees as a Step, plus ``extra`` frees (``{"advance": (rows,
+        pos), "trim": (rows, lens)}``, a caller's not yet recorded) and ``drop`` handles."""
+        kw = self._frees()
+        for kind, value in (extra or {}).items():
+            _merge(kw, kind, value)
+        if drop is not None:
+            kw["drop"] = drop
+        return Step(**kw)
 
-    def check_row(self, row, what: str) -> int:
-        """``row`` as an int, refused unless live and not released in this iteration."""
-        if isinstance(row, (bool, np.bool_)) or not isinstance(row, (int, np.integer)):
-            raise UnknownRequestError(f"{what}: req_pool_idx must be an int row, got {row!r}")
-        r = int(row)
-        if not 0 <= r < self.alloc.config.max_reqs or not self.alloc.is_live(r):
-            raise UnknownRequestError(f"{what}: request row {r} is not a live request row")
-        if r in self.releases:
-            raise UnknownRequestError(f"{what}: request row {r} was released in this "
-                                      "iteration; its release runs with the next step")
-        return r
+    def _frees(self) -> dict:
+        kw = {}
+        if self.take_h.n:
+            kw["take"] = (self.take_h.view(), self.take_row.view(), self.take_n.view())
+        if self.release.n:
+            kw["release"] = self.release.view()
+        if self.trim_row.n:
+            kw["trim"] = (self.trim_row.view(), self.trim_len.view())
+        if self.adv_row.n:
+            kw["advance"] = (self.adv_row.view(), self.adv_pos.view())
+        return kw
 
-    def _counts(self):
-        """(freed FULL, SWA) by the recorded frees, (reclaimable FULL, SWA) after them."""
-        cache = self.cache
-        busy = frozenset(h for h, _ in self.admits.values() if h is not None)
-
-        def handles():
-            if cache is None:
-                return ()
-            return [h for h in cache.reclaimable_handles() if h not in busy]
-
-        state = (self.alloc.steps_run, id(self.alloc.ledger),
-                 None if cache is None else (cache.version, busy))
-        return self._freed.counts(handles, state)
-
-    def _set(self, records: dict, name: str, key: int, value) -> None:
-        """``records[key] = value`` (``None``: delete), told to the free counter."""
-        old = records.pop(key, None)
-        if old is not None:
-            self._freed.toggle(_record(name, key, old), -1)
-        if value is not None:
-            records[key] = value
-            self._freed.toggle(_record(name, key, value), 1)
-
-    # ---- recording ---------------------------------------------------------------------
-    def release(self, key: int) -> None:
-        """Record the release of live ``row`` (cancels its recorded advance/extension); a
-        negative key (a request admitted by the next step) is cancelled instead."""
-        self._drop(key)
-        if key < 0:
-            del self.admits[key]
-            self._version += 1
-            return
-        self._set(self.releases, "rel", key, self.held_pages(key))
-        self._version += 1
-
-    def reserve(self, items, *, trim: bool = False) -> list[int] | None:
-        """Record a batch, whole or not at all.
-
-        ``items``: ``(key or None, target_len, new_frontier or None)`` per request, keys
-        distinct; ``None`` admits a new request with the next step, ``(None, target_len,
-        None, handle, prefix_len)`` admits it on ``prefix_len`` tokens (whole pages) of
-        prefix handle ``handle`` (shared, not allocated). The request grows to
-        ``target_len`` (never shrinks) and its frontier moves to ``new_frontier``
-        (forward, page-aligned; existing rows only). With ``trim``, a live request holding
-        a whole page or more past ``target_len`` gives those pages back in the step
-        (``it.trim``; not when its frontier has moved and ``target_len`` is below it plus
-        the window, which a trim refuses). Returns the keys (negative for new
-        requests), or ``None`` when a pool (counting what the prefix cache could give
-        back, when there is one) or the request rows are short, with nothing changed. A
-        batch over the frozen allocation shape raises :class:`BatchTooLargeError`, a bad
-        handle or prefix its typed error, nothing changed.
-        """
-        cfg, ps = self.alloc.config, self.ps
-        items = [tuple(item) + (None, 0)[len(item) - 3:] for item in items]
-        named = [key for key, *_ in items if key is not None]
-        if len(set(named)) != len(named):
-            raise OverlapError("a request appears twice in one batch; pass each once")
-        for key, target, _, handle, prefix in items:
-            if key is None and handle is not None:
-                info = self.alloc.handle_info(handle)  # UnknownHandleError if not held
-                if prefix % ps or not 0 < prefix <= info.n_tokens or prefix > target:
-                    raise AlignmentError(
-                        f"admit on handle {handle}: a shared prefix of {prefix} tokens; share "
-                        f"whole pages (page_size {ps}) of the handle's {info.n_tokens}, at "
-                        f"most the request's {target}")
-            n = max(int(target) - (prefix if key is None else self.length(key)), 0)
-            if n > cfg.max_tokens_per_alloc_row:
-                raise BatchTooLargeError(
-                    f"request {key} would allocate {n} tokens in one step; the frozen "
-                    f"max_tokens_per_alloc_row is {cfg.max_tokens_per_alloc_row}: schedule "
-                    "smaller chunks, or size the allocator with AllocatorConfig.for_engine")
-        mark = len(self._freed.journal)
-        saved = (dict(self.releases), dict(self.advances), dict(self.extends),
-                 dict(self.admits), dict(self.trims), self.needed, self.n_tokens, self.n_rows,
-                 self._next_key)
-        keys = [self._record(*item, trim) for item in items]
-        self._version += 1
-        short = None
-        for have, cap, name in ((self.n_rows, cfg.max_alloc_rows, "max_alloc_rows"),
-                                (self.n_tokens, cfg.max_step_tokens, "max_step_tokens")):
-            if have > cap:
-                short = BatchTooLargeError(
-                    f"this iteration's step would need {have} for the frozen {name} {cap}: "
-                    "schedule less per iteration, or size the allocator with "
-                    "AllocatorConfig.for_engine from the engine's budgets")
-        if short is None and not (self.fits()
-                                  and len(self.admits) <= cfg.max_reqs - self.alloc.n_live):
-            short = False
-        if short is None:
-            return keys
-        (self.releases, self.advances, self.extends, self.admits, self.trims, self.needed,
-         self.n_tokens, self.n_rows, self._next_key) = saved
-        self._freed.undo(mark)
-        self._version += 1
-        if short is False:
-            return None
-        raise short
-
-    def _record(self, key, target, new_front, handle, prefix, trim=False) -> int:
-        if key is None:
-            key, self._next_key = self._next_key, self._next_key - 1
-            self.admits[key] = (handle, prefix if handle is not None else 0)
-            self.n_rows += handle is not None  # the prefix copy is an allocation row
-        elif key >= 0 and new_front is not None and new_front > self.frontier(key):
-            old = self.alloc.frontier(key)
-            self._set(self.advances, "adv", key,
-                      (int(new_front), (int(new_front) - old) // self.ps))
-        length = self.admits[key][1] if key < 0 else self.alloc.seq_len(key)
-        self._set(self.trims, "trim", key, None)
-        ps, window = self.ps, self.alloc.config.sliding_window
-        if trim and key >= 0 and _ceil_div(int(target), ps) < _ceil_div(length, ps) and (
-                self.alloc.frontier(key) == 0 or target >= self.alloc.frontier(key) + window):
-            self._set(self.trims, "trim", key, int(target))
-            length = int(target)
-        n, pages = self.extends.pop(key, (0, 0))
-        self.needed -= pages
-        self.n_tokens -= n
-        self.n_rows -= n > 0
-        n = max(int(target) - length, 0)
-        pages = _ceil_div(length + n, self.ps) - _ceil_div(length, self.ps)
-        if n:
-            self.extends[key] = (n, pages)
-            self.needed += pages
-            self.n_tokens += n
-            self.n_rows += 1
-        return key
-
-    def _drop(self, key: int) -> None:
-        n, pages = self.extends.pop(key, (0, 0))
-        self.needed -= pages
-        self.n_tokens -= n
-        self.n_rows -= n > 0
-        self._set(self.advances, "adv", key, None)
-        self._set(self.trims, "trim", key, None)
-        if key < 0 and self.admits[key][0] is not None:
-            self.n_rows -= 1
-
-    # ---- the step ----------------------------------------------------------------------
-    def run(self) -> tuple[AllocResult | None, int]:
-        """Run the recorded work: ONE step (more only when the frees exceed the frozen
-        release shape, see the module docstring). Returns ``(result, steps_run)``;
-        ``result`` is ``None`` when nothing was allocated. Lanes: the extensions in
-        recording order; ``admitted`` maps each new request's key to its row. A step
-        refused for pages (the accounting was off) raises with the records kept."""
-        alloc = self.alloc
-        self.admitted = {}
-        if not self:
-            return None, 0
-        before = alloc.steps_run
-        release = list(self.releases)
-        advance = (list(self.advances), [v[0] for v in self.advances.values()])
-        trims = (list(self.trims), list(self.trims.values()))
+    def _dry_freed(self, step: Step) -> tuple[int, int]:
         try:
-            result, admitted = self._one_step(release, advance, trims)
-        except BatchTooLargeError:
-            short = [-self.free_pages(pool) for pool in ("full", "swa")]  # after the frees
-            evict = self.cache is not None and max(short) > 0
-            if not (release or advance[0] or trims[0] or evict):
+            return self.alloc.dry_run(step).pages_freed
+        except BatchTooLargeError as exc:  # past the frozen release shape: a free is not
+            if refusal_code(exc) != _SHAPE:  # refused for it (it is split), so count past it
                 raise
-            if trims[0]:  # a step of its own (a trim is not a free_group() free)
-                alloc.trim(*trims)
-            if release or advance[0]:
-                with alloc.free_group():  # splits the frees into as many steps as they need
-                    if release:
-                        alloc.release(release)
-                    if advance[0]:
-                        alloc.advance_frontier(*advance)
-            if evict:  # the cache's drops in steps of their own (split like any free)
-                self.cache.evict(max(short[0], 0), max(short[1], 0))
-            result, admitted = self._one_step([], ([], []), ([], [])) if (
-                self.admits or self.extends) else (None, {})
-        self.admitted = admitted
-        self.releases.clear()
-        self.advances.clear()
-        self.trims.clear()
-        self._freed.clear()
-        self.extends.clear()
-        self.admits.clear()
-        self.needed = self.n_tokens = self.n_rows = 0
-        self._version += 1
-        return result, alloc.steps_run - before
+            return self.alloc.dry_run(step, oversize=True).pages_freed
 
-    def _one_step(self, release, advance, trims):
-        with self.alloc.scheduler_step() as it:
-            if release:
-                it.release(release)
-            if trims[0]:
-                it.trim(*trims)
-            if advance[0]:
-                it.advance(*advance)
-            admitted = {}
-            for key, (handle, prefix) in self.admits.items():
-                admitted[key] = it.admit(handle=handle, n_tokens=prefix if handle is not None
-                                         else None)
-            if self.extends:
-                rows = [admitted.get(key, key) for key in self.extends]
-                it.extend(rows, [v[0] for v in self.extends.values()])
-        return it.result, admitted
+    def pages_freed(self, extra: dict | None = None, extra_key=None) -> tuple[int, int]:
+        """``(FULL, SWA)`` pages the recorded frees (plus ``extra``, see :meth:`frees_step`,
+        whose version the caller passes as ``extra_key``) give back when the step runs: a
+        dry run of the planner, once per version of the records and of the allocator."""
+        key = (self.frees_version, self.alloc.steps_run, extra_key)
+        value = self._freed.get(key)
+        if value is None:
+            step = self.frees_step(extra)
+            value = self._dry_freed(step) if step.kinds() else (0, 0)
+            _remember(self._freed, key, value)
+        return value
+
+    def pages_reclaimable(self, extra: dict | None = None, extra_key=None) -> tuple[int, int]:
+        """``(FULL, SWA)`` pages dropping every unlocked cache entry would add once the
+        recorded frees ran ((0, 0) without a cache); cached as :meth:`pages_freed`, and per
+        version of the cache (entries, locks)."""
+        cache = self.cache
+        if cache is None:
+            return 0, 0
+        key = (self.frees_version, self.alloc.steps_run, extra_key, cache.version)
+        value = self._reclaim.get(key)
+        if value is None:
+            handles = cache.reclaimable_handles()
+            value = (0, 0)
+            if handles:
+                freed = self.pages_freed(extra, extra_key)
+                both = self._dry_freed(self.frees_step(extra, np.array(handles, np.int64)))
+                value = (both[0] - freed[0], both[1] - freed[1])
+            _remember(self._reclaim, key, value)
+        return value
+
+    def free_pages(self, pool: str, *, with_cache: bool = False, extra: dict | None = None,
+                   extra_key=None) -> int:
+        """Pages of ``pool`` free once the recorded frees ran (``with_cache``: plus what
+        the cache could give back); allocations not counted."""
+        i = 0 if pool == "full" else 1
+        more = self.pages_reclaimable(extra, extra_key)[i] if with_cache else 0
+        return self.alloc.n_free(pool) + self.pages_freed(extra, extra_key)[i] + more
+
+    # ---- the step -------------------------------------------------------------------------
+    def to_step(self, advance=None, trim=None, admit=None, admit_on=None, decode=None,
+                extend=None) -> Step:
+        """The records, followed by a call's arrays (``advance`` / ``trim`` / ``admit_on``
+        / ``extend`` as tuples of arrays), as one Step; absent kinds left out. O(kinds)."""
+        if not self:  # nothing recorded: the call's arrays as they are
+            kw = {}
+            for kind, value in (("trim", trim), ("advance", advance), ("admit", admit),
+                                ("admit_on", admit_on), ("decode", decode),
+                                ("extend", extend)):
+                if value is not None:
+                    kw[kind] = value
+            return Step(**kw)
+        kw = self._frees()
+        _merge(kw, "trim", trim)
+        _merge(kw, "advance", advance)
+        _merge(kw, "admit", _cat(self.admit.view(), admit))
+        _merge(kw, "admit_on", (self.on_row.view(), self.on_h.view(), self.on_n.view()))
+        _merge(kw, "admit_on", admit_on)
+        _merge(kw, "decode", _cat(self.decode.view(), decode))
+        _merge(kw, "extend", (self.ext_row.view(), self.ext_n.view()))
+        _merge(kw, "extend", extend)
+        return Step(**kw)
+
+    def run(self, **call):
+        """Run the records plus ``call``'s arrays (:meth:`to_step`) as ONE step. Returns
+        ``(result, pages_evicted, n_steps)``, or ``None`` when a pool or the request rows
+        are short (nothing changed, records kept). Other refusals raise their typed error,
+        nothing changed. Past the frozen release shape the frees run first (more steps)."""
+        alloc = self.alloc
+        step = self.last_step = self.to_step(**call)
+        before = alloc.steps_run
+        try:
+            planned = alloc.plan(step)
+        except (BatchTooLargeError, CapacityError) as exc:
+            code = refusal_code(exc)
+            if code in _SHORT:
+                return None
+            if code != _SHAPE or not self.has_frees():
+                raise
+            return self._run_split(call, before)
+        result = alloc.run(planned)
+        self._done()
+        return result, planned.pages_evicted, alloc.steps_run - before
+
+    def _run_split(self, call: dict, before: int):
+        """The step is over the frozen shape and frees are recorded: check the rest alone
+        (over the shape: raise, nothing changed), run the frees (the takes, the trims, then
+        the releases and frontier moves through ``alloc.free_group()``, which splits them),
+        then the rest as one step."""
+        alloc = self.alloc
+        whole = self.to_step(**call)
+        try:
+            alloc.dry_run(Step(advance=call.get("advance"), trim=call.get("trim"),
+                               admit=whole.admit,
+                               admit_on=whole.admit_on, decode=whole.decode,
+                               extend=whole.extend))
+        except (BatchTooLargeError, CapacityError) as exc:
+            if refusal_code(exc) not in _SHORT:  # short of pages the frees give back: fine
+                raise
+        if self.take_h.n:
+            alloc.step(take=(self.take_h.view(), self.take_row.view(), self.take_n.view()))
+            self._register()
+        if self.trim_row.n:
+            alloc.trim(self.trim_row.view(), self.trim_len.view())
+        with alloc.free_group():
+            if self.release.n:
+                alloc.release(self.release.view())
+            if self.adv_row.n:
+                alloc.advance_frontier(self.adv_row.view(), self.adv_pos.view())
+        if self.release.n:
+            self.released[self.release.view()] = False
+        for ints in (self.take_h, self.take_row, self.take_n, self.release, self.trim_row,
+                     self.trim_len, self.adv_row, self.adv_pos):
+            ints.n = 0
+        self.frees_version += 1
+        out = self.run(**call)
+        if out is None:
+            return None
+        return out[0], out[1], alloc.steps_run - before
+
+    def _register(self) -> None:
+        cache = self.cache
+        for handle, keys in self.inserts:
+            cache.add_entry(handle, keys)
+        self.inserts.clear()
+        self._ends.clear()
+
+    def _done(self) -> None:
+        """The step was submitted: register its cache entries, clear the records."""
+        if not self:
+            return
+        if self.inserts:
+            self._register()
+        if self.release.n:
+            self.released[self.release.view()] = False
+        for ints in (self.take_h, self.take_row, self.take_n, self.release, self.trim_row,
+                     self.trim_len, self.adv_row, self.adv_pos, self.admit, self.on_row,
+                     self.on_h, self.on_n, self.decode, self.ext_row, self.ext_n):
+            ints.n = 0
+        self.frees_version += 1

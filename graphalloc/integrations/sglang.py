@@ -1,96 +1,38 @@
-"""SGLang's request-level allocator seam, one graphalloc step per scheduler iteration.
+"""SGLang's request-level allocator seam: each ``prepare_for_*`` is ONE graphalloc Step.
 
-SGLang's scheduler (non-overlap event loop) runs, per iteration: form a batch
-(``PrefillAdder`` checks ``available_size()``; a decode batch checks it and may
-retract), ``ScheduleBatch.prepare_for_extend()`` / ``prepare_for_decode()`` (request
-slots, SWA eviction ``_evict_swa``, ``alloc_paged_token_slots_extend`` /
-``_decode``), the forward, then ``process_batch_result`` releasing each finished
-request with ``release_kv_cache`` between ``free_group_begin()`` and
-``free_group_end()``. :class:`SGLangAllocator` takes the same calls on plain objects
-with SGLang's attribute names, records the frees and evictions, and runs each
-iteration's frees, evictions, admits and allocation as ONE step
-(``alloc.scheduler_step()``): the frees of iteration k's results join the allocation
-step of iteration k+1.
+Contract. :class:`SGLangAllocator` takes the calls SGLang's scheduler makes on its
+allocator and tree cache, on plain objects with SGLang's attribute names. Frees only
+RECORD into :class:`~.iteration.IterationStep` (``release_kv_cache`` / ``release_finished``
+a release; with a cache, ``cache_finished_req`` / ``cache_unfinished_req`` a ``take`` that
+inserts the request's whole pages); ``prepare_for_extend`` / ``prepare_for_decode`` read
+the batch as arrays once -- ``req_pool_idx`` of each request, ``prefix_lens``,
+``extend_lens`` / ``seq_lens_cpu`` (host values) -- and run records plus batch as ONE Step:
+take, release, advance (SWA eviction), admit / admit_on (a hit shares its pages), extend /
+decode; the cache evicts inside it when pages are short. SWA eviction is SGLang's rule,
+vectorised: the SWA KV below ``floor_page(pre_len - W)`` goes, ``pre_len`` the prefix at an
+extend, the KV length at a decode (there once ``swa_eviction_interval`` tokens past).
 
-Objects it reads (host values only; SGLang keeps these on the CPU too):
+Unknown ids, one policy with the vLLM seam: releasing a request that holds no KV here
+(``req_pool_idx is None``) is a no-op returning ``False``; any other call naming a request
+the seam does not hold raises :class:`~graphalloc.errors.UnknownRequestError`. Malformed
+objects raise a typed error naming the field (``ContractError``: a missing or non-list
+batch field; ``UnknownRequestError``: ``req_pool_idx``; ``PositionError``: lengths, slots).
+A refused call (typed error, or ``None`` for lack of pages or rows) changes nothing.
 
-* a request: ``req_pool_idx`` (``None`` until the seam gives it a row; the seam
-  writes it, as SGLang's ``ReqToTokenPool.alloc`` does, and sets it back to ``None``
-  on release), and ``finished()`` for :meth:`SGLangAllocator.release_finished`; with
-  the prefix cache also ``origin_input_ids`` and ``output_ids`` (token ids, host lists)
-  and ``last_node`` (the seam writes it: the matched entry's handle, or ``None``);
-* an extend batch: ``reqs``, ``prefix_lens`` and ``extend_lens`` (one int per request:
-  tokens already in the KV cache, tokens of this chunk);
-* a decode batch: ``reqs`` and ``seq_lens_cpu`` (each request's length before the new
-  token, i.e. its KV length; the engine increments it after, as SGLang does).
-
-Launches per decode iteration, B requests of which E evict, one free group of F
-finished requests, page_size > 1. Before -- SGLang's ``SWATokenToKVPoolAllocator`` over
-two ``PagedTokenToKVPoolAllocator``s, counted by reading its public source (one
-version; not measured, versions differ): ``alloc_decode`` is about 7 launches (the
-last-location gather and its full-to-SWA translation, one Triton allocation kernel
-per pool, the mapping scatter, the ``req_to_token`` write); each of the E
-``_evict_swa`` calls is a ``free_swa`` of about 10 launches (page expansion, mapping
-gather, a boolean filter, the SWA pool's free, the mapping clear) of which three
-(two unique-value ops, boolean masking) have data-dependent shapes and wait for the
-device; ``free_group_end`` concatenates and frees both pools, about 13 launches and 4
-waits, whatever F. About ``20 + 10 E`` launches and ``4 + 3 E`` host/device waits per
-iteration.
-After: ONE graphalloc step -- one fused kernel (two when the step's pops do not fit in
-what was free before it), or one graph replay under ``executor="graph"`` -- and no
-host/device synchronisation; an idle iteration's :meth:`SGLangAllocator.flush` is one
-release-only step.
-
-Covers: extend batches (prefill, chunked prefill, mixed chunks: any extend lengths),
-decode batches, SWA eviction by SGLang's rule (a request's SWA KV below
-``floor_page(pre_len - sliding_window)`` is freed; ``pre_len`` = prefix length at an
-extend, KV length at a decode) with an eviction interval at decode, release of
-finished or retracted requests, the free-group bracket, ``available_size`` and its
-FULL/SWA variants, ``translate_loc_from_full_to_swa``; refusal (``None``, nothing
-changed) when a pool or the request rows are short.
-
-The prefix cache (SGLang's radix cache; ``SWARadixCache`` for hybrid models): when the
-allocator was built with ``HybridAllocator(cfg, prefix_cache=True)`` the seam plays
-SGLang's ``tree_cache`` on :class:`graphalloc.sharing.prefix_cache.PrefixCache`; without one it
-behaves as SGLang's ChunkCache (``--disable-radix-cache``: a release frees everything).
-
-* :meth:`SGLangAllocator.match_prefix` (``tree_cache.match_prefix`` in
-  ``Req.init_next_round_input``): the longest cached whole-page prefix of the request's
-  ``origin_input_ids + output_ids`` minus its last token (one token is always computed),
-  counting only hits whose SWA window is present; the entry is locked (SGLang's
-  ``inc_lock_ref``) until the next step the seam runs. The request's ``last_node``
-  names the hit.
-* ``prepare_for_extend`` admits a new request with ``prefix_lens[i] > 0`` on that hit
-  (``admit(handle=, n_tokens=prefix_len)``: the prefix's pages shared, its
-  ``req_to_token`` written on the device in the step) and extends it by
-  ``extend_lens[i]``, in the iteration's one step.
-* :meth:`SGLangAllocator.release_kv_cache` is ``cache_finished_req``: the request's whole
-  pages of KV (``origin_input_ids + output_ids``, up to its allocated length) are
-  inserted -- the cache's handle references them, SWA only from the request's frontier
-  (what left the window is a tombstone) -- and the request is released: its pages the
-  entry does not hold (the partial tail page, pages an equal entry already holds) are
-  freed. :meth:`SGLangAllocator.cache_unfinished_req` inserts a chunked prefill's
-  prefix. A new entry is one step of its own (the handle's prefix copy), run at the call;
-  an already cached prefix costs none.
-* ``evictable_size()`` (and the FULL/SWA variants): tokens the cache could give back once
-  the recorded frees ran; the allocator evicts by itself inside a step whose allocation
-  needs them (SWA tombstoned before FULL is evicted), so a scheduler admits while
-  ``available_size() + evictable_size()`` covers the batch, as SGLang's ``PrefillAdder``.
-
-Does not cover: the overlap scheduler's deferred eviction (evicting with ``pre_len`` one
-chunk or one step behind), speculative decoding's multi-token decode allocation,
-HiCache load-back, disaggregation, page_size 1 token-level ``alloc(n)``, ring mode; FULL
-hits whose window is gone (SGLang recomputes the window; here ``match_prefix`` reports
-only window-present hits), per-node lock references kept across iterations.
-
-What an engine must still write: call the seam where SGLang calls its allocator and its
-tree cache (the methods above, in its order; ``match_prefix`` in the iteration that
-prefills the request); build ``ForwardBatch.out_cache_loc`` from the returned views
-(valid until the next step runs) and its attention metadata (e.g.
-:class:`graphalloc.attention.page_tables.PageTables`, or gathers of ``alloc.req_to_token``);
-write ``ScheduleBatch`` state (``req_pool_indices``, ``seq_lens`` +1 after a decode);
-call :meth:`SGLangAllocator.flush` on an idle iteration (no batch) so recorded frees
-do not wait for the next batch; ``alloc.check()`` where it synchronises anyway.
+Invariants: ``available_size()`` is what the next step leaves free before it allocates,
+``n_free`` + the planner's dry run of the records (cached per version); a matched entry is
+locked until the next step. Cost: per ``prepare_*`` a few numpy calls over the batch and
+one plan; ``finished()`` per request in ``release_finished``; the queries one dry run per
+version, then O(1); no device read. The engine still writes ``ForwardBatch.out_cache_loc``
+(:attr:`SGLangBatchAlloc.out_cache_loc`), attention metadata (``alloc.tables`` with
+``page_tables=PageTableSpec(...)``, or gathers of ``alloc.req_to_token``), ``seq_lens`` +1
+after a decode, :meth:`SGLangAllocator.flush` on an idle iteration, ``alloc.check()``
+where it synchronises. Recurrent-state slots (a config with ``num_state_slots``): the
+Mamba pool's mapping is :attr:`SGLangAllocator.req_index_to_mamba_index_mapping`, its
+alloc / free ride in the admits and releases, snapshot copies in the steps; the engine
+still zeroes a new request's state before its prefill and runs its layers on the slot.
+Not covered: the overlap scheduler's deferred eviction,
+speculative multi-token decode, HiCache, page_size-1 ``alloc(n)``, ring mode.
 """
 
 from __future__ import annotations
@@ -104,25 +46,100 @@ import torch
 from ..allocator import AllocResult, HybridAllocator
 from ..errors import (
     AlignmentError,
+    CapacityError,
     ConfigError,
     ContractError,
     NestedGroupError,
     PositionError,
     TensorSpecError,
+    UnknownRequestError,
 )
+from ..inputs import as_int64
+from ..plan.step import EMPTY
 from .iteration import IterationStep
 
 __all__ = ["SGLangAllocator", "SGLangBatchAlloc"]
 
+_MISSING = object()
 
-def _host_ints(values, n: int, what: str) -> list[int]:
-    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
-        raise TensorSpecError(f"{what} is a tensor on {values.device}: reading it would "
-                              "synchronise; pass the host copy (SGLang keeps one on the CPU)")
-    host = values.tolist() if hasattr(values, "tolist") else values  # host: off the fast path
-    out = [int(v) for v in host]
-    if len(out) != n:
-        raise ContractError(f"{what} has {len(out)} entries for {n} requests")
+
+def batch_field(batch, name: str, n: int) -> np.ndarray:
+    """``batch.<name>``: one int per request, as int64 (a CPU tensor, an array or a list);
+    a typed error naming the field for anything else. No copy for a CPU int64 tensor or
+    array; one ``np.array`` for a list."""
+    values = getattr(batch, name, _MISSING)
+    kind = type(values)
+    arr = None
+    if kind is torch.Tensor:
+        if values.device.type != "cpu":
+            raise TensorSpecError(f"{name} is a tensor on {values.device}: reading it would "
+                                  "synchronise; pass the host copy (SGLang keeps one on the "
+                                  "CPU)")
+        if values.dtype == torch.int64 and values.dim() == 1:
+            arr = values.numpy()
+    elif kind is np.ndarray:
+        if values.dtype == np.int64 and values.ndim == 1:
+            arr = values
+    elif kind is list and values:
+        arr = np.array(values)
+        if arr.dtype != np.int64 or arr.ndim != 1:
+            arr = None
+    if arr is None:
+        if values is _MISSING or values is None:
+            raise ContractError(f"the batch has no {name}: SGLang's ScheduleBatch carries it "
+                                "(one int per request)")
+        if not isinstance(values, (list, tuple, np.ndarray, torch.Tensor)):
+            raise ContractError(f"{name} must hold one int per request (a list, an array or "
+                                f"a CPU tensor), got {type(values).__name__} {values!r}")
+        arr = as_int64(values, name, PositionError)  # the typed error for a bad entry
+    if len(arr) != n:
+        raise ContractError(f"{name} has {len(arr)} entries for {n} requests")
+    return arr
+
+
+def batch_reqs(batch) -> list:
+    reqs = getattr(batch, "reqs", _MISSING)
+    if reqs is _MISSING or not isinstance(reqs, (list, tuple)):
+        raise ContractError(f"the batch's reqs must be a list of requests, got "
+                            f"{'nothing' if reqs is _MISSING else type(reqs).__name__}")
+    return reqs
+
+
+def pool_indices(reqs, allow_new: bool, n_rows: int) -> np.ndarray:
+    """Every request's ``req_pool_idx`` as int64 (``None`` -> -1 when ``allow_new``), each
+    in ``[0, n_rows)``; ``UnknownRequestError`` naming the field otherwise. One attribute
+    read per request, one ``np.array``, one range check."""
+    try:
+        idx = [r.req_pool_idx for r in reqs]
+    except AttributeError:
+        raise UnknownRequestError("a request has no req_pool_idx attribute (SGLang's Req "
+                                  "carries it: None until the allocator gives it a row)"
+                                  ) from None
+    arr = np.array(idx) if idx else EMPTY
+    if arr.dtype == np.int64:
+        if len(idx) <= 64:  # a few ints: Python's min / max beat a numpy reduction
+            out = len(idx) and (min(idx) < 0 or max(idx) >= n_rows)
+        else:
+            out = int(arr.view(np.uint64).max()) >= n_rows  # (a negative is huge)
+        if out:
+            bad = int(arr[(arr < 0) | (arr >= n_rows)][0])
+            raise UnknownRequestError(f"req_pool_idx {bad} is outside [0, {n_rows}): not a "
+                                      "row this seam gave out")
+        return arr
+    out = np.empty(len(idx), dtype=np.int64)  # None, a bool, a float, a huge int: find it
+    for i, v in enumerate(idx):
+        if v is None and allow_new:
+            out[i] = -1
+        elif v is None:
+            raise UnknownRequestError(f"req_pool_idx of request {i} in the batch is None: it "
+                                      "holds no KV here (not admitted, or released)")
+        elif isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise UnknownRequestError(f"req_pool_idx must be an int row (None for a new "
+                                      f"request), got {v!r} ({type(v).__name__})")
+        elif not 0 <= v < n_rows:
+            raise UnknownRequestError(f"req_pool_idx {v} is outside [0, {n_rows})")
+        else:
+            out[i] = v
     return out
 
 
@@ -136,6 +153,7 @@ class SGLangBatchAlloc:
     until the next step runs (a later access raises ``StaleResultError``). ``rows``:
     each request's ``req_pool_idx``. ``n_steps``: graphalloc steps this call ran (1;
     more only when the recorded frees exceeded the frozen release shape).
+    ``n_evicted_pages``: SWA pages the window moves freed (the planner's count).
     """
 
     result: AllocResult
@@ -153,37 +171,23 @@ class SGLangBatchAlloc:
 
 
 class SGLangAllocator:
-    """SGLang's allocator calls over a pool-mode :class:`HybridAllocator`.
+    """SGLang's allocator (and, with a prefix cache, tree-cache) calls over a pool-mode
+    :class:`HybridAllocator`; see the module docstring for the contract.
 
     Args:
-        alloc: the allocator (pool mode; ``AllocatorConfig.for_engine`` sizes it).
-            Its ``max_reqs`` must cover the running requests plus the requests
-            released in one iteration (a released row is reused after its step).
-        swa_eviction_interval: tokens (>= 1). At a decode, a request's window is
-            evicted once at least this many positions past its frontier have left
-            the window (``pre_len - sliding_window >= frontier + interval``), like
-            SGLang's ``SGLANG_SWA_EVICTION_INTERVAL``; 1 evicts as soon as a whole
-            page has left it. Extends evict at every chunk, as SGLang's chunk cache.
-            A large interval frees more pages per eviction: size ``max_step_pages``
-            for it (``for_engine`` assumes eviction every step).
-        defer_frees: ``True`` (default): releases are recorded and run with the next
-            step (one step per iteration). ``False``: SGLang's timing --
-            ``free_group_end()`` runs the group's frees at once through
-            ``alloc.free_group()`` (one more step per iteration), a release outside a
-            group runs at once (one step per request: the slow path).
-
-    With a prefix cache (``HybridAllocator(cfg, prefix_cache=True)``) the seam is also
-    SGLang's ``tree_cache``: :meth:`match_prefix`, :meth:`cache_unfinished_req`,
-    :meth:`cache_finished_req` (what :meth:`release_kv_cache` does then) and
-    :meth:`evictable_size`; see the module docstring.
-
-    Invariants: a row released here is not used again until its step ran (the seam
-    refuses it); ``available_size()`` counts the pages of recorded frees, which the
-    next step returns before it allocates; a matched entry stays locked until the next
-    step the seam runs. Cost: O(batch) host work per call, one step per ``prepare_*``
-    (plus one per new cache entry); the queries are O(1) (shared pages counted by
-    reference as the frees are recorded; recounted once after a step or a cache change);
-    no device read.
+        alloc: the allocator (pool mode; ``AllocatorConfig.for_engine`` sizes it). Its
+            ``max_reqs`` must cover the running requests plus the requests released in one
+            iteration (a released row is reused after its step). With
+            ``HybridAllocator(cfg, prefix_cache=True)`` the seam is also SGLang's radix
+            cache (:meth:`match_prefix`, :meth:`cache_unfinished_req`,
+            :meth:`cache_finished_req`, :meth:`evictable_size`); without, a ChunkCache.
+        swa_eviction_interval: tokens (>= 1); at a decode a request's window is evicted once
+            ``pre_len - sliding_window >= frontier + interval`` (SGLang's
+            ``SGLANG_SWA_EVICTION_INTERVAL``). Extends evict at every chunk.
+        defer_frees: ``True`` (default): releases and inserts join the next step.
+            ``False``: SGLang's timing -- ``free_group_end()`` runs the group's releases at
+            once through ``alloc.free_group()`` (one more step per iteration), an insert is
+            a step of its own, a release outside a group runs at once.
     """
 
     def __init__(self, alloc: HybridAllocator, *, swa_eviction_interval: int = 1,
@@ -196,128 +200,193 @@ class SGLangAllocator:
         if not isinstance(defer_frees, bool):
             raise ConfigError(f"defer_frees must be a bool, got {defer_frees!r}")
         self.alloc = alloc
+        self.ledger = alloc.ledger
         self.page_size = alloc.config.page_size
         self.sliding_window_size = alloc.config.sliding_window
         self.swa_eviction_interval = swa_eviction_interval
+        self._max_reqs = alloc.config.max_reqs
+        ps = self.page_size  # floor_page as one bitwise and when the page size is 2^k
+        self._page_mask = -ps if ps & (ps - 1) == 0 else 0
+        self._due = self.sliding_window_size + max(swa_eviction_interval, ps)
         self.defer_frees = defer_frees
         self.tree_cache = alloc.prefix_cache  # None: SGLang's ChunkCache behaviour
-        self.cache_steps = 0  # steps the prefix cache ran (a new entry's handle, LRU drops)
-        self._locks: dict[int, tuple[object, int]] = {}  # id(req) -> (req, locked handle)
+        self._immediate_cache_steps = 0  # inserts run at once (defer_frees=False)
+        self._locks: dict[int, tuple] = {}  # id(req) -> (req, locked handle, hit tokens)
         self._group: contextlib.ExitStack | None = None
         self._in_group = False
+
+    @property
+    def cache_steps(self) -> int:
+        """Steps the prefix cache ran outside the iterations' steps (a handle freed for an
+        insert when every handle was held; with ``defer_frees=False``, every new entry)."""
+        return self.pending.cache_steps + self._immediate_cache_steps
 
     # ---- allocation (ScheduleBatch.prepare_for_extend / prepare_for_decode) -------------
     def prepare_for_extend(self, batch) -> SGLangBatchAlloc | None:
         """Rows for new requests, SWA eviction below ``floor_page(prefix_len - W)``, and
         ``extend_lens[i]`` slots per request, with the recorded frees: ONE step.
 
-        A new request (``req_pool_idx is None``) starts at length 0, or, with
-        ``prefix_lens[i] > 0``, on the cached prefix :meth:`match_prefix` found for it
-        since the last step (``req.last_node``; whole pages, at most the hit): the step
-        admits it sharing those pages and allocates only ``extend_lens[i]``. A running
-        one (a chunked prefill's next chunk) must have ``prefix_lens[i]`` equal to its
-        allocated length. Returns ``None`` when either pool or the request rows are short
-        (the cache's reclaimable pages count as free: the step evicts them), with nothing
-        changed (no row given, no free run)."""
-        reqs = list(batch.reqs)
-        prefix = _host_ints(batch.prefix_lens, len(reqs), "prefix_lens")
-        ext = _host_ints(batch.extend_lens, len(reqs), "extend_lens")
-        self._refuse_in_group("prepare_for_extend")
-        items = []
-        for req, p, n in zip(reqs, prefix, ext, strict=True):
-            if n < 1:
-                raise PositionError(f"extend_lens: {n} for a request; an extend adds >= 1 "
-                                    "token")
-            if req.req_pool_idx is None:
-                items.append((None, n, None) if not p else
-                             (None, p + n, None, self._matched_handle(req, p), p))
-                continue
-            row = self._running_row(req, p, "prepare_for_extend")
-            items.append((row, p + n, self._window_floor(p)))
-        return self._allocate(reqs, items)
+        A new request (``req_pool_idx is None``) starts empty, or, with ``prefix_lens[i] >
+        0``, on the prefix :meth:`match_prefix` locked for it since the last step (whole
+        pages, at most the hit): ``admit_on`` shares those pages, only ``extend_lens[i]``
+        are allocated. A running one (a chunked prefill's next chunk) must have
+        ``prefix_lens[i]`` equal to its allocated length. Returns ``None`` when a pool or
+        the request rows are short (the cache's reclaimable pages count: the step evicts
+        them), with nothing changed."""
+        if self._in_group:
+            self._refuse_in_group("prepare_for_extend")
+        reqs = batch_reqs(batch)
+        n = len(reqs)
+        if not n:
+            self._nonempty(n)
+        prefix = batch_field(batch, "prefix_lens", n)
+        ext = batch_field(batch, "extend_lens", n)
+        if np.count_nonzero((ext < 1) | (prefix < 0)):
+            if (ext < 1).any():
+                raise PositionError(f"extend_lens: {int(ext.min())} for a request; an extend "
+                                    "adds >= 1 token")
+            raise PositionError(f"prefix_lens: {int(prefix.min())}; a prefix is >= 0 tokens")
+        rows = pool_indices(reqs, True, self._max_reqs)
+        new = np.flatnonzero(rows < 0).tolist()
+        ps = self.page_size
+        advance = None
+        if len(new) < n:  # running requests: a chunked prefill's next chunk
+            run = rows >= 0
+            run_rows, run_pre = rows[run], prefix[run]
+            if np.count_nonzero(self.ledger.seq_len[run_rows] != run_pre):
+                self._check_running(run_rows, run_pre, "prepare_for_extend")
+            moved = run_pre >= self.ledger.frontier[run_rows] + (self.sliding_window_size + ps)
+            if np.count_nonzero(moved):
+                advance = (run_rows[moved], self._floor(run_pre[moved]))
+        admit = admit_on = None
+        if new:
+            rows = rows.copy()
+            plain, on_rows, on_h, on_n = [], [], [], []
+            for i in new:
+                p = int(prefix[i])
+                handle = self._matched_handle(reqs[i], p) if p else -1
+                try:
+                    row = self.alloc.free_row(reserved=plain + on_rows)
+                except CapacityError:
+                    return None  # the request rows are short: nothing changed
+                rows[i] = row
+                if p:
+                    on_rows.append(row)
+                    on_h.append(handle)
+                    on_n.append(p)
+                else:
+                    plain.append(row)
+            if plain:
+                admit = np.array(plain, dtype=np.int64)
+            if on_rows:
+                admit_on = (np.array(on_rows, dtype=np.int64), np.array(on_h, dtype=np.int64),
+                            np.array(on_n, dtype=np.int64))
+        out = self.pending.run(advance=advance, admit=admit, admit_on=admit_on,
+                               extend=(rows, ext))
+        if out is None:
+            return None
+        for i in new:
+            reqs[i].req_pool_idx = int(rows[i])
+        if self._locks:
+            self._unlock_all()
+        return SGLangBatchAlloc(out[0], rows, out[2], out[1])
 
     def prepare_for_decode(self, batch) -> SGLangBatchAlloc | None:
-        """One slot per request, with the SWA eviction of the requests due by the
-        interval and the recorded frees: ONE step. ``seq_lens_cpu[i]`` must equal the
-        request's allocated length. Returns ``None`` (nothing changed) when short."""
-        reqs = list(batch.reqs)
-        lens = _host_ints(batch.seq_lens_cpu, len(reqs), "seq_lens_cpu")
-        self._refuse_in_group("prepare_for_decode")
-        items = []
-        for req, length in zip(reqs, lens, strict=True):
-            row = self._running_row(req, length, "prepare_for_decode")
-            due = length - self.sliding_window_size >= (self.pending.frontier(row)
-                                                        + self.swa_eviction_interval)
-            items.append((row, length + 1, self._window_floor(length) if due else None))
-        return self._allocate(reqs, items)
+        """One slot per request, with the SWA eviction of the requests due by the interval
+        and the recorded frees: ONE step. ``seq_lens_cpu[i]`` must equal the request's
+        allocated length. Returns ``None`` (nothing changed) when short."""
+        if self._in_group:
+            self._refuse_in_group("prepare_for_decode")
+        reqs = batch_reqs(batch)
+        n = len(reqs)
+        if not n:
+            self._nonempty(n)
+        lens = batch_field(batch, "seq_lens_cpu", n)
+        rows = pool_indices(reqs, False, self._max_reqs)
+        led = self.ledger
+        if np.count_nonzero(led.seq_len[rows] != lens):
+            self._check_running(rows, lens, "prepare_for_decode")
+        # SGLang's rule: due once pre_len - W >= frontier + interval, to floor_page(pre_len -
+        # W), which moves the (page-aligned) frontier once pre_len - W >= frontier + ps:
+        # one threshold, max(interval, ps), past the frontier
+        moved = lens >= led.frontier[rows] + self._due
+        advance = None
+        if np.count_nonzero(moved):
+            advance = (rows[moved], self._floor(lens[moved]))
+        out = self.pending.run(advance=advance, decode=rows)
+        if out is None:
+            return None
+        if self._locks:
+            self._unlock_all()
+        return SGLangBatchAlloc(out[0], rows, out[2], out[1])
 
     # ---- release (release_kv_cache) and the free-group bracket --------------------------
-    def release_kv_cache(self, req, is_insert: bool = True) -> None:
-        """Free everything ``req`` holds and its row (a finished or retracted request);
-        sets ``req.req_pool_idx = None``.
+    def release_kv_cache(self, req, is_insert: bool = True) -> bool:
+        """Free everything ``req`` holds and its row (a finished or retracted request); sets
+        ``req.req_pool_idx = None``. Returns ``False`` (a no-op) for a request holding no KV
+        here (``req_pool_idx is None``: the unknown-id policy).
 
         Without a prefix cache this is SGLang's ``release_kv_cache`` with a ChunkCache:
         every page is freed. With one (and ``is_insert``) it is ``cache_finished_req``:
-        the request's whole pages are inserted first (:meth:`insert_into_prefix_cache`),
-        then released, so the pages the entry references stay. With ``defer_frees`` the
-        release runs with the next step and counts in ``available_size()`` at once."""
-        row = self.pending.check_row(req.req_pool_idx, "release_kv_cache")
+        the request's whole pages are inserted (a ``take`` of the same step, run before the
+        release), so the pages the entry references stay. With ``defer_frees`` both run
+        with the next step and count in ``available_size()`` at once."""
+        row = self._row_of(req, "release_kv_cache", allow_none=True)
+        if row is None:
+            return False
         if is_insert and self.tree_cache is not None:
-            self.insert_into_prefix_cache(req)
+            self._insert(row, self._token_ids(req, "release_kv_cache"))
         if self.defer_frees:
-            self.pending.release(row)
-        else:  # in a group: planned now, run by free_group_end(); else one step now
+            self.pending.add_release(row)
+        else:  # in a group: run by free_group_end(); else one step now
             self.alloc.release([row])
         req.req_pool_idx = None
+        return True
 
-    def cache_finished_req(self, req) -> None:
+    def cache_finished_req(self, req) -> bool:
         """SGLang's ``tree_cache.cache_finished_req``: insert, then release
         (:meth:`release_kv_cache` with the cache)."""
         self._need_cache("cache_finished_req")
-        self.release_kv_cache(req)
+        return self.release_kv_cache(req)
 
     def insert_into_prefix_cache(self, req) -> int:
         """The prefix-cache half of ``cache_finished_req``: cache the whole pages of the
-        request's KV -- ``origin_input_ids + output_ids`` up to its allocated length (the
-        positions whose KV the forward wrote) -- on a handle: FULL pages of the prefix,
-        SWA pages from the request's frontier on (what already left the window is a
-        tombstone). One step when the entry is new (none when an equal prefix is cached:
-        this request's copies are then freed with it); returns the tokens cached."""
+        request's KV (``origin_input_ids + output_ids`` up to its allocated length) on a
+        handle: FULL pages of the prefix, SWA pages from its frontier (what left the window
+        is a tombstone). Recorded as a ``take`` of the next step (``defer_frees=False``: a
+        step now); none when an equal prefix is cached. Returns the tokens cached."""
         self._need_cache("insert_into_prefix_cache")
-        row = self.pending.check_row(req.req_pool_idx, "insert_into_prefix_cache")
+        row = self._row_of(req, "insert_into_prefix_cache", allow_none=False)
         return self._insert(row, self._token_ids(req, "insert_into_prefix_cache"))
 
     def cache_unfinished_req(self, req) -> int:
         """SGLang's ``tree_cache.cache_unfinished_req`` (after a chunked prefill's chunk):
-        cache the request's whole pages so far; it keeps running on its own pages. One
-        step when the entry is new; returns the tokens cached."""
+        cache the request's whole pages so far, in the next step (before its next chunk);
+        it keeps running on its own pages. Returns the tokens cached."""
         return self.insert_into_prefix_cache(req)
 
     def match_prefix(self, req) -> int:
         """SGLang's ``tree_cache.match_prefix`` for a new request: the longest cached
         prefix (whole pages) of ``origin_input_ids + output_ids`` without its last token,
         counting only hits whose SWA window is present. Locks the entry until the next
-        step the seam runs (a later match of the same request replaces it) and names it
-        in ``req.last_node``; returns the prefix length in tokens (0: a miss, ``last_node
-        = None``). Pass it as the request's ``prefix_lens`` entry in the same iteration's
-        ``prepare_for_extend``. Host only: O(prompt pages) hashing."""
+        step the seam runs (a later match of the same request replaces it) and names it in
+        ``req.last_node``; returns the prefix length (0: a miss, ``last_node = None``).
+        Host only: O(prompt pages) hashing."""
         cache = self._need_cache("match_prefix")
-        if req.req_pool_idx is not None:
+        if getattr(req, "req_pool_idx", None) is not None:
             raise ContractError("match_prefix: the request already has a row; match new "
                                 "(waiting) requests")
-        self._unlock(req)
         tokens = self._token_ids(req, "match_prefix")
+        self._unlock(req)
         hit = cache.match(tokens[:max(len(tokens) - 1, 0)])
         req.last_node = None
         if not hit.cached_tokens:
             return 0
         cache.lock(hit.handle)
-        if not self.pending.fits():  # recorded work needs the entry's pages: not a hit
-            cache.unlock(hit.handle)
-            return 0
-        self._locks[id(req)] = (req, hit.handle)
+        self._locks[id(req)] = (req, hit.handle, hit.cached_tokens)
         req.last_node = hit.handle
         return hit.cached_tokens
+
     def release_finished(self, reqs) -> int:
         """``process_batch_result``'s frees: in one free group, ``release_kv_cache`` every
         request whose ``finished()`` is true. Returns how many were released."""
@@ -343,9 +412,9 @@ class SGLangAllocator:
         self._in_group = True
 
     def free_group_end(self) -> None:
-        """Close the free group. ``defer_frees=True``: nothing runs (the group's releases
-        join the next step); ``False``: ``alloc.free_group()`` closes, running the
-        group's frees as one step (more only if they exceed the frozen shape)."""
+        """Close the free group. ``defer_frees=True``: nothing runs (the group's records
+        join the next step); ``False``: ``alloc.free_group()`` closes, running the group's
+        releases as one step (more only if they exceed the frozen shape)."""
         if not self._in_group:
             raise NestedGroupError("free_group_end() without free_group_begin()")
         self._in_group = False
@@ -354,21 +423,23 @@ class SGLangAllocator:
             group.close()
 
     def flush(self) -> int:
-        """Run the recorded frees now (an idle iteration, shutdown); returns the steps run
-        (0 when nothing is recorded)."""
+        """Run the recorded frees and inserts now (an idle iteration, shutdown); returns the
+        steps run (0 when nothing is recorded)."""
         self._refuse_in_group("flush")
-        n = self.pending.run()[1]
-        if n:
-            self._unlock_all()
+        if not self.pending:
+            return 0
+        n = self.pending.run()[2]
+        self._unlock_all()
         return n
 
     # ---- queries (BaseTokenToKVPoolAllocator's names; tokens, host only) ----------------
     def full_available_size(self) -> int:
-        """Free FULL slots (tokens), counting recorded frees. O(1), no device read."""
+        """Free FULL slots (tokens) once the recorded frees ran: a dry run of the planner
+        the first time per version of the records, O(1) after."""
         return self.pending.free_pages("full") * self.page_size
 
     def swa_available_size(self) -> int:
-        """Free SWA slots (tokens), counting recorded frees. O(1), no device read."""
+        """Free SWA slots (tokens) once the recorded frees ran (as FULL)."""
         return self.pending.free_pages("swa") * self.page_size
 
     def available_size(self) -> int:
@@ -378,11 +449,11 @@ class SGLangAllocator:
     def full_evictable_size(self) -> int:
         """FULL slots (tokens) the prefix cache could give back once the recorded frees
         ran (0 without a cache): SGLang's ``tree_cache.full_evictable_size()``."""
-        return self.pending.reclaimable_pages("full") * self.page_size
+        return self.pending.pages_reclaimable()[0] * self.page_size
 
     def swa_evictable_size(self) -> int:
         """SWA slots (tokens) the prefix cache could give back (``swa_evictable_size``)."""
-        return self.pending.reclaimable_pages("swa") * self.page_size
+        return self.pending.pages_reclaimable()[1] * self.page_size
 
     def evictable_size(self) -> int:
         """``min`` of the two: add it to ``available_size()`` to budget a batch, as
@@ -390,32 +461,117 @@ class SGLangAllocator:
         return min(self.full_evictable_size(), self.swa_evictable_size())
 
     def translate_loc_from_full_to_swa(self, full_slots):
-        """SWA slots of ``full_slots`` (a device tensor of full slots): a gather of
-        ``alloc.full_to_swa``, enqueued on the device, no host/device synchronisation.
-        0 where a slot has no SWA peer (evicted or free). Unlike SGLang's mapping there
-        is no ``-1 -> -1`` entry (graphalloc computes last locations itself)."""
-        return self.alloc.full_to_swa[full_slots]
+        """SWA slots of ``full_slots`` (full slots: a device tensor, or host ints): a gather
+        of ``alloc.full_to_swa``, no host/device synchronisation; 0 where a slot has no SWA
+        peer. Host values outside the pool raise ``PositionError``; a device tensor cannot
+        be read without a sync, so its out-of-range entries translate to 0 (no device
+        assert). Unlike SGLang's mapping there is no ``-1 -> -1`` entry."""
+        table = self.alloc.full_to_swa
+        n = table.shape[0]
+        if not isinstance(full_slots, torch.Tensor) or full_slots.device.type == "cpu":
+            host = as_int64(full_slots, "full_slots", PositionError)
+            if len(host) and (host.min() < 0 or host.max() >= n):
+                bad = int(host[(host < 0) | (host >= n)][0])
+                raise PositionError(f"translate_loc_from_full_to_swa: full slot {bad} is "
+                                    f"outside the FULL pool [0, {n})")
+            if isinstance(full_slots, torch.Tensor) and table.device.type == "cpu":
+                return table[full_slots]
+            return table[torch.as_tensor(host, device=table.device)]
+        if full_slots.dtype in (torch.bool, torch.float16, torch.bfloat16, torch.float32,
+                                torch.float64) or full_slots.is_complex():
+            raise TensorSpecError(f"full_slots must be an integer tensor, got "
+                                  f"{full_slots.dtype}")
+        inside = (full_slots >= 0) & (full_slots < n)
+        return torch.where(inside, table[full_slots.clamp(0, n - 1)], 0)
+
+    # ---- recurrent-state slots: what SGLang's Mamba pool offers ----------------------------
+    @property
+    def req_index_to_mamba_index_mapping(self) -> torch.Tensor:
+        """``[max_reqs]`` device tensor: each ``req_pool_idx``'s recurrent-state slot (SGLang's
+        ``HybridReqToTokenPool.req_index_to_mamba_index_mapping``; slot 0: none). Written
+        inside each step: a request gets its slot when ``prepare_for_extend`` admits it and
+        gives it back at its release, as SGLang's ``alloc`` / ``free`` of the pool do. The
+        engine's Mamba layers read and update the state there; a cache hit's state is
+        copied into it inside the step (``state_tensors=`` given to the allocator). O(1)."""
+        self._need_states("req_index_to_mamba_index_mapping")
+        return self.alloc.req_to_state
+
+    def get_mamba_indices(self, req_pool_indices) -> torch.Tensor:
+        """The slots of ``req_pool_indices`` (a device tensor, or host ints): one gather of
+        :attr:`req_index_to_mamba_index_mapping`, no sync. Host values outside the request
+        rows raise ``UnknownRequestError``."""
+        table = self._need_states("get_mamba_indices")
+        if isinstance(req_pool_indices, torch.Tensor) and req_pool_indices.device == \
+                table.device and req_pool_indices.device.type != "cpu":
+            return table[req_pool_indices]
+        rows = as_int64(req_pool_indices, "req_pool_indices", UnknownRequestError)
+        if len(rows) and (rows.min() < 0 or rows.max() >= table.shape[0]):
+            raise UnknownRequestError(f"get_mamba_indices: a req_pool_idx outside [0, "
+                                      f"{table.shape[0]})")
+        return table[torch.as_tensor(rows, device=table.device)]
+
+    def mamba_available_size(self) -> int:
+        """Free recurrent-state slots now (SGLang's ``mamba_pool.available_size()``). O(1)."""
+        self._need_states("mamba_available_size")
+        return self.alloc.n_free("state")
+
+    def _need_states(self, what: str) -> torch.Tensor:
+        if not self.alloc.config.num_state_slots:
+            raise ConfigError(f"{what}: the allocator has no recurrent-state slots; build its "
+                              "config with num_state_slots > 0")
+        return self.alloc.req_to_state
 
     @property
     def n_recorded_releases(self) -> int:
         """Releases recorded for the next step."""
-        return len(self.pending.releases)
+        return self.pending.release.n
 
     # ---- internals ---------------------------------------------------------------------
-    def _allocate(self, reqs, items) -> SGLangBatchAlloc | None:
-        if not items:
+    def _nonempty(self, n: int) -> None:
+        if not n:
             raise ContractError("an empty batch allocates nothing; on an idle iteration "
                                 "call flush() to run the recorded frees")
-        keys = self.pending.reserve(items)
-        if keys is None:
-            return None
-        n_evicted = sum(v[1] for v in self.pending.advances.values())
-        result, n_steps = self.pending.run()
-        rows = [self.pending.admitted.get(key, key) for key in keys]
-        for req, row in zip(reqs, rows, strict=True):
-            req.req_pool_idx = row
-        self._unlock_all()
-        return SGLangBatchAlloc(result, np.array(rows, dtype=np.int64), n_steps, n_evicted)
+
+    def _check_running(self, rows: np.ndarray, lens: np.ndarray, what: str) -> None:
+        """Running rows are live, not released in this iteration, at the batch's length
+        (the typed error of the first that is not)."""
+        led = self.ledger
+        bad = ~led.live[rows] | self.pending.released[rows]
+        if bad.any():
+            r = int(rows[np.flatnonzero(bad)[0]])
+            state = "released in this iteration" if led.live[r] else "not a live request row"
+            raise UnknownRequestError(f"{what}: req_pool_idx {r} is {state}")
+        off = led.seq_len[rows] != lens
+        if off.any():
+            i = int(np.flatnonzero(off)[0])
+            raise ContractError(f"{what}: request row {int(rows[i])} has "
+                                f"{int(led.seq_len[rows[i]])} tokens allocated, the batch "
+                                f"says {int(lens[i])}; pass the KV length before this step")
+
+    def _floor(self, pre_len: np.ndarray) -> np.ndarray:
+        """floor_page(pre_len - W) (callers pass pre_len >= W + page_size)."""
+        past = pre_len - self.sliding_window_size
+        return past & self._page_mask if self._page_mask else past // self.page_size * \
+            self.page_size
+
+    def _row_of(self, req, what: str, allow_none: bool):
+        row = getattr(req, "req_pool_idx", _MISSING)
+        if row is _MISSING:
+            raise UnknownRequestError(f"{what}: the request has no req_pool_idx attribute")
+        if row is None:
+            if allow_none:
+                return None
+            raise UnknownRequestError(f"{what}: the request holds no KV here (req_pool_idx "
+                                      "is None)")
+        if isinstance(row, (bool, np.bool_)) or not isinstance(row, (int, np.integer)):
+            raise UnknownRequestError(f"{what}: req_pool_idx must be an int row, got {row!r}")
+        r = int(row)
+        if not 0 <= r < self.alloc.config.max_reqs or not self.ledger.live[r]:
+            raise UnknownRequestError(f"{what}: req_pool_idx {r} is not a live request row")
+        if self.pending.released[r]:
+            raise UnknownRequestError(f"{what}: req_pool_idx {r} was released in this "
+                                      "iteration; its release runs with the next step")
+        return r
 
     def _need_cache(self, what: str):
         if self.tree_cache is None:
@@ -433,9 +589,11 @@ class SGLangAllocator:
         return list(ids) + list(getattr(req, "output_ids", None) or ())
 
     def _insert(self, row: int, tokens: list) -> int:
+        if self.defer_frees:
+            return self.pending.insert(row, tokens)
         before = self.alloc.steps_run
         n = self.tree_cache.insert(row, tokens)
-        self.cache_steps += self.alloc.steps_run - before
+        self._immediate_cache_steps += self.alloc.steps_run - before
         return n
 
     def _matched_handle(self, req, prefix_len: int) -> int:
@@ -448,6 +606,9 @@ class SGLangAllocator:
         if prefix_len % self.page_size:
             raise AlignmentError(f"prefix_len {prefix_len} is not whole pages (page_size "
                                  f"{self.page_size}); match_prefix returns whole pages")
+        if prefix_len > lock[2]:
+            raise AlignmentError(f"prefix_len {prefix_len} exceeds the {lock[2]} tokens of "
+                                 "the request's cache hit")
         return lock[1]
 
     def _unlock(self, req) -> None:
@@ -456,20 +617,10 @@ class SGLangAllocator:
             self.tree_cache.unlock(lock[1])
 
     def _unlock_all(self) -> None:
-        locks, self._locks = self._locks, {}
-        for _, handle in locks.values():
-            self.tree_cache.unlock(handle)
-
-    def _running_row(self, req, length: int, what: str) -> int:
-        row = self.pending.check_row(req.req_pool_idx, what)
-        have = self.alloc.seq_len(row)
-        if length != have:
-            raise ContractError(f"{what}: request row {row} has {have} tokens allocated, the "
-                                f"batch says {length}; pass the KV length before this step")
-        return row
-
-    def _window_floor(self, pre_len: int) -> int:
-        return max(pre_len - self.sliding_window_size, 0) // self.page_size * self.page_size
+        if self._locks:
+            locks, self._locks = self._locks, {}
+            for _, handle, _ in locks.values():
+                self.tree_cache.unlock(handle)
 
     def _refuse_in_group(self, what: str) -> None:
         if self._in_group:

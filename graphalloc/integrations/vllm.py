@@ -1,115 +1,57 @@
-"""A vLLM-v1 ``KVCacheManager``-shaped facade, one graphalloc step per ``schedule()``.
+"""vLLM v1's ``KVCacheManager`` calls over graphalloc: ONE Step per ``schedule()``.
 
-vLLM's scheduler, per ``schedule()``: for each running request
-``allocate_slots(request, num_new_tokens, num_lookahead_tokens=...)``, and on ``None``
-preempts the lowest-priority running request (``free(request)``) and retries; then for
-each waiting request ``get_computed_blocks(request)`` (the prefix-cache lookup) and
-``allocate_slots(...)``, stopping at the first ``None``. After the forward,
-``update_from_output`` frees each finished request with ``free(request)``. With a
-hybrid model its KV cache has one group per attention type (here FULL = 0 and
-SWA = 1); the sliding-window manager replaces the blocks that fell out of the window
-by the null block (id 0) and frees them, before it allocates.
+Contract. :class:`GraphallocKVCacheManager` answers vLLM's per-request calls and only
+RECORDS them: ``allocate_slots(request_id, n, num_lookahead_tokens)`` writes one slot of
+preallocated int64 arrays (row, tokens, window floor, trim target; a new request's row from
+``alloc.free_row(reserved)``, admitted plain or on its cache hit) and returns the new block
+positions, or ``None`` (back-pressure, nothing changed); ``free`` records a release (with
+caching and token ids, an insert as a ``take`` run before it in the same step).
+:meth:`~GraphallocKVCacheManager.run_step`, the line the engine adds after ``schedule()``'s
+loop, turns the slots into arrays with a few numpy masks and runs ONE Step (take, release,
+trim, advance, admit / admit_on, extend); the cache evicts inside it when pages are short.
+Rules (vLLM's): a request holds ``min(computed + n + lookahead, max_model_len)`` positions;
+its SWA blocks below ``computed - sliding_window`` are removed (null block 0) first; a
+target a whole block below what it holds trims the rest (not below ``frontier + window``);
+a second call in one iteration replaces the first; a cache hit is the longest cached
+whole-block prefix of ``token_ids[:-1]`` whose window is cached, locked until ``run_step``.
 
-:class:`GraphallocKVCacheManager` answers the same calls, per call and O(1) on the
-host (pages accounted as :mod:`.iteration` explains), and records them;
-:meth:`GraphallocKVCacheManager.run_step` -- one line the engine adds at the end of
-``schedule()`` -- runs everything recorded since the last one (the previous
-iteration's frees, this one's preemptions, window removals and allocations) as ONE
-:meth:`HybridAllocator.step`.
+Unknown ids, one policy with the SGLang seam: ``free`` of an id holding no KV here is a
+no-op returning ``False`` (vLLM frees aborted waiting requests so); every other call
+naming an unknown id, and any call with an unhashable id, raises
+:class:`~graphalloc.errors.UnknownRequestError`. A refused call changes nothing.
 
-Request ids are any hashable (dict keys, so ids equal under ``==`` -- ``1``, ``1.0``,
-``True`` -- are ONE request); each live id maps to a request row.
-
-Lookahead (speculative tokens): a call makes the request's allocation cover
-``min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, max_model_len)``
-positions and only allocates what is missing. Slots of rejected speculative tokens
-stay with the request and are reused by its next tokens. vLLM's scheduler lowers
-``request.num_computed_tokens`` by the rejected tokens: pass it as
-``num_computed_tokens=`` (without it the facade assumes every scheduled token was
-computed). When the new target is a whole page or more below what the request holds
-(fewer lookahead tokens, a smaller chunk, rejected tokens), the pages wholly past the
-target are given back in the step (the allocator's ``trim``: the request is cut to the
-target, a partial page stays); a trim the frontier forbids (below ``frontier +
-sliding_window``) is skipped and the slots stay.
-
-Block ids: graphalloc's page ids live in device tables (its public host queries give
-counts and positions, not ids), so :meth:`GraphallocKVCacheManager.get_block_ids`
-READS THE DEVICE: one device-to-host copy per group, which waits for every queued
-step (a synchronisation). It is the inspection and debugging path (a public host
-query of a row's page ids would make it sync-free). The hot path never needs
-ids on the host: the model writes KV to :meth:`~GraphallocKVCacheManager.token_slots`
-(device views) and reads block tables from :class:`graphalloc.attention.page_tables.PageTables`
-(``block_table[B, max_pages]`` in vLLM's layout, null block 0 outside the window,
-written on the device in the step). ``allocate_slots`` returns block *positions*
-(which block indices are new, known on the host); ``GraphallocBlocks.get_block_ids``
-reads their ids the same way.
-
-Launches per iteration. vLLM's ``KVCacheManager`` is host Python (block objects and
-lists, O(blocks touched) per call); the device work is the worker's upload of the
-changed block-table rows (one host-to-device copy per group) and the slot-mapping
-computation. Here: ONE graphalloc step writes ``req_to_token``/``full_to_swa`` (one
-fused kernel, or one graph replay with ``executor="graph"``), no host/device
-synchronisation; page tables add one kernel (or ride in the engine's graph).
-
-Prefix caching (``enable_caching=True``, on an allocator built with
-``HybridAllocator(cfg, prefix_cache=True)``), from vLLM's documented semantics:
-
-* ``get_computed_blocks(request_id, token_ids)``: the longest cached prefix of whole
-  blocks, at most ``len(token_ids) - 1`` tokens (the last prompt token is always
-  recomputed, so the forward has a query), for both groups at once: a hit counts only
-  where the sliding-window blocks of its last ``sliding_window`` tokens are cached too
-  (vLLM's hybrid coordinator: the length every group can serve). Returns the blocks
-  ``[0, n)`` (a :class:`GraphallocBlocks` naming the cache entry) and ``n * block_size``
-  computed tokens; the entry is locked until the next :meth:`run_step`.
-* ``allocate_slots(..., num_new_computed_tokens=, new_computed_blocks=)`` takes that hit
-  for a new request: the next step admits it sharing the blocks
-  (``admit(handle=, n_tokens=)``, its ``req_to_token`` written on the device) and
-  allocates only what follows ``num_new_computed_tokens``.
-* ``cache_blocks(request_id, token_ids)`` caches the request's full blocks so far (vLLM
-  caches blocks as they fill; here a new entry is a step, so the engine calls it where a
-  prefix is worth keeping with its window, e.g. when a prompt's prefill completed).
-* ``free(request_id, token_ids)`` puts the request's full blocks of ``token_ids`` (its
-  computed tokens: ``all_token_ids[:num_computed_tokens]``) into the cache -- one step
-  when the entry is new, at the call -- and then frees the request: blocks the cache
-  references stay, the rest (a partial last block, blocks an equal entry holds already)
-  are freed with the next step. A preempted request freed this way finds its own blocks
-  when it is scheduled again.
-* ``get_num_free_blocks()`` / ``usage`` count the cache's evictable blocks as free (as
-  vLLM's free-block queue holds its cached blocks); an allocation that needs them evicts
-  them itself, inside the step (SWA blocks of cached prefixes first, then whole entries,
-  LRU).
-
-Covers: ``allocate_slots`` (chunked prefill, decode, lookahead, sliding-window removal
-before allocation, ``None`` = back-pressure with nothing changed), ``free``,
-``get_block_ids`` per group, ``get_computed_blocks`` (prefix caching as above, or vLLM's
-answer with caching disabled), hashable request ids, free-block and usage queries,
-prefix-cache hit statistics.
-
-Does not cover: KV connectors / external computed tokens, encoder (cross-attention)
-tokens, ``delay_cache_blocks``, watermarks, cascade attention's common-prefix query, KV
-events, more than two groups or per-group block sizes, ring mode; a cache hit's
-out-of-window blocks are dropped by the request's next ``allocate_slots`` (not on the
-admitting one); blocks are cached at ``cache_blocks`` and ``free``, not as they fill. Unlike
-vLLM, a call that returns ``None`` does not free the request's out-of-window blocks
-either (nothing changes); the next successful call does.
-
-What an engine must still write: the ``run_step()`` call after the scheduling loop;
-the slot mapping and attention metadata from :meth:`token_slots` /
-:meth:`row_of` + ``PageTables`` instead of block ids; ``num_computed_tokens=`` under
-speculative decoding; with caching, the token ids for ``get_computed_blocks`` and
-``free``; ``alloc.check()`` where it synchronises anyway.
+Invariants: ``None`` only for lack of pages (counting what the recorded frees and the
+cache's unlocked entries give back: the planner's dry runs) or of rows; pages needed are
+``ceil((L + n) / bs) - ceil(L / bs)`` per pool. Cost: ``allocate_slots`` / ``free`` O(1)
+(a dict lookup, two ledger reads, two array writes; a dry run only when the free pages now
+do not cover the recorded allocations); ``run_step`` O(requests) numpy + one plan; no sync.
+The engine still writes ``run_step()``, the slot mapping from :meth:`token_slots` (device
+views), block tables from ``alloc.tables`` (``page_tables=PageTableSpec(...)``; host ids
+via :meth:`get_block_ids` are a device read), ``num_computed_tokens=`` under speculative
+decoding, token ids with caching, and ``alloc.check()`` where it synchronises anyway.
+Recurrent-state slots (``num_state_slots``): :meth:`~GraphallocKVCacheManager.state_block_id`
+is a request's block id in each Mamba group (one state block per request), admitted and
+freed with the request, cache hits restored inside the step; the engine zeroes a new
+state and runs its layers on it. Speculative states are not driven through the facade.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Hashable
 
 import numpy as np
 
 from ..allocator import AllocResult, HybridAllocator
 from ..diagnostics.sync_points import sync_allowed
-from ..errors import ConfigError, ContractError, PendingStepError, PositionError
+from ..errors import (
+    BatchTooLargeError,
+    CapacityError,
+    ConfigError,
+    ContractError,
+    PendingStepError,
+    PositionError,
+    UnknownRequestError,
+)
 from .iteration import IterationStep
 
 __all__ = ["GraphallocKVCacheManager", "GraphallocBlocks", "FULL_GROUP", "SWA_GROUP",
@@ -119,6 +61,8 @@ FULL_GROUP = 0  # index of the full-attention KV-cache group in block-id tuples
 SWA_GROUP = 1  # index of the sliding-window group
 NULL_BLOCK_ID = 0  # the null block: graphalloc's sink page 0, never allocated
 
+_RUNNING, _ADMIT, _ADMIT_ON, _DEAD = 0, 1, 2, -1  # slot kinds
+
 
 def _count(value, name: str) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or (
@@ -127,23 +71,31 @@ def _count(value, name: str) -> int:
     return int(value)
 
 
-@dataclasses.dataclass(eq=False)
+def _unhashable(request_id, what: str) -> UnknownRequestError:
+    return UnknownRequestError(f"{what}: request id {request_id!r} is not hashable "
+                               f"({type(request_id).__name__}); vLLM's ids are strings")
+
+
 class GraphallocBlocks:
     """``KVCacheBlocks``-shaped answer of ``allocate_slots`` (the request's new blocks) and
     of ``get_computed_blocks`` (its cached blocks, ``handle`` naming the cache entry):
     block indices ``[first_block, first_block + num_blocks)`` of its table, in each group
-    (FULL and SWA the same count). Host ints; the ids need a device read
-    (:meth:`get_block_ids`)."""
+    (FULL and SWA the same count). Host ints; the ids need a device read."""
 
-    request_id: Hashable
-    first_block: int
-    num_blocks: int
-    manager: GraphallocKVCacheManager = dataclasses.field(repr=False)
-    handle: int = -1  # a prefix-cache hit: the entry's handle (get_computed_blocks)
+    __slots__ = ("request_id", "first_block", "num_blocks", "manager", "handle")
+
+    def __init__(self, request_id, first_block: int, num_blocks: int, manager,
+                 handle: int = -1):
+        self.request_id, self.first_block, self.num_blocks = request_id, first_block, num_blocks
+        self.manager, self.handle = manager, handle
+
+    def __repr__(self) -> str:
+        return (f"GraphallocBlocks(request_id={self.request_id!r}, first_block="
+                f"{self.first_block}, num_blocks={self.num_blocks}, handle={self.handle})")
 
     def get_block_ids(self) -> tuple[list[int], list[int]]:
-        """The new blocks' ids per group, ``(FULL, SWA)``: a DEVICE READ (synchronises),
-        after :meth:`GraphallocKVCacheManager.run_step`. For inspection and tests."""
+        """The blocks' ids per group, ``(FULL, SWA)``: a DEVICE READ (synchronises), after
+        :meth:`GraphallocKVCacheManager.run_step`. For inspection and tests."""
         if not self.num_blocks:
             return [], []
         if self.handle >= 0 and self.request_id not in self.manager:  # a hit not yet admitted
@@ -155,27 +107,14 @@ class GraphallocBlocks:
 
 
 class GraphallocKVCacheManager:
-    """vLLM ``KVCacheManager`` calls over a pool-mode :class:`HybridAllocator`.
+    """vLLM ``KVCacheManager`` calls over a pool-mode :class:`HybridAllocator` (see the
+    module docstring).
 
     Args:
         alloc: the allocator (pool mode). ``sliding_window`` is the allocator's window,
-            ``W_model - 1`` (``AllocatorConfig.for_engine`` converts the model's); the
-            blocks wholly below ``num_computed_tokens - sliding_window`` are removed,
-            vLLM's ``max(0, num_computed_tokens - W_model + 1)`` skipped tokens.
+            ``W_model - 1`` (``AllocatorConfig.for_engine`` converts the model's).
             ``max_reqs`` must cover the running requests plus one iteration's frees.
-        enable_caching: prefix caching (needs ``HybridAllocator(cfg, prefix_cache=True)``;
-            see the module docstring).
-
-    Invariants: each live request id owns one row (a request new in this iteration owns
-    one once :meth:`run_step` admitted it); recorded work belongs to the next
-    :meth:`run_step`; a ``None`` answer changed nothing; a hit stays locked until the
-    next :meth:`run_step`. Cost: ``allocate_slots`` and ``free`` are host work only, no
-    plan, no device work: O(1) without prefix handles, O(pages the call frees) with them
-    (shared pages counted by reference, incrementally; a step that ran or a changed cache
-    recounts once). Measured on a CPU, 256 decoding requests, page size 16: about 25 us
-    per ``allocate_slots`` and 9 us per ``free`` without handles, 33 us and 41 us with a
-    prefix cache. ``free`` with token ids adds the cache insert (a step when the entry is
-    new); ``run_step`` is one step.
+        enable_caching: prefix caching (needs ``HybridAllocator(cfg, prefix_cache=True)``).
     """
 
     def __init__(self, alloc: HybridAllocator, *, enable_caching: bool = False):
@@ -186,18 +125,41 @@ class GraphallocKVCacheManager:
             raise ConfigError("enable_caching=True needs an allocator with a prefix cache: "
                               "HybridAllocator(cfg, prefix_cache=True) (pool mode, "
                               "max_handles > 0)")
-        self.alloc = alloc
-        self.block_size = alloc.config.page_size
-        self.sliding_window = alloc.config.sliding_window
-        self.max_model_len = alloc.config.max_context_len
+        cfg = alloc.config
+        self.alloc, self.ledger, self._pipeline = alloc, alloc.ledger, alloc.pipeline
+        self.block_size = cfg.page_size
+        self.sliding_window = cfg.sliding_window
+        self.max_model_len = cfg.max_context_len
         self.enable_caching = enable_caching
         self.prefix_cache = alloc.prefix_cache if enable_caching else None
         self.steps_last_run = 0
-        self.cache_steps = 0  # steps the cache ran at free() (new entries' handles)
-        self._rows: dict[Hashable, int] = {}  # id -> row (>= 0) or a key (< 0) until admitted
-        self._computed: dict[Hashable, int] = {}
+        self._max_row_tokens = cfg.max_tokens_per_alloc_row
+        self._states = cfg.num_state_slots > 0  # recurrent-state slots: one per request
+        self._max_rows, self._max_tokens = cfg.max_alloc_rows, cfg.max_step_tokens
+        n = cfg.max_reqs
+        self._rows: dict[Hashable, int] = {}  # id -> row (live, or admitted by the next step)
+        self._computed = [0] * n  # per row: computed tokens as last granted
+        self._new = [False] * n  # per row: admitted by the next step
+        self._reserved: list[int] = []  # rows of this iteration's new requests
         self._hits: dict[Hashable, int] = {}  # id -> locked cache handle, until run_step
         self._stats = {"requests": 0, "queries": 0, "hits": 0}
+        # this iteration's slots, one per request (a later call replaces its slot)
+        self._gen = 1
+        self._slot_gen = [0] * n  # per row: the iteration of its slot
+        self._slot_idx = [0] * n
+        self._n = 0
+        # slot fields; defaults (floor, trim -1; kind running; pages 0) are written back at
+        # the end of each iteration, so the common call writes only row and tokens
+        self._s_row, self._s_n, self._s_kind, self._s_h, self._s_hit, self._s_pages = (
+            np.zeros(n, dtype=np.int64) for _ in range(6))
+        self._s_floor = np.full(n, -1, dtype=np.int64)
+        self._s_trim = np.full(n, -1, dtype=np.int64)
+        self._need = 0  # pages per pool the slots allocate
+        self._n_rows = 0  # allocation rows (extends and admit_on copies)
+        self._n_tokens = 0
+        self._slot_frees = 0  # version of the slots' window floors and trims
+        self._floor_key = -1
+        self._floor = 0  # min over pools of the free pages when the iteration began
 
     # ---- the scheduler's calls ---------------------------------------------------------
     def get_computed_blocks(self, request_id: Hashable, token_ids=None
@@ -205,36 +167,35 @@ class GraphallocKVCacheManager:
         """The request's cached blocks and computed tokens, ``(blocks, n_tokens)``.
 
         With caching and ``token_ids`` (the request's ``all_token_ids``): the longest
-        cached whole-block prefix of ``token_ids[:-1]`` (the last token is recomputed)
-        whose sliding-window blocks are cached too; the entry is locked until the next
-        :meth:`run_step` (a later call for the same request replaces it). A hit whose
-        blocks this iteration's recorded allocations need (they would evict them) is
-        reported as a miss, as vLLM would have evicted those blocks already. Otherwise
-        ``(no blocks, 0)``, vLLM's answer with caching disabled. For a request not yet
-        holding KV here (waiting: new or preempted). Host only: O(prompt blocks)
-        hashing."""
+        cached whole-block prefix of ``token_ids[:-1]`` whose sliding-window blocks are
+        cached too; the entry is locked until the next :meth:`run_step` (a later call for
+        the same request replaces it). A hit whose blocks this iteration's recorded
+        allocations need (they would evict them) is reported as a miss. Otherwise ``(no
+        blocks, 0)``, vLLM's answer with caching disabled. For a waiting request (new or
+        preempted). Host only: O(prompt blocks) hashing."""
+        row = self._lookup(request_id, "get_computed_blocks")
         cache = self.prefix_cache
         if cache is None or token_ids is None:
             return GraphallocBlocks(request_id, 0, 0, self), 0
-        if request_id in self._rows:
+        if row is not None:
             raise ContractError(f"get_computed_blocks({request_id!r}): the request holds KV "
                                 "here already; look up waiting requests only")
         tokens = list(token_ids)
         self._drop_hit(request_id)
         hit = cache.match(tokens[:max(len(tokens) - 1, 0)])
-        if hit.cached_tokens:
+        n_hit = hit.cached_tokens
+        if n_hit:
             cache.lock(hit.handle)
-            if not self.pending.fits():  # this iteration's allocations need those blocks
+            if not self._fits(self._need):  # this iteration's allocations need its blocks
                 cache.unlock(hit.handle)  # (vLLM would have evicted them for them already)
-                hit = dataclasses.replace(hit, cached_tokens=0)
+                n_hit = 0
         self._stats["requests"] += 1
         self._stats["queries"] += len(tokens)
-        self._stats["hits"] += hit.cached_tokens
-        if not hit.cached_tokens:
+        self._stats["hits"] += n_hit
+        if not n_hit:
             return GraphallocBlocks(request_id, 0, 0, self), 0
         self._hits[request_id] = hit.handle
-        n_blocks = hit.cached_tokens // self.block_size
-        return GraphallocBlocks(request_id, 0, n_blocks, self, hit.handle), hit.cached_tokens
+        return GraphallocBlocks(request_id, 0, n_hit // self.block_size, self, hit.handle), n_hit
 
     def allocate_slots(self, request_id: Hashable, num_new_tokens: int,
                        num_lookahead_tokens: int = 0, *, num_computed_tokens: int | None = None,
@@ -247,123 +208,267 @@ class GraphallocKVCacheManager:
 
         ``num_computed_tokens``: the request's ``num_computed_tokens`` (default: what this
         facade granted so far; 0 for a new request). ``num_new_computed_tokens`` /
-        ``new_computed_blocks``: a new request's prefix-cache hit, as
-        :meth:`get_computed_blocks` returned it in this iteration (all of it): the step
-        admits the request on those blocks and it holds ``num_computed_tokens +
-        num_new_computed_tokens + num_new_tokens + num_lookahead_tokens`` positions.
-        Returns the new blocks' positions, or ``None`` when either pool or the request rows
-        are short (the cache's evictable blocks count as free): back-pressure, nothing
-        changed. A second call for the same request in one iteration replaces the first.
-        Raises (nothing changed) on ``num_new_tokens < 1`` (as vLLM), on a hit that is not
-        this request's from this iteration, and on a batch over the frozen shape.
-        """
-        n_new = _count(num_new_tokens, "num_new_tokens")
-        lookahead = _count(num_lookahead_tokens, "num_lookahead_tokens")
-        if n_new < 1:
-            raise ContractError("num_new_tokens must be greater than 0")
-        n_hit = _count(num_new_computed_tokens, "num_new_computed_tokens")
-        row = self._rows.get(request_id)
-        handle = self._take_hit(request_id, row, n_hit, new_computed_blocks)
-        computed = _count(self._computed.get(request_id, 0) if num_computed_tokens is None
-                          else num_computed_tokens, "num_computed_tokens")
-        if handle is not None:
-            if computed:
-                raise PositionError(f"request {request_id!r}: a new request with a cache hit "
-                                    f"has no computed tokens of its own, got {computed}")
-            computed = n_hit
-        length = (n_hit if row is None else self.alloc.seq_len(row) if row >= 0
-                  else self.pending.admits[row][1])  # before this iteration's records
+        ``new_computed_blocks``: a new request's cache hit as :meth:`get_computed_blocks`
+        returned it in this iteration (all of it): the step admits the request on those
+        blocks. Returns the new blocks' positions, or ``None`` when either pool (counting
+        what recorded frees and the cache's evictable blocks give back) or the request rows
+        are short: back-pressure, nothing changed. Raises (nothing changed) on
+        ``num_new_tokens < 1`` (as vLLM), a hit that is not this request's from this
+        iteration, and a batch over the frozen step shape."""
+        try:
+            row = self._rows.get(request_id)
+        except TypeError:
+            raise _unhashable(request_id, "allocate_slots") from None
+        n_new, look = num_new_tokens, num_lookahead_tokens
+        if type(n_new) is not int or type(look) is not int or n_new < 1 or look < 0:
+            n_new = _count(n_new, "num_new_tokens")
+            look = _count(look, "num_lookahead_tokens")
+            if n_new < 1:
+                raise ContractError("num_new_tokens must be greater than 0")
+        if (row is None or self._new[row] or num_new_computed_tokens
+                or new_computed_blocks is not None):
+            return self._allocate_new(request_id, row, n_new, look, num_computed_tokens,
+                                      num_new_computed_tokens, new_computed_blocks)
+        computed = num_computed_tokens
+        if computed is None:
+            computed = self._computed[row]
+        elif type(computed) is not int or computed < 0:
+            computed = _count(computed, "num_computed_tokens")
+        led = self.ledger
+        length, front = led.seq_len.item(row), led.frontier.item(row)
+        # the common call -- a running request's first this iteration, growing, its pages
+        # covered by the free pages now -- inline; everything else through _record
+        target = computed + n_new + look
+        n = target - length
+        ps = self.block_size
+        first = (length + ps - 1) // ps
+        pages = (target + ps - 1) // ps - first
+        need, n_tokens, n_rows = self._need + pages, self._n_tokens + n, self._n_rows + 1
+        if (self._slot_gen[row] == self._gen or computed > length or n <= 0
+                or target > self.max_model_len or n > self._max_row_tokens
+                or need > self._floor or self._floor_key != self._pipeline.steps_run
+                or n_tokens > self._max_tokens
+                or n_rows + self.pending.take_h.n > self._max_rows):
+            return self._record(request_id, row, _RUNNING, computed, n_new, look, length,
+                                front, -1, 0)
+        slot = self._n
+        self._n = slot + 1
+        self._slot_gen[row] = self._gen
+        self._slot_idx[row] = slot
+        self._s_row[slot] = row
+        self._s_n[slot] = n
+        if pages:
+            self._s_pages[slot] = pages
+        floor = (computed - self.sliding_window) // ps * ps
+        if floor > front:
+            self._s_floor[slot] = floor
+            self._slot_frees += 1
+        self._need, self._n_tokens, self._n_rows = need, n_tokens, n_rows
+        self._computed[row] = computed + n_new
+        return GraphallocBlocks(request_id, first, pages, self)
+
+    def _allocate_new(self, request_id, row, n_new, look, num_computed, n_hit_arg, blocks):
+        """``allocate_slots`` for a request the next step admits (new now, or again)."""
+        n_hit = _count(n_hit_arg, "num_new_computed_tokens")
+        if row is not None and not self._new[row] and (n_hit or blocks is not None):
+            raise ContractError(f"allocate_slots({request_id!r}): a prefix-cache hit must be "
+                                "the one get_computed_blocks() returned for this new request "
+                                "in this iteration")
+        handle = self._take_hit(request_id, n_hit, blocks)
+        computed = _count(0 if num_computed is None else num_computed, "num_computed_tokens")
+        if handle >= 0 and computed:
+            raise PositionError(f"request {request_id!r}: a new request with a cache hit has "
+                                f"no computed tokens of its own, got {computed}")
+        if handle < 0 and computed:
+            raise PositionError(f"request {request_id!r}: {computed} computed tokens but 0 "
+                                "allocated; computed tokens must have slots")
+        if row is None:
+            if self._states and not self._state_fits():
+                return None  # the recurrent-state slots are short
+            try:
+                row = self.alloc.free_row(reserved=self._reserved)
+            except CapacityError:
+                return None  # the request rows are short
+            kind_new = True
+        else:
+            kind_new = False  # a second call this iteration: the same reserved row
+        kind = _ADMIT_ON if handle >= 0 else _ADMIT
+        out = self._record(request_id, row, kind, n_hit, n_new, look, n_hit, 0, handle, n_hit)
+        if out is not None and kind_new:
+            self._reserved.append(row)
+            self._new[row] = True
+            self._rows[request_id] = row
+        return out
+
+    def _record(self, request_id, row, kind, computed, n_new, look, length, front, handle,
+                n_hit):
+        """Write (or replace) ``row``'s slot; ``None`` when the pools are short."""
+        ps, window, mml = self.block_size, self.sliding_window, self.max_model_len
         if computed > length:
             raise PositionError(f"request {request_id!r}: {computed} computed tokens but "
                                 f"{length} allocated; computed tokens must have slots")
-        if computed + n_new > self.max_model_len:
+        if computed + n_new > mml:
             raise PositionError(f"request {request_id!r}: {computed} + {n_new} tokens exceed "
-                                f"max_model_len {self.max_model_len}")
-        target = min(computed + n_new + lookahead, self.max_model_len)
-        floor = max(computed - self.sliding_window, 0) // self.block_size * self.block_size
-        if row is None:
-            item = (None, target, None) if handle is None else (None, target, None, handle,
-                                                                n_hit)
+                                f"max_model_len {mml}")
+        target = computed + n_new + look
+        if target > mml:
+            target = mml
+        floor = (computed - window) // ps * ps if kind == _RUNNING and computed > window else -1
+        if floor <= front:
+            floor = -1
+        n, pages, trim = 0, 0, -1
+        if target > length:
+            n = target - length
+            if n > self._max_row_tokens:
+                raise BatchTooLargeError(
+                    f"request {request_id!r} would allocate {n} tokens in one step; the frozen "
+                    f"max_tokens_per_alloc_row is {self._max_row_tokens}: schedule smaller "
+                    "chunks, or size the allocator with AllocatorConfig.for_engine")
+            pages = (target + ps - 1) // ps - (length + ps - 1) // ps
+        elif ((target + ps - 1) // ps < (length + ps - 1) // ps
+              and (front == 0 or target >= front + window)):
+            trim = target
+        gen = self._gen
+        replace = self._slot_gen[row] == gen
+        slot = self._slot_idx[row] if replace else self._n
+        if replace:
+            old_n, old_pages = int(self._s_n[slot]), int(self._s_pages[slot])
+            old_frees = self._s_floor[slot] >= 0 or self._s_trim[slot] >= 0
+            old_on = self._s_kind[slot] == _ADMIT_ON
         else:
-            item = (row, target, floor if row >= 0 else None)
-        keys = self.pending.reserve([item], trim=True)
-        if keys is None:
-            return None
-        self._rows[request_id] = keys[0]
-        self._computed[request_id] = computed + n_new
-        ps = self.block_size
-        first = -(-length // ps)
-        return GraphallocBlocks(request_id, first, -(-max(target, length) // ps) - first, self)
+            old_n = old_pages = 0
+            old_frees = old_on = False
+        n_rows = self._n_rows + (n > 0) - (old_n > 0) + (kind == _ADMIT_ON) - old_on
+        n_tokens = self._n_tokens + n - old_n
+        cfg = self.alloc.config
+        if n_rows + self.pending.take_h.n > cfg.max_alloc_rows or n_tokens > cfg.max_step_tokens:
+            raise BatchTooLargeError(
+                f"this iteration's step would need {n_rows} allocation rows and {n_tokens} "
+                f"tokens, the frozen shape is {cfg.max_alloc_rows} and {cfg.max_step_tokens}: "
+                "schedule less per iteration, or size the allocator with "
+                "AllocatorConfig.for_engine from the engine's budgets")
+        need = self._need + pages - old_pages
+        frees = floor >= 0 or trim >= 0
+        if need > self._free_floor():
+            extra = None
+            if frees or old_frees:  # count this call's window floor / trim instead
+                extra = self._slot_frees_arrays(skip=slot if replace else -1)
+                if floor >= 0:
+                    extra["advance"] = _append(extra.get("advance"), row, floor)
+                if trim >= 0:
+                    extra["trim"] = _append(extra.get("trim"), row, trim)
+            if not self._fits(need, extra):
+                return None
+        if not replace:
+            self._slot_gen[row] = gen
+            self._slot_idx[row] = slot
+            self._n = slot + 1
+            self._s_row[slot] = row
+        self._s_n[slot] = n
+        self._s_floor[slot] = floor
+        self._s_trim[slot] = trim
+        self._s_kind[slot] = kind
+        self._s_h[slot] = handle
+        self._s_hit[slot] = n_hit
+        self._s_pages[slot] = pages
+        self._need, self._n_rows, self._n_tokens = need, n_rows, n_tokens
+        if frees or old_frees:
+            self._slot_frees += 1
+        self._computed[row] = computed + n_new
+        first = (length + ps - 1) // ps
+        last = (max(target, length) + ps - 1) // ps
+        return GraphallocBlocks(request_id, first, last - first, self)
 
-    def free(self, request_id: Hashable, token_ids=None) -> None:
-        """Free everything the request holds (finished or preempted); recorded for the
-        next step, its pages count as free at once. An unknown id is a no-op (as vLLM).
-        A request freed in the same iteration as its ``allocate_slots`` loses that
-        allocation (a request new in this iteration is never admitted).
+    def free(self, request_id: Hashable, token_ids=None) -> bool:
+        """Free everything the request holds (finished or preempted): recorded for the next
+        step, its pages count as free at once. An id holding no KV here is a no-op
+        returning ``False`` (the unknown-id policy; vLLM frees aborted waiting requests). A
+        request new in this iteration is never admitted (its allocation is dropped).
 
-        With caching and ``token_ids`` (its computed tokens,
-        ``all_token_ids[:num_computed_tokens]``), the request's full blocks of them are
-        put into the prefix cache first (one step when the entry is new, at this call):
+        With caching and ``token_ids`` (its computed tokens), the request's full blocks of
+        them go into the prefix cache in the same step (a ``take`` before the release):
         those stay cached, the rest is freed."""
+        try:
+            row = self._rows.pop(request_id, None)
+        except TypeError:
+            raise _unhashable(request_id, "free") from None
         self._drop_hit(request_id)
-        row = self._rows.pop(request_id, None)
         if row is None:
-            return
-        self._computed.pop(request_id, None)
-        if row >= 0 and token_ids is not None and self.prefix_cache is not None:
-            before = self.alloc.steps_run
-            self.prefix_cache.insert(row, list(token_ids))
-            self.cache_steps += self.alloc.steps_run - before
-        self.pending.release(row)
+            return False
+        self._kill_slot(row)
+        if self._new[row]:  # admitted by the next step: never admitted
+            self._new[row] = False
+            self._reserved.remove(row)
+            return True
+        if token_ids is not None and self.prefix_cache is not None:
+            self.pending.insert(row, list(token_ids))
+        self.pending.add_release(row)
+        return True
 
     def cache_blocks(self, request_id: Hashable, token_ids) -> int:
         """vLLM's ``cache_blocks``: put the request's full blocks of ``token_ids`` (tokens
-        whose KV is computed, ``all_token_ids[:num_computed_tokens]``) into the prefix
-        cache now, while the request runs on. vLLM caches blocks as they fill; here a new
-        entry is a step of its own (the handle's prefix copy), so call it where a prefix
-        is worth keeping with its window -- typically when a prompt's prefill completed
-        (a shared system prompt), since blocks that left the window are not cached.
-        Returns the tokens cached (0 without caching)."""
+        whose KV is computed) into the prefix cache with the next step (a ``take``), while
+        the request runs on. Call it where a prefix is worth keeping with its window, e.g.
+        when a prompt's prefill completed. Returns the tokens cached (0 without caching)."""
+        row = self._row(request_id, "cache_blocks")
         if self.prefix_cache is None:
             return 0
-        row = self._row(request_id)
-        before = self.alloc.steps_run
-        n = self.prefix_cache.insert(row, list(token_ids))
-        self.cache_steps += self.alloc.steps_run - before
-        return n
+        return self.pending.insert(row, list(token_ids))
 
     def run_step(self) -> AllocResult | None:
         """Run everything recorded as ONE step (more only when the recorded frees exceed
         the frozen release shape; ``steps_last_run`` says). Call once per ``schedule()``,
         after its loop, before the forward. Returns the new slots (lanes: the requests in
         the order they were allocated; ``None`` when nothing was allocated). Never
-        synchronises."""
-        result, self.steps_last_run = self.pending.run()
-        if self.pending.admitted:
-            for rid, key in self._rows.items():
-                if key < 0:
-                    self._rows[rid] = self.pending.admitted[key]
-        hits, self._hits = self._hits, {}
-        for handle in hits.values():  # the hits were admitted on, or abandoned
-            self.prefix_cache.unlock(handle)
-        return result
+        synchronises. A step refused for pages (the accounting was off) raises
+        ``CapacityError`` with the records kept."""
+        call = self._slot_arrays()
+        if not self.pending and not call:
+            self.steps_last_run = 0
+            self._next_iteration()
+            return None
+        out = self.pending.run(**call)
+        if out is None:
+            raise CapacityError("run_step: the recorded step is short of pages or rows that "
+                                "allocate_slots counted on; the records are kept")
+        result, _, self.steps_last_run = out
+        self._next_iteration()
+        return result if result.n_step_tokens else None
 
     # ---- queries -----------------------------------------------------------------------
     def get_block_ids(self, request_id: Hashable) -> tuple[list[int], list[int]]:
         """The request's block ids per group, ``(FULL, SWA)``, ``ceil(L / block_size)``
         each; SWA ids of removed blocks are ``NULL_BLOCK_ID``. A DEVICE READ (one copy per
-        group, synchronises): inspection and debugging only. ``([], [])`` for an unknown
-        id. Refused while the request has recorded work (call :meth:`run_step`)."""
-        row = self._rows.get(request_id)
-        if row is None:
-            return [], []
-        if row < 0 or row in self.pending.extends or row in self.pending.advances:
+        group, synchronises): inspection and debugging only. Unknown id:
+        ``UnknownRequestError``; recorded work: ``PendingStepError`` (run_step first)."""
+        row = self._row(request_id, "get_block_ids")
+        if self._slot_gen[row] == self._gen and (self._s_n[self._slot_idx[row]] > 0 or
+                                                 self._s_floor[self._slot_idx[row]] >= 0):
             raise PendingStepError(f"get_block_ids({request_id!r}): the request has work "
                                    "recorded for the next step; call run_step() first")
         full, swa = self._block_ids(self.alloc.req_to_token[row],
                                     -(-self.alloc.seq_len(row) // self.block_size))
         removed = self.alloc.frontier(row) // self.block_size  # shared pages may be mapped
         return full, [NULL_BLOCK_ID] * removed + swa[removed:]
+
+    def state_block_id(self, request_id: Hashable) -> int:
+        """The request's recurrent-state slot: its block id in a Mamba KV-cache group
+        (vLLM's one state block per request and group; every group reads the same slot of
+        its own state tensors). Host value, no device read; valid once the step that admits
+        the request ran (``run_step``). The device view for the batch is
+        ``alloc.req_to_state[rows]`` (rows from :meth:`row_of`). Unknown id:
+        ``UnknownRequestError``; without state slots: ``ConfigError``."""
+        if not self._states:
+            raise ConfigError("state_block_id: the allocator has no recurrent-state slots; "
+                              "build its config with num_state_slots > 0")
+        return int(self.ledger.state_slot[self._row(request_id, "state_block_id")])
+
+    def _state_fits(self) -> bool:
+        """A new request's slot fits: the free slots now, plus what the recorded releases
+        and the cache's unlocked snapshots give back, cover the admits reserved. O(1)."""
+        back = self.pending.release.n + (0 if self.prefix_cache is None
+                                          else self.prefix_cache.n_unlocked)
+        return len(self._reserved) + 1 <= self.alloc.n_free("state") + back
 
     def _handle_block_ids(self, handle: int, n_blocks: int) -> tuple[list[int], list[int]]:
         """A cache hit's first ``n_blocks`` ids (a device read; the handle's row)."""
@@ -385,7 +490,7 @@ class GraphallocKVCacheManager:
         a view of ``alloc.req_to_token`` and a gather of ``alloc.full_to_swa``, on the
         device, no synchronisation (the model's slot mapping). Positions must be
         allocated by a step that ran."""
-        row = self._row(request_id)
+        row = self._row(request_id, "token_slots")
         start, n = _count(start_pos, "start_pos"), _count(n_tokens, "n_tokens")
         if start + n > self.alloc.seq_len(row):
             raise PositionError(f"token_slots({request_id!r}): positions [{start}, "
@@ -395,34 +500,57 @@ class GraphallocKVCacheManager:
         return full, self.alloc.full_to_swa[full]
 
     def row_of(self, request_id: Hashable) -> int:
-        """The request's row (for ``PageTables.plan`` and ``alloc``'s queries)."""
-        return self._row(request_id)
+        """The request's row (for ``alloc``'s queries and page tables)."""
+        return self._row(request_id, "row_of")
 
     def num_computed_tokens(self, request_id: Hashable) -> int:
         """Computed tokens as this facade last recorded them."""
-        self._row(request_id)
-        return self._computed[request_id]
+        return self._computed[self._known(request_id, "num_computed_tokens")]
 
     def num_allocated_tokens(self, request_id: Hashable) -> int:
         """Positions the request holds once the recorded step has run."""
-        if request_id not in self._rows:
-            self._row(request_id)  # raises: unknown
-        return self.pending.length(self._rows[request_id])
+        row = self._known(request_id, "num_allocated_tokens")
+        if self._slot_gen[row] != self._gen:
+            return self.alloc.seq_len(row)
+        slot = self._slot_idx[row]
+        kind = int(self._s_kind[slot])
+        base = (int(self._s_hit[slot]) if kind == _ADMIT_ON else 0 if kind == _ADMIT
+                else self.alloc.seq_len(row))
+        trim = int(self._s_trim[slot])
+        return trim if trim >= 0 else base + int(self._s_n[slot])
+
+    def free_pages(self, pool: str, *, with_cache: bool = False) -> int:
+        """Pages of ``pool`` free once the recorded step has run (``with_cache``: the
+        cache's evictable blocks counted as free). The planner's dry runs, cached per
+        version of the records."""
+        extra, key = self._frees_extra()
+        return self.pending.free_pages(pool, with_cache=with_cache, extra=extra,
+                                       extra_key=key) - self._need
 
     def get_num_free_blocks(self) -> int:
         """Free blocks in the scarcer group once the recorded step has run, the cache's
-        evictable blocks included (with caching). O(1) without prefix handles."""
+        evictable blocks included (with caching)."""
         c = self.prefix_cache is not None
-        return min(self.pending.free_pages("full", with_cache=c),
-                   self.pending.free_pages("swa", with_cache=c))
+        return min(self.free_pages("full", with_cache=c), self.free_pages("swa", with_cache=c))
 
     @property
     def usage(self) -> float:
         """KV-cache usage in [0, 1], of the fuller group, counting recorded work (the
         cache's evictable blocks count as free)."""
         cfg, c = self.alloc.config, self.prefix_cache is not None
-        return max(1 - self.pending.free_pages("full", with_cache=c) / cfg.num_full_pages,
-                   1 - self.pending.free_pages("swa", with_cache=c) / cfg.num_swa_pages)
+        return max(1 - self.free_pages("full", with_cache=c) / cfg.num_full_pages,
+                   1 - self.free_pages("swa", with_cache=c) / cfg.num_swa_pages)
+
+    @property
+    def pending_work(self) -> bool:
+        """Whether :meth:`run_step` has anything to run."""
+        return bool(self.pending) or bool(self._slot_arrays())
+
+    @property
+    def cache_steps(self) -> int:
+        """Steps the cache ran outside the iterations' steps (a handle freed for an insert
+        when every handle was held)."""
+        return self.pending.cache_steps
 
     def prefix_cache_stats(self) -> dict:
         """``requests`` looked up, ``queries`` (their tokens) and ``hits`` (cached tokens
@@ -432,29 +560,138 @@ class GraphallocKVCacheManager:
         return out
 
     def __contains__(self, request_id: Hashable) -> bool:
-        return request_id in self._rows
+        return self._lookup(request_id, "contains") is not None
 
     def __len__(self) -> int:
         return len(self._rows)
 
-    def _row(self, request_id: Hashable) -> int:
+    # ---- internals ---------------------------------------------------------------------
+    def _lookup(self, request_id, what: str):
         try:
-            row = self._rows[request_id]
-        except KeyError:
-            raise ContractError(f"request {request_id!r} holds no KV cache here (never "
-                                "allocated, or freed)") from None
-        if row < 0:
-            raise PendingStepError(f"request {request_id!r} is admitted by the next step; "
-                                   "call run_step() first")
+            return self._rows.get(request_id)
+        except TypeError:
+            raise _unhashable(request_id, what) from None
+
+    def _known(self, request_id, what: str) -> int:
+        row = self._lookup(request_id, what)
+        if row is None:
+            raise UnknownRequestError(f"{what}({request_id!r}): the request holds no KV cache "
+                                      "here (never allocated, or freed)")
         return row
 
-    def _take_hit(self, request_id, row, n_hit: int, blocks) -> int | None:
-        """The cache handle of a hit passed to ``allocate_slots`` (``None``: no hit)."""
+    def _row(self, request_id, what: str) -> int:
+        row = self._known(request_id, what)
+        if self._new[row]:
+            raise PendingStepError(f"{what}({request_id!r}): the request is admitted by the "
+                                   "next step; call run_step() first")
+        return row
+
+    def _free_floor(self) -> int:
+        """min over pools of the free pages now (frees only add: a sufficient bound)."""
+        steps = self._pipeline.steps_run
+        if self._floor_key != steps:
+            led = self.ledger
+            self._floor_key = steps
+            self._floor = min(led.full.n_free, led.swa.n_free)
+        return self._floor
+
+    def _fits(self, need: int, extra=None) -> bool:
+        """Whether ``need`` pages per pool fit once the recorded frees (and the slots' own
+        window floors and trims, or ``extra`` instead) ran, counting the cache's evictable
+        pages. Three tiers, each a sufficient condition for the next (frees only add
+        pages): the free pages now; after the recorded frees and the cache (one dry run per
+        version of the records); only then with the slots' floors and trims too (a dry run
+        per call: the pools are about to be short)."""
+        if need <= self._free_floor():
+            return True
+        c = self.prefix_cache is not None
+        pend = self.pending
+        if need <= min(pend.free_pages("full", with_cache=c),
+                       pend.free_pages("swa", with_cache=c)):
+            return True
+        if extra is None:
+            extra, key = self._frees_extra()
+        else:
+            key = ("call", self._slot_frees, object())  # a one-off: never cached
+        return need <= min(pend.free_pages("full", with_cache=c, extra=extra, extra_key=key),
+                           pend.free_pages("swa", with_cache=c, extra=extra, extra_key=key))
+
+    def _frees_extra(self):
+        return self._slot_frees_arrays(), ("slots", self._gen, self._slot_frees)
+
+    def _slot_frees_arrays(self, skip: int = -1) -> dict:
+        """The slots' window floors and trims (slot ``skip`` left out), as Step frees."""
+        n = self._n
+        rows, floor, trim = self._s_row[:n], self._s_floor[:n], self._s_trim[:n]
+        out = {}
+        for kind, values in (("advance", floor), ("trim", trim)):
+            m = values >= 0
+            if 0 <= skip < n:
+                m[skip] = False
+            if np.count_nonzero(m):
+                out[kind] = (rows[m], values[m])
+        return out
+
+    def _slot_arrays(self) -> dict:
+        """This iteration's slots as the Step's arrays (a few numpy masks)."""
+        n = self._n
+        if not n:
+            return {}
+        rows, ext, kind = self._s_row[:n], self._s_n[:n], self._s_kind[:n]
+        out = self._slot_frees_arrays()
+        m = ext > 0
+        k = np.count_nonzero(m)
+        if k == n:
+            out["extend"] = (rows, ext)
+        elif k:
+            out["extend"] = (rows[m], ext[m])
+        if self._reserved:
+            m = kind == _ADMIT
+            if np.count_nonzero(m):
+                out["admit"] = rows[m]
+            m = kind == _ADMIT_ON
+            if np.count_nonzero(m):
+                out["admit_on"] = (rows[m], self._s_h[:n][m], self._s_hit[:n][m])
+        return out
+
+    def _kill_slot(self, row: int) -> None:
+        if self._slot_gen[row] != self._gen:
+            return
+        slot = self._slot_idx[row]
+        n, kind = int(self._s_n[slot]), int(self._s_kind[slot])
+        self._need -= int(self._s_pages[slot])
+        self._n_rows -= (n > 0) + (kind == _ADMIT_ON)
+        self._n_tokens -= n
+        if self._s_floor[slot] >= 0 or self._s_trim[slot] >= 0:
+            self._slot_frees += 1
+        self._s_n[slot] = self._s_pages[slot] = 0
+        self._s_floor[slot] = self._s_trim[slot] = -1
+        self._s_kind[slot] = _DEAD
+        self._slot_gen[row] = 0
+
+    def _next_iteration(self) -> None:
+        for row in self._reserved:
+            self._new[row] = False
+        self._reserved.clear()
+        self._gen += 1
+        n, self._n = self._n, 0
+        if n:  # the slots' defaults back (see __init__)
+            self._s_floor[:n] = -1
+            self._s_trim[:n] = -1
+            self._s_kind[:n] = _RUNNING
+            self._s_pages[:n] = 0
+        self._need = self._n_rows = self._n_tokens = 0
+        hits, self._hits = self._hits, {}
+        for handle in hits.values():  # the hits were admitted on, or abandoned
+            self.prefix_cache.unlock(handle)
+
+    def _take_hit(self, request_id, n_hit: int, blocks) -> int:
+        """The cache handle of a hit passed to ``allocate_slots`` (-1: no hit)."""
         if not n_hit and (blocks is None or not blocks.num_blocks):
-            return None
+            return -1
         handle = self._hits.get(request_id)
-        if (row is not None or handle is None or blocks is None or blocks.handle != handle
-                or blocks.request_id != request_id):
+        if (handle is None or not isinstance(blocks, GraphallocBlocks)
+                or blocks.handle != handle or blocks.request_id != request_id):
             raise ContractError(
                 f"allocate_slots({request_id!r}): a prefix-cache hit must be the one "
                 "get_computed_blocks() returned for this new request in this iteration")
@@ -468,3 +705,10 @@ class GraphallocKVCacheManager:
         handle = self._hits.pop(request_id, None)
         if handle is not None:
             self.prefix_cache.unlock(handle)
+
+
+def _append(pair, row: int, value: int):
+    one = (np.array([row], dtype=np.int64), np.array([value], dtype=np.int64))
+    if pair is None:
+        return one
+    return np.concatenate([pair[0], one[0]]), np.concatenate([pair[1], one[1]])

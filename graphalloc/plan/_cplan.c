@@ -2,8 +2,9 @@
  * compiled wraps it), its bindings and one step's entry (reference.plan_step).
  *
  * Binding happens once: the ledger's arrays (state/ledger.py: never rebound), the page
- * mirror (pool mode), and per descriptor buffer (the ring's, then one scratch buffer for
- * dry runs) the descriptor, three result arrays and the tables' host copies. It uses the
+ * mirror (pool mode), the recurrent-state arrays (with state slots), and per descriptor
+ * buffer (the ring's, then one scratch buffer for dry runs) the descriptor, three result
+ * arrays and the tables' host copies. It uses the
  * buffer protocol only (no numpy headers). See _cplan.h for the files and conventions.
  */
 #include "_cplan.h"
@@ -80,6 +81,21 @@ static PyObject *Planner_bind_ledger(Planner *P, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* bind_states(state_slot, spec_state, state_ring): the ledger's recurrent-state arrays
+ * (int64 [max_reqs + n_handles], [max_reqs, SPEC_DEPTH, K], [n_slots]). */
+static PyObject *Planner_bind_states(Planner *P, PyObject *args) {
+    PyObject *o[3];
+    if (!PyArg_ParseTuple(args, "OOO", &o[0], &o[1], &o[2])) return NULL;
+    if (!P->has_states)
+        return PyErr_Format(PyExc_RuntimeError, "compiled planner: built without state slots");
+    Py_ssize_t n = P->max_reqs;
+    if (!(P->state_slot = bind(P, o[0], 8, "lq", n + P->n_handles, "state_slot")) ||
+        !(P->spec_state = bind(P, o[1], 8, "lq", n * SPEC_DEPTH * P->K, "spec_state")) ||
+        !(P->state_ring = bind(P, o[2], 8, "lq", P->n_slots, "state_ring")))
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 /* bind_refs(page_of, swa_of, full_ring, swa_ring, full_ref, swa_ref) */
 static PyObject *Planner_bind_refs(Planner *P, PyObject *args) {
     PyObject *o[6];
@@ -129,7 +145,7 @@ static PyObject *Planner_bind_buffer(Planner *P, PyObject *args) {
     if (i < 0 || i >= P->n_bufs) return PyErr_Format(PyExc_IndexError, "buffer %d", i);
     Buf *b = &P->bufs[i];
     if (b->desc) return PyErr_Format(PyExc_RuntimeError, "buffer %d bound twice", i);
-    Py_ssize_t rows = P->max_rel + P->max_al + (P->has_tables ? P->B : 0);
+    Py_ssize_t rows = P->st_base + (P->has_states ? P->n_st_rows : 0);
     if (!(b->desc = bind(P, desc, 8, "lq", rows * ROW_WIDTH, "descriptor"))) return NULL;
     PyObject *r = PyObject_CallMethod((PyObject *)P, "bind_results", "iOOO", i, res[0], res[1],
                                       res[2]);
@@ -252,8 +268,20 @@ static int get_context(Planner *P, Plan *S, PyObject *const *o, Py_buffer *views
 }
 
 /* ---- one step ----------------------------------------------------------------------------- */
+/* PlanContext.reclaim_keep: the handles the step admits on, kept from reclaim (on) until
+ * admit_on ran (off). */
+static void keep_admit_on_handles(Planner *P, Plan *S, int on) {
+    for (Py_ssize_t i = 0; i < S->n[A_ON_H]; i++) {
+        int64_t h = S->a[A_ON_H][i];
+        if (h < 0 || h >= P->n_handles) continue;
+        if (on) P->hflags[h] |= H_KEEP;
+        else P->hflags[h] &= (uint8_t)~H_KEEP;
+    }
+}
+
 /* reference.plan_step: the kinds in the step's order. */
 static int plan_kinds(Planner *P, Plan *S) {
+    keep_admit_on_handles(P, S, 1);
     TRY(plan_take(P, S));
     TRY(plan_release(P, S));
     TRY(plan_commit(P, S));
@@ -263,6 +291,7 @@ static int plan_kinds(Planner *P, Plan *S) {
     TRY(plan_drops(P, S));
     TRY(plan_admit(P, S));
     TRY(plan_admit_on(P, S));
+    keep_admit_on_handles(P, S, 0);
     TRY(plan_extend(P, S, S->a[A_DEC], S->a[A_DEC_N], S->a[A_DEC_SPEC], S->n[A_DEC], K_DECODE));
     TRY(plan_extend(P, S, S->a[A_EXT_R], S->a[A_EXT_N], NULL, S->n[A_EXT_R], K_EXTEND));
     return plan_load_back(P, S);
@@ -300,6 +329,8 @@ static void begin_step(Planner *P, Plan *S) {
         S->head[pool] = P->rings[2 * pool];
         S->nfree[pool] = S->free_before[pool] = P->rings[2 * pool + 1];
     }
+    S->head[2] = P->rings[4];
+    S->nfree[2] = P->rings[5];
     S->undo_mark = P->undo_n;
     P->n_reclaimed = 0;
     P->oom = 0;
@@ -311,14 +342,17 @@ static int run_step(Planner *P, Plan *S, int64_t *totals) {
     int rc = plan_kinds(P, S);
     if (!rc) rc = finish(P, S);
     if (!rc && P->oom) { PyErr_NoMemory(); rc = -2; }
-    if (!rc && P->has_tables) rc = plan_lanes(P, S, totals);
-    if (rc) {
+    if (!rc && P->has_tables) rc = check_lanes(P, S, totals);
+    if (!rc && P->has_states) rc = states_check(P, S);
+    if (rc) {  /* (lanes and state rows are written only below: nothing of theirs to undo) */
         undo_to(P, S->undo_mark);
         restore_rows(S->rel, P->saved_rel, S->n_rel, P->max_rel, S->old_rel);
         restore_rows(S->al, P->saved_al, S->n_al, P->max_al, S->old_al);
         return rc;
     }
-    for (int pool = 0; pool < 2; pool++) {
+    if (P->has_tables) write_lanes(P, S, totals);
+    if (P->has_states) states_write(P, S);
+    for (int pool = 0; pool < (P->has_states ? 3 : 2); pool++) {
         set64(P, &P->rings[2 * pool], S->head[pool]);
         set64(P, &P->rings[2 * pool + 1], S->nfree[pool]);
     }
@@ -329,17 +363,19 @@ static int run_step(Planner *P, Plan *S, int64_t *totals) {
     return 0;
 }
 
-/* plan(arrays, epoch, index (-1: scratch), old_rel, old_al, excluded_rows, excluded_handles,
- * reclaim) -> (0, n_rel, n_al, n_tokens, freed FULL, freed SWA, allocated FULL, allocated
- * SWA, evicted, fusable, n_results, n_lanes, FULL indices, SWA indices, n_reclaimed), or the
- * refusal (code > 0, kind, row, value, limit) with nothing changed. */
+/* plan(arrays, epoch, index (-1: scratch), old_rel, old_al, old_states, excluded_rows,
+ * excluded_handles, reclaim) -> (0, n_rel, n_al, n_tokens, freed FULL, freed SWA, allocated
+ * FULL, allocated SWA, evicted, fusable, n_results, n_lanes, FULL indices, SWA indices,
+ * n_reclaimed, n_state_rows (the header included; 0 without state slots)), or the refusal
+ * (code > 0, kind, row, value, limit) with nothing changed. old_*: the rows the buffer's
+ * sections held before (they become padding). */
 static PyObject *Planner_plan(Planner *P, PyObject *const *args, Py_ssize_t nargs) {
     long long t0 = now_ns();
-    if (nargs != 8) return PyErr_Format(PyExc_TypeError, "plan() takes 8 arguments");
+    if (nargs != 9) return PyErr_Format(PyExc_TypeError, "plan() takes 9 arguments");
     PyObject *arrays = args[0];
     if (!PyTuple_Check(arrays) || PyTuple_GET_SIZE(arrays) != N_FIELDS)
         return PyErr_Format(PyExc_TypeError, "plan(): a StepArrays of %d fields", N_FIELDS);
-    if (!P->live || (!P->ring_mode && !P->page_of))
+    if (!P->live || (!P->ring_mode && !P->page_of) || (P->has_states && !P->state_slot))
         return PyErr_Format(PyExc_RuntimeError, "compiled planner: ledger not bound");
     Plan S;
     memset(&S, 0, sizeof S);
@@ -347,6 +383,7 @@ static PyObject *Planner_plan(Planner *P, PyObject *const *args, Py_ssize_t narg
     long index = PyLong_AsLong(args[2]);
     S.old_rel = PyLong_AsLongLong(args[3]);
     S.old_al = PyLong_AsLongLong(args[4]);
+    S.old_st = PyLong_AsLongLong(args[5]);
     if (PyErr_Occurred()) return NULL;
     if (index < 0) index = P->n_bufs - 1;  /* the scratch buffer (a dry run) */
     else if (index >= P->n_bufs - 1) index = P->n_bufs;
@@ -362,7 +399,7 @@ static PyObject *Planner_plan(Planner *P, PyObject *const *args, Py_ssize_t narg
     for (int i = 0; i < N_FIELDS && !rc; i++)
         rc = get_field(P, &S, i, PyTuple_GET_ITEM(arrays, i), &views[i], &held[i]);
     if (!rc) rc = check_fields(P, &S);
-    if (!rc) rc = get_context(P, &S, args + 5, views + N_FIELDS, held + N_FIELDS);
+    if (!rc) rc = get_context(P, &S, args + 6, views + N_FIELDS, held + N_FIELDS);
     int64_t totals[3] = {0, 0, 0};
     if (!rc) rc = run_step(P, &S, totals);
     for (int i = 0; i < N_FIELDS + 4; i++)
@@ -379,12 +416,12 @@ static PyObject *Planner_plan(Planner *P, PyObject *const *args, Py_ssize_t narg
     P->n_planned++;
     int fusable = S.allocd[0] <= S.free_before[0] && S.allocd[1] <= S.free_before[1] &&
                   !S.cut_alloc;
-    return Py_BuildValue("(iLLLLLLLLOLLLLn)", 0, (long long)S.n_rel, (long long)S.n_al,
+    return Py_BuildValue("(iLLLLLLLLOLLLLnL)", 0, (long long)S.n_rel, (long long)S.n_al,
                          (long long)S.n_tokens, (long long)S.freed[0], (long long)S.freed[1],
                          (long long)S.allocd[0], (long long)S.allocd[1], (long long)S.evicted,
                          fusable ? Py_True : Py_False, (long long)S.n_res,
                          (long long)totals[2], (long long)totals[0], (long long)totals[1],
-                         P->n_reclaimed);
+                         P->n_reclaimed, (long long)S.n_st);
 }
 
 static PyObject *Planner_reclaimed(Planner *P, PyObject *unused) {
@@ -434,7 +471,8 @@ static void Planner_dealloc(Planner *P) {
     void *own[] = {P->rflags, P->hflags, P->seen_row.mark, P->seen_h.mark, P->seen_page.mark,
                    P->len0, P->len0_gen, P->t_rows, P->t_a, P->t_b, P->t_c, P->t_d, P->t_e,
                    P->spare, P->x_lane, P->x_pages, P->spare_flags, P->saved_rel, P->saved_al,
-                   P->reclaimed};
+                   P->reclaimed, P->st_set, P->st_copy, P->st_spec, P->st_order, P->taken_src,
+                   P->seen_slot.mark, P->seen_index.mark};
     for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) PyMem_Free(own[i]);
     for (int i = 0; i < N_FIELDS; i++) PyMem_Free(P->copies[i]);
     void *ex[] = {P->ex_r, P->ex_k, P->ex_pg, P->ex_sp, P->ex_ord, P->ex_act, P->undo};
@@ -450,17 +488,19 @@ static void *zalloc(size_t n, size_t item, int *failed) {
 }
 
 /* Planner(ps, max_reqs, n_handles, ring_pages, window, max_ctx, max_tok_row, row_cap,
- * max_rel, max_step_pages, max_al, max_step_tokens, nf, ns, ppr, n_bufs, empty, tables) with
- * tables None or (B, model_window, max_full_indices, max_swa_indices, csr_full, csr_swa);
- * n_bufs counts the ring's buffers (one scratch buffer is added). */
+ * max_rel, max_step_pages, max_al, max_step_tokens, nf, ns, ppr, n_bufs, empty, tables,
+ * states) with tables None or (B, model_window, max_full_indices, max_swa_indices, csr_full,
+ * csr_swa) and states None or (num_state_slots, max_spec_tokens, state rows of a
+ * descriptor, the header included); n_bufs counts the ring's buffers (one scratch buffer is
+ * added). */
 static int Planner_init(Planner *P, PyObject *args, PyObject *kwds) {
     (void)kwds;
     long long v[15];
     int n_bufs;
-    PyObject *empty, *tables;
-    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLLLiOO", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+    PyObject *empty, *tables, *states;
+    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLLLiOOO", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
                           &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14],
-                          &n_bufs, &empty, &tables))
+                          &n_bufs, &empty, &tables, &states))
         return -1;
     if (P->bufs) { PyErr_SetString(PyExc_RuntimeError, "Planner initialised twice"); return -1; }
     P->ps = v[0]; P->max_reqs = v[1]; P->n_handles = v[2]; P->ring_pages = v[3];
@@ -479,6 +519,16 @@ static int Planner_init(Planner *P, PyObject *args, PyObject *kwds) {
         P->has_tables = 1; P->B = t[0]; P->model_window = t[1];
         P->max_full_idx = t[2]; P->max_swa_idx = t[3]; P->csr_full = cf; P->csr_swa = cs;
     }
+    P->st_base = P->max_rel + P->max_al + (P->has_tables ? P->B : 0);
+    if (states != Py_None) {
+        long long t[3];
+        if (!PyArg_ParseTuple(states, "LLL", &t[0], &t[1], &t[2])) return -1;
+        if (t[0] <= 0 || t[1] <= 0 || t[2] < 1) {
+            PyErr_SetString(PyExc_ValueError, "compiled planner: bad state-slot configuration");
+            return -1;
+        }
+        P->has_states = 1; P->n_slots = t[0]; P->K = t[1]; P->n_st_rows = t[2];
+    }
     Py_INCREF(empty);
     P->empty = empty;
     P->n_bufs = n_bufs + 1;
@@ -496,6 +546,17 @@ static int Planner_init(Planner *P, PyObject *args, PyObject *kwds) {
     P->spare_flags = zalloc(2 * nt, 1, &failed);
     P->saved_rel = zalloc((size_t)P->max_rel * ROW_WIDTH, 8, &failed);
     P->saved_al = zalloc((size_t)P->max_al * ROW_WIDTH, 8, &failed);
+    if (P->has_states) {  /* a step writes each row and handle's entry at most twice */
+        P->cap_set = 2 * (Py_ssize_t)nt; P->cap_copy = (Py_ssize_t)nt;
+        P->st_set = zalloc(2 * nt, 2 * 8, &failed);
+        P->st_order = zalloc(2 * nt, 8, &failed);
+        P->st_copy = zalloc(nt, 2 * 8, &failed);
+        P->st_spec = zalloc(n, 3 * 8, &failed);
+        P->taken_src = zalloc(nh, 8, &failed);
+        P->seen_slot = (Stamp){zalloc((size_t)P->n_slots + 1, 4, &failed), 0,
+                               (Py_ssize_t)P->n_slots + 1};
+        P->seen_index = (Stamp){zalloc(nt, 4, &failed), 0, (Py_ssize_t)nt};
+    }
     if (failed) { PyErr_NoMemory(); return -1; }
     return 0;
 }
@@ -514,6 +575,8 @@ static PyMethodDef Planner_methods[] = {
     {"bind_ledger", (PyCFunction)Planner_bind_ledger, METH_VARARGS,
      "bind_ledger(live, admitted_once, seq_len, frontier, committed, spec_steps, h_live, "
      "h_len, h_swa_start, rings)"},
+    {"bind_states", (PyCFunction)Planner_bind_states, METH_VARARGS,
+     "bind_states(state_slot, spec_state, state_ring)"},
     {"bind_refs", (PyCFunction)Planner_bind_refs, METH_VARARGS,
      "bind_refs(page_of, swa_of, full_ring, swa_ring, full_ref, swa_ref)"},
     {"bind_buffer", (PyCFunction)Planner_bind_buffer, METH_VARARGS,
@@ -521,7 +584,8 @@ static PyMethodDef Planner_methods[] = {
     {"bind_results", (PyCFunction)Planner_bind_results, METH_VARARGS,
      "bind_results(i, result_rows, result_first_lane, result_n_tokens)"},
     {"plan", (PyCFunction)(void (*)(void))Planner_plan, METH_FASTCALL,
-     "plan(arrays, epoch, index, old_rel, old_al, excluded_rows, excluded_handles, reclaim)"},
+     "plan(arrays, epoch, index, old_rel, old_al, old_states, excluded_rows, "
+     "excluded_handles, reclaim)"},
     {"reclaimed", (PyCFunction)Planner_reclaimed, METH_NOARGS,
      "the last step's (handle, tombstone, FULL freed, SWA freed)"},
     {"mark", (PyCFunction)Planner_mark, METH_NOARGS, "a position in the undo log"},
@@ -573,7 +637,10 @@ static PyObject *abi_dict(void) {
         {"PT_REQ", PT_REQ}, {"PT_SEQ_LEN", PT_SEQ_LEN}, {"PT_END_PAGE", PT_END_PAGE},
         {"PT_SWA_FIRST", PT_SWA_FIRST}, {"PT_FULL_OFF", PT_FULL_OFF},
         {"PT_SWA_OFF", PT_SWA_OFF}, {"PT_LAST_LEN", PT_LAST_LEN},
-        {"PT_WINDOW_START", PT_WINDOW_START},
+        {"PT_WINDOW_START", PT_WINDOW_START}, {"ST_KIND", ST_KIND}, {"ST_A", ST_A},
+        {"ST_B", ST_B}, {"ST_SET", ST_SET}, {"ST_COPY", ST_COPY}, {"ST_SPEC", ST_SPEC},
+        {"ST_SPEC_SLOTS", ST_SPEC_SLOTS}, {"ST_N_COPY", ST_N_COPY},
+        {"ST_N_TABLE", ST_N_TABLE},
         {"ACT_NONE", ACT_NONE}, {"ACT_FULL", ACT_FULL}, {"ACT_SWA", ACT_SWA},
         {"ACT_BOTH", ACT_BOTH}, {"SPEC_DEPTH", SPEC_DEPTH}, {"N_FIELDS", N_FIELDS},
         {"K_TAKE", K_TAKE}, {"K_RELEASE", K_RELEASE}, {"K_COMMIT", K_COMMIT},

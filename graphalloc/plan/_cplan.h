@@ -11,8 +11,9 @@
  *
  * Files: _cplan_core.c (undo log, validators, release rows, drop_actions + _emit),
  * _cplan_frees.c (release, commit, trim, evict, advance, drops, reclaim), _cplan_alloc.c
- * (take, admit, admit_on, decode / extend, load_back, lanes), _cplan.c (the Python type:
- * binding, the step's entry, finish).
+ * (take, admit, admit_on, decode / extend, load_back, lanes), _cplan_states.c (recurrent-
+ * state slots: plan/states.py), _cplan.c (the Python type: binding, the step's entry,
+ * finish).
  */
 #ifndef GRAPHALLOC_CPLAN_H
 #define GRAPHALLOC_CPLAN_H
@@ -30,6 +31,13 @@ enum { AL_REQ, AL_START_POS, AL_N_TOKENS, AL_FULL_POP, AL_SWA_POP, AL_OUT, AL_FL
        AL_N_PAGES };
 enum { PT_REQ, PT_SEQ_LEN, PT_END_PAGE, PT_SWA_FIRST, PT_FULL_OFF, PT_SWA_OFF, PT_LAST_LEN,
        PT_WINDOW_START };
+enum { ST_KIND, ST_A, ST_B };
+#define ST_SET 1
+#define ST_COPY 2
+#define ST_SPEC 3
+#define ST_SPEC_SLOTS (ROW_WIDTH - 2)
+#define ST_N_COPY 0
+#define ST_N_TABLE 1
 #define REL_SWA 1
 #define REL_FULL 2
 #define REL_CLEAR 4
@@ -63,6 +71,8 @@ enum { A_TAKE_H, A_TAKE_R, A_TAKE_N, A_RELEASE, A_COMMIT_R, A_COMMIT_N, A_TRIM_R
 #define F_ADMITTED 16
 #define H_WRITTEN 1
 #define H_DROPPED 2
+#define H_TAKEN 4 /* states.take: taken_src[h] holds the slot its snapshot copies */
+#define H_KEEP 8  /* PlanContext.reclaim_keep: the step admits on it later */
 
 #define N_HOST 5 /* host copies: full indptr, full last len, swa indptr, swa last, seq lens */
 
@@ -92,6 +102,12 @@ typedef struct {
     /* the ledger (state/ledger.py) and page mirror (state/references.py) */
     uint8_t *live, *admitted_once, *h_live;
     int64_t *seq, *front, *comm, *spec, *h_len, *h_swa, *rings;
+    /* recurrent-state slots (state/ledger.py; has_states 0 when num_state_slots is 0):
+     * state_slot [max_reqs + n_handles], spec_state [max_reqs, SPEC_DEPTH, K], state_ring
+     * [n_slots]; the descriptor's state section starts at row st_base, n_st_rows long */
+    int has_states;
+    int64_t n_slots, K, n_st_rows, st_base;
+    int64_t *state_slot, *spec_state, *state_ring;
     int32_t *page_of, *swa_of, *full_ring, *swa_ring, *full_ref, *swa_ref;
     Py_buffer *views; int n_views, cap_views;
     /* descriptor buffers: n_bufs of the ring, then the scratch one */
@@ -108,6 +124,12 @@ typedef struct {
     Py_ssize_t ex_cap;
     int64_t *copies[N_FIELDS]; Py_ssize_t copy_cap[N_FIELDS];  /* strided inputs */
     int64_t *reclaimed; Py_ssize_t n_reclaimed, cap_reclaimed;  /* (h, tomb, full, swa) */
+    /* one step's state rows before plan/states.finish orders them (sized at construction):
+     * st_set (index, slot) pairs in write order, st_copy (source, destination) pairs,
+     * st_spec (row, step, n) per speculative step, st_order the kept writes */
+    int64_t *st_set, *st_copy, *st_spec, *st_order, *taken_src;
+    Py_ssize_t cap_set, cap_copy;
+    Stamp seen_slot, seen_index;
     UndoEntry *undo; Py_ssize_t undo_n, undo_cap; int oom;
     PyObject *empty;           /* step.EMPTY: an absent kind */
     long long n_planned, n_refused;
@@ -123,11 +145,15 @@ typedef struct {
     Buf *buf; int64_t *rel, *al;
     int64_t old_rel, old_al;
     int64_t n_rel, n_al, n_rel_pages, n_tokens, n_res;
-    int64_t head[2], nfree[2], free_before[2];  /* the rings as the step goes */
+    int64_t head[3], nfree[3], free_before[2];  /* the rings as the step goes (FULL, SWA,
+                                                    state slots) */
     int64_t freed[2], allocd[2], evicted;
     int cut_alloc;             /* a row cut its tail and allocates again */
     Py_ssize_t undo_mark;
     int64_t refusal[5];
+    /* state rows of the step (plan/states.py; the counts index the Planner's st_* arrays) */
+    Py_ssize_t n_set, n_copy, n_spec, n_kept;
+    int64_t n_spec_rows, old_st, n_st;
 } Plan;
 
 /* ---- arithmetic ---------------------------------------------------------------------- */
@@ -216,7 +242,8 @@ int plan_advance(Planner *P, Plan *S, const int64_t *rows, const int64_t *pos, P
                  int kind, int checked);
 int plan_drops(Planner *P, Plan *S);
 int drop_handles(Planner *P, Plan *S, const int64_t *h, const uint8_t *swa_only, Py_ssize_t n);
-int plan_reclaim(Planner *P, Plan *S, int64_t need_full, int64_t need_swa);
+int plan_reclaim(Planner *P, Plan *S, int64_t need_full, int64_t need_swa,
+                 int64_t need_states);
 
 /* _cplan_alloc.c */
 int plan_take(Planner *P, Plan *S);
@@ -225,6 +252,25 @@ int plan_admit_on(Planner *P, Plan *S);
 int plan_extend(Planner *P, Plan *S, const int64_t *rows, const int64_t *ntok,
                 const int64_t *spec_flags, Py_ssize_t n, int kind);
 int plan_load_back(Planner *P, Plan *S);
-int plan_lanes(Planner *P, Plan *S, int64_t *totals);
+int check_lanes(Planner *P, Plan *S, int64_t *totals);
+void write_lanes(Planner *P, Plan *S, const int64_t *totals);
+
+/* _cplan_states.c (plan/states.py; each called only when has_states) */
+int states_need(Planner *P, Plan *S, int64_t n, int kind, int64_t row);
+int states_take(Planner *P, Plan *S, const int64_t *h, const int64_t *rows, const int64_t *tok,
+                Py_ssize_t n);
+int states_release(Planner *P, Plan *S, int64_t r);
+int states_commit(Planner *P, Plan *S, int64_t r, int64_t n_accepted, int64_t oldest);
+int states_trim(Planner *P, Plan *S, const int64_t *rows, const int64_t *new_len, Py_ssize_t n);
+int states_trim_slots(Planner *P, Plan *S, int64_t r, int step, int64_t kept);
+int states_drop(Planner *P, Plan *S, int64_t h);
+int states_admit(Planner *P, Plan *S, const int64_t *rows, Py_ssize_t n, int kind);
+int states_admit_on(Planner *P, Plan *S, const int64_t *rows, const int64_t *h,
+                    const int64_t *n_tokens, Py_ssize_t n);
+int states_speculative(Planner *P, Plan *S, const int64_t *rows, const int64_t *ntok,
+                       const int64_t *spec_flags, Py_ssize_t n, int kind);
+int states_speculative_slots(Planner *P, Plan *S, int64_t r, int step, int64_t n_tokens);
+int states_check(Planner *P, Plan *S);
+void states_write(Planner *P, Plan *S);
 
 #endif

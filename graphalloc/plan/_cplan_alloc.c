@@ -1,6 +1,6 @@
 /* The compiled twin's allocations: plan/allocation.py (take, admit, admit_on, extend for
  * decode and extend, load_back) and plan/lanes.py (attention lane rows and host copies).
- * See _cplan.h. */
+ * The recurrent-state hooks (states_*) are _cplan_states.c's. See _cplan.h. */
 #include "_cplan.h"
 
 /* allocation._hold (+ _copy_row): dst takes references to src's pages of [0, n_tokens)
@@ -53,6 +53,7 @@ int plan_take(Planner *P, Plan *S) {
         int64_t limit = imin(len_at_start(P, rows[i]), P->comm[rows[i]]);
         if (tok[i] <= 0 || tok[i] > limit) return refuse(S, 11, K_TAKE, rows[i], tok[i], limit);
     }
+    if (P->has_states) TRY(states_take(P, S, h, rows, tok, n));
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t swa_start = imin(P->front[rows[i]], tok[i]);
         set8(P, &P->h_live[h[i]], 1);
@@ -74,6 +75,7 @@ int plan_admit(Planner *P, Plan *S) {
     int64_t R = P->ring_pages;
     if (P->ring_mode && R * n > S->nfree[1])
         return refuse(S, 30, K_ADMIT, rows[0], S->nfree[1], R * n);
+    if (P->has_states) TRY(states_admit(P, S, rows, n, K_ADMIT));
     reset_rows(P, rows, n, 1);
     for (Py_ssize_t i = 0; i < n; i++) P->rflags[rows[i]] |= F_ADMITTED;
     if (!P->ring_mode) return 0;
@@ -109,6 +111,7 @@ int plan_admit_on(Planner *P, Plan *S) {
     for (Py_ssize_t i = 0; i < n; i++)
         if (m[i] <= 0 || m[i] > P->h_len[h[i]])
             return refuse(S, 12, K_ADMIT_ON, h[i], m[i], P->h_len[h[i]]);
+    if (P->has_states) TRY(states_admit_on(P, S, rows, h, m, n));
     reset_rows(P, rows, n, 1);
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t r = rows[i], swa_start = imin(P->h_swa[h[i]], m[i]);
@@ -193,6 +196,7 @@ static int extend_write(Planner *P, Plan *S, const int64_t *rows, const int64_t 
             int slot = 0;
             for (int j = 0; j < SPEC_DEPTH; j++) slot += sp[j] != 0;
             set64(P, &sp[slot], t);
+            if (P->has_states) TRY(states_speculative_slots(P, S, r, slot, t));
         } else {
             set64(P, &P->comm[r], start + t);
         }
@@ -222,7 +226,7 @@ int plan_extend(Planner *P, Plan *S, const int64_t *rows, const int64_t *ntok,
     }
     int64_t need_swa = P->ring_mode ? 0 : need;
     if ((need > S->nfree[0] || need_swa > S->nfree[1]) && S->reclaim)
-        TRY(plan_reclaim(P, S, need, need_swa));
+        TRY(plan_reclaim(P, S, need, need_swa, 0));
     if (need > S->nfree[0]) return refuse(S, 28, kind, 0, need - S->nfree[0], S->nfree[0]);
     if (need_swa > S->nfree[1]) return refuse(S, 28, kind, 1, need_swa - S->nfree[1], S->nfree[1]);
     if (P->ring_mode) {
@@ -232,6 +236,7 @@ int plan_extend(Planner *P, Plan *S, const int64_t *rows, const int64_t *ntok,
             if (span > P->ring_pages) return refuse(S, 29, kind, r, span, P->ring_pages);
         }
     }
+    if (P->has_states) TRY(states_speculative(P, S, rows, ntok, spec_flags, n, kind));
     return extend_write(P, S, rows, ntok, spec_flags, n, need);
 }
 
@@ -324,9 +329,9 @@ static inline void host_put(void *arr, int size, Py_ssize_t i, int64_t v) {
     else ((int64_t *)arr)[i] = v;
 }
 
-/* lanes.plan_lanes: the step's batch as B lane rows (padding lanes carry the running
- * offsets) and the host copies; refused (35, shapes 4-6) before anything is written. */
-int plan_lanes(Planner *P, Plan *S, int64_t *totals) {
+/* lanes.plan_lanes, its refusals (35, shapes 4-6): totals = (FULL indices, SWA indices,
+ * lanes); the extend rows with tokens listed in t_rows for write_lanes. Writes nothing. */
+int check_lanes(Planner *P, Plan *S, int64_t *totals) {
     Py_ssize_t nd = S->n[A_DEC], ne = S->n[A_EXT_R], n = nd, B = (Py_ssize_t)P->B;
     for (Py_ssize_t i = 0; i < ne; i++) {
         if (S->a[A_EXT_N][i] > 0) P->t_rows[n - nd] = i, n++;
@@ -340,10 +345,17 @@ int plan_lanes(Planner *P, Plan *S, int64_t *totals) {
     if (full > P->max_full_idx && P->csr_full) return refuse(S, 35, K_STEP, 5, full, P->max_full_idx);
     if (swa > P->max_swa_idx && P->csr_swa) return refuse(S, 35, K_STEP, 6, swa, P->max_swa_idx);
     totals[0] = full; totals[1] = swa; totals[2] = n;
+    return 0;
+}
+
+/* lanes.plan_lanes, its rows: the step's batch as B lane rows (padding lanes carry the
+ * running offsets) and the host copies (after check_lanes and every other refusal). */
+void write_lanes(Planner *P, Plan *S, const int64_t *totals) {
+    Py_ssize_t nd = S->n[A_DEC], n = (Py_ssize_t)totals[2], B = (Py_ssize_t)P->B;
+    int64_t full = 0, swa = 0;
     int64_t *out = S->buf->desc + (P->max_rel + P->max_al) * ROW_WIDTH;
     void **host = S->buf->host;
     int hs = S->buf->host_size;
-    full = swa = 0;
     for (Py_ssize_t i = 0; i < B; i++, out += ROW_WIDTH) {
         if (i < n) lane_values(P, S, i < nd ? i : nd + P->t_rows[i - nd], out);
         else memset(out, 0, ROW_WIDTH * 8);
@@ -355,5 +367,4 @@ int plan_lanes(Planner *P, Plan *S, int64_t *totals) {
         full += out[PT_END_PAGE]; swa += out[PT_END_PAGE] - out[PT_SWA_FIRST];
     }
     host_put(host[0], hs, B, full); host_put(host[2], hs, B, swa);
-    return 0;
 }

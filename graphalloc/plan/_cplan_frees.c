@@ -1,5 +1,6 @@
 /* The compiled twin's frees: plan/frees.py (release, commit, trim, evict, advance,
- * drop_handles), reference._drops and allocation._reclaim. See _cplan.h. */
+ * drop_handles), reference._drops and allocation.reclaim. The recurrent-state hooks
+ * (states_*) are _cplan_states.c's. See _cplan.h. */
 #include "_cplan.h"
 
 /* frees.release: free everything the requests hold and return their rows. */
@@ -27,6 +28,8 @@ int plan_release(Planner *P, Plan *S) {
         int64_t freed;
         TRY(drop_emit(P, S, rows, P->t_a, P->t_b, P->t_c, P->t_b, n, &freed));
     }
+    if (P->has_states)
+        for (Py_ssize_t i = 0; i < n; i++) TRY(states_release(P, S, rows[i]));
     reset_rows(P, rows, n, 0);
     for (Py_ssize_t i = 0; i < n; i++) P->rflags[rows[i]] |= F_RELEASED;
     return 0;
@@ -75,6 +78,9 @@ int plan_commit(Planner *P, Plan *S) {
         for (int j = 1; j < SPEC_DEPTH; j++) new_len[i] += sp[j];
     }
     TRY(cut(P, S, rows, new_len, n));
+    if (P->has_states)
+        for (Py_ssize_t i = 0; i < n; i++)
+            TRY(states_commit(P, S, rows[i], cn[i], P->spec[rows[i] * SPEC_DEPTH]));
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t *sp = P->spec + rows[i] * SPEC_DEPTH;
         set64(P, &P->comm[rows[i]], committed[i]);
@@ -121,6 +127,7 @@ int plan_trim(Planner *P, Plan *S) {
     TRY(live_rows(P, S, rows, n, K_TRIM, 0));
     if (!n) return 0;
     TRY(trim_rules(P, S, rows, nl, n));
+    if (P->has_states) TRY(states_trim(P, S, rows, nl, n));
     TRY(cut(P, S, rows, nl, n));
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t r = rows[i], committed = P->comm[r], keep = nl[i] - committed, before = 0;
@@ -128,6 +135,7 @@ int plan_trim(Planner *P, Plan *S) {
         for (int j = 0; j < SPEC_DEPTH; j++) {
             int64_t s = sp[j], v = imin(imax(keep - before, 0), s);
             before += s;
+            if (P->has_states) TRY(states_trim_slots(P, S, r, j, v));
             set64(P, &sp[j], v);
         }
         set64(P, &P->comm[r], imin(committed, nl[i]));
@@ -210,6 +218,9 @@ int drop_handles(Planner *P, Plan *S, const int64_t *h, const uint8_t *swa_only,
     }
     int64_t freed;
     TRY(drop_emit(P, S, P->t_rows, P->t_a, P->t_b, P->t_c, P->t_d, n, &freed));
+    if (P->has_states)
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (!swa_only[i]) TRY(states_drop(P, S, h[i]));
     for (Py_ssize_t i = 0; i < n; i++)
         if (swa_only[i]) set64(P, &P->h_swa[h[i]], P->h_len[h[i]]);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -241,17 +252,20 @@ int plan_drops(Planner *P, Plan *S) {
     return drop_handles(P, S, both, flags, n);
 }
 
-/* allocation._reclaim: the prefix cache's offered entries dropped in its order until the
- * pools hold what the allocation needs or the offer runs out: SWA by tombstoning first,
- * then FULL by evicting; each drop its own call. */
-int plan_reclaim(Planner *P, Plan *S, int64_t need_full, int64_t need_swa) {
-    for (int pass = 0; pass < 2; pass++) {
-        int tomb = pass == 0, pool = tomb ? 1 : 0;
-        int64_t need = tomb ? need_swa : need_full;
-        const int64_t *offer = S->offer[pool ^ 1];
-        while (S->nfree[pool] < need && S->offer_next[pool ^ 1] < S->n_offer[pool ^ 1]) {
-            int64_t h = offer[S->offer_next[pool ^ 1]++];
-            if (!P->h_live[h] || (P->hflags[h] & (H_WRITTEN | H_DROPPED))
+/* allocation.reclaim: the prefix cache's offered entries dropped in its order until the
+ * pools hold what the step needs or the offer runs out: SWA by tombstoning first, then
+ * FULL by evicting, then state slots by evicting (the evict offer goes on where FULL left
+ * it); each drop its own call. */
+int plan_reclaim(Planner *P, Plan *S, int64_t need_full, int64_t need_swa,
+                 int64_t need_states) {
+    static const int pools[3] = {1, 0, 2};  /* SWA (tombstones), FULL, state slots */
+    for (int pass = 0; pass < 3; pass++) {
+        int pool = pools[pass], tomb = pass == 0, k = tomb ? 0 : 1;  /* k: which offer */
+        int64_t need = pool == 1 ? need_swa : pool == 0 ? need_full : need_states;
+        const int64_t *offer = S->offer[k];
+        while (S->nfree[pool] < need && S->offer_next[k] < S->n_offer[k]) {
+            int64_t h = offer[S->offer_next[k]++];
+            if (!P->h_live[h] || (P->hflags[h] & (H_WRITTEN | H_DROPPED | H_KEEP))
                 || (tomb && P->h_swa[h] >= P->h_len[h]))
                 continue;
             int64_t full0 = S->nfree[0], swa0 = S->nfree[1];

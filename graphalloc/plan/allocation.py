@@ -14,6 +14,13 @@ Ledger of one request's positions (``ps`` page size)::
                                 [min(f_r, n), n)       SWA referenced by h too
     admit on handle h, n:       the new request: L = C = n, f = min(swa_start, n), the
                                 same references (+1 each), its req_to_token row copied
+    admit, ring mode:           one AL_RING_ADMIT row pops the request's R ring pages; it
+                                allocates from the next step on (its ring is written by
+                                this one: code 23, OverlapError)
+
+Allocation rows: one per decode / extend / load-back row, take, admit on a handle and ring
+admit, at most ``max_tokens_per_alloc_row`` tokens each (a load-back of ``[f', f)`` is one
+row of ``f - f'`` tokens: longer is refused, code 34, and is split by the caller).
 
 A slot of a page more than one holder references is never written: handles share whole
 pages only, so the only way into a shared partial page is a trim, which the frees refuse
@@ -185,8 +192,10 @@ def reclaim(ctx: PlanContext, need_full: int, need_swa: int, need_states: int = 
     """Drop the prefix cache's offered entries, in its order, until the pools hold
     ``need_full`` / ``need_swa`` free pages (and ``need_states`` free state slots) or the
     offer runs out: SWA by tombstoning first, then FULL (and state snapshots) by evicting.
-    Each drop is its own drop call (push order)."""
+    Each drop is its own drop call (push order). A handle the step admits on is kept until
+    that admit ran (``ctx.reclaim_keep``): its prefix and snapshot are what the admit reads."""
     led = ctx.ledger
+    keep = ctx.reclaim_keep
     for pool, tombstone in ((1, True), (0, False), (2, False)):
         offer = ctx.reclaim[0 if tombstone else 1]
         ring, need = ((led.swa, need_swa) if tombstone else (led.full, need_full) if pool == 0
@@ -195,8 +204,8 @@ def reclaim(ctx: PlanContext, need_full: int, need_swa: int, need_states: int = 
             h = int(offer[ctx.reclaim_next[int(not tombstone)]])
             ctx.reclaim_next[int(not tombstone)] += 1
             if (not led.h_live[h] or ctx.written_handles[h] or ctx.dropped_handles[h]
-                    or (tombstone and led.h_swa_start[h] >= led.h_len[h])):
-                continue  # gone, busy in this step, or already tombstoned
+                    or (tombstone and led.h_swa_start[h] >= led.h_len[h]) or h in keep):
+                continue  # gone, busy in this step, already tombstoned, or to be admitted on
             full0, swa0 = led.full.n_free, led.swa.n_free
             drop_handles(ctx, np.array([h], dtype=np.int64),
                          np.array([int(tombstone)], dtype=np.int64), "reclaim")

@@ -12,17 +12,21 @@ refusals, host table copies). The reference is the spec; this is its cost.
 Lifecycle, as facts about state:
 
 * Construction binds, once, the ledger's arrays (``Ledger.arrays()``: never rebound), the
-  page mirror (pool mode), every descriptor buffer of ``alloc.ring`` plus one scratch buffer
-  for dry runs, the tables' pinned host copies per buffer, and per-buffer result arrays.
-* ``plan(arrays, epoch, index, ...)`` writes the release, allocation and lane rows straight
-  into buffer ``index`` (``None``: the scratch one), zeroes the rows that buffer used before
-  as ``DescriptorRing.write`` does, updates ``ring.used`` / ``ring.fusable``, writes the host
-  copies of the tables, and keeps its own undo log of every ledger write. A refusal rolls
-  the log back to where the call began and puts the overwritten descriptor rows back.
+  page mirror (pool mode), the recurrent-state arrays (``num_state_slots > 0``), every
+  descriptor buffer of ``alloc.ring`` plus one scratch buffer for dry runs, the tables'
+  pinned host copies per buffer, and per-buffer result arrays.
+* ``plan(arrays, epoch, index, ...)`` writes the release, allocation, lane and state rows
+  straight into buffer ``index`` (``None``: the scratch one), zeroes the rows that buffer
+  used before as ``DescriptorRing.write`` / ``write_states`` do, updates ``ring.used`` /
+  ``ring.fusable`` / ``ring.state_used``, writes the host copies of the tables, and keeps its
+  own undo log of every ledger write. A refusal rolls the log back to where the call began
+  and puts the overwritten descriptor rows back (lane and state rows are written only once
+  nothing can refuse).
 * The log stays open until ``commit()`` (the step was submitted) or ``rollback(mark)``
   (cancelled, or a dry run); ``mark()`` gives a position, as ``Journal.mark`` does.
 
-The outcome's ``release_rows`` / ``alloc_rows`` are views of the descriptor buffer and its
+The outcome's ``release_rows`` / ``alloc_rows`` / ``state_rows`` are views of the descriptor
+buffer and its
 result arrays views of per-buffer arrays: valid until that buffer is planned again (the
 ring comes back to it). Result arrays still referenced elsewhere then (an ``AllocResult``
 kept by the caller) are replaced, never overwritten. ``lanes`` is a :class:`CompiledLanes`:
@@ -64,7 +68,7 @@ _KINDS = {"K_TAKE": "take_handle", "K_RELEASE": "release", "K_COMMIT": "commit",
           "K_DROP": "drop_handle", "K_DROP_SWA": "drop_handle_swa", "K_ADMIT": "admit",
           "K_ADMIT_ON": "admit(handle=)", "K_DECODE": "decode", "K_EXTEND": "extend",
           "K_LOAD_BACK": "load_back", "K_STEP": "step", "K_RECLAIM": "reclaim"}
-_REFUSAL_CODES = range(1, 36)  # the codes the C returns (36 is the allocator's own)
+_REFUSAL_CODES = (*range(1, 36), *range(40, 46))  # the C's codes (36: the allocator's own)
 _HOST = ("full_kv_indptr", "full_kv_last_page_len", "swa_kv_indptr", "swa_kv_last_page_len",
          "seq_lens")  # the C's host-copy order
 
@@ -187,15 +191,19 @@ class CompiledPlanner:
         shape = None if spec is None else (
             spec.max_batch, spec.model_window, spec.max_full_indices, spec.max_swa_indices,
             spec.has("csr", "full"), spec.has("csr", "swa"))
+        states = None if not cfg.has_states else (cfg.num_state_slots, cfg.max_spec_tokens,
+                                                   ring.n_state_rows)
         self._c = _cplan.Planner(
             cfg.page_size, cfg.max_reqs, cfg.max_handles, cfg.swa_ring_pages,
             cfg.sliding_window, cfg.max_context_len, cfg.max_tokens_per_alloc_row,
             cfg.max_pages_per_row, cfg.max_release_rows, cfg.max_step_pages,
             cfg.max_alloc_rows, cfg.max_step_tokens, cfg.num_full_pages, cfg.num_swa_pages,
-            cfg.pages_per_request, len(ring), EMPTY, shape)
+            cfg.pages_per_request, len(ring), EMPTY, shape, states)
         self._c.bind_ledger(led.live, led.admitted_once, led.seq_len, led.frontier,
                             led.committed, led.spec_steps, led.h_live, led.h_len,
                             led.h_swa_start, led.rings)
+        if states is not None:
+            self._c.bind_states(led.state_slot, led.spec_state, led.state_ring)
         if led.refs is not None:
             refs = led.refs
             self._c.bind_refs(refs.page_of, refs.swa_of, refs.full_ring, refs.swa_ring,
@@ -203,10 +211,11 @@ class CompiledPlanner:
         self._ring = ring
         self._n_reqs = cfg.max_reqs
         self._scratch = np.zeros_like(ring.np_bufs[0])
-        self._scratch_used = (0, 0)
+        self._scratch_used = (0, 0, 0)  # release, allocation, state rows
         self._descs = list(ring.np_bufs) + [self._scratch]
         self._alloc_base = cfg.max_release_rows
         self._lane_base = cfg.max_release_rows + cfg.max_alloc_rows
+        self._state_base = self._lane_base + ring.n_lane_rows
         self._tables = spec is not None
         self._results: list[_Results] = []
         for i, desc in enumerate(self._descs):
@@ -223,12 +232,6 @@ class CompiledPlanner:
     def for_allocator(cls, alloc, planner: str = "auto") -> CompiledPlanner | None:
         """The twin for ``alloc``, or ``None`` when ``planner`` resolves to numpy."""
         if resolve_planner(planner) != "compiled":
-            return None
-        if alloc.config.has_states:  # the twin does not plan state slots yet: numpy plans
-            if planner == "compiled":
-                raise ConfigError("planner='compiled' with num_state_slots > 0: the compiled "
-                                  "twin does not plan recurrent-state slots yet; use "
-                                  "planner='auto' (numpy plans such allocators)")
             return None
         return cls(alloc)
 
@@ -247,31 +250,34 @@ class CompiledPlanner:
         raises :class:`Refusal` with everything as before."""
         ring = self._ring
         i = len(ring) if index is None else index
-        old = self._scratch_used if index is None else ring.used[index]
+        old = self._scratch_used if index is None else (*ring.used[index],
+                                                         ring.state_used[index])
         res = self._fresh_results(i)
         out = self._c.plan(arrays, epoch, -1 if index is None else index, old[0], old[1],
-                           excluded_rows, excluded_handles, reclaim)
+                           old[2], excluded_rows, excluded_handles, reclaim)
         if out[0]:
             raise Refusal(*out)
         (_, n_rel, n_al, n_tok, freed_full, freed_swa, alloc_full, alloc_swa, evicted,
-         fusable, n_res, n_lanes, n_full, n_swa, n_reclaimed) = out
+         fusable, n_res, n_lanes, n_full, n_swa, n_reclaimed, n_state) = out
         if index is None:
-            self._scratch_used = (n_rel, n_al)
+            self._scratch_used = (n_rel, n_al, n_state)
         else:
             ring.used[index] = (n_rel, n_al)
             ring.fusable[index] = fusable
+            ring.state_used[index] = n_state
         desc = self._descs[i]
         base = self._alloc_base
         lanes = None
         if self._tables:
-            lanes = CompiledLanes(desc[self._lane_base:], n_lanes, n_full, n_swa,
+            lanes = CompiledLanes(desc[self._lane_base:self._state_base], n_lanes, n_full, n_swa,
                                   index is not None)
         b = res.bases
         self.n_planned += 1
+        states = desc[self._state_base:self._state_base + n_state] if n_state else None
         return PlanOutcome(desc[:n_rel], desc[base:base + n_al], n_tok, (freed_full, freed_swa),
                            (alloc_full, alloc_swa), evicted, fusable, b[0][:n_res],
                            b[1][:n_res], b[2][:n_res],
-                           self._c.reclaimed() if n_reclaimed else [], lanes)
+                           self._c.reclaimed() if n_reclaimed else [], lanes, states)
 
     def mark(self) -> int:
         """A position in the undo log (``Journal.mark``)."""

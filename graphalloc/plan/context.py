@@ -74,6 +74,7 @@ class PlanContext:
         self.reclaim = reclaim
         self.reclaim_next = [0, 0]  # candidates consumed (tombstone, evict)
         self.reclaimed: list[tuple] = []  # (handle, tombstone, FULL, SWA freed) by reclaim
+        self.reclaim_keep = np.zeros(0, dtype=np.int64)  # handles reclaim must not drop
         self.oversize = oversize
         self.release_parts: list[np.ndarray] = []
         self.alloc_parts: list[np.ndarray] = []

@@ -12,7 +12,9 @@ to a submitted step. Lifecycle of one step, as facts about state::
     run(p)            the executor enqueues the device work, then submit(p). If the launch
                       raises, the step is cancelled first and LaunchError raised from it.
     submit(p)         (mark_submitted: an engine replayed its own graph) the buffer's event
-                      is recorded, the journal forgotten: the step is final.
+                      is recorded, the journal forgotten: the step is final. A step with
+                      rows is counted for ``check()``: its kernels must have counted its
+                      stamp on the device (:mod:`graphalloc.device.stamps`).
     cancel(p)         a pending step is taken back: the journal rolled back, the buffer
                       returned; the allocator is exactly as before plan().
 
@@ -21,8 +23,12 @@ buffer and always rolls back. When an allocation is short and the allocator owns
 cache, the step is planned once more with the cache's offer of entries to drop
 (:meth:`~graphalloc.sharing.prefix_cache.PrefixCache.offer`), inside the same step.
 
+Every planned step gets a stamp (a plan serial) written beside its buffer; a step that is
+submitted without its kernels having run shows at the next ``check()``.
+
 Cost: normalising O(rows), planning O(rows + pages) (the compiled twin: microseconds), one
-descriptor write, one event record at submit; nothing here reads the device.
+descriptor write and one stamp write, one event record at submit; nothing here reads the
+device.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import weakref
 
 import numpy as np
 
+from ..device.stamps import SubmissionLedger
 from ..errors import ContractError, LaunchError, PendingStepError
 from ..kernels.abi import REL_EPOCH, REL_N_PAGES, ROW_WIDTH, ST_N_COPY, ST_N_TABLE
 from .context import PlanContext
@@ -60,6 +67,8 @@ class StepPipeline:
         self.output_epoch = 0
         self.n_planned = 0
         self._mark = (0, 0)
+        self.submissions = SubmissionLedger(self.ring)
+        self._stamp = 0  # the pending step's stamp
         cfg = self.config
         self._scratch = np.zeros((cfg.max_release_rows + cfg.max_alloc_rows, ROW_WIDTH),
                                  dtype=np.int64)
@@ -100,7 +109,8 @@ class StepPipeline:
         reclaim, offered = None, 0
         while True:
             try:
-                if compiled is not None:  # writes the descriptor itself (index None: scratch)
+                if compiled is not None:  # writes every section of the descriptor itself
+                    # (release, allocation, lanes, states; index None: its scratch buffer)
                     out = compiled.plan(arrays, self.steps_run + 1, None if dry_run else index,
                                         *excluded, reclaim)
                 else:
@@ -122,7 +132,7 @@ class StepPipeline:
             break
         if dry_run:
             self.rollback(mark)
-        elif index is not None and compiled is None:
+        elif index is not None and compiled is None:  # numpy: the outcome's rows copied in
             self.ring.write(index, out.release_rows, out.alloc_rows, fusable=out.fusable)
             if out.lanes is not None:
                 self.ring.write_lanes(index, out.lanes.rows)
@@ -154,6 +164,8 @@ class StepPipeline:
         index = self.ring.acquire()
         out = self.outcome(step, index=index)
         self.n_planned += 1
+        self._stamp = self.submissions.stamp(index, bool(len(out.release_rows)
+                                                         or len(out.alloc_rows)))
         return self._pending(index, out)
 
     def _pending(self, index: int, out: PlanOutcome) -> PlannedStep:
@@ -167,7 +179,7 @@ class StepPipeline:
             reclaimed=out.reclaimed,
             tables=None if out.lanes is None else self._tables(index, out.lanes),
             state_counts=(counts := _state_counts(out.state_rows)),
-            state_copies=None if counts is None else out.state_rows[1:1 + counts[0], 1:3])
+            state_copies=_state_copies(out.state_rows, counts))
         return self.pending
 
     def _tables(self, index: int, lanes):
@@ -188,6 +200,7 @@ class StepPipeline:
         empty = np.zeros((0, ROW_WIDTH), dtype=np.int64)
         release_rows[:, REL_EPOCH] = self.steps_run + 1
         self.ring.write(index, release_rows, empty, fusable=True)
+        self._stamp = self.submissions.stamp(index, bool(len(release_rows)))
         pages = int(release_rows[:, REL_N_PAGES].sum())
         out = PlanOutcome(release_rows, empty, 0, (pages, 0), (0, 0), 0, True, empty[:, 0],
                           empty[:, 0], empty[:, 0], [])
@@ -218,7 +231,8 @@ class StepPipeline:
                               f"{exc}; the step was cancelled and the allocator is as before "
                               "it was planned") from exc
         self.submit(planned, launched=bool(planned.n_release_rows or planned.n_alloc_rows
-                                           or planned.state_counts))
+                                           or planned.state_counts),
+                    stamped=self.alloc.executor.stamps_steps)
         return planned.result
 
     def mark_submitted(self, planned: PlannedStep) -> None:
@@ -226,15 +240,18 @@ class StepPipeline:
         self.check_planned(planned, "mark_submitted")
         self.submit(planned)
 
-    def submit(self, planned: PlannedStep, launched: bool = True) -> None:
+    def submit(self, planned: PlannedStep, launched: bool = True, stamped: bool = True) -> None:
         """The step is enqueued (``launched=False``: it had no device work and nothing read
-        its buffer, so the buffer is not fenced and is used again next)."""
+        its buffer, so the buffer is not fenced and is used again next; ``stamped=False``:
+        its executor launches kernels that count no stamp, so ``check()`` expects none)."""
         if launched:
             self.ring.submitted(planned.buffer_index)
         self.commit()
         planned.submitted = True
         self.pending = None
         self.steps_run += 1
+        if stamped and (planned.n_release_rows or planned.n_alloc_rows):
+            self.submissions.submitted(self.steps_run, self._stamp, planned.buffer_index)
         if planned.n_tokens:
             self.output_epoch += 1
         cache = self.alloc.prefix_cache
@@ -246,6 +263,15 @@ class StepPipeline:
         self.rollback(self._mark)
         planned.cancelled = True
         self.pending = None
+
+
+def _state_copies(rows, counts):
+    """``[n_copy, 2]`` (source, destination) slots of a state section, owned by the receipt
+    (the compiled twin's rows are a view of a descriptor buffer the ring plans again)."""
+    if counts is None:
+        return None
+    copies = rows[1:1 + counts[0], 1:3]
+    return copies.copy() if counts[0] else copies
 
 
 def _state_counts(rows) -> tuple[int, int] | None:

@@ -20,9 +20,12 @@ order, then the extend calls', then the load-backs'. The results (:class:`StepSl
 refuse access before the step ran and after a later allocating step overwrote them.
 
 Misuse is refused, not absorbed (:class:`~graphalloc.errors.RecorderError`): a call on a
-block that has closed, and any direct allocator operation while the block is open (it
-would run as an extra step before the block's). An exception escaping the block runs
-nothing: the block is a transaction (``free_group()`` follows the same rule).
+block that has closed, and any direct allocator operation while the block is open (it would
+run as an extra step before the block's). ``None`` where a call names its rows or handles
+(``it.release(None)``, ``it.evict(None)``, ...) is refused at the call
+(``UnknownRequestError`` / ``UnknownHandleError``) instead of recording nothing. An
+exception escaping the block runs nothing: the block is a transaction (``free_group()``
+follows the same rule).
 
 Cost: recording is O(rows of the call) (the arguments are kept as given); the step at the
 end costs what ``alloc.step`` with the same work costs, plus one concatenation per kind
@@ -99,16 +102,17 @@ class StepSlots:
 class StepRecorder:
     """The calls of one ``alloc.scheduler_step()`` block (see the module docstring)."""
 
-    _PAIRS = ("commit", "trim", "advance", "extend", "load_back")
+    __slots__ = ("alloc", "open", "result", "offsets", "_parts", "_evict_all", "_n",
+                 "_admitted", "_taken")
 
     def __init__(self, alloc):
         self.alloc = alloc
         self.open = False  # calls are recorded between __enter__ and __exit__
         self.result = None
         self.offsets = (0, 0, 0)  # first result row of the decode / extend / load-back rows
-        self._parts: dict[str, list] = {}
+        self._parts: dict[str, list] = {}  # kind -> the calls' arguments, in call order
         self._evict_all = False
-        self._n = {"decode": 0, "extend": 0, "load_back": 0}
+        self._n = [0, 0, 0]  # rows recorded by decode / extend / load-back calls
         self._admitted: list[int] = []
         self._taken: list[int] = []
 
@@ -136,32 +140,52 @@ class StepRecorder:
         if not self.open:
             raise RecorderError(f"scheduler_step(): {kind}() on a block that has closed; its "
                                 "step already ran (or was discarded). Record into a new block")
-        self._parts.setdefault(kind, []).append(values)
+        calls = self._parts.get(kind)
+        if calls is None:
+            self._parts[kind] = [values]
+        else:
+            calls.append(values)
+
+    def _given(self, kind: str, value, error: type) -> None:
+        """A recorded call names what it acts on: None is refused at the call."""
+        if value is None:
+            noun = "handles" if error is UnknownHandleError else "request rows"
+            hint = "; it.evict_all() evicts every row" if kind == "evict" else ""
+            raise error(f"scheduler_step(): {kind}(None); pass the {noun} (an empty list for "
+                        f"none){hint}")
 
     # ---- frees ---------------------------------------------------------------------------
     def release(self, rows) -> None:
+        self._given("release", rows, UnknownRequestError)
         self._add("release", rows)
 
     def commit(self, rows, n_accepted) -> None:
+        self._given("commit", rows, UnknownRequestError)
         self._add("commit", rows, n_accepted)
 
     def trim(self, rows, new_len) -> None:
+        self._given("trim", rows, UnknownRequestError)
         self._add("trim", rows, new_len)
 
     def evict(self, rows) -> None:
+        self._given("evict", rows, UnknownRequestError)
         self._add("evict", rows)
 
     def evict_all(self) -> None:
-        self._add("evict_all")
+        if not self.open:
+            self._add("evict_all")  # raises
         self._evict_all = True
 
     def advance(self, rows, new_frontier_pos) -> None:
+        self._given("advance", rows, UnknownRequestError)
         self._add("advance", rows, new_frontier_pos)
 
     def drop_handle(self, handle) -> None:
+        self._given("drop_handle", handle, UnknownHandleError)
         self._add("drop", handle)
 
     def drop_handle_swa(self, handle) -> None:
+        self._given("drop_handle_swa", handle, UnknownHandleError)
         self._add("drop_swa", handle)
 
     def take_handle(self, row, n_tokens) -> int:
@@ -190,62 +214,88 @@ class StepRecorder:
         self._admitted.append(row)
         return row
 
-    def _alloc_call(self, kind: str, rows, *values) -> StepSlots:
+    def _alloc_call(self, kind: str, which: int, rows, *values) -> StepSlots:
         self._add(kind, rows, *values)
-        start = self._n[kind]
-        self._n[kind] += len(_listed(rows))
-        return StepSlots(self, (kind, start), self._n[kind])
+        n = self._n
+        start = n[which]
+        n[which] = stop = start + (len(rows) if hasattr(rows, "__len__") else 1)
+        return StepSlots(self, (kind, start), stop)
 
     def decode(self, rows, lookahead=None) -> StepSlots:
         """One token per row; ``lookahead=k``: ``1 + k`` speculative tokens per row."""
-        return self._alloc_call("decode", rows, lookahead)
+        self._given("decode", rows, UnknownRequestError)
+        return self._alloc_call("decode", 0, rows, lookahead)
 
     def extend(self, rows, n_tokens) -> StepSlots:
-        return self._alloc_call("extend", rows, n_tokens)
+        self._given("extend", rows, UnknownRequestError)
+        return self._alloc_call("extend", 1, rows, n_tokens)
 
     def load_back(self, row, new_frontier_pos) -> StepSlots:
-        return self._alloc_call("load_back", [row] if np.ndim(row) == 0 else row,
+        return self._alloc_call("load_back", 2, [row] if np.ndim(row) == 0 else row,
                                 new_frontier_pos)
 
     # ---- the step ------------------------------------------------------------------------
     def to_step(self) -> Step:
         """The block's calls as one :class:`Step` (O(rows recorded); a kind recorded once is
-        passed on as it was given)."""
-        p, kw = self._parts, {}
-        rows, handles, values = UnknownRequestError, UnknownHandleError, PositionError
-        for kind in ("release", "evict", "admit"):
-            if kind in p:
-                kw[kind] = _cat([v[0] for v in p[kind]], rows, kind)
-        for kind in ("drop", "drop_swa"):
-            if kind in p:
-                kw[kind] = _cat([v[0] for v in p[kind]], handles, kind)
-        for kind in self._PAIRS:
-            if kind in p:
-                kw[kind] = (_cat([v[0] for v in p[kind]], rows, kind),
-                            _cat([_per(v[1], v[0]) for v in p[kind]], values, kind))
-        if "take" in p:
-            kw["take"] = (_cat([[v[0]] for v in p["take"]], handles, "take_handle"),
-                          _cat([[v[1]] for v in p["take"]], rows, "take_handle"),
-                          _cat([[v[2]] for v in p["take"]], values, "take_handle"))
-        if "admit_on" in p:
-            calls = p["admit_on"]
-            kw["admit_on"] = (_cat([[v[0]] for v in calls], rows, "admit"),
-                              _cat([[v[1]] for v in calls], handles, "admit(handle=)"),
-                              _cat([[-1 if v[2] is None else v[2]] for v in calls], values,
-                                   "admit n_tokens"))
-        if "decode" in p:
-            calls = p["decode"]
-            kw["decode"] = _cat([v[0] for v in calls], rows, "decode")
-            if any(v[1] is not None for v in calls):
-                kw["lookahead"] = _cat([_per(-1 if v[1] is None else v[1], v[0])
-                                        for v in calls], values, "lookahead")
-        kw["evict_all"] = self._evict_all
+        passed on as it was given). Only the kinds recorded are visited."""
+        kw = {"evict_all": self._evict_all}
+        for kind, calls in self._parts.items():
+            _BUILD[kind](kw, kind, calls)
         return Step(**kw)
 
     def finish(self, result) -> None:
         self.result = result
-        n_dec, n_ext = self._n["decode"], self._n["extend"]
+        n_dec, n_ext = self._n[0], self._n[1]
         self.offsets = (0, n_dec, n_dec + n_ext)
+
+
+# ---- to_step: one builder per recorded kind (the typed error each part raises) ----------
+def _rows_kind(kw, kind, calls):
+    kw[kind] = _cat([v[0] for v in calls], UnknownRequestError, kind)
+
+
+def _handles_kind(kw, kind, calls):
+    kw[kind] = _cat([v[0] for v in calls], UnknownHandleError, kind)
+
+
+def _pair_kind(kw, kind, calls):
+    if len(calls) == 1:  # as given: the normaliser broadcasts an int
+        kw[kind] = calls[0]
+        return
+    kw[kind] = (_cat([v[0] for v in calls], UnknownRequestError, kind),
+                _cat([_per(v[1], v[0]) for v in calls], PositionError, kind))
+
+
+def _take_kind(kw, kind, calls):
+    kw["take"] = (_cat([[v[0]] for v in calls], UnknownHandleError, "take_handle"),
+                  _cat([[v[1]] for v in calls], UnknownRequestError, "take_handle"),
+                  _cat([[v[2]] for v in calls], PositionError, "take_handle"))
+
+
+def _admit_on_kind(kw, kind, calls):
+    kw["admit_on"] = (_cat([[v[0]] for v in calls], UnknownRequestError, "admit"),
+                      _cat([[v[1]] for v in calls], UnknownHandleError, "admit(handle=)"),
+                      _cat([[-1 if v[2] is None else v[2]] for v in calls], PositionError,
+                           "admit n_tokens"))
+
+
+def _decode_kind(kw, kind, calls):
+    if len(calls) == 1:
+        kw["decode"], lookahead = calls[0]
+        if lookahead is not None:
+            kw["lookahead"] = lookahead
+        return
+    kw["decode"] = _cat([v[0] for v in calls], UnknownRequestError, "decode")
+    if any(v[1] is not None for v in calls):
+        kw["lookahead"] = _cat([_per(-1 if v[1] is None else v[1], v[0]) for v in calls],
+                               PositionError, "lookahead")
+
+
+_BUILD = {"release": _rows_kind, "evict": _rows_kind, "admit": _rows_kind,
+          "drop": _handles_kind, "drop_swa": _handles_kind, "commit": _pair_kind,
+          "trim": _pair_kind, "advance": _pair_kind, "extend": _pair_kind,
+          "load_back": _pair_kind, "take": _take_kind, "admit_on": _admit_on_kind,
+          "decode": _decode_kind}
 
 
 def _per(value, rows):

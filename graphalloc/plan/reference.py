@@ -76,6 +76,7 @@ def _finish(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray]:
 def plan_step(ctx: PlanContext, a: StepArrays) -> PlanOutcome:
     """Plan ``a`` on ``ctx`` (see the module docstring); raises :class:`Refusal` with the
     journal holding the writes made so far (the caller rolls them back)."""
+    ctx.reclaim_keep = a.admit_on_handle  # (the slot pool's reclaims before admit_on)
     allocation.take(ctx, a.take_handle, a.take_row, a.take_tokens)
     frees.release(ctx, a.release)
     frees.commit(ctx, a.commit_row, a.commit_n)
@@ -86,6 +87,7 @@ def plan_step(ctx: PlanContext, a: StepArrays) -> PlanOutcome:
     _drops(ctx, a)
     allocation.admit(ctx, a.admit)
     allocation.admit_on(ctx, a.admit_on_row, a.admit_on_handle, a.admit_on_tokens)
+    ctx.reclaim_keep = ctx.reclaim_keep[:0]
     allocation.extend(ctx, a.decode, a.decode_n, "decode", speculative=a.decode_spec)
     allocation.extend(ctx, a.extend_row, a.extend_n, "extend")
     allocation.load_back(ctx, a.load_row, a.load_pos)

@@ -32,6 +32,17 @@ allocations. Output lanes (the slots allocated) follow the order decode, extend,
 rows as given. A prefix cache may add drops of its own entries (``reclaim``) when an
 allocation is short: they run after step 7.
 
+Rows of the frozen shape the kinds take (``max_alloc_rows``): one per decode, extend and
+load_back row; one per ``take`` and ``admit_on`` (the prefix copy); none for a pool-mode
+``admit``, but one per ring-mode ``admit`` (it pops the request's ring pages), and a
+request admitted in ring mode cannot allocate in its admitting step (``OverlapError``: that
+step writes its ring; it decodes or extends from the next step on; a pool-mode admit may
+extend in the same step). One row carries at most ``max_tokens_per_alloc_row`` tokens; a
+``load_back`` of ``[f', f)`` is one row of ``f - f'`` tokens, so a longer one is refused
+(``BatchTooLargeError``, a shortage for ``try_step``) and must be split: move the frontier
+back in parts, ``load_back(r, f - k)``, then ``load_back(r, f - 2k)``, ... (each part one
+step, ``k`` whole pages within the limit).
+
 :func:`normalize` turns a step into :class:`StepArrays`: int64 arrays in the order above
 (one conversion path, :mod:`graphalloc.inputs`: the same inputs accepted, the same garbage
 refused with the same typed error, before any planning). What a kind may do is decided by

@@ -111,6 +111,9 @@ class ReplicatedAllocator(ReplicaOps):
         cfg = config
         if mode not in ("replicated", "broadcast"):
             raise ConfigError(f"mode must be 'replicated' or 'broadcast', got {mode!r}")
+        if cfg.num_state_slots:
+            raise ConfigError("recurrent-state slots are not replicated yet: build each rank's "
+                              "HybridAllocator with num_state_slots, or replicas without them")
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call "
                               "init_process_group() on every rank first")
@@ -359,7 +362,7 @@ class ReplicatedAllocator(ReplicaOps):
             header)
 
     def _first_divergence(self, table: np.ndarray) -> ReplicaDivergenceError | None:
-        """:func:`~graphalloc.replica_checks.first_divergence` with this wrapper's ranks."""
+        """:func:`~graphalloc.replicas.checks.first_divergence` with this wrapper's ranks."""
         return first_divergence(table, self.columns, self.global_ranks, self.src,
                                 self.last_equal_step)
 

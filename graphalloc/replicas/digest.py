@@ -91,6 +91,9 @@ META_MAGIC = 7
 # Row 1 of a header.
 META_FULL_HEAD, META_FULL_FREE, META_SWA_HEAD, META_SWA_FREE = 0, 1, 2, 3
 META_STEPS_RUN, META_BODY = 4, 5
+META_STATE_HEAD, META_STATE_FREE = 6, 7  # the recurrent-state slot ring
+_RING_COLUMNS = np.array([META_FULL_HEAD, META_FULL_FREE, META_SWA_HEAD, META_SWA_FREE,
+                          META_STATE_HEAD, META_STATE_FREE])
 _N_META_ROWS = 2
 _MAGIC = 0x6761_7265_7032  # marks a header written by pack_ledger, wire format 2
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -132,7 +135,7 @@ def _digest(*arrays: np.ndarray) -> int:
 
 
 def _ring_counts(ledger: Ledger) -> np.ndarray:
-    return ledger.rings.reshape(-1)  # [full head, full free, swa head, swa free]
+    return ledger.rings.reshape(-1)  # [full, swa, state] x [head, free]
 
 
 def _spec_arrays(ledger: Ledger) -> tuple:
@@ -212,7 +215,9 @@ def host_digests(ledger: Ledger, cache=None, full: bool = True) -> dict[str, int
     and BLAKE2b (``full=False``: O(rows + handles))."""
     out = {
         "ledger": _digest(ledger.live, ledger.admitted_once, ledger.seq_len, ledger.frontier,
-                          _ring_counts(ledger)),
+                          _ring_counts(ledger), ledger.state_slot, ledger.spec_state,
+                          _free_contents(ledger.state_ring, ledger.states.head,
+                                         ledger.states.n_free)),
         "spec": _digest(*_spec_arrays(ledger)),
         "handles": _digest(ledger.h_live, ledger.h_len, ledger.h_swa_start),
     }
@@ -241,6 +246,8 @@ def ledger_digest(ledger: Ledger, cache=None) -> int:
 # ---- wire format ---------------------------------------------------------------------------
 def _body_arrays(ledger: Ledger) -> list[tuple[str, np.ndarray]]:
     names = list(ledger.ROW_ARRAYS) + list(ledger.HANDLE_ARRAYS)
+    if ledger.config.num_state_slots:
+        names += list(ledger.STATE_ARRAYS)
     return [(name, getattr(ledger, name)) for name in names]
 
 
@@ -262,8 +269,8 @@ def pack_ledger(ledger: Ledger, header: np.ndarray, cache=None,
         body[end:end + arr.size] = arr.reshape(-1)
         end += arr.size
     meta = header[1]
-    meta[META_FULL_HEAD:META_SWA_FREE + 1] = _ring_counts(ledger)
-    meta[META_BODY] = _digest(body[:end], meta[:META_SWA_FREE + 1])
+    meta[_RING_COLUMNS] = _ring_counts(ledger)
+    meta[META_BODY] = _digest(body[:end], meta[_RING_COLUMNS])
     digests = host_digests(ledger, cache, full)
     header[0, META_LEDGER:META_LEDGER + len(HOST_PARTS)] = list(digests.values())
     header[0, META_MAGIC] = _MAGIC
@@ -295,7 +302,7 @@ def unpack_ledger(config: AllocatorConfig, header: np.ndarray) -> Ledger:
     arrays = _body_arrays(ledger)
     end = sum(arr.size for _, arr in arrays)
     if header.shape[0] != n_header_rows(ledger) or not has_ledger(header) or (
-            meta[META_BODY] != _digest(body[:end], meta[:META_SWA_FREE + 1])):
+            meta[META_BODY] != _digest(body[:end], meta[_RING_COLUMNS])):
         raise IntegrityError("the payload's ledger does not match its digest: the payload was "
                              "not written by a planner of this geometry, or was torn")
     start = 0
@@ -303,7 +310,7 @@ def unpack_ledger(config: AllocatorConfig, header: np.ndarray) -> Ledger:
         values = body[start:start + arr.size].reshape(arr.shape)
         arr[...] = values != 0 if arr.dtype == bool else values
         start += arr.size
-    ledger.rings.reshape(-1)[:] = meta[META_FULL_HEAD:META_SWA_FREE + 1]
+    ledger.rings.reshape(-1)[:] = meta[_RING_COLUMNS]
     return ledger
 
 

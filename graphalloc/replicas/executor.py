@@ -36,6 +36,8 @@ class ReplicaExecutor(Executor):
         # weakly, so nothing cyclic keeps the wrapper (and its process group) alive.
         self.layer, self.role, self.inner = weakref.proxy(layer), role, inner
         self.plans_locally = role != "follower"
+        # the planner runs its steps from the broadcast payload, which carries no stamp
+        self.stamps_steps = role == "replicated"
 
     def bind(self, alloc) -> None:
         super().bind(alloc)

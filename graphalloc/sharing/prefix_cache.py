@@ -231,9 +231,7 @@ class PrefixCache:
         if n == 0:
             return 0
         keys = keys[:n // ps]
-        existing = self._ends.get(keys[-1])
-        if existing is not None:  # this prefix is cached already
-            self._touch(existing)
+        if self.lookup(keys) >= 0:  # this prefix is cached already
             return n
         if not (~self.alloc.ledger.h_live).any():
             victim = next(iter(self._leaves.values()), None)
@@ -244,6 +242,16 @@ class PrefixCache:
         handle = self.alloc.take_handle(row, n)
         self.add_entry(handle, keys)
         return n
+
+    def lookup(self, keys: list) -> int:
+        """The handle of the entry on exactly the prefix whose page keys are ``keys`` (it is
+        touched: LRU), or -1 when that prefix is not cached. O(1). An insert recorded into
+        a step asks this first (a cached prefix needs no take)."""
+        entry = self._ends.get(keys[-1]) if keys else None
+        if entry is None:
+            return -1
+        self._touch(entry)
+        return entry.handle
 
     def add_entry(self, handle: int, keys: list) -> None:
         """Register a handle just taken on the prefix of ``keys`` (its step submitted).

@@ -43,11 +43,11 @@ class HostQueries:
     def n_free(self, pool: str = "full") -> int:
         """Free pages of ``pool`` (``"full"`` or ``"swa"``), or free recurrent-state slots
         (``"state"``). O(1)."""
-        if pool == "full" and isinstance(pool, str):
+        if isinstance(pool, str) and pool == "full":
             return self.ledger.full.n_free
-        if pool == "swa" and isinstance(pool, str):
+        if isinstance(pool, str) and pool == "swa":
             return self.ledger.swa.n_free
-        if pool == "state" and isinstance(pool, str):
+        if isinstance(pool, str) and pool == "state":
             return self.ledger.states.n_free if self.config.num_state_slots else 0
         raise ContractError(f"pool must be 'full', 'swa' or 'state', got {pool!r}")
 

@@ -6,10 +6,10 @@
 Row kinds exercised: window eviction (SWA+clear), finish above the frontier
 (SWA+FULL+clear), finish below the frontier (FULL only), ring eviction (clear),
 ring return, ring admission, extend (new pages + partial page), decode, padded
-rows; prefix sharing (handle copies, admits on handles, SWA-only and FULL-only
-drops); an unmapped peer (fault path) and a sink-marker pop; the single-call op
-with and without validation; eager launches and graph replays; the fused
-one-launch step and validate mode.
+rows; recurrent-state table writes and state copies; prefix sharing (handle
+copies, admits on handles, SWA-only and FULL-only drops); an unmapped peer (fault
+path) and a sink-marker pop; the single-call op with and without validation; eager
+launches and graph replays; the fused one-launch step and validate mode.
 """
 
 from __future__ import annotations
@@ -51,6 +51,20 @@ def main() -> None:
                 random_step([alloc], rng)
             alloc.check()
             assert alloc.audit() == [], alloc.audit()
+    # recurrent-state slots: table writes (slots set, speculative slots) and state copies
+    # (snapshots taken and restored), eager and graph-replayed, two tensors (slot dims 0, 1)
+    for executor in ("eager", "graph"):
+        cfg = dataclasses.replace(config(False, 4, torch.int64), num_state_slots=24,
+                                  max_spec_tokens=4)
+        ssm = torch.zeros(25, 3, 600, device="cuda")
+        conv = torch.zeros(2, 25, 7, device="cuda")
+        alloc = ga.HybridAllocator(cfg, executor=executor, state_tensors=[ssm, (conv, 1)])
+        copies = 0
+        for _ in range(steps):
+            copies += random_step([alloc], rng) in ("take_handle(state)", "admit(handle)")
+        alloc.check()
+        assert alloc.audit() == [], alloc.audit()
+        assert copies, "no state copy ran"
     # fault paths: unmapped peer pushed as sink marker, then popped
     alloc = ga.HybridAllocator(dataclasses.replace(config(False, 4, torch.int64),
                                                    num_swa_pages=8))

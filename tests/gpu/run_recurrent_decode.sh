@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The recurrent-state decode loop on a GPU (examples/recurrent_decode.py): the tiny Mamba-2 +
+# attention hybrid with its state in graphalloc's state slots, every step one CUDA graph
+# (allocator step with its state-table writes and state copies + model + argmax) replayed
+# under torch.cuda.set_sync_debug_mode("error"); every request's tokens checked against
+# transformers' BambaForCausalLM (float32, CPU). Each phase has its own time bound.
+#
+#   bash tests/gpu/run_recurrent_decode.sh OUTDIR            # bounds sum to 480 s
+#   PHASES="graph" bash tests/gpu/run_recurrent_decode.sh OUTDIR     # a subset
+#
+# Phases (bound s):
+#   graph     150  --graph --sync-debug --negative-control, page sizes 1 4 16, plain and
+#                  speculative (k = 3): main runs must match, every control must differ
+#   eager      90  the same loop without graphs (eager launches, sync debug on): tells a
+#                  capture problem from a loop problem if `graph` fails
+#   larger    150  --graph --sync-debug, 24 requests, 8 lanes, a 45-token system prompt,
+#                  outputs 16-40, k = 4, page size 16
+#   cpu_test   90  not a GPU phase: the CPU test (tests/test_examples_recurrent_decode.py)
+#                  on this machine's torch, for comparison when a GPU phase fails
+#
+# Each phase writes recurrent_decode.json / .md into OUTDIR/<phase>/ (the test: nothing);
+# every log is OUTDIR/<phase>.log; OUTDIR/summary.tsv lists phase, exit code, seconds,
+# bound; OUTDIR/machine.txt the GPU, driver, torch, triton and transformers versions.
+# Overrides: T_<PHASE> (bound in s, upper case, e.g. T_GRAPH=300), PHASES.
+# Exit status: 0 when every phase run passed (an example exits 1 when any main run's tokens
+# differ from transformers', any audit finds something, or a control fails to differ).
+set -uo pipefail
+usage="usage: bash tests/gpu/run_recurrent_decode.sh OUTDIR"
+out=${1:?$usage}
+mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2  # the repository root
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+phases=${PHASES:-graph eager larger cpu_test}
+: > "$out/summary.tsv"
+status=0
+
+# phase NAME BOUND_S COMMAND...: run COMMAND under its bound, log it, record it
+phase() {
+  local name=$1 bound=$2
+  shift 2
+  case " $phases " in *" $name "*) ;; *) return 0 ;; esac
+  local var="T_${name^^}"
+  bound=${!var:-$bound}
+  local log="$out/$name.log" t0 t1 rc
+  { printf "== phase %s (bound %s s):" "$name" "$bound"; printf " %q" "$@"; echo; } > "$log"
+  t0=$(date +%s)
+  timeout --kill-after=3 "$bound" "$@" >> "$log" 2>&1
+  rc=$?
+  t1=$(date +%s)
+  printf '%s\t%d\t%d\t%d\n' "$name" "$rc" $((t1 - t0)) "$bound" >> "$out/summary.tsv"
+  echo "phase $name: exit $rc after $((t1 - t0)) s (bound $bound s), log $log"
+  [ "$rc" = 0 ] || status=1
+}
+
+{
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  python3 -c "import transformers; print('transformers', transformers.__version__)"
+  git rev-parse HEAD 2>/dev/null
+} > "$out/machine.txt" 2>&1
+
+ex=examples/recurrent_decode.py
+phase graph 150 python3 "$ex" --device cuda --graph --sync-debug --negative-control \
+  --page-sizes 1 4 16 --no-progress --out "$out/graph"
+phase eager 90 python3 "$ex" --device cuda --sync-debug --negative-control \
+  --page-sizes 4 --no-progress --out "$out/eager"
+phase larger 150 python3 "$ex" --device cuda --graph --sync-debug --requests 24 \
+  --max-batch 8 --shared-prompt 45 --user-len 4 24 --output-len 16 40 --lookahead 4 \
+  --page-sizes 16 --no-progress --out "$out/larger"
+phase cpu_test 90 env CUDA_VISIBLE_DEVICES= python3 -m pytest -q -rfEs -p no:cacheprovider \
+  tests/test_examples_recurrent_decode.py
+
+cat "$out/summary.tsv"
+exit $status
