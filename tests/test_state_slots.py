@@ -507,6 +507,35 @@ def test_compiled_planner_with_states():
 
 
 # ---- directed -------------------------------------------------------------------------------
+class Scripted(StateMachine):
+    """The machine driven by a fixed script (model against allocator, every check)."""
+
+    CONFIG = CONFIGS["ps1_numpy"]
+
+
+def test_model_and_allocator_agree_on_a_copy_clash():
+    """Scripted through the machine: a take of r1 (reads slot 2, pops 7, the last free
+    slot), the release of r1 (pushes 2) and an admit on h0 in one step: the admit's slot
+    would be 2, which the take reads -> refused (45) by both; without the admit the step
+    runs, and the admit runs in the next step, copying h0's snapshot (slot 3) into slot 2."""
+    m = Scripted()
+    m.run_planned({"admit": [0, 1]})  # slots 1, 2
+    m.run_planned({"extend": ([0, 1], [2, 3])})
+    m.run_planned({"take": ([0], [0], [2])})  # h0: slot 3, a copy of slot 1
+    m.run_planned({"decode": [0], "lookahead": 2})  # slots 4, 5, 6; 7 is free
+    m.check_all()
+    clash = {"take": ([1], [1], [3]), "release": [1], "admit_on": ([2], [0], [-1])}
+    with pytest.raises(Violation) as info:
+        m.model.clone().step(**m.model_kwargs(clash))
+    assert info.value.kinds == {STATE_READ}
+    m.run_planned(clash)  # refused by both, nothing changed
+    m.check_all()
+    m.run_planned({"take": ([1], [1], [3]), "release": [1]})
+    m.run_planned({"admit_on": ([1], [0], [-1])})
+    assert m.model.step_copies == [(3, 2)] and m.alloc.req_to_state[1] == 2
+    m.check_all()
+
+
 def small(**over):
     config = dict(page_size=1, num_full_pages=16, num_swa_pages=16, max_reqs=4,
                   max_context_len=12, sliding_window=4, max_handles=3, num_state_slots=4,
