@@ -47,7 +47,7 @@ from model import (
     Model,
     Violation,
 )
-from test_model_vs_allocator import ERRORS, AllocatorMachine, FlakyExecutor
+from test_model_vs_allocator import AllocatorMachine, FlakyExecutor, expected_error
 
 from graphalloc import AllocatorConfig, HybridAllocator
 from graphalloc import errors as E
@@ -82,9 +82,8 @@ AVOID_KNOWN_TRIM_DEFECT = True
 
 TRITON = dict(page_size=1, num_full_pages=8, num_swa_pages=6, max_reqs=3,
               max_context_len=8, sliding_window=2, index_dtype=torch.int32, max_handles=2,
-              max_release_rows=64,
-              num_state_slots=4, max_spec_tokens=3, fused_step=True, planner="numpy",
-              backend="triton")
+              max_release_rows=64, num_state_slots=4, max_spec_tokens=3, fused_step=True,
+              planner="numpy", backend="triton")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -97,13 +96,14 @@ def _one_thread():
 
 def build(config: dict, executor="eager"):
     """(cfg, allocator, state tensors) for a machine config: t0 ``[S + 1, 2]`` float32 with
-    slots on dimension 0, t1 ``[3, S + 1]`` int64 with slots on dimension 1."""
+    slots on dimension 0, t1 ``[3, S + 1]`` int64 with slots on dimension 1, on the config's
+    device (the CUDA run of the core suite moves "cpu" configs to the GPU)."""
     config = dict(config)
     fused, planner = config.pop("fused_step"), config.pop("planner")
     cfg = AllocatorConfig(device="cpu", **{"backend": "torch", **config})
     n = cfg.num_state_slots + 1
-    t0 = torch.zeros(n, 2, dtype=torch.float32)
-    t1 = torch.zeros(3, n, dtype=torch.int64)
+    t0 = torch.zeros(n, 2, dtype=torch.float32, device=cfg.device)
+    t1 = torch.zeros(3, n, dtype=torch.int64, device=cfg.device)
     alloc = HybridAllocator(cfg, fused_step=fused, planner=planner, executor=executor,
                             state_tensors=[t0, (t1, 1)])
     return cfg, alloc, (t0, t1)
@@ -111,13 +111,13 @@ def build(config: dict, executor="eager"):
 
 def write_marker(tensors, slot: int, marker: int) -> None:
     t0, t1 = tensors
-    t0[slot] = torch.tensor([marker, marker + 0.5])
-    t1[:, slot] = torch.tensor([marker, -marker, 7 * marker])
+    t0[slot] = torch.tensor([marker, marker + 0.5], device=t0.device)
+    t1[:, slot] = torch.tensor([marker, -marker, 7 * marker], device=t1.device)
 
 
 def assert_contents(tensors, content: list) -> None:
     """Slots 1..S of both tensors hold the markers ``content`` says (0: never written)."""
-    t0, t1 = tensors
+    t0, t1 = (t.cpu() for t in tensors)
     c = torch.tensor(content[1:], dtype=torch.int64)
     want0 = torch.stack([c.float(), c.float() + 0.5 * (c != 0)], dim=1)
     want1 = torch.stack([c, -c, 7 * c])
@@ -137,10 +137,6 @@ def check_refusal(kinds, error) -> None:
         assert refusal[0] in codes, (refusal, sorted(kinds))
     elif not codes:
         assert refusal[0] not in STATE_CODES.values(), (refusal, sorted(kinds))
-
-
-def expected_error(kinds):
-    return tuple(ERRORS[k] for k in sorted(kinds))
 
 
 def assert_states(alloc, model: Model, tensors) -> None:
