@@ -90,6 +90,31 @@ Rules modelled (``ps`` page size, ``W`` window, ``R`` ring pages, L a length):
   own outside a block (release, evict_window, advance_frontier, drop_handle,
   drop_handle_swa) is one step when it fits and is otherwise split into consecutive steps
   like a block's flush, never refused (issue 17, defect 3: nothing may be stranded).
+* recurrent-state slots (``num_state_slots`` S > 0; issue 25): slots ``1..S`` (0 the sink)
+  form a FIFO queue, initially ``[1..S]`` (pop the front, push the back). Every slot is
+  free or held once: by a live request (its state after its committed tokens), a handle
+  (its snapshot, the state after its n tokens) or a speculative token in flight. Effects
+  happen in the step's order, interleaved with the page effects; within a kind, rows or
+  handles in call order. admit: pop s, slot(r) = s (the network initialises it).
+  admit on handle h: n must be the handle's n (``state_admit``); pop s, copy (snapshot(h)
+  -> s; a handle taken in the same step would copy from its take's source, but the page
+  rules refuse using such a handle). take_handle of r at n: n must be r's committed length
+  when the step began (``state_take``); pop t, snapshot = t, copy (slot(r) -> t). release:
+  push slot(r), then its speculative slots (oldest step first, token order). commit(r, n)
+  of the oldest step's slots s[0..k]: n >= 1 pushes the old slot(r), then s without
+  s[n-1] in order, and slot(r) = s[n-1]; n == 0 pushes all of s. trim below the committed
+  length is refused (``state_trim``); otherwise each step's cut tokens give their slots
+  back (oldest step first, token order). drop_handle pushes the snapshot (a tombstone
+  keeps it). A decode with lookahead k pops 1 + k slots (``1 + k > max_spec_tokens``:
+  ``state_spec``); a plain decode or extend pops nothing (the network updates slot(r) in
+  place). Pops of one kind are refused together when the queue, as it is at that point of
+  the step, is short (``state_short``). A copy whose destination is the source of a copy
+  of the same step is refused (``state_read``): every copy reads the states as the step
+  began (checked last, once the step passed every other rule, its frozen shape
+  included). The step's copies: takes' first, then admits on handles, in call order.
+  ``state_writes`` lists the slots the network writes after each step (an admit's new
+  slot, a plain allocation's slot, each speculative token's slot), ``step_copies`` the
+  last step's copies, ``state_content`` what each slot holds (the copies applied).
 
 Violations are reported as :class:`Violation` with a set of kinds (names of
 the rules broken by the first failing sub-operation); the model is unchanged.
@@ -115,6 +140,13 @@ SHARING = "sharing"  # a sharing call in ring mode (a ContractError)
 SPEC = "spec"  # speculative state: nothing to commit, a tail blocks a plain allocation,
 # a third step in flight (a ContractError)
 SHARED = "shared"  # a trim into a page another holder references (SharedPageError)
+# Recurrent-state slots (the test maps them onto refusal codes 40-45).
+STATE_ADMIT = "state_admit"  # admit on a handle at n != the handle's n (40)
+STATE_TAKE = "state_take"  # a handle at n != the committed length as the step began (41)
+STATE_TRIM = "state_trim"  # a trim below the committed length (42)
+STATE_SHORT = "state_short"  # not enough free state slots for a kind's pops (43)
+STATE_SPEC = "state_spec"  # a speculative step of more than max_spec_tokens tokens (44)
+STATE_READ = "state_read"  # a copy's destination is another copy's source (45)
 
 # Actions of a page whose references a call drops.
 ACT_FULL = "full"  # FULL count reached 0, no SWA page any more
@@ -150,6 +182,8 @@ class Req:
         self.ring: list[int] = []
         self.committed = len(self.slots)  # C: the rest, [C, L), is speculative
         self.spec: list[int] = []  # sizes of the speculative steps in flight, oldest first
+        self.state = 0  # its recurrent-state slot (0: no state slots)
+        self.spec_slots: list[list[int]] = []  # per speculative step, a slot per token
 
     @property
     def length(self) -> int:
@@ -163,6 +197,7 @@ class Handle:
         self.ps = ps
         self.pages = list(pages)
         self.frontier = swa_start  # named like a request's: the start of its SWA references
+        self.state = 0  # its snapshot's state slot (0: no state slots)
 
     @property
     def n_tokens(self) -> int:
@@ -181,7 +216,7 @@ class Model:
     def __init__(self, page_size, num_full_pages, num_swa_pages, max_reqs, max_context_len,
                  sliding_window, swa_ring_pages=0, max_release_rows=0, max_pages_per_row=0,
                  max_alloc_rows=0, max_tokens_per_alloc_row=0, max_step_pages=0,
-                 max_step_tokens=0, max_handles=0):
+                 max_step_tokens=0, max_handles=0, num_state_slots=0, max_spec_tokens=0):
         self.ps = page_size
         self.n_full = num_full_pages
         self.n_swa = num_swa_pages
@@ -213,6 +248,14 @@ class Model:
         self.group: dict | None = None
         self.pending: set[int] = set()  # rows released in the open block
         self.pending_handles: set[int] = set()  # handles dropped in the open block
+        # recurrent-state slots
+        self.n_state = num_state_slots
+        self.max_spec = max_spec_tokens or 8
+        self.state_q: deque[int] = deque(range(1, num_state_slots + 1))
+        self.state_content: list = [0] * (num_state_slots + 1)  # what each slot holds
+        self.step_copies: list[tuple[int, int]] = []  # the last step's (source, destination)
+        self.state_writes: list[int] = []  # slots the network writes after the steps so far
+        self.taken_src: dict[int, int] = {}  # handle taken in this step -> its source slot
 
     @classmethod
     def from_config(cls, cfg) -> Model:
@@ -220,7 +263,8 @@ class Model:
                    cfg.max_context_len, cfg.sliding_window, cfg.swa_ring_pages,
                    cfg.max_release_rows, cfg.max_pages_per_row, cfg.max_alloc_rows,
                    cfg.max_tokens_per_alloc_row, cfg.max_step_pages, cfg.max_step_tokens,
-                   getattr(cfg, "max_handles", 0))
+                   getattr(cfg, "max_handles", 0), getattr(cfg, "num_state_slots", 0),
+                   getattr(cfg, "max_spec_tokens", 0))
 
     def clone(self) -> Model:
         return copy.deepcopy(self)
@@ -240,6 +284,48 @@ class Model:
 
     def _push(self, pool: str, page: int) -> None:
         (self.full_q if pool == "full" else self.swa_q).append(page)
+
+    # ---- recurrent-state slots -------------------------------------------------------------
+    @property
+    def has_states(self) -> bool:
+        return self.n_state > 0
+
+    def _state_short(self, n_pops: int) -> bool:
+        """Whether ``n_pops`` pops of one kind find the queue (as it is now) short."""
+        return self.has_states and n_pops > len(self.state_q)
+
+    def _state_pop(self) -> int:
+        return self.state_q.popleft()
+
+    def _begin_step(self) -> None:
+        self.step_copies, self.taken_src = [], {}
+
+    def _check_reads(self) -> None:
+        """Every copy reads the states as the step began: a destination that is the source
+        of a copy of the same step is refused."""
+        sources = {src for src, _ in self.step_copies}
+        if any(dst in sources for _, dst in self.step_copies):
+            raise Violation({STATE_READ})
+
+    def _end_step(self) -> None:
+        """Apply the step's copies, all reading the contents as the step began."""
+        before = self.state_content
+        self.state_content = list(before)
+        for src, dst in self.step_copies:
+            self.state_content[dst] = before[src]
+
+    def write_state(self, slot: int, value) -> None:
+        """The network wrote ``value`` into ``slot`` (between steps)."""
+        self.state_content[slot] = value
+
+    def req_to_state(self) -> list[int]:
+        """Each row's slot (0: not live), as ``req_to_state`` shows it."""
+        return [self.reqs[r].state if r in self.reqs else 0 for r in range(self.max_reqs)]
+
+    def handle_to_state(self) -> list[int]:
+        """Each handle's snapshot slot (0: not held), as ``handle_to_state`` shows it."""
+        return [self.handles[h].state if h in self.handles else 0
+                for h in range(self.max_handles)]
 
     # ---- references ----------------------------------------------------------------------
     def _hold(self, holder) -> None:
@@ -331,27 +417,33 @@ class Model:
         return [r for r in range(self.max_reqs) if r not in self.reqs and r not in self.pending]
 
     # ---- public ops (each one is atomic: on a Violation nothing changed) ------------------
-    def admit(self, handle=None) -> int:
+    def admit(self, handle=None, n_tokens=None) -> int:
         if handle is not None:
-            return self.admit_handle(handle)
+            return self.admit_handle(handle, n_tokens)
         kinds = set()
         free_rows = self._free_rows()
         if not free_rows:
             kinds.add(CAPACITY)
         if self.ring_mode and len(self.swa_q) < self.ring_pages:
             kinds.add(CAPACITY)
+        if self._state_short(1):
+            kinds.add(STATE_SHORT)
         if kinds:
             raise Violation(kinds)
         row = free_rows[0]
         req = Req(self.ps)
         if self.ring_mode:
             req.ring = [self._pop_swa() for _ in range(self.ring_pages)]
+        self._begin_step()
+        if self.has_states:
+            req.state = self._state_pop()
+            self.state_writes.append(req.state)  # the network initialises it
         self.steps += 1
         self.reqs[row] = req
         return row
 
-    def admit_handle(self, handle) -> int:
-        """A new request on a handle's pages (one step)."""
+    def admit_handle(self, handle, n_tokens=None) -> int:
+        """A new request on a handle's first ``n_tokens`` (None: all; one step)."""
         if self.ring_mode:
             raise Violation({SHARING})
         kinds = set()
@@ -364,12 +456,38 @@ class Model:
         if kinds:
             raise Violation(kinds)
         h = self.handles[int(handle)]
+        kinds = self._share_kinds(h, n_tokens)
+        if self._state_short(1):
+            kinds.add(STATE_SHORT)
+        if kinds:
+            raise Violation(kinds)
+        n = h.n_tokens if n_tokens is None or n_tokens == -1 else int(n_tokens)
         row = free_rows[0]
-        req = Req(self.ps, h.pages, h.swa_start)
+        req = Req(self.ps, h.pages[:n // self.ps], min(h.swa_start, n))
         self._hold(req)
         self.reqs[row] = req
+        self._begin_step()
+        self._restore(req, int(handle))
+        self._end_step()
         self.steps += 1
         return row
+
+    def _share_kinds(self, hd: Handle, n) -> set:
+        """What sharing ``n`` tokens (None / -1: all) of handle ``hd`` breaks."""
+        n = hd.n_tokens if n is None or n == -1 else int(n)
+        kinds = {ALIGNMENT} if n % self.ps else set()
+        if not kinds and not 0 < n <= hd.n_tokens:
+            kinds.add(POSITION)
+        if self.has_states and n != hd.n_tokens:
+            kinds.add(STATE_ADMIT)  # a snapshot exists at the handle's end only
+        return kinds
+
+    def _restore(self, req: Req, h: int) -> None:
+        """A request admitted on handle ``h`` gets a fresh slot holding a copy of the
+        snapshot (as the step began: a handle taken in this step copies its take's source)."""
+        if self.has_states:
+            req.state = self._state_pop()
+            self.step_copies.append((self.taken_src.get(h, self.handles[h].state), req.state))
 
     def take_handle(self, row, n_tokens) -> int:
         """A handle on the first ``n_tokens`` of ``row`` (one step); returns its id."""
@@ -389,18 +507,32 @@ class Model:
                 kinds.add(ALIGNMENT)
             if n <= 0 or (r is not None and n > self.reqs[r].committed):
                 kinds.add(POSITION)
+            if self.has_states and r is not None and n != self.reqs[r].committed:
+                kinds.add(STATE_TAKE)  # a state exists at the committed length only
         free = [h for h in range(self.max_handles)
                 if h not in self.handles and h not in self.pending_handles]
         if not free:
             kinds.add(CAPACITY)
+        if self._state_short(1):
+            kinds.add(STATE_SHORT)
         if kinds:
             raise Violation(kinds)
         req, n = self.reqs[r], int(n_tokens)
         handle = Handle(self.ps, req.pages[:n // self.ps], min(req.frontier, n))
         self._hold(handle)
         self.handles[free[0]] = handle
+        self._begin_step()
+        self._snapshot(free[0], req)
+        self._end_step()
         self.steps += 1
         return free[0]
+
+    def _snapshot(self, h: int, req: Req) -> None:
+        """Handle ``h`` gets a fresh slot holding a copy of ``req``'s state."""
+        if self.has_states:
+            self.handles[h].state = self._state_pop()
+            self.taken_src[h] = req.state
+            self.step_copies.append((req.state, self.handles[h].state))
 
     def drop_handle(self, handle) -> None:
         self._drop_handle_op(handle, swa_only=False)
@@ -432,9 +564,11 @@ class Model:
             items.append((hd.pages, 0, 0 if swa_only else n, hd.swa_start // ps, n))
         segs = self._drop(items)
         for h, swa_only in drops:
-            if swa_only:
+            if swa_only:  # a tombstone keeps its snapshot
                 self.handles[h].frontier = self.handles[h].n_tokens
             else:
+                if self.has_states:
+                    self.state_q.append(self.handles[h].state)
                 del self.handles[h]
         return segs
 
@@ -486,6 +620,7 @@ class Model:
             if any(not _is_int(r) or not 0 <= int(r) < self.max_reqs for r in rows):
                 raise Violation({UNKNOWN})
         work = self.clone()
+        work._begin_step()
         rel_rows: list = []
         results = None
         extra_rows = 0  # allocation rows without tokens: prefix copies, ring admissions
@@ -535,6 +670,8 @@ class Model:
             results = (results or []) + work._extend(rows, list(extend[1]), allocated,
                                                      alloc_rows)
         work._check_shape(rel_rows, alloc_rows + [0] * extra_rows)
+        work._check_reads()
+        work._end_step()
         work.steps += 1
         self.__dict__.update(work.__dict__)
         return results
@@ -555,6 +692,10 @@ class Model:
                 kinds.add(ALIGNMENT)
             elif n <= 0 or n > self.reqs[r].committed:
                 kinds.add(POSITION)
+            if self.has_states and n != self.reqs[r].committed:
+                kinds.add(STATE_TAKE)  # a state exists at the committed length only
+        if self._state_short(len(handles)):
+            kinds.add(STATE_SHORT)
         if kinds:
             raise Violation(kinds)
         for h, r, n in zip(handles, rows, n_tokens, strict=True):
@@ -562,6 +703,7 @@ class Model:
             handle = Handle(self.ps, req.pages[:n // self.ps], min(req.frontier, n))
             self._hold(handle)
             self.handles[h] = handle
+            self._snapshot(h, req)
             copies += 1
         return copies
 
@@ -572,13 +714,21 @@ class Model:
             raise Violation({OVERLAP})
         if any(r in self.reqs or r in released or r in self.pending for r in rows):
             raise Violation({UNKNOWN})
+        kinds = set()
         if self.ring_mode and len(self.swa_q) < self.ring_pages * len(rows):
-            raise Violation({CAPACITY})
+            kinds.add(CAPACITY)
+        if self._state_short(len(rows)):
+            kinds.add(STATE_SHORT)
+        if kinds:
+            raise Violation(kinds)
         for r in rows:
             req = Req(self.ps)
             if self.ring_mode:
                 req.ring = [self._pop_swa() for _ in range(self.ring_pages)]
                 allocated.add(r)  # its ring admission is its allocation row of the step
+            if self.has_states:
+                req.state = self._state_pop()
+                self.state_writes.append(req.state)  # the network initialises it
             self.reqs[r] = req
         return len(rows) if self.ring_mode else 0
 
@@ -592,16 +742,20 @@ class Model:
         if any(r in self.reqs or r in released or r in self.pending for r in rows):
             raise Violation({UNKNOWN})
         hs = [self._handle(h) for h in handles]
+        n_tokens = [None] * len(rows) if n_tokens is None else list(n_tokens)
+        for h, n in zip(hs, n_tokens, strict=True):
+            kinds = self._share_kinds(self.handles[h], n)
+            if kinds:
+                raise Violation(kinds)
+        if self._state_short(len(rows)):
+            raise Violation({STATE_SHORT})
         for r, h, n in zip(rows, hs, n_tokens, strict=True):
             hd = self.handles[h]
             n = hd.n_tokens if n is None or n == -1 else int(n)
-            if n % self.ps:
-                raise Violation({ALIGNMENT})
-            if not 0 < n <= hd.n_tokens:
-                raise Violation({POSITION})
             req = Req(self.ps, hd.pages[:n // self.ps], min(hd.swa_start, n))
             self._hold(req)
             self.reqs[r] = req
+            self._restore(req, h)
         return sum(1 for r in rows if self.reqs[r].pages)
 
     def _free_op(self, record) -> None:
@@ -682,6 +836,7 @@ class Model:
         the frozen shape (greedy cut, in order). Never refused."""
         g = self.group
         self.group, self.pending, self.pending_handles = None, set(), set()
+        self._begin_step()
         drops = [(h, False) for h in g["drop"]] + [(h, True) for h in g["tomb"]
                                                  if h not in g["drop"]]
         recorded = g["release"] or g["target"] or drops
@@ -760,7 +915,10 @@ class Model:
                 for page in self.reqs[r].ring:
                     self._push("swa", page)
         for r in rows:
-            del self.reqs[r]
+            req = self.reqs.pop(r)
+            if self.has_states:  # its slot, then its speculative slots, oldest step first
+                self.state_q.append(req.state)
+                self.state_q.extend(x for slots in req.spec_slots for x in slots)
         return segs
 
     def _extend(self, rows, n_tokens, allocated: set, alloc_rows: list,
@@ -769,7 +927,7 @@ class Model:
         n_tokens = list(n_tokens)
         if len(n_tokens) != len(rows):
             raise Violation({POSITION})
-        need = 0
+        need = state_pops = 0
         for r, n in zip(rows, n_tokens, strict=True):
             if not _is_int(n) or n < 0:
                 kinds.add(POSITION)
@@ -779,6 +937,10 @@ class Model:
                 kinds.add(OVERLAP)
             spec_row = speculative[rows.index(r)] if isinstance(speculative, list) \
                 else speculative
+            if spec_row and self.has_states:  # a state slot per speculative token
+                state_pops += n
+                if n > self.max_spec:
+                    kinds.add(STATE_SPEC)
             if (len(req.spec) >= 2) if spec_row else bool(req.spec):
                 kinds.add(SPEC)
             end = req.length + n
@@ -791,6 +953,8 @@ class Model:
                 kinds.add(RING)
         if need > len(self.full_q) or (not self.ring_mode and need > len(self.swa_q)):
             kinds.add(CAPACITY)
+        if self._state_short(state_pops):
+            kinds.add(STATE_SHORT)
         if kinds:
             raise Violation(kinds)
         out = []
@@ -816,8 +980,13 @@ class Model:
             allocated.add(r)
             if speculative[rows.index(r)] if isinstance(speculative, list) else speculative:
                 req.spec.append(n)
+                if self.has_states:  # the network writes the state after each token
+                    req.spec_slots.append([self._state_pop() for _ in range(n)])
+                    self.state_writes.extend(req.spec_slots[-1])
             else:
                 req.committed = req.length
+                if self.has_states and n > 0:
+                    self.state_writes.append(req.state)  # updated in place
             if n > 0:
                 alloc_rows.append(n)
             out.append((r, full_slots, swa_slots))
@@ -841,6 +1010,14 @@ class Model:
             req = self.reqs[r]
             req.committed += int(n)
             req.spec = req.spec[1:]
+            if self.has_states:
+                n, slots = int(n), req.spec_slots.pop(0)
+                if n >= 1:  # the state after the n-th token is the request's
+                    self.state_q.append(req.state)
+                    self.state_q.extend(x for i, x in enumerate(slots) if i != n - 1)
+                    req.state = slots[n - 1]
+                else:
+                    self.state_q.extend(slots)
             cuts.append(req.committed + sum(req.spec))
         return self._cut(rows, cuts)
 
@@ -856,16 +1033,25 @@ class Model:
                 kinds.add(FRONTIER)
             elif n % self.ps and self.full_ref[req.pages[n // self.ps]] > 1:
                 kinds.add(SHARED)  # the next allocation would write a shared page
+            if self.has_states and _is_int(n) and 0 <= n < req.committed:
+                kinds.add(STATE_TRIM)  # a recurrent state cannot roll back
         if kinds:
             raise Violation(kinds)
         for r, n in zip(rows, new_lens, strict=True):
             req = self.reqs[r]
-            keep, steps = int(n) - req.committed, []
-            for size in req.spec:  # the speculative steps cut at n, oldest first
+            keep, steps, kept_slots = int(n) - req.committed, [], []
+            for i, size in enumerate(req.spec):  # the speculative steps cut at n, oldest first
                 if keep > 0:
                     steps.append(min(size, keep))
+                if self.has_states:  # the cut tokens give their slots back
+                    slots = req.spec_slots[i]
+                    cut = max(0, min(size, keep))
+                    self.state_q.extend(slots[cut:])
+                    if cut:
+                        kept_slots.append(slots[:cut])
                 keep -= size
             req.spec = steps
+            req.spec_slots = kept_slots
             req.committed = min(req.committed, int(n))
         return self._cut(rows, [int(n) for n in new_lens])
 
@@ -931,6 +1117,13 @@ class Model:
             assert self.f2s[page] == 0 or full[page] > 0
         held_full = [p for p in range(1, self.n_full + 1) if full[p]]
         assert sorted(held_full + list(self.full_q)) == list(range(1, self.n_full + 1))
+        if self.has_states:  # every slot free or held exactly once
+            held = [q.state for q in self.reqs.values()]
+            held += [x for q in self.reqs.values() for slots in q.spec_slots for x in slots]
+            held += [h.state for h in self.handles.values()]
+            assert sorted(held + list(self.state_q)) == list(range(1, self.n_state + 1))
+            for q in self.reqs.values():
+                assert [len(slots) for slots in q.spec_slots] == q.spec
 
     def free_ring_head(self, pool: str) -> int:
         if pool == "full":

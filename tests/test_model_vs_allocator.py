@@ -61,6 +61,12 @@ from model import (
     SHARED,
     SHARING,
     SPEC,
+    STATE_ADMIT,
+    STATE_READ,
+    STATE_SHORT,
+    STATE_SPEC,
+    STATE_TAKE,
+    STATE_TRIM,
     UNKNOWN,
     Model,
     Violation,
@@ -85,6 +91,13 @@ ERRORS = {
     SHARING: E.ContractError,  # ring mode: every sharing call is refused
     SPEC: E.SpeculativeStateError,
     SHARED: E.SharedPageError,
+    # recurrent-state slots (tests/test_state_slots.py drives this machine with them)
+    STATE_ADMIT: E.PositionError,  # code 40
+    STATE_TAKE: E.PositionError,  # 41
+    STATE_TRIM: E.PositionError,  # 42
+    STATE_SHORT: E.CapacityError,  # 43
+    STATE_SPEC: E.BatchTooLargeError,  # 44
+    STATE_READ: E.CapacityError,  # 45
 }
 
 I32, I64 = torch.int32, torch.int64
