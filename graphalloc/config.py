@@ -429,12 +429,13 @@ class AllocatorConfig:
     @property
     def max_state_rows(self) -> int:
         """State rows of one step's descriptor: a slot write per request row and handle, a
-        copy per handle taken and per request admitted on one, the speculative slots of each
-        allocating row, six per row (0 without state slots)."""
+        copy per handle taken and per request admitted on one, the newest speculative step's
+        slots of each request row (a decode's, or what a trim leaves), six per row (0
+        without state slots)."""
         if not self.num_state_slots:
             return 0
         per_step = -(-self.max_spec_tokens // 6)  # six slots per speculative row
-        return 2 * (self.max_reqs + self.max_handles) + self.max_alloc_rows * per_step
+        return 2 * (self.max_reqs + self.max_handles) + self.max_reqs * per_step
 
     def frozen_shapes(self) -> dict[str, int]:
         """Every shape a captured step graph freezes: ``req_to_token``'s ``max_reqs`` x

@@ -187,7 +187,7 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
         "max_handles": "given" if n_handles else "default",
         "num_state_slots": slot_rule,
         "max_spec_tokens": "1 + lookahead",
-        "max_state_rows": ("2 x (max_reqs + max_handles) + max_alloc_rows x ceil("
+        "max_state_rows": ("2 x (max_reqs + max_handles) + max_reqs x ceil("
                            "max_spec_tokens / 6)"),
         "max_tokens_per_alloc_row": (f"min(max_context_len, max(chunked_prefill_size, "
                                      f"1 + lookahead)) = min({ctx}, max({prefill}, {1 + k}))"),

@@ -211,8 +211,9 @@ def run_frees(alloc, step: Step) -> None:
     cfg, pipeline = alloc.config, alloc.pipeline
     pipeline.refuse_planning()
     out = pipeline.outcome(step, oversize=True)
-    for part in split_release_rows(out.release_rows, cfg.max_release_rows, cfg.max_step_pages):
-        pipeline.run(pipeline.plan_rows(part))
+    parts = split_release_rows(out.release_rows, cfg.max_release_rows, cfg.max_step_pages)
+    for i, part in enumerate(parts):
+        pipeline.run(pipeline.plan_rows(part, out, first=i == 0))
 
 
 def given(value, what: str, error: type[ContractError]) -> None:

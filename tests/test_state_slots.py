@@ -60,8 +60,8 @@ SHORTAGE = frozenset({CAPACITY, BATCH, STATE_SHORT, STATE_READ})
 
 # Pool mode with handles, small pages, few slots (the queue runs short often), K small
 # enough that the base machine's lookaheads (k <= 3) cross it. max_release_rows exceeds
-# every page a free can give back: a free is never split over several steps here (a known
-# defect: test_a_free_split_over_steps_writes_the_state_table, a strict xfail).
+# every page a free can give back: a free is never split over several steps here (splits:
+# test_a_free_split_over_steps_writes_the_state_table).
 CONFIGS = {
     "ps1_numpy": dict(page_size=1, num_full_pages=14, num_swa_pages=10, max_reqs=4,
                       max_context_len=12, sliding_window=3, index_dtype=torch.int64,
@@ -73,12 +73,6 @@ CONFIGS = {
                      max_release_rows=64, max_handles=2, num_state_slots=5, fused_step=True,
                      planner="auto"),
 }
-# Known allocator defect (test_trim_of_the_newest_speculative_step_updates_spec_state, a
-# strict xfail): a trim that removes a request's newest speculative step whole while an
-# older one stays leaves the device's spec_state on the removed step's slots, and audit()
-# reports it. The machines trim such rows to keep the newest step's first token instead
-# while this is True; set it to False once that test passes.
-AVOID_KNOWN_TRIM_DEFECT = True
 
 TRITON = dict(page_size=1, num_full_pages=8, num_swa_pages=6, max_reqs=3,
               max_context_len=8, sliding_window=2, index_dtype=torch.int32, max_handles=2,
@@ -201,19 +195,6 @@ class StateMachine(AllocatorMachine):
         self.write_markers()
         return expected, got
 
-    def steer_trim(self, row, target):
-        """``target``, or the length that keeps the newest step's first token where the trim
-        would hit the known defect (see AVOID_KNOWN_TRIM_DEFECT)."""
-        q = self.model.reqs.get(row) if isinstance(row, int) else None
-        if (AVOID_KNOWN_TRIM_DEFECT and q is not None and len(q.spec) == 2
-                and isinstance(target, int) and q.committed < target <= q.committed + q.spec[0]):
-            return q.committed + q.spec[0] + 1
-        return target
-
-    def trim_targets(self, rows, codes) -> list[int]:
-        return [self.steer_trim(r, n)
-                for r, n in zip(rows, super().trim_targets(rows, codes), strict=True)]
-
     def handle_tokens(self, row, h_code) -> int:
         """Mostly the committed length (the only length a state snapshot exists at), else
         the base machine's lengths (whole pages, off a boundary, 0, past the end)."""
@@ -266,7 +247,7 @@ class StateMachine(AllocatorMachine):
             r = pick(trim_rows)
             q = m.reqs[r]
             target = q.committed + draw(st.integers(0, sum(q.spec)))
-            kw["trim"] = ([r], [self.steer_trim(r, q.committed - 1 if chance(20) else target)])
+            kw["trim"] = ([r], [q.committed - 1 if chance(20) else target])
         if chance(15):
             kw["evict_all"] = True
         dropped = []
@@ -369,7 +350,7 @@ class StateMachine(AllocatorMachine):
             self.run_planned({"commit": ([r], [draw(st.integers(0, q.spec[0]))])})
         elif end == "trim":
             target = q.committed + draw(st.integers(-1, sum(q.spec)))
-            self.run_planned({"trim": ([r], [self.steer_trim(r, target)])})
+            self.run_planned({"trim": ([r], [target])})
         else:
             self.run_planned({"release": [r]})
 
@@ -685,10 +666,6 @@ def test_markers_are_distinct_per_slot():
     assert np.unique(tensors[1][0, 1:].numpy()).size == 4
 
 
-@pytest.mark.xfail(strict=True, reason="allocator defect: a trim that removes the newest "
-                   "speculative step whole (an older one stays in flight) leaves the device's "
-                   "spec_state row on the removed step's slots (now free); the host ledger has "
-                   "the older step's, and audit() reports [spec_state]")
 def test_trim_of_the_newest_speculative_step_updates_spec_state():
     """Rule: spec_state[r, :1 + k] shows the newest speculative step in flight. Two steps of
     one token each (slots 2, then 3), a trim to C + 1 cuts the newer one: the older step
@@ -703,10 +680,6 @@ def test_trim_of_the_newest_speculative_step_updates_spec_state():
     assert a.spec_state[r, :1].tolist() == [2]
 
 
-@pytest.mark.xfail(strict=True, reason="allocator defect: a free whose release rows exceed "
-                   "the frozen shape runs as several steps (never refused), and those steps "
-                   "do not write the state table: req_to_state / handle_to_state keep the "
-                   "freed slots, and audit() reports [state_table]")
 @pytest.mark.parametrize("what", ["release", "drop_handle"])
 def test_a_free_split_over_steps_writes_the_state_table(what):
     """Three requests of 3 pages (ps 1, max_pages_per_row 2: two release rows each): their

@@ -551,7 +551,7 @@ static int Planner_init(Planner *P, PyObject *args, PyObject *kwds) {
         P->st_set = zalloc(2 * nt, 2 * 8, &failed);
         P->st_order = zalloc(2 * nt, 8, &failed);
         P->st_copy = zalloc(nt, 2 * 8, &failed);
-        P->st_spec = zalloc(n, 3 * 8, &failed);
+        P->st_spec = zalloc(2 * n, 3 * 8, &failed);  /* a trim's and a decode's */
         P->taken_src = zalloc(nh, 8, &failed);
         P->seen_slot = (Stamp){zalloc((size_t)P->n_slots + 1, 4, &failed), 0,
                                (Py_ssize_t)P->n_slots + 1};

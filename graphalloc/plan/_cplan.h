@@ -263,6 +263,7 @@ int states_release(Planner *P, Plan *S, int64_t r);
 int states_commit(Planner *P, Plan *S, int64_t r, int64_t n_accepted, int64_t oldest);
 int states_trim(Planner *P, Plan *S, const int64_t *rows, const int64_t *new_len, Py_ssize_t n);
 int states_trim_slots(Planner *P, Plan *S, int64_t r, int step, int64_t kept);
+int states_trim_newest(Planner *P, Plan *S, int64_t r, int depth_before);
 int states_drop(Planner *P, Plan *S, int64_t h);
 int states_admit(Planner *P, Plan *S, const int64_t *rows, Py_ssize_t n, int kind);
 int states_admit_on(Planner *P, Plan *S, const int64_t *rows, const int64_t *h,

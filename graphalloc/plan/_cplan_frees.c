@@ -132,12 +132,15 @@ int plan_trim(Planner *P, Plan *S) {
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t r = rows[i], committed = P->comm[r], keep = nl[i] - committed, before = 0;
         int64_t *sp = P->spec + r * SPEC_DEPTH;
+        int depth = 0;
         for (int j = 0; j < SPEC_DEPTH; j++) {
             int64_t s = sp[j], v = imin(imax(keep - before, 0), s);
             before += s;
+            depth += s != 0;
             if (P->has_states) TRY(states_trim_slots(P, S, r, j, v));
             set64(P, &sp[j], v);
         }
+        if (P->has_states) TRY(states_trim_newest(P, S, r, depth));
         set64(P, &P->comm[r], imin(committed, nl[i]));
     }
     return 0;

@@ -195,17 +195,51 @@ int states_speculative(Planner *P, Plan *S, const int64_t *rows, const int64_t *
     return states_need(P, S, total, kind, rows[first]);
 }
 
+/* A row's newest speculative step for the ST_SPEC rows (plan/states.py spec_parts). */
+static int spec_entry(Planner *P, Plan *S, int64_t r, int step, int64_t n_tokens) {
+    if (S->n_spec == 2 * P->max_reqs) return overflow("speculative steps");
+    int64_t *e = P->st_spec + 3 * S->n_spec++;
+    e[0] = r; e[1] = step; e[2] = n_tokens;
+    return 0;
+}
+
 /* states.speculative_slots for one row: the pops of its new step `step` (n_tokens slots). */
 int states_speculative_slots(Planner *P, Plan *S, int64_t r, int step, int64_t n_tokens) {
-    if (S->n_spec == P->max_reqs) return overflow("speculative steps");
     if (step < 0 || step >= SPEC_DEPTH || n_tokens > P->K)
         return mirror_error("speculative step", r, step);
     int64_t *sp = spec_slots(P, r, step);
     for (int64_t i = 0; i < n_tokens; i++) set64(P, &sp[i], pop_slot(P, S));
-    int64_t *e = P->st_spec + 3 * S->n_spec++;
-    e[0] = r; e[1] = step; e[2] = n_tokens;
-    S->n_spec_rows += (n_tokens + ST_SPEC_SLOTS - 1) / ST_SPEC_SLOTS;
-    return 0;
+    return n_tokens ? spec_entry(P, S, r, step, n_tokens) : 0;
+}
+
+/* states.trim_slots' last part: a row whose newest step was cut whole while an older one
+ * stays (`depth` steps before the trim) shows that one on the device. */
+int states_trim_newest(Planner *P, Plan *S, int64_t r, int depth_before) {
+    const int64_t *steps = P->spec + r * SPEC_DEPTH;
+    int depth = 0;
+    for (int j = 0; j < SPEC_DEPTH; j++) depth += steps[j] != 0;
+    if (depth == 0 || depth >= depth_before) return 0;
+    return spec_entry(P, S, r, depth - 1, steps[depth - 1]);
+}
+
+/* states.finish's speculative rows: the last entry per request row kept, in order (a
+ * trimmed row that also decodes: its decode's step); their ST_SPEC row count. */
+static void spec_dedupe(Planner *P, Plan *S) {
+    uint32_t g = stamp_next(&P->seen_index);
+    for (Py_ssize_t e = S->n_spec - 1; e >= 0; e--) {
+        int64_t *sp = P->st_spec + 3 * e;
+        if (P->seen_index.mark[sp[0]] == g) sp[2] = -1;  /* a later entry names the row */
+        else P->seen_index.mark[sp[0]] = g;
+    }
+    Py_ssize_t m = 0;
+    S->n_spec_rows = 0;
+    for (Py_ssize_t e = 0; e < S->n_spec; e++) {
+        const int64_t *sp = P->st_spec + 3 * e;
+        if (sp[2] < 0) continue;
+        memmove(P->st_spec + 3 * m++, sp, 3 * sizeof *sp);
+        S->n_spec_rows += (sp[2] + ST_SPEC_SLOTS - 1) / ST_SPEC_SLOTS;
+    }
+    S->n_spec = m;
 }
 
 /* states.finish, its refusal and layout: 45 when a copy's destination is a slot another copy
@@ -233,6 +267,7 @@ int states_check(Planner *P, Plan *S) {
         P->seen_index.mark[index] = g;
         P->st_order[S->n_kept++] = k;
     }
+    spec_dedupe(P, S);
     S->n_st = 1 + S->n_copy + S->n_kept + S->n_spec_rows;
     if (S->n_st > P->n_st_rows) return overflow("state rows");
     return 0;

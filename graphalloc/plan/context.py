@@ -86,6 +86,7 @@ class PlanContext:
         self.pages_evicted = 0  # SWA pages freed by frontier moves (part of pages_freed)
         self.has_states = config.num_state_slots > 0
         self.state_parts: list[np.ndarray] = []  # ST_SET / ST_COPY rows (plan.states)
+        self.spec_parts: list[np.ndarray] = []  # (row, step, n) newest speculative steps
         self.state_freed = 0
         self.taken_state = None  # per handle taken this step: the slot its snapshot copies
 

@@ -190,20 +190,29 @@ class StepPipeline:
             return tables.planned(index, lanes.n_lanes, lanes.n_full_pages, lanes.n_swa_pages)
         return tables.write_host(index, lanes)
 
-    def plan_rows(self, release_rows: np.ndarray) -> PlannedStep:
-        """A step of release rows planned already (a part of a split free): written as they
-        are into the next buffer (with this step's epoch); the ledger already holds their
-        effect (journaled)."""
+    def plan_rows(self, release_rows: np.ndarray, whole: PlanOutcome,
+                  first: bool) -> PlannedStep:
+        """A step of release rows planned already (a part of the split free ``whole``;
+        ``first``: its first part): written as they are into the next buffer (with this
+        step's epoch); the ledger already holds their effect (journaled). The first part
+        carries the whole free's state rows (slot-table writes); every part writes its lane
+        and state sections, so nothing a buffer held before runs again."""
         self.refuse_planning()
         self._mark = self.mark()
         index = self.ring.acquire()
         empty = np.zeros((0, ROW_WIDTH), dtype=np.int64)
         release_rows[:, REL_EPOCH] = self.steps_run + 1
         self.ring.write(index, release_rows, empty, fusable=True)
+        if whole.lanes is not None:
+            self.ring.write_lanes(index, whole.lanes.rows)
+        states = whole.state_rows
+        if states is not None:
+            states = states if first else np.zeros((1, ROW_WIDTH), dtype=np.int64)
+            self.ring.write_states(index, states)
         self._stamp = self.submissions.stamp(index, bool(len(release_rows)))
         pages = int(release_rows[:, REL_N_PAGES].sum())
         out = PlanOutcome(release_rows, empty, 0, (pages, 0), (0, 0), 0, True, empty[:, 0],
-                          empty[:, 0], empty[:, 0], [])
+                          empty[:, 0], empty[:, 0], [], state_rows=states)
         return self._pending(index, out)
 
     # ---- the device half ----------------------------------------------------------------

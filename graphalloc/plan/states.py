@@ -160,13 +160,21 @@ def trim(ctx, rows: np.ndarray, new_len: np.ndarray) -> None:
 
 
 def trim_slots(ctx, rows: np.ndarray, kept: np.ndarray) -> None:
-    """After a trim: ``kept[i, j]`` tokens of step j stay; the other slots go back."""
+    """After a trim: ``kept[i, j]`` tokens of step j stay; the other slots go back. A row
+    whose newest step was cut whole while an older one stays shows that one on the device
+    (its ``spec_state`` row)."""
     led = ctx.ledger
     spec = led.spec_state[rows]  # [rows, depth, K]
     K = spec.shape[2]
     cut = np.arange(K)[None, None, :] >= kept[:, :, None]
     push(ctx, np.where(cut, spec, 0).reshape(-1))
     ctx.journal.put(led.spec_state, rows, np.where(cut, 0, spec))
+    depth = np.count_nonzero(kept, axis=1)
+    older = (depth > 0) & (depth < np.count_nonzero(led.spec_steps[rows], axis=1))
+    if older.any():
+        step = depth[older] - 1
+        ctx.spec_parts.append(np.stack([rows[older], step,
+                                        kept[np.flatnonzero(older), step]], axis=1))
 
 
 def drop(ctx, handles: np.ndarray, swa_only: np.ndarray) -> None:
@@ -237,7 +245,24 @@ def speculative_slots(ctx, rows: np.ndarray, n: np.ndarray, depth: np.ndarray) -
     seg = np.repeat(np.arange(len(rows)), n)
     i = np.arange(total) - np.repeat(np.cumsum(n) - n, n)
     ctx.journal.put(led.spec_state, (rows[seg], depth[seg], i), slots)
-    # ST_SPEC rows: each row's slots in runs of six, at the row's entries of the table
+    ctx.spec_parts.append(np.stack([rows, depth, n], axis=1)[n > 0])
+
+
+def _spec_rows(ctx) -> np.ndarray:
+    """``ST_SPEC`` rows: each row's newest speculative step (the last one the step named
+    for it, read as the step leaves it), its slots in runs of six at the row's entries."""
+    parts = ctx.spec_parts
+    if not parts:
+        return np.zeros((0, ROW_WIDTH), dtype=np.int64)
+    entries = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    if len(entries) > 1:  # a trimmed row that also decodes: its decode's step
+        _, last = np.unique(entries[::-1, 0], return_index=True)
+        entries = entries[::-1][np.sort(last)[::-1]]
+    rows, depth, n = entries[:, 0], entries[:, 1], entries[:, 2]
+    total = int(n.sum())
+    seg = np.repeat(np.arange(len(rows)), n)
+    i = np.arange(total) - np.repeat(np.cumsum(n) - n, n)
+    slots = ctx.ledger.spec_state[rows[seg], depth[seg], i]
     per_row = -(-n // ST_SPEC_SLOTS)
     out = np.zeros((int(per_row.sum()), ROW_WIDTH), dtype=np.int64)
     run = np.repeat(np.cumsum(per_row) - per_row, n) + i // ST_SPEC_SLOTS
@@ -246,13 +271,13 @@ def speculative_slots(ctx, rows: np.ndarray, n: np.ndarray, depth: np.ndarray) -
     starts = spec_index(ctx, rows, n)
     first = i % ST_SPEC_SLOTS == 0
     out[run[first], ST_A] = starts[first]
-    ctx.state_parts.append(out)
+    return out
 
 
 def finish(ctx) -> np.ndarray:
     """The step's state section: the header, the copy rows, then one table row per index
-    (its last write) and the speculative rows. Refuses (45) a copy whose destination
-    another copy of the step reads."""
+    (its last write) and the speculative rows (one step per request row, the last named).
+    Refuses (45) a copy whose destination another copy of the step reads."""
     parts = ctx.state_parts
     rows = (np.concatenate(parts) if len(parts) > 1 else parts[0]) if parts else \
         np.zeros((0, ROW_WIDTH), dtype=np.int64)
@@ -267,7 +292,7 @@ def finish(ctx) -> np.ndarray:
     if len(sets):  # the last write per index: unique over the reversed rows
         _, last = np.unique(sets[::-1, ST_A], return_index=True)
         sets = sets[::-1][np.sort(last)]
-    table = np.concatenate([sets, rows[kind == ST_SPEC]])
+    table = np.concatenate([sets, _spec_rows(ctx)])
     out = np.zeros((1 + len(copies) + len(table), ROW_WIDTH), dtype=np.int64)
     out[0, ST_N_COPY], out[0, ST_N_TABLE] = len(copies), len(table)
     out[1:1 + len(copies)] = copies
