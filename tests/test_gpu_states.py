@@ -20,7 +20,7 @@ N_SLOTS = 40
 
 def config(backend: str) -> ga.AllocatorConfig:
     return ga.AllocatorConfig(page_size=4, num_full_pages=160, num_swa_pages=96, max_reqs=8,
-                              max_context_len=96, sliding_window=9, device="cuda",
+                              max_context_len=96, model_window=10, device="cuda",
                               backend=backend, max_handles=6, num_state_slots=N_SLOTS,
                               max_spec_tokens=4)
 

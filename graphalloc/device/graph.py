@@ -48,7 +48,7 @@ import torch
 from ..diagnostics.sync_points import sync_allowed
 from ..errors import CaptureError, ConfigError, ContractError
 from .buckets import LONG_EXTRA_TOKENS, GridPolicy, StepGrid
-from .executor import Executor, lanes_of, launch_exact, warm_up
+from .executor import Executor, lanes_of, launch_exact, states_of, warm_up
 
 __all__ = ["StepGraph", "describe_graph", "capture_graph"]
 
@@ -126,7 +126,10 @@ class StepGraph(Executor):
     :class:`~graphalloc.device.buckets.GridPolicy` (row buckets ``0, 1, g, g^2, ..., max`` per
     table, ``g = growth``; a step with a long allocation row gets the bucket's chunked
     form). A step replays the smallest bucket that covers its rows; padded rows in it
-    exit at once; a step with no rows replays nothing (``empty_steps``). With
+    exit at once; a step with no rows replays nothing (``empty_steps``), or, with state
+    slots, the buffer's state kernels alone when it has state rows. Every graph of an
+    allocator with state slots runs the state kernels (fixed programs looping to the
+    section's counts: an empty section costs a header load). With
     ``buckets=False`` there is one graph per buffer, the frozen maximum, replayed for
     every step (the full grid). On a CPU device nothing is captured and steps run eagerly
     over exactly their rows.
@@ -177,6 +180,7 @@ class StepGraph(Executor):
         self._release_slot: list[int] = []
         self._alloc_slot: list[int] = []
         self._all: list[torch.cuda.CUDAGraph] = []  # every captured graph (kept alive)
+        self._states_only: list = []  # per buffer: its state kernels alone (state slots)
         self._choose = None
         self._fused = False
         self.replays = 0
@@ -211,12 +215,14 @@ class StepGraph(Executor):
         with sync_allowed():
             for i in range(len(ring)):
                 rel, al, lanes = ring.release_rows(i), ring.alloc_rows(i), lanes_of(alloc, i)
+                states = states_of(alloc, i)
                 forms: tuple[dict, dict] = ({}, {})
                 for fused in ((False, True) if self._fused else (False,)):
                     for grid in shapes:
                         graph = capture_graph(
-                            lambda rel=rel, al=al, grid=grid, fused=fused, lanes=lanes: kernels(
-                                rel, al, fusable=fused, grid=grid, lane_rows=lanes),
+                            lambda rel=rel, al=al, grid=grid, fused=fused, lanes=lanes,
+                            states=states: kernels(rel, al, fusable=fused, grid=grid,
+                                                   lane_rows=lanes, state_rows=states),
                             pool=pool, keep_graph=grid == full, collect=False)
                         pool = graph.pool() if pool is None else pool
                         self._all.append(graph)
@@ -224,6 +230,11 @@ class StepGraph(Executor):
                         if grid == full:
                             (self.fused_graphs if fused else self.graphs).append(graph)
                 replays.append(forms if self._fused else (forms[0], forms[0]))
+                if states is not None:  # a step of state rows only (a take, a commit)
+                    graph = capture_graph(lambda states=states: kernels.launch_states(
+                        states, None), pool=pool, keep_graph=False, collect=False)
+                    self._all.append(graph)
+                    self._states_only.append(_bare_replay(graph))
             torch.cuda.synchronize()  # sync ok: one-time construction
         self._index(replays)
 
@@ -272,7 +283,11 @@ class StepGraph(Executor):
         replay = self._lookup(planned.buffer_index, fused, planned.n_release_rows,
                               planned.n_alloc_rows, planned.n_tokens)
         if replay is None:
-            self.empty_steps += 1
+            if planned.state_counts is None:
+                self.empty_steps += 1
+            else:  # state rows only: the buffer's state kernels
+                self._states_only[planned.buffer_index]()
+                self.replays += 1
         else:
             replay()
             self.replays += 1

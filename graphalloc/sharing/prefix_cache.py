@@ -29,8 +29,10 @@ an entry once the step that dropped its handle was submitted (:meth:`on_reclaime
 refused, dry-run or cancelled step keeps it. Locks (SGLang's ``inc_lock_ref``) keep an
 entry from both until :meth:`unlock`.
 
-Cost: ``match`` O(pages of the prompt) hashing plus, per page, the entries holding it
-scanned until one has the window (the first, unless the window was tombstoned);
+Cost: ``match`` O(pages of the prompt) hashing (about 0.15 us a page; none with
+``keys=``) and one dict lookup per matched page, then, from the longest match back, the
+entries holding a page scanned until one has the window (the first, unless the window was
+tombstoned); ``add_entry`` about 70 ns per page of the entry;
 ``insert`` O(pages of the prefix) plus one step (the handle's prefix copy); ``lock`` /
 ``unlock`` / touching an entry O(1) (ordered dicts); forgetting an entry O(its pages);
 ``offer`` O(entries offered). Nothing scans the table.
@@ -45,7 +47,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import itertools
 import weakref
 
@@ -56,24 +57,30 @@ from ..errors import ContractError, UnknownHandleError
 __all__ = ["PrefixCache", "CacheMatch", "page_keys"]
 
 
-def page_keys(token_ids, page_size: int, keys: list | None = None) -> list[bytes]:
+def page_keys(token_ids, page_size: int, keys: list | None = None) -> list[int]:
     """The chained key of every whole page of ``token_ids`` (a partial last page has none).
 
     ``keys``: the keys of the first ``len(keys)`` pages of ``token_ids``, computed before
     (a request's, kept as it grows, as vLLM keeps a request's block hashes): extended in
-    place to every whole page and returned; only the new pages are hashed."""
+    place to every whole page and returned; only the new pages are hashed.
+
+    A key is Python's hash of ``(previous key, the page's token ids as int64 bytes)``: a
+    64-bit int, keyed per process (bytes hash with SipHash under the process's hash seed),
+    so keys mean nothing across processes and cannot be forged from outside. Cost: about
+    0.15 us per new page (blake2b took 0.65)."""
     if keys is None:
         keys = []
     first, n_pages = len(keys), len(token_ids) // page_size
     if n_pages <= first:
         return keys
-    tokens = np.asarray(token_ids[first * page_size:n_pages * page_size], dtype=np.int64)
-    prev = keys[-1] if keys else b""
-    for j in range(n_pages - first):
-        h = hashlib.blake2b(prev, digest_size=16)
-        h.update(tokens[j * page_size:(j + 1) * page_size].tobytes())
-        prev = h.digest()
-        keys.append(prev)
+    data = np.asarray(token_ids[first * page_size:n_pages * page_size],
+                      dtype=np.int64).tobytes()
+    step = 8 * page_size
+    prev = keys[-1] if keys else 0
+    append = keys.append
+    for start in range(0, len(data), step):
+        prev = hash((prev, data[start:start + step]))
+        append(prev)
     return keys
 
 
@@ -115,8 +122,8 @@ class PrefixCache:
         self.page_size = alloc.config.page_size
         self.window = alloc.config.sliding_window
         self.states = alloc.config.num_state_slots > 0  # match only at snapshots
-        self._holders: dict[bytes, dict[int, _Entry]] = {}  # page key -> handle -> entry
-        self._ends: dict[bytes, _Entry] = {}  # an entry's last page key -> the entry
+        self._holders: dict[int, dict[int, _Entry]] = {}  # page key -> handle -> entry
+        self._ends: dict[int, _Entry] = {}  # an entry's last page key -> the entry
         self._entries: dict[int, _Entry] = {}  # handle -> entry
         # Unlocked entries in eviction order, least recently used first: leaves (no entry
         # extends them), then the others. Moving an entry is O(1).
@@ -286,8 +293,14 @@ class PrefixCache:
         if parent is not None:
             parent.children[handle] = entry
             self._list(parent)
-        for key in keys:
-            self._holders.setdefault(key, {})[handle] = entry
+        holders = self._holders
+        get = holders.get
+        for key in keys:  # about 70 ns a page
+            held = get(key)
+            if held is None:
+                holders[key] = {handle: entry}
+            else:
+                held[handle] = entry
         self._ends[keys[-1]] = entry
         self._entries[handle] = entry
         self._list(entry)
