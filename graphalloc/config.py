@@ -145,7 +145,7 @@ class AllocatorConfig:
     10000 reads keys 5905..10000, and the step frees only below
     ``floor_page(10000 - 4095) = floor_page(5905)``. ``sliding_window = 4096``
     would also be safe, but keeps one token more than needed; 4094 would (at
-    page_size 1) free key 5905 while it is read (``tests/test_examples.py`` checks that it
+    page_size 1) free key 5905 while it is read (``tests/examples/test_examples.py`` checks that it
     changes the model's output). :meth:`for_engine` and the constructor take W_model.
 
     A window at or past ``max_context_len`` is accepted and means what it says: no request

@@ -5,8 +5,15 @@ so this runs before graphalloc is imported by any test module.
 """
 
 import os
+import sys
 
 import torch
+
+# Shared helpers (the reference model, the random workload) live in tests/lib; the tests in
+# each room import them by name, and the replica room the self-test command in tools/.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+TOOLS = os.path.join(os.path.dirname(_TESTS), "tools")
+sys.path[:0] = [os.path.join(_TESTS, "lib"), TOOLS]
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

@@ -6,7 +6,7 @@ cache's offer -- and gives what it gives: a :class:`~graphalloc.plan.reference.P
 with the same fields and values, the ledger updated in place, or a
 :class:`~graphalloc.plan.refusals.Refusal` with the same ``(code, kind, row, value,
 limit)`` and nothing changed. The two are compared byte for byte by
-``tests/test_compiled_planner.py`` (descriptor sections, every ledger array, outcomes,
+``tests/planning/test_compiled_planner.py`` (descriptor sections, every ledger array, outcomes,
 refusals, host table copies). The reference is the spec; this is its cost.
 
 Lifecycle, as facts about state:

@@ -38,9 +38,9 @@
 #                   CPU soaks with their allocators on CUDA, under sync-debug
 #   graph_long 420  the CUDA graph tests at their full length (GRAPHALLOC_GRAPH_STEPS and
 #                   GRAPHALLOC_SHARING_STEPS_GPU 10000): pytest -m "cuda and not soak"
-#                   tests/test_graph_runtime.py tests/test_gpu_contracts.py
+#                   tests/device/test_graph_runtime.py tests/gpu/test_gpu_contracts.py
 #   hypothesis_cuda 900  GRAPHALLOC_TEST_DEVICE=cuda GRAPHALLOC_HYPOTHESIS_MAX_EXAMPLES=0
-#                   pytest tests/test_model_vs_allocator.py: the file's own example counts
+#                   pytest tests/planning/test_model_vs_allocator.py: the file's own example counts
 #
 # Overrides: T_<PHASE> (bound in s, e.g. T_CORE_CUDA=200), PYTEST_ARGS (added to every
 # pytest phase, split on whitespace, e.g. "-x"), PYTEST_K (a -k expression for every pytest
@@ -113,8 +113,8 @@ phase install other "${T_INSTALL:-20}" bash -c install_and_describe
 
 if [ "$mode" = default ]; then
   # shellcheck disable=SC2086  # CORE_FILES is a space-separated list
-  existing ${CORE_FILES:-tests/test_scenarios.py tests/test_model_vs_allocator.py \
-    tests/test_bad_input.py tests/test_reliability.py tests/test_graph_runtime.py}
+  existing ${CORE_FILES:-tests/planning/test_scenarios.py tests/planning/test_model_vs_allocator.py \
+    tests/contracts/test_bad_input.py tests/contracts/test_reliability.py tests/device/test_graph_runtime.py}
   core=(${files[@]+"${files[@]}"})
   phase cuda pytest "${T_CUDA:-270}" \
     env GRAPHALLOC_GRAPH_STEPS="${GRAPHALLOC_GRAPH_STEPS:-1000}" \
@@ -132,7 +132,7 @@ if [ "$mode" = default ]; then
     compute-sanitizer --tool racecheck --error-exitcode 3 \
     python3 tests/gpu/sanitize_kernels.py "${SAN_STEPS:-20}"
 else
-  existing tests/test_graph_runtime.py tests/test_gpu_contracts.py
+  existing tests/device/test_graph_runtime.py tests/gpu/test_gpu_contracts.py
   graph_files=(${files[@]+"${files[@]}"})
   phase soak pytest "${T_SOAK:-600}" "${pytest_cmd[@]}" -m soak tests
   phase soak_cuda pytest "${T_SOAK_CUDA:-600}" env GRAPHALLOC_TEST_DEVICE=cuda \
@@ -143,7 +143,7 @@ else
     "${pytest_cmd[@]}" -m "cuda and not soak" ${graph_files[@]+"${graph_files[@]}"}
   phase hypothesis_cuda pytest "${T_HYPOTHESIS_CUDA:-900}" \
     env GRAPHALLOC_TEST_DEVICE=cuda GRAPHALLOC_HYPOTHESIS_MAX_EXAMPLES=0 \
-    "${pytest_cmd[@]}" tests/test_model_vs_allocator.py
+    "${pytest_cmd[@]}" tests/planning/test_model_vs_allocator.py
 fi
 
 python3 tests/gpu/summarize.py "$out" "$budget"

@@ -15,7 +15,7 @@
 #                  capture problem from a loop problem if `graph` fails
 #   larger    150  --graph --sync-debug, 24 requests, 8 lanes, a 45-token system prompt,
 #                  outputs 16-40, k = 4, page size 16
-#   cpu_test   90  not a GPU phase: the CPU test (tests/test_examples_recurrent_decode.py)
+#   cpu_test   90  not a GPU phase: the CPU test (tests/examples/test_examples_recurrent_decode.py)
 #                  on this machine's torch, for comparison when a GPU phase fails
 #
 # Each phase writes recurrent_decode.json / .md into OUTDIR/<phase>/ (the test: nothing);
@@ -69,7 +69,7 @@ phase larger 150 python3 "$ex" --device cuda --graph --sync-debug --requests 24 
   --max-batch 8 --shared-prompt 45 --user-len 4 24 --output-len 16 40 --lookahead 4 \
   --page-sizes 16 --no-progress --out "$out/larger"
 phase cpu_test 90 env CUDA_VISIBLE_DEVICES= python3 -m pytest -q -rfEs -p no:cacheprovider \
-  tests/test_examples_recurrent_decode.py
+  tests/examples/test_examples_recurrent_decode.py
 
 cat "$out/summary.tsv"
 exit $status

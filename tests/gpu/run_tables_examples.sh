@@ -6,7 +6,7 @@
 #   PHASES="tests decode_tables" bash tests/gpu/run_tables_examples.sh OUTDIR   # a subset
 #
 # Phases (bound s):
-#   tests              140  pytest -m cuda: tests/test_page_tables.py (2,000 graph-replayed
+#   tests              140  pytest -m cuda: tests/device/test_page_tables.py (2,000 graph-replayed
 #                           steps under sync debug, tables against the dense recomputation,
 #                           FlashInfer / Triton against the Torch twin), test_examples_tables,
 #                           test_examples_speculative, test_examples_flashinfer_decode
@@ -59,8 +59,8 @@ phase() {
 } > "$out/machine.txt" 2>&1
 
 phase tests 140 python3 -m pytest -q -rfEs -p no:cacheprovider -m cuda \
-  tests/test_page_tables.py tests/test_examples_tables.py tests/test_examples_speculative.py \
-  tests/test_examples_flashinfer_decode.py
+  tests/device/test_page_tables.py tests/examples/test_examples_tables.py tests/examples/test_examples_speculative.py \
+  tests/examples/test_examples_flashinfer_decode.py
 phase decode_tables 60 python3 examples/decode_loop.py --device cuda --graph --sync-debug \
   --negative-control --no-progress --out "$out/decode_tables"
 if [[ " $phases " != *" decode_flashinfer "* ]]; then

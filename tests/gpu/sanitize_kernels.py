@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/lib")
 from workload import random_step  # noqa: E402
 
 import graphalloc as ga  # noqa: E402
