@@ -146,6 +146,19 @@ class StepRecorder:
         else:
             calls.append(values)
 
+    def _record(self, kind: str, values: tuple, error: type = UnknownRequestError) -> None:
+        """Record a call naming rows (or handles): its first value None is refused at the
+        call, a closed block too. The hot path: two tests and a dict write."""
+        if values[0] is None:
+            self._given(kind, None, error)
+        if not self.open:
+            self._add(kind)  # raises
+        calls = self._parts.get(kind)
+        if calls is None:
+            self._parts[kind] = [values]
+        else:
+            calls.append(values)
+
     def _given(self, kind: str, value, error: type) -> None:
         """A recorded call names what it acts on: None is refused at the call."""
         if value is None:
@@ -156,20 +169,16 @@ class StepRecorder:
 
     # ---- frees ---------------------------------------------------------------------------
     def release(self, rows) -> None:
-        self._given("release", rows, UnknownRequestError)
-        self._add("release", rows)
+        self._record("release", (rows,))
 
     def commit(self, rows, n_accepted) -> None:
-        self._given("commit", rows, UnknownRequestError)
-        self._add("commit", rows, n_accepted)
+        self._record("commit", (rows, n_accepted))
 
     def trim(self, rows, new_len) -> None:
-        self._given("trim", rows, UnknownRequestError)
-        self._add("trim", rows, new_len)
+        self._record("trim", (rows, new_len))
 
     def evict(self, rows) -> None:
-        self._given("evict", rows, UnknownRequestError)
-        self._add("evict", rows)
+        self._record("evict", (rows,))
 
     def evict_all(self) -> None:
         if not self.open:
@@ -177,8 +186,7 @@ class StepRecorder:
         self._evict_all = True
 
     def advance(self, rows, new_frontier_pos) -> None:
-        self._given("advance", rows, UnknownRequestError)
-        self._add("advance", rows, new_frontier_pos)
+        self._record("advance", (rows, new_frontier_pos))
 
     def drop_handle(self, handle) -> None:
         self._given("drop_handle", handle, UnknownHandleError)
@@ -214,25 +222,26 @@ class StepRecorder:
         self._admitted.append(row)
         return row
 
-    def _alloc_call(self, kind: str, which: int, rows, *values) -> StepSlots:
-        self._add(kind, rows, *values)
-        n = self._n
+    def _alloc_call(self, kind: str, which: int, values: tuple) -> StepSlots:
+        self._record(kind, values)
+        rows, n = values[0], self._n
         start = n[which]
-        n[which] = stop = start + (len(rows) if hasattr(rows, "__len__") else 1)
+        try:
+            n[which] = stop = start + len(rows)
+        except TypeError:  # one row given as an int
+            n[which] = stop = start + 1
         return StepSlots(self, (kind, start), stop)
 
     def decode(self, rows, lookahead=None) -> StepSlots:
         """One token per row; ``lookahead=k``: ``1 + k`` speculative tokens per row."""
-        self._given("decode", rows, UnknownRequestError)
-        return self._alloc_call("decode", 0, rows, lookahead)
+        return self._alloc_call("decode", 0, (rows, lookahead))
 
     def extend(self, rows, n_tokens) -> StepSlots:
-        self._given("extend", rows, UnknownRequestError)
-        return self._alloc_call("extend", 1, rows, n_tokens)
+        return self._alloc_call("extend", 1, (rows, n_tokens))
 
     def load_back(self, row, new_frontier_pos) -> StepSlots:
-        return self._alloc_call("load_back", 2, [row] if np.ndim(row) == 0 else row,
-                                new_frontier_pos)
+        return self._alloc_call("load_back", 2, ([row] if np.ndim(row) == 0 else row,
+                                                 new_frontier_pos))
 
     # ---- the step ------------------------------------------------------------------------
     def to_step(self) -> Step:
