@@ -5,7 +5,7 @@
 # under torch.cuda.set_sync_debug_mode("error"); every request's tokens checked against
 # transformers' BambaForCausalLM (float32, CPU). Each phase has its own time bound.
 #
-#   bash tests/gpu/run_recurrent_decode.sh OUTDIR            # bounds sum to 480 s
+#   bash tests/gpu/run_recurrent_decode.sh OUTDIR            # bounds sum to 570 s
 #   PHASES="graph" bash tests/gpu/run_recurrent_decode.sh OUTDIR     # a subset
 #
 # Phases (bound s):
@@ -13,6 +13,8 @@
 #                  speculative (k = 3): main runs must match, every control must differ
 #   eager      90  the same loop without graphs (eager launches, sync debug on): tells a
 #                  capture problem from a loop problem if `graph` fails
+#   eager_torch 90 the eager loop with the allocator's Torch twins (no Triton kernel):
+#                  tells the model's GPU math from the Triton state kernels if `eager` fails
 #   larger    150  --graph --sync-debug, 24 requests, 8 lanes, a 45-token system prompt,
 #                  outputs 16-40, k = 4, page size 16
 #   cpu_test   90  not a GPU phase: the CPU test (tests/examples/test_examples_recurrent_decode.py)
@@ -31,7 +33,7 @@ mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2  # the repository root
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-phases=${PHASES:-graph eager larger cpu_test}
+phases=${PHASES:-graph eager eager_torch larger cpu_test}
 : > "$out/summary.tsv"
 status=0
 
@@ -65,6 +67,10 @@ phase graph 150 python3 "$ex" --device cuda --graph --sync-debug --negative-cont
   --page-sizes 1 4 16 --no-progress --out "$out/graph"
 phase eager 90 python3 "$ex" --device cuda --sync-debug --negative-control \
   --page-sizes 4 --no-progress --out "$out/eager"
+# the Torch twins on the GPU (no Triton kernel): tells the model's GPU math from the Triton
+# state kernels when `eager` fails
+phase eager_torch 90 python3 "$ex" --device cuda --backend torch --sync-debug \
+  --page-sizes 4 --modes plain --no-progress --out "$out/eager_torch"
 phase larger 150 python3 "$ex" --device cuda --graph --sync-debug --requests 24 \
   --max-batch 8 --shared-prompt 45 --user-len 4 24 --output-len 16 40 --lookahead 4 \
   --page-sizes 16 --no-progress --out "$out/larger"
