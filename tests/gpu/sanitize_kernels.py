@@ -59,14 +59,24 @@ def main() -> None:
         ssm = torch.zeros(25, 3, 600, device="cuda")
         conv = torch.zeros(2, 25, 7, device="cuda")
         alloc = ga.HybridAllocator(cfg, executor=executor, state_tensors=[ssm, (conv, 1)])
-        copies = 0
-        for i in range(50 * steps):  # at least `steps`, and on until copies ran
-            copies += random_step([alloc], rng) in ("take_handle(state)", "admit(handle)")
-            if i + 1 >= steps and copies >= 4:
-                break
+        # two copies for certain, checked: a marker in a request's state is snapshotted,
+        # then restored into a new request's slot; then the random steps
+        r = alloc.admit()
+        alloc.alloc_extend([r], [2 * alloc.config.page_size])
+        src = int(alloc.req_to_state[r])
+        ssm[src].fill_(7.0)
+        conv[:, src].fill_(3.0)
+        h = alloc.take_handle(r, 2 * alloc.config.page_size)
+        row = alloc.admit(handle=h)
+        for slot in (int(alloc.handle_to_state[h]), int(alloc.req_to_state[row])):
+            assert slot not in (0, src) and bool((ssm[slot] == 7.0).all()), slot
+            assert bool((conv[:, slot] == 3.0).all()), slot
+        alloc.release([r, row])
+        alloc.drop_handle(h)
+        for _ in range(steps):
+            random_step([alloc], rng)
         alloc.check()
         assert alloc.audit() == [], alloc.audit()
-        assert copies, "no state copy ran"
     # fault paths: unmapped peer pushed as sink marker, then popped
     alloc = ga.HybridAllocator(dataclasses.replace(config(False, 4, torch.int64),
                                                    num_swa_pages=8))
