@@ -94,6 +94,9 @@ class AttentionTables:
                                         pin_memory=pin) for _ in range(n_bufs)]
                      for name in _HOST if present[name]}
         self.host_np = {name: [t.numpy() for t in bufs] for name, bufs in self.host.items()}
+        # per buffer: the PlannedTables fields that never change (its host views)
+        self._views = [{n + "_host": self.host[n][i] if n in self.host else None
+                        for n in _HOST} for i in range(n_bufs)]
         self._write = (write_page_tables if config.backend == "triton"
                        else write_page_tables_torch)
         self._csr = {layer: (getattr(self, f"{layer}_kv_indptr_buf"),
@@ -124,10 +127,7 @@ class AttentionTables:
                 n_swa_pages: int) -> PlannedTables:
         """The :class:`PlannedTables` of buffer ``index``'s host copies as they are (the
         compiled planner writes them in place). O(1)."""
-        host = self.host
-        return PlannedTables(index, n_lanes, n_full_pages, n_swa_pages,
-                             **{n + "_host": host[n][index] if n in host else None
-                                for n in _HOST})
+        return PlannedTables(index, n_lanes, n_full_pages, n_swa_pages, **self._views[index])
 
     def launch(self, lane_rows: torch.Tensor) -> None:
         """Write every configured output from ``lane_rows`` (a descriptor buffer's lane
