@@ -11,16 +11,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_same_snapshot
+from small import small
 
 import graphalloc as ga
 from graphalloc import errors as E
-
-
-def small(**kw):
-    args = dict(page_size=2, num_full_pages=24, num_swa_pages=16, max_reqs=4,
-                max_context_len=16, sliding_window=3)
-    args.update(kw)
-    return ga.HybridAllocator(ga.AllocatorConfig(**args))
 
 
 @pytest.mark.parametrize("value", [1.5, "2", True, [[1]], np.array([2.5]), None, math.nan,

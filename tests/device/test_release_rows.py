@@ -6,16 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from small import small
 
 import graphalloc as ga
 from graphalloc.kernels.abi import ERR_CODES, REL_EPOCH, REL_N_PAGES, ROW_WIDTH, FaultCode
-
-
-def small(**kw):
-    args = dict(page_size=2, num_full_pages=24, num_swa_pages=16, max_reqs=4,
-                max_context_len=16, sliding_window=3)
-    args.update(kw)
-    return ga.HybridAllocator(ga.AllocatorConfig(**args))
 
 
 def test_ring_release_split_over_rows_returns_each_ring_page_once():

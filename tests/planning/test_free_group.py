@@ -6,16 +6,9 @@ from __future__ import annotations
 
 import pytest
 from conftest import assert_same_snapshot
+from small import small
 
-import graphalloc as ga
 from graphalloc import errors as E
-
-
-def small(**kw):
-    args = dict(page_size=2, num_full_pages=24, num_swa_pages=16, max_reqs=4,
-                max_context_len=16, sliding_window=3)
-    args.update(kw)
-    return ga.HybridAllocator(ga.AllocatorConfig(**args))
 
 
 def test_plan_inside_a_free_group_is_refused_with_nothing_changed():
