@@ -67,7 +67,11 @@ class RecurrentConfig:
     num_heads: int = 4          # attention
     num_kv_heads: int = 2
     mamba_n_heads: int = 4
-    mamba_n_groups: int = 2
+    # One group by default: with several, Mamba-2 normalises the gated output per group (as
+    # transformers 5.24 and mamba_ssm do); transformers 5.17 normalised over the whole
+    # width, so the comparison would depend on the installed version (it did on the GPU
+    # machine). With one group every version computes the same thing.
+    mamba_n_groups: int = 1
     mamba_d_state: int = 16
     mamba_conv_kernel: int = 4
     mamba_expand: int = 2

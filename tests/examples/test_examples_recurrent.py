@@ -355,3 +355,35 @@ def test_step_is_shape_static_on_meta(weights):
     logits = model.decode(ints(3), ints(3), ints(3), ints(3, 16), kv, state)
     assert logits.shape == (3, CFG.vocab_size)
     copy_states(state, ints(2), ints(2))
+
+
+def test_grouped_norm_matches_transformers_that_groups():
+    """With several B/C groups the gated output is normalised per group (Mamba-2, mamba_ssm,
+    transformers 5.24); transformers 5.17 normalised over the whole width, which is why the
+    default config has one group. Where the installed transformers groups, a two-group
+    model's greedy tokens equal its own."""
+    import inspect
+
+    from transformers.models.bamba.modeling_bamba import BambaRMSNormGated
+
+    if "group_size" not in inspect.signature(BambaRMSNormGated.__init__).parameters:
+        pytest.skip("this transformers normalises the gated output over the whole width")
+    cfg = RecurrentConfig(mamba_n_groups=2)
+    w = random_weights(cfg, seed=3)
+    hf = to_transformers(cfg, w)
+    prompt, n_out = prompt_of(7, 12), 6
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=n_out,
+                           do_sample=False)[0, len(prompt):].tolist()
+    model = TinyRecurrentLM(cfg, w, "cpu")
+    state, kv = RecurrentState.zeros(cfg, 1, "cpu"), paged_kv(cfg, N_KV_SLOTS, "cpu")
+    r2t = torch.arange(1, N_KEYS + 1)[None, :]
+    one, slot = torch.ones(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    logits = model.prefill(torch.tensor([prompt]), 0 * one, len(prompt) * one, slot, r2t, kv,
+                           state)
+    got = [int(logits[0, -1].argmax())]
+    for t in range(n_out - 1):
+        logits = model.decode(torch.tensor([got[-1]]), (len(prompt) + t) * one, slot, r2t, kv,
+                              state)
+        got.append(int(logits[0].argmax()))
+    assert got == want
