@@ -51,6 +51,7 @@ from .device.descriptor import DescriptorRing
 from .device.executor import make_executor
 from .device.tables import DeviceState
 from .errors import UnknownRequestError
+from .kernels.state import check_state_tensors
 from .plan.compiled import CompiledPlanner
 from .plan.free_group import FreeGroup
 from .plan.pipeline import StepPipeline
@@ -87,9 +88,8 @@ class HybridAllocator:
             tensors (each ``[..., num_state_slots + 1, ...]``, slot 0 the sink; a tensor with
             slots on dimension 0 or a ``(tensor, slot_dim)`` pair, contiguous). A snapshot
             taken (``take_handle``) or restored (``admit(handle=)``) copies a slot of each,
-            inside the step. Fixed at construction (graphs capture the copies); empty: the
-            slot table is kept and no state is copied (the engine copies itself, from
-            ``PlannedStep.state_counts`` and the descriptor's state section).
+            inside the step. Fixed at construction (graphs capture the copies); empty: no
+            state is copied (the engine copies itself, from ``PlannedStep.state_copies``).
     """
 
     def __init__(self, config: AllocatorConfig, *, executor="eager",
@@ -97,7 +97,7 @@ class HybridAllocator:
                  prefix_cache: bool = False, planner: str = "auto", page_tables=None,
                  state_tensors=()):
         ops.check_arguments(config, n_descriptor_bufs, fused_step, prefix_cache, page_tables)
-        state_tensors = ops.check_state_tensors(config, state_tensors)
+        state_tensors = check_state_tensors(state_tensors, config.num_state_slots, config.device)
         self.config = config
         self.ledger = Ledger(config)
         self.state = DeviceState(config)

@@ -68,38 +68,6 @@ def check_arguments(config, n_descriptor_bufs, fused_step, prefix_cache, page_ta
                           "entry is a handle)")
 
 
-def check_state_tensors(config, state_tensors) -> tuple:
-    """The registered state tensors as ``(tensor, slot_dim)`` pairs, checked before anything
-    is built: a sequence, only with state slots, each on the allocator's device with
-    ``num_state_slots + 1`` slots."""
-    from .kernels.errors import TensorSpecError
-    from .kernels.state import state_tensor_spec
-
-    if isinstance(state_tensors, torch.Tensor) or not isinstance(state_tensors, (list, tuple)):
-        raise ConfigError("state_tensors takes a list of tensors or (tensor, slot_dim) pairs, "
-                          f"got {type(state_tensors).__name__}")
-    if state_tensors and not config.num_state_slots:
-        raise ConfigError("state_tensors need recurrent-state slots: build the config with "
-                          "num_state_slots > 0")
-    out = []
-    for i, entry in enumerate(state_tensors):
-        try:
-            t, dim = state_tensor_spec(entry)
-        except TensorSpecError as exc:
-            raise ConfigError(f"state_tensors[{i}]: {exc}") from None
-        if t.shape[dim] != config.num_state_slots + 1:
-            raise ConfigError(f"state_tensors[{i}] has {t.shape[dim]} slots on dimension "
-                              f"{dim}; it needs num_state_slots + 1 = "
-                              f"{config.num_state_slots + 1} (slot 0 the sink)")
-        want = torch.device(config.device)
-        if t.device.type != want.type or (want.index is not None
-                                           and t.device.index != want.index):
-            raise ConfigError(f"state_tensors[{i}] is on {t.device}, the allocator on "
-                              f"{config.device}")
-        out.append((t, dim))
-    return tuple(out)
-
-
 # ---- the blocks' rules -----------------------------------------------------------------------
 def recorder_open(what: str) -> RecorderError:
     return RecorderError(f"{what}() while a scheduler_step() block is open: it would run as a "

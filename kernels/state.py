@@ -31,11 +31,11 @@ import triton
 import triton.language as tl
 
 from .abi import ROW_WIDTH, ST_A, ST_B, ST_COPY, ST_KIND, ST_N_COPY, ST_N_TABLE, ST_SET, ST_SPEC
-from .errors import TensorSpecError
+from .errors import ConfigError, TensorSpecError
 from .rows import check_rows, load_row, row_col
 
 __all__ = ["write_state_rows", "write_state_rows_torch", "copy_state_rows",
-           "copy_state_rows_torch", "state_tensor_spec"]
+           "copy_state_rows_torch", "state_tensor_spec", "check_state_tensors"]
 
 _KIND, _A, _B = tl.constexpr(ST_KIND), tl.constexpr(ST_A), tl.constexpr(ST_B)
 _SET, _SPEC = tl.constexpr(ST_SET), tl.constexpr(ST_SPEC)
@@ -130,6 +130,34 @@ def state_tensor_spec(entry) -> tuple[torch.Tensor, int]:
     if not t.is_contiguous():
         raise TensorSpecError("state tensors must be contiguous")
     return t, dim % t.dim()
+
+
+def check_state_tensors(state_tensors, n_slots: int, device) -> tuple:
+    """The registered state tensors as ``(tensor, slot_dim)`` pairs, checked before anything
+    is built: a sequence, only with state slots (``n_slots > 0``), each on ``device`` with
+    ``n_slots + 1`` slots. Raises :class:`ConfigError`."""
+    if isinstance(state_tensors, torch.Tensor) or not isinstance(state_tensors, (list, tuple)):
+        raise ConfigError("state_tensors takes a list of tensors or (tensor, slot_dim) pairs, "
+                          f"got {type(state_tensors).__name__}")
+    if state_tensors and not n_slots:
+        raise ConfigError("state_tensors need recurrent-state slots: build the config with "
+                          "num_state_slots > 0")
+    out = []
+    want = torch.device(device)
+    for i, entry in enumerate(state_tensors):
+        try:
+            t, dim = state_tensor_spec(entry)
+        except TensorSpecError as exc:
+            raise ConfigError(f"state_tensors[{i}]: {exc}") from None
+        if t.shape[dim] != n_slots + 1:
+            raise ConfigError(f"state_tensors[{i}] has {t.shape[dim]} slots on dimension "
+                              f"{dim}; it needs num_state_slots + 1 = {n_slots + 1} (slot 0 "
+                              "the sink)")
+        if t.device.type != want.type or (want.index is not None
+                                           and t.device.index != want.index):
+            raise ConfigError(f"state_tensors[{i}] is on {t.device}, the allocator on {device}")
+        out.append((t, dim))
+    return tuple(out)
 
 
 def _geometry(t: torch.Tensor, dim: int) -> tuple[int, int, int]:

@@ -1,10 +1,7 @@
 """A built-in prefix cache on the allocator's handles, aware of the sliding window.
 
-Keys are page-granular and chained over token ids: the key of page j covers its ``ps``
-tokens and the key of page j - 1, so equal keys mean equal whole prefixes (BLAKE2b,
-deterministic on every rank and every run). Each entry is one handle on a whole prefix
-``[0, n)`` (:meth:`HybridAllocator.take_handle`); each page key knows the entries holding
-it, so a lookup walks the prompt's keys once.
+Keys are :func:`~graphalloc.sharing.page_keys.page_keys`; each entry is one handle on a
+whole prefix ``[0, n)`` (``take_handle``); each page key knows the entries holding it.
 
 A hit is only as good as its window: an SWA layer at length m reads positions ``[m - W,
 m)``, so a request admitted on m cached tokens needs the SWA pages of that window.
@@ -32,10 +29,10 @@ entry from both until :meth:`unlock`.
 Cost: ``match`` O(pages of the prompt) hashing (about 0.5 us a page; none with
 ``keys=``) and one dict lookup per matched page, then, from the longest match back, the
 entries holding a page scanned until one has the window (the first, unless the window was
-tombstoned); ``add_entry`` about 70 ns per page of the entry;
-``insert`` O(pages of the prefix) plus one step (the handle's prefix copy); ``lock`` /
-``unlock`` / touching an entry O(1) (ordered dicts); forgetting an entry O(its pages);
-``offer`` O(entries offered). Nothing scans the table.
+tombstoned); ``add_entry`` about 70 ns a page; ``insert`` O(pages of the prefix) plus
+one step (the handle's prefix copy); ``lock`` / ``unlock`` / touching an entry O(1)
+(ordered dicts); forgetting an entry O(its pages); ``offer`` O(entries offered). Nothing
+scans the table.
 
 Ledger of an entry (positions of its prefix)::
 
@@ -47,41 +44,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import itertools
 import weakref
 
 import numpy as np
 
 from ..errors import ContractError, UnknownHandleError
+from .page_keys import page_keys
 
 __all__ = ["PrefixCache", "CacheMatch", "page_keys"]
-
-
-def page_keys(token_ids, page_size: int, keys: list | None = None) -> list[bytes]:
-    """The chained key of every whole page of ``token_ids`` (a partial last page has none).
-
-    ``keys``: the keys of the first ``len(keys)`` pages of ``token_ids``, computed before
-    (a request's, kept as it grows, as vLLM keeps a request's block hashes): extended in
-    place to every whole page and returned; only the new pages are hashed.
-
-    A key is the 16-byte BLAKE2b of the previous key and the page's token ids as int64
-    bytes: the same on every rank, every run and every process (replicas digest it), and
-    not forgeable by choosing tokens. Cost: about 0.5 us per new page (one hash call each)."""
-    if keys is None:
-        keys = []
-    first, n_pages = len(keys), len(token_ids) // page_size
-    if n_pages <= first:
-        return keys
-    data = np.asarray(token_ids[first * page_size:n_pages * page_size],
-                      dtype=np.int64).tobytes()
-    step = 8 * page_size
-    prev = keys[-1] if keys else b""
-    append, blake2b = keys.append, hashlib.blake2b
-    for start in range(0, len(data), step):
-        prev = blake2b(prev + data[start:start + step], digest_size=16).digest()
-        append(prev)
-    return keys
 
 
 @dataclasses.dataclass(frozen=True)
