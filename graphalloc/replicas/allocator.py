@@ -42,11 +42,11 @@ from ..diagnostics.sync_points import sync_allowed
 from ..errors import ConfigError, ContractError, IntegrityError, ReplicaDivergenceError
 from ..kernels.abi import ROW_WIDTH
 from .checks import COL_STEP, DigestHistory, check_same_setup, first_divergence
-from .digest import (
-    META_STEP,
-    META_STEPS_RUN,
+from .digest import META_STEP, META_STEPS_RUN, host_digests
+from .executor import ReplicaExecutor
+from .ops import ReplicaOps
+from .wire import (
     has_ledger,
-    host_digests,
     n_header_rows,
     pack_ledger,
     planned_digests,
@@ -54,8 +54,6 @@ from .digest import (
     steps_run_of,
     unpack_ledger,
 )
-from .executor import ReplicaExecutor
-from .ops import ReplicaOps
 
 __all__ = ["ReplicatedAllocator", "ReplicaExecutor"]  # (the executor: .executor)
 
@@ -389,7 +387,7 @@ class ReplicatedAllocator(ReplicaOps):
                                                                  descriptor buffer
 
         ``n_hist = check_every // digest_every + 1`` (the extra row for ``check()``);
-        ``n_header_rows``: :func:`graphalloc.replicas.digest.n_header_rows`.
+        ``n_header_rows``: :func:`graphalloc.replicas.wire.n_header_rows`.
         """
         cfg, alloc, mode = self.alloc.config, self.alloc, self.mode
         check_every, digest_every = self.check_every, self.digest_every

@@ -54,11 +54,8 @@ from graphalloc import (
     UnknownRequestError,
 )
 from graphalloc.replicas.allocator import ReplicatedAllocator
-from graphalloc.replicas.digest import (
-    HOST_PARTS,
-    StateDigest,
-    host_digests,
-    ledger_digest,
+from graphalloc.replicas.digest import HOST_PARTS, StateDigest, host_digests, ledger_digest
+from graphalloc.replicas.wire import (
     n_header_rows,
     pack_ledger,
     planned_digests,
