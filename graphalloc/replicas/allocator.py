@@ -10,7 +10,7 @@ allocator and keeps the ranks equal (gloo for CPU allocators, NCCL for CUDA ones
     ``PYTHONHASHSEED`` values). No collective per step.
 ``mode="broadcast"`` (vLLM style): rank ``src`` plans; each device step's payload (the
     descriptor rows and the planner's ledger, one fixed-shape int64 tensor: layout in
-    :mod:`graphalloc.replicas.digest`) is broadcast and replayed by the followers, whose
+    :mod:`graphalloc.replicas.wire`) is broadcast and replayed by the followers, whose
     host ledger is rebuilt from their own device tables at each check.
 
 Lockstep rule: every wrapper operation is a fixed number of device steps on every rank,
