@@ -11,14 +11,19 @@ The engine sizing (its memory split and shape formulas) lives in
 from __future__ import annotations
 
 import dataclasses
-import numbers
-import warnings
-import weakref
 
 import numpy as np
 import torch
 
-# for_engine is the engine-budget constructor; it reads this module's helpers at call time.
+from .config_inputs import (
+    _ORIGINS,
+    _as_device,
+    _as_int,
+    _ceil_div,
+    _release_need,
+    _remember_origins,
+    _windows,
+)
 from .engine_sizing import for_engine as _for_engine
 from .errors import ConfigError
 
@@ -27,96 +32,6 @@ __all__ = ["AllocatorConfig"]
 # The step descriptor's frozen shape; 0 in the constructor picks the default.
 _SHAPE_FIELDS = ("max_release_rows", "max_pages_per_row", "max_alloc_rows",
                  "max_tokens_per_alloc_row", "max_step_pages", "max_step_tokens")
-
-
-# Where each shape of a live config came from (describe() shows it), keyed by id() and
-# dropped with the config: kept out of the instance so its __dict__ stays its fields.
-_ORIGINS: dict[int, dict[str, str]] = {}
-
-
-def _remember_origins(cfg, origins: dict[str, str]) -> None:
-    if id(cfg) not in _ORIGINS:
-        weakref.finalize(cfg, _ORIGINS.pop, id(cfg), None)
-    _ORIGINS[id(cfg)] = origins
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _windows(where: str, model_window, sliding_window) -> tuple[int, int]:
-    """``(model_window, sliding_window)`` from what was given: the model's window W
-    (``model_window``, Hugging Face's ``config.sliding_window``) sets the allocator's
-    ``sliding_window = max(W - 1, 1)``; ``sliding_window`` alone (the old input, W - 1) still
-    works for one release, with a ``DeprecationWarning``. Both: they must agree (a
-    ``dataclasses.replace`` that changes the window passes both, or ``sliding_window=None``)."""
-    if model_window is None:
-        if sliding_window is None:
-            raise ConfigError(f"{where}give the model's window: model_window=W (Hugging Face's "
-                              "config.sliding_window; the allocator's sliding_window = W - 1 "
-                              "is derived)")
-        allocator_w = _as_int(where, "sliding_window", sliding_window, 1)
-        warnings.warn("AllocatorConfig(sliding_window=...) is the model's window minus one and "
-                      "is deprecated: pass model_window=W (Hugging Face's "
-                      f"config.sliding_window), here model_window={allocator_w + 1}",
-                      DeprecationWarning, stacklevel=4)
-        return allocator_w + 1, allocator_w
-    model_w = _as_int(where, "model_window", model_window, 1)
-    derived = max(model_w - 1, 1)
-    if sliding_window is not None and sliding_window != derived:
-        raise ConfigError(f"{where}model_window={model_w} gives sliding_window={derived}, but "
-                          f"sliding_window={sliding_window} was given too: give the window "
-                          "once (dataclasses.replace: model_window=W, sliding_window=None)")
-    return model_w, derived
-
-
-def _as_int(where: str, name: str, value, minimum: int, meaning: str = "") -> int:
-    """``value`` as a plain int >= ``minimum``. numpy integers pass; bools and floats do not."""
-    note = f" ({meaning})" if meaning else ""
-    if isinstance(value, (bool, np.bool_)):
-        raise ConfigError(f"{where}{name} must be an int >= {minimum}{note}, got {value!r}: "
-                          "a bool is not a count here; pass the number")
-    if not isinstance(value, (numbers.Integral, np.integer)):
-        raise ConfigError(f"{where}{name} must be an int >= {minimum}{note}, got {value!r} "
-                          f"({type(value).__name__}); pass a whole number")
-    if value < minimum:
-        raise ConfigError(f"{where}{name} must be an int >= {minimum}{note}, got {value}")
-    return int(value)
-
-
-def _as_device(value) -> torch.device:
-    """A CPU or an available CUDA device; anything else raises :class:`ConfigError`."""
-    if not isinstance(value, (str, torch.device)):
-        raise ConfigError(f"AllocatorConfig: device must be a str or torch.device ('cpu', "
-                          f"'cuda', 'cuda:1'), got {value!r}")
-    try:
-        dev = torch.device(value)
-    except (RuntimeError, ValueError):
-        raise ConfigError(f"AllocatorConfig: device {value!r} is not a torch device; "
-                          "use 'cpu', 'cuda' or 'cuda:<index>'") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"AllocatorConfig: device={value!r} needs a CUDA device, and this torch "
-                f"({torch.__version__}, CUDA build {torch.version.cuda}) sees none "
-                "(torch.cuda.is_available() is False). Use device='cpu' (backend='torch', or "
-                "'triton' under TRITON_INTERPRET=1), or install a CUDA build of torch")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError(f"AllocatorConfig: device={value!r}, but only "
-                              f"{torch.cuda.device_count()} CUDA device(s) are visible")
-    elif dev.type != "cpu":
-        raise ConfigError(f"AllocatorConfig: device type {dev.type!r} is not supported; "
-                          "use 'cpu' or 'cuda'")
-    return dev
-
-
-def _release_need(request_pages: int, ring_pages: int, row_pages: int) -> tuple[int, int]:
-    """(release rows, page lanes) that releasing one request of ``request_pages`` FULL
-    pages can need, rows split at ``row_pages`` pages (derivation: AllocatorConfig)."""
-    rows = 1 + _ceil_div(request_pages - 1, row_pages)
-    if ring_pages:
-        rows += _ceil_div(ring_pages, row_pages)
-    return rows, request_pages + ring_pages
 
 
 @dataclasses.dataclass(frozen=True)

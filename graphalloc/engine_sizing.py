@@ -8,9 +8,8 @@ budgets, each recorded with its formula and numbers for ``AllocatorConfig.descri
 Its docstring states the inputs, the split rule and the derived shapes.
 
 Call it as ``AllocatorConfig.for_engine(...)``: the class holds this function as its
-classmethod (``for_engine = classmethod(engine_sizing.for_engine)``). ``graphalloc.config``
-imports this module at its top, so this one reads config's helpers (``_as_int``,
-``_ceil_div``, ``_release_need``, the describe bookkeeping ``_ORIGINS``) when it runs.
+classmethod (``for_engine = classmethod(engine_sizing.for_engine)``); the input readers
+it shares with the class are :mod:`graphalloc.config_inputs`.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .config_inputs import _ORIGINS, _as_int, _ceil_div, _release_need
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -123,7 +123,6 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
     shapes no step within the budgets is refused for its shape. :meth:`describe`
     shows each value with its formula and numbers.
     """
-    from .config import _ORIGINS, _as_int, _ceil_div, _release_need
 
     where = "AllocatorConfig.for_engine: "
     n_run = _as_int(where, "max_running_requests", max_running_requests, 1)
@@ -210,7 +209,6 @@ for_engine.__qualname__ = "AllocatorConfig.for_engine"
 def _engine_pools(where, n_rows, n_run, ps, window, ring, step_tokens, num_full_pages,
                   num_swa_pages, kv_bytes, full_bytes_per_token, swa_bytes_per_token):
     """(num_full_pages, num_swa_pages, (rule, rule)) by the split rule of for_engine."""
-    from .config import _as_int, _ceil_div
 
     counts = (num_full_pages, num_swa_pages)
     sizes = (kv_bytes, full_bytes_per_token, swa_bytes_per_token)
@@ -260,7 +258,6 @@ def _engine_pools(where, n_rows, n_run, ps, window, ring, step_tokens, num_full_
 def _engine_states(where, n_rows, n_run, k, n_handles, num_state_slots, bytes_per_slot,
                    total_bytes) -> tuple[int, str]:
     """(num_state_slots, rule) by the state rule of for_engine (0: no recurrent layers)."""
-    from .config import _as_int
 
     need = n_rows + n_handles + (2 * n_run * (1 + k) if k else 0)
     if num_state_slots is not None:
