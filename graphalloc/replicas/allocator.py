@@ -31,23 +31,20 @@ replicated-mode only) are in ``docs/replicas.md``.
 from __future__ import annotations
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from ..allocator import HybridAllocator
 from ..config import AllocatorConfig
 from ..device.executor import make_executor
-from ..device.graph import capture_graph
 from ..diagnostics.sync_points import sync_allowed
 from ..errors import ConfigError, ContractError, IntegrityError, ReplicaDivergenceError
-from ..kernels.abi import ROW_WIDTH
 from .checks import COL_STEP, DigestHistory, check_same_setup, first_divergence
 from .digest import META_STEP, META_STEPS_RUN, host_digests
-from .executor import ReplicaExecutor
+from .executor import ReplicaExecutor, capture_warm
 from .ops import ReplicaOps
 from .wire import (
+    Payload,
     has_ledger,
-    n_header_rows,
     pack_ledger,
     planned_digests,
     rebuild_page_refs,
@@ -235,23 +232,23 @@ class ReplicatedAllocator(ReplicaOps):
         ring waited for buffer i's event), stage both into the payload, broadcast, replay.
         The full host digests are packed on digest steps, the O(rows) ones every step."""
         alloc, index = self.alloc, planned.buffer_index
-        header = self._header_np[index]
+        header = self.payload.staging_np[index]
         step = self.n_steps + 1
         full = bool(self.check_every) and step % self.digest_every == 0
         pack_ledger(alloc.ledger, header, alloc.prefix_cache, full)
         header[0, META_STEP] = step
         header[1, META_STEPS_RUN] = alloc.steps_run + 1  # mark_submitted counts it next
-        self._payload_desc.copy_(alloc.ring.bufs[index], non_blocking=True)
-        self._payload_header.copy_(self._header_bufs[index], non_blocking=True)
+        self.payload.desc.copy_(alloc.ring.bufs[index], non_blocking=True)
+        self.payload.header.copy_(self.payload.staging[index], non_blocking=True)
         self._broadcast_and_launch()
 
     def _broadcast_and_launch(self) -> None:
-        dist.broadcast(self.payload_buf, src=self.src, group=self.group)
+        dist.broadcast(self.payload.buf, src=self.src, group=self.group)
         if self._step_graph is not None:
             self._step_graph.replay()
             self.n_replays += 1
         else:
-            self.alloc.kernels(self._payload_release, self._payload_alloc)
+            self.alloc.kernels(self.payload.release, self.payload.alloc)
 
     def _follow_one(self) -> None:
         """Follower: one step, without raising a stored divergence (the caller raises it
@@ -270,8 +267,8 @@ class ReplicatedAllocator(ReplicaOps):
         except ContractError:
             pass
         if self.mode == "broadcast":
-            self._payload_desc.zero_()
-            self._payload_meta[META_STEP].fill_(self.n_steps + 1)  # a device fill: no sync
+            self.payload.desc.zero_()
+            self.payload.meta[META_STEP].fill_(self.n_steps + 1)  # a device fill: no sync
             self._broadcast_and_launch()
         self.after_step()
 
@@ -344,7 +341,7 @@ class ReplicatedAllocator(ReplicaOps):
         :class:`IntegrityError` on a torn payload."""
         cfg, state = self.alloc.config, self.alloc.state
         with sync_allowed():
-            header = self._payload_header.cpu().numpy()  # sync ok: check point / explicit
+            header = self.payload.header.cpu().numpy()  # sync ok: check point / explicit
             if not has_ledger(header):
                 return None
             ledger = unpack_ledger(cfg, header)
@@ -377,61 +374,27 @@ class ReplicatedAllocator(ReplicaOps):
                          self.group, self.global_ranks, self.device)
 
     def _allocate_buffers(self) -> None:
-        """Allocated once, updated in place only (graphs hold their addresses)::
-
-            history       DigestHistory, n_hist rows     device  digest rows since the check
-            payload_buf   int64 [n_desc + n_header_rows, 8]
-                                                         device  broadcast mode: the payload
-            _header_bufs  int64 [n_header_rows, 8] x len(alloc.ring)
-                                                         pinned  planner staging, one per
-                                                                 descriptor buffer
-
-        ``n_hist = check_every // digest_every + 1`` (the extra row for ``check()``);
-        ``n_header_rows``: :func:`graphalloc.replicas.wire.n_header_rows`.
-        """
-        cfg, alloc, mode = self.alloc.config, self.alloc, self.mode
-        check_every, digest_every = self.check_every, self.digest_every
-
-        # Broadcast payload (fixed shape, allocated once; views made once).
-        n_desc = cfg.max_release_rows + cfg.max_alloc_rows
-        self.n_desc_rows = n_desc
-        if mode == "broadcast":
-            n_rows = n_desc + n_header_rows(alloc.ledger)
-            self.payload_buf = torch.zeros(n_rows, ROW_WIDTH, dtype=torch.int64,
-                                           device=self.device)
-            self._payload_desc = self.payload_buf[:n_desc]
-            self._payload_release = self.payload_buf[:cfg.max_release_rows]
-            self._payload_alloc = self.payload_buf[cfg.max_release_rows:n_desc]
-            self._payload_header = self.payload_buf[n_desc:]
-            self._payload_meta = self.payload_buf[n_desc]
-            pinned = self.device.type == "cuda"
-            # Planner staging: header buffer i travels with descriptor buffer i.
-            self._header_bufs = [torch.zeros(n_rows - n_desc, ROW_WIDTH, dtype=torch.int64,
-                                             pin_memory=pinned)
-                                 for _ in range(len(alloc.ring) if self.is_planner else 0)]
-            self._header_np = [b.numpy() for b in self._header_bufs]
-
+        """Allocated once, updated in place only (graphs hold their addresses): the
+        broadcast payload (:class:`~graphalloc.replicas.wire.Payload`, broadcast mode) and
+        the digest history (``DigestHistory``, ``check_every // digest_every + 1`` device
+        rows: the extra one for ``check()``)."""
+        alloc, check_every, digest_every = self.alloc, self.check_every, self.digest_every
+        self.payload = None
+        if self.mode == "broadcast":
+            self.payload = Payload(alloc.config, alloc.ledger, self.device,
+                                   len(alloc.ring) if self.is_planner else 0)
         n_hist = (check_every // digest_every if check_every else 0) + 1
         self.history = DigestHistory(alloc.state.tables(), self.device, n_hist,
-                                     self._payload_meta if mode == "broadcast" else None)
+                                     None if self.payload is None else self.payload.meta)
         self.columns = self.history.columns
 
     def _capture_graphs(self) -> None:
-        """Warm up on a side stream (compiles the kernels; the zero payload is all padding,
-        so nothing changes), then capture. Runs once, under sync_allowed."""
+        """The payload kernels (broadcast mode) and the digest, warmed up and captured
+        (:func:`~graphalloc.replicas.executor.capture_warm`). Runs once, under
+        sync_allowed."""
         fns = [self.history.compute]
         if self.mode == "broadcast":
-            fns.insert(0, lambda: self.alloc.kernels(self._payload_release, self._payload_alloc))
-        torch.cuda.synchronize()  # sync ok: one-time construction
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for fn in fns:
-                fn()
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()  # sync ok: one-time construction
-        graphs = [capture_graph(fn) for fn in fns]
-        torch.cuda.synchronize()  # sync ok: one-time construction
+            fns.insert(0, lambda: self.alloc.kernels(self.payload.release, self.payload.alloc))
+        graphs = capture_warm(fns)
         self._digest_graph = graphs[-1]
         self._step_graph = graphs[0] if self.mode == "broadcast" else None

@@ -16,7 +16,7 @@ import weakref
 from ..device.executor import Executor
 from ..errors import ContractError
 
-__all__ = ["ReplicaExecutor"]
+__all__ = ["ReplicaExecutor", "capture_warm"]
 
 
 class ReplicaExecutor(Executor):
@@ -54,3 +54,25 @@ class ReplicaExecutor(Executor):
         else:  # unreachable: the allocator refuses plan() first
             raise ContractError("a broadcast follower never plans its own steps")
         self.layer.after_step()
+
+
+def capture_warm(fns) -> list:
+    """Run each of ``fns`` twice on a side stream (compiles its kernels; the callers' zero
+    payloads are all padding, so nothing changes), then capture each into a CUDA graph.
+    Synchronises: construction only."""
+    import torch
+
+    from ..device.graph import capture_graph
+
+    torch.cuda.synchronize()  # sync ok: one-time construction
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()  # sync ok: one-time construction
+    graphs = [capture_graph(fn) for fn in fns]
+    torch.cuda.synchronize()  # sync ok: one-time construction
+    return graphs

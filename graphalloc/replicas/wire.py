@@ -24,6 +24,7 @@ the sender's (row 0).
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from ..config import AllocatorConfig
 from ..errors import IntegrityError
@@ -46,8 +47,8 @@ from .digest import (
     host_digests,
 )
 
-__all__ = ["pack_ledger", "unpack_ledger", "planned_digests", "has_ledger", "steps_run_of",
-           "rebuild_page_refs", "n_header_rows"]
+__all__ = ["Payload", "pack_ledger", "unpack_ledger", "planned_digests", "has_ledger",
+           "steps_run_of", "rebuild_page_refs", "n_header_rows"]
 
 
 def _body_arrays(ledger: Ledger) -> list[tuple[str, np.ndarray]]:
@@ -159,3 +160,30 @@ def rebuild_page_refs(config: AllocatorConfig, ledger: Ledger, first_slots: np.n
         ok = pages_held[(pages_held > 0) & (pages_held <= n)]  # a corrupt id counts nowhere
         counts[:] = np.bincount(ok, minlength=n + 1)
     return refs
+
+
+class Payload:
+    """One replica's broadcast payload, allocated once and updated in place (graphs hold
+    its addresses)::
+
+        buf       int64 [n_desc + n_header_rows, 8]  device  what a step broadcasts
+        desc      buf[:n_desc]  (release, then alloc: the descriptor's two tables)
+        header    buf[n_desc:]  (the ledger, :func:`pack_ledger`); meta its row 0
+        staging   int64 [n_header_rows, 8] x n_bufs  pinned  the planner's header for each
+                  descriptor buffer (``staging_np``: numpy views)
+
+    ``n_desc = max_release_rows + max_alloc_rows``; ``n_bufs``: the planner's descriptor
+    buffers (0 on a follower)."""
+
+    def __init__(self, config: AllocatorConfig, ledger: Ledger, device: torch.device,
+                 n_bufs: int):
+        n_rel, n_desc = config.max_release_rows, config.max_release_rows + config.max_alloc_rows
+        n_rows = n_desc + n_header_rows(ledger)
+        self.buf = torch.zeros(n_rows, ROW_WIDTH, dtype=torch.int64, device=device)
+        self.desc, self.release, self.alloc = self.buf[:n_desc], self.buf[:n_rel], \
+            self.buf[n_rel:n_desc]
+        self.header, self.meta = self.buf[n_desc:], self.buf[n_desc]
+        pinned = device.type == "cuda"
+        self.staging = [torch.zeros(n_rows - n_desc, ROW_WIDTH, dtype=torch.int64,
+                                    pin_memory=pinned) for _ in range(n_bufs)]
+        self.staging_np = [b.numpy() for b in self.staging]

@@ -366,7 +366,7 @@ def test_every_operation_is_its_fixed_number_of_steps(one_rank_group):
     steps(1, lambda: rep.step(no_such_argument=1), ContractError)  # even this keeps lockstep
     assert steps(1, lambda: rep.try_step(decode=[row])).rows.tolist() == [row]
     # the payload of the latest step carries the planner's whole ledger
-    header = rep._payload_header.cpu().numpy()
+    header = rep.payload.header.cpu().numpy()
     assert planned_digests(header) == host_digests(alloc.ledger, alloc.prefix_cache)
     with pytest.raises(IntegrityError, match="lockstep"):
         rep._op(1, lambda: (alloc.step(), alloc.step()))  # more steps than followers replay
