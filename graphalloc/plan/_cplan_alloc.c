@@ -241,7 +241,8 @@ int plan_extend(Planner *P, Plan *S, const int64_t *rows, const int64_t *ntok,
 }
 
 /* allocation.load_back, its rules after live_rows: 31 pool mode, 22 allocating twice, 19
- * page-aligned, 32 back into [0, f], 33 pages nobody maps, 34 the frozen row, 28 SWA short. */
+ * page-aligned, 32 back into [0, f], 33 pages nobody maps (nor an earlier row of the step
+ * loads back), 34 the frozen row, 28 SWA short. */
 static int load_back_rules(Planner *P, Plan *S, const int64_t *rows, const int64_t *pos,
                            Py_ssize_t n, int64_t *need) {
     const int k = K_LOAD_BACK;
@@ -253,11 +254,15 @@ static int load_back_rules(Planner *P, Plan *S, const int64_t *rows, const int64
         int64_t old = P->front[rows[i]];
         if (pos[i] < 0 || pos[i] > old) return refuse(S, 32, k, rows[i], pos[i], old);
     }
+    uint32_t g = stamp_next(&P->seen_page);  /* pages an earlier row of the step loads back */
     for (Py_ssize_t i = 0; i < n; i++) {
         const int32_t *prow = page_row(P, rows[i]);
         int64_t lo = PDIV(P, pos[i]), hi = PDIV(P, P->front[rows[i]]);
-        for (int64_t q = lo; q < hi; q++)
-            if (P->swa_of[prow[q]]) return refuse(S, 33, k, rows[i], pos[i] + (q - lo) * P->ps, 0);
+        for (int64_t q = lo; q < hi; q++) {
+            if (P->swa_of[prow[q]] || P->seen_page.mark[prow[q]] == g)
+                return refuse(S, 33, k, rows[i], pos[i] + (q - lo) * P->ps, 0);
+            P->seen_page.mark[prow[q]] = g;
+        }
     }
     *need = 0;
     for (Py_ssize_t i = 0; i < n; i++) {

@@ -336,11 +336,13 @@ def load_back(ctx: PlanContext, rows: np.ndarray, new_pos: np.ndarray) -> None:
         i = int(np.flatnonzero(bad)[0])
         raise Refusal(32, k, int(rows[i]), int(new_pos[i]), int(old[i]))
     n_pages = (old - new_pos) // ps
+    seen = np.zeros(cfg.num_full_pages + 1, dtype=bool)  # pages an earlier row loads back
     for i, r in enumerate(rows.tolist()):  # pages another holder's window still maps
         pages = ctx.refs.page_of[r, new_pos[i] // ps:old[i] // ps]
-        mapped = np.flatnonzero(ctx.refs.swa_of[pages])
+        mapped = np.flatnonzero((ctx.refs.swa_of[pages] != 0) | seen[pages])
         if len(mapped):
             raise Refusal(33, k, r, int(new_pos[i] + mapped[0] * ps))
+        seen[pages] = True
     long = n_pages * ps > cfg.max_tokens_per_alloc_row
     if long.any():
         i = int(np.flatnonzero(long)[0])

@@ -130,8 +130,9 @@ CODES: dict[int, tuple[type, str]] = {
     32: (FrontierError, "{kind}: request {row}: the frontier must move back into [0, "
                         "frontier {limit}], got {value}"),
     33: (ContractError, "{kind}: request {row}'s page at position {value} still has an SWA "
-                        "page (another holder's window covers it); load back only pages "
-                        "nobody maps"),
+                        "page (another holder's window covers it), or another row of this "
+                        "step loads it back (a page the rows share); load back only pages "
+                        "nobody maps, one row per shared page"),
     34: (BatchTooLargeError, "{kind}: request {row}: {value} positions exceed the frozen "
                              "max_tokens_per_alloc_row {limit}: load back in parts"),
     35: (BatchTooLargeError, "this step needs {value} {shape}; the frozen {shape_name} is "

@@ -726,3 +726,27 @@ def test_integrity_check_fails_when_a_reference_count_is_corrupted(pool, page, d
         a.check_integrity()
     refs[page] -= delta
     healthy(a)
+
+
+def test_two_rows_loading_back_one_shared_page_in_one_step_are_refused():
+    """Rule: a FULL page is paired with one SWA page at a time, so a load-back re-pairs only
+    pages nobody maps (code 33). Two rows sharing a FULL page that both load it back in one
+    step would each pop a fresh SWA page for it -- the second pairing overwriting the
+    first, one SWA page lost and the other counted once for two holders (found by the
+    compiled twin's random steps). Refused, nothing changed; one row at a time works, and
+    the other is then refused (its page is mapped)."""
+    a = make(ps=4, n_full=32, n_swa=16, window=4)
+    r = a.admit()
+    a.alloc_extend([r], [16])
+    s = share(a, r, 16)  # the four FULL pages shared, the SWA ones too
+    a.alloc_extend([r, s], [4, 4])
+    a.evict_window()
+    assert a.frontier(r) == a.frontier(s) == 16
+    before = a.snapshot()
+    with pytest.raises(E.ContractError, match="another row of this step loads it back"):
+        a.step(load_back=([r, s], [12, 12]))
+    assert_same_snapshot(before, a.snapshot())
+    a.load_back(r, 12)
+    with pytest.raises(E.ContractError, match="still has an SWA page"):
+        a.load_back(s, 12)
+    healthy(a)
