@@ -1,6 +1,6 @@
 """Decode-loop throughput: the allocator inside the model's CUDA graph vs. launched eagerly.
 
-The loop is ``examples/paged_decode.py``'s: a hybrid SWA/full decoder whose KV
+The loop is ``examples/model_loops/paged_decode.py``'s: a hybrid SWA/full decoder whose KV
 is paged by graphalloc, continuous batching with window evictions on most
 steps, releases and admissions mid-loop. Variants, each per allocator backend:
 
@@ -39,6 +39,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "model_loops"))
 from decode_loop import build_allocator, make_requests  # noqa: E402
 from figures import plot_decode_loop_bench  # noqa: E402
 from hybrid_model import ModelConfig, TinyHybridLM, allocator_window, random_weights  # noqa: E402

@@ -10,7 +10,8 @@ the figure grows to fit title, legend and caption, so no text is clipped.
 
 Plotters here: :func:`plot_page_tables` (``bench_page_tables.py``),
 :func:`plot_decode_loop_bench` (``bench_decode_loop.py``) and
-:func:`plot_decode_loop_example` (``examples/decode_loop.py``). The bench_frees figures are
+:func:`plot_decode_loop_example` (``examples/model_loops/decode_loop.py``). The bench_frees
+figures are
 in ``report.py``, the scheduler benchmark's in ``sched_plots.py``; both use this layout.
 """
 
@@ -248,7 +249,7 @@ def plot_decode_loop_bench(out: dict, path) -> bool:
         "workload, host and GPU time over every decode step of them. Host launch time: lane "
         "inputs + the eager allocator launches (if any) + the replay + mark_submitted "
         "(planning excluded). GPU time: CUDA events around the eager allocator launches and "
-        "the replay. The tiny hybrid model of examples/paged_decode.py, page size "
+        "the replay. The tiny hybrid model of examples/model_loops/paged_decode.py, page size "
         f"{meta.get('page_size')}, window {meta.get('window')}, prompts "
         f"{'-'.join(map(str, meta.get('prompt_len') or ()))} and outputs "
         f"{'-'.join(map(str, meta.get('output_len') or ()))} tokens; "
@@ -261,7 +262,7 @@ def plot_decode_loop_bench(out: dict, path) -> bool:
     return True
 
 
-# ---- examples/decode_loop.py ----------------------------------------------------------------
+# ---- examples/model_loops/decode_loop.py -----------------------------------------------------
 def plot_decode_loop_example(out: dict, path) -> bool:
     """Per page size: pages in use, SWA pages the window freed, KV memory saved, per step."""
     plt = pyplot()

@@ -25,7 +25,7 @@ Engines that capture their own model graph put the allocator inside it
 instead (with the default eager executor): per descriptor buffer ``i`` capture
 ``alloc.launch(i)`` followed by the model, and each step call
 ``p = alloc.plan(...)``, replay graph ``p.buffer_index``, then
-``alloc.mark_submitted(p)`` (see ``examples/decode_loop.py``). An engine that
+``alloc.mark_submitted(p)`` (see ``examples/model_loops/decode_loop.py``). An engine that
 captures one graph per batch size sizes the allocator's part to it with
 ``alloc.launch(i, n_rows=(R, A))`` and replays it only for steps with
 ``p.fits_rows(R, A)``.

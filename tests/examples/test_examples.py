@@ -1,6 +1,6 @@
 """The examples and the decode-loop benchmark, run on the CPU at tiny sizes.
 
-* ``examples/decode_loop.py``: a hybrid SWA/full decoder paged through graphalloc
+* ``examples/model_loops/decode_loop.py``: a hybrid SWA/full decoder paged through graphalloc
   generates token for token what transformers generates with its own cache, for
   page sizes 1 and 16, with window evictions, releases and admissions mid-loop;
   and the check can fail: an allocator window one token too small (it frees a
@@ -20,6 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "examples" / "model_loops"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import decode_loop  # noqa: E402

@@ -1,4 +1,4 @@
-"""examples/flashinfer_tables.py on a CPU: the workload, the references, the report.
+"""examples/model_loops/flashinfer_tables.py on a CPU: the workload, the references, the report.
 
 FlashInfer is not a dependency (and runs on CUDA only), so here:
 
@@ -29,6 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "examples" / "model_loops"))
 
 import flashinfer_tables as ft  # noqa: E402
 

@@ -1,6 +1,7 @@
 """The decode-loop example with FlashInfer as the attention, and in half precision, on a CPU.
 
-``examples/decode_loop.py --attention flashinfer`` runs FlashInfer's paged decode over the
+``examples/model_loops/decode_loop.py --attention flashinfer`` runs FlashInfer's paged decode over
+the
 loop's page tables inside the step's CUDA graph; FlashInfer is CUDA-only and not a
 dependency, so here:
 
@@ -34,6 +35,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "examples" / "model_loops"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import decode_loop  # noqa: E402

@@ -1,4 +1,5 @@
-"""``examples/recurrent_model.py`` against transformers' ``BambaForCausalLM``, on the CPU.
+"""``examples/model_loops/recurrent_model.py`` against transformers' ``BambaForCausalLM``, on
+the CPU.
 
 Every check compares greedy tokens with the reference's ``generate(do_sample=False)`` on
 the request's full prompt (never stored outputs), in float32:
@@ -30,6 +31,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "model_loops"))
 
 from recurrent_model import (  # noqa: E402
     RecurrentConfig,

@@ -1,4 +1,5 @@
-"""The recurrent-state decode loop (``examples/recurrent_decode.py``), on the CPU at tiny sizes.
+"""The recurrent-state decode loop (``examples/model_loops/recurrent_decode.py``), on the CPU at
+tiny sizes.
 
 The tiny Mamba-2 + attention hybrid keeps its conv and SSM state in the allocator's state
 slots (``state_tensors`` registered, ``req_to_state`` / ``spec_state`` read on the device).
@@ -30,6 +31,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "examples" / "model_loops"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import recurrent_decode  # noqa: E402
@@ -196,6 +198,7 @@ def test_loop_refuses_an_allocator_without_the_state():
 
 
 def test_help():
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "recurrent_decode.py"),
-                          "--help"], capture_output=True, text=True, timeout=120, check=True)
+    script = ROOT / "examples" / "model_loops" / "recurrent_decode.py"
+    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
+                         text=True, timeout=120, check=True)
     assert "--stale-state" in out.stdout and "--negative-control" in out.stdout

@@ -1,6 +1,7 @@
 """The decode-loop example with a shared system prompt served from the prefix cache.
 
-``examples/decode_loop.py --shared-prompt N``: every prompt starts with the same N tokens;
+``examples/model_loops/decode_loop.py --shared-prompt N``: every prompt starts with the same N
+tokens;
 the first request prefills them and inserts them into ``alloc.prefix_cache``, every later
 one is admitted on the cached handle and prefills only the rest of its prompt, attending
 over the shared KV through ``req_to_token`` / ``full_to_swa``. Every token must still equal
@@ -18,6 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "examples" / "model_loops"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import decode_loop  # noqa: E402

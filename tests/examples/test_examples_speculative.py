@@ -1,6 +1,7 @@
 """The speculative-decoding example, run on the CPU at tiny sizes.
 
-``examples/speculative_decode.py``: a draft (the target with perturbed weights) proposes k
+``examples/model_loops/speculative_decode.py``: a draft (the target with perturbed weights)
+proposes k
 tokens per round, the target verifies 1 + k in one forward, the host reads the accepted
 counts once per round and commits them in the next round's single allocator step
 (``commit=``, ``evict=``, ``decode=..., lookahead=k``). Every request's accepted tokens must
@@ -24,6 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "examples" / "model_loops"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import speculative_decode  # noqa: E402

@@ -1,6 +1,7 @@
 """The decode-loop example attending through the page tables, at tiny sizes.
 
-``examples/decode_loop.py --attention tables`` (the default): the allocator is built with
+``examples/model_loops/decode_loop.py --attention tables`` (the default): the allocator is built
+with
 ``page_tables=PageTableSpec(max_batch, forms=("csr",), model_window=W)``, so each decode
 step's own launch writes the FULL and SWA CSR page tables of its batch (its decode rows)
 after its allocations, and every attention layer reads K/V only through those tables (the
@@ -27,6 +28,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "examples" / "model_loops"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import decode_loop  # noqa: E402

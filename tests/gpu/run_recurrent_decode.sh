@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The recurrent-state decode loop on a GPU (examples/recurrent_decode.py): the tiny Mamba-2 +
+# The recurrent-state decode loop on a GPU (examples/model_loops/recurrent_decode.py): the tiny Mamba-2 +
 # attention hybrid with its state in graphalloc's state slots, every step one CUDA graph
 # (allocator step with its state-table writes and state copies + model + argmax) replayed
 # under torch.cuda.set_sync_debug_mode("error"); every request's tokens checked against
@@ -62,7 +62,7 @@ phase() {
   git rev-parse HEAD 2>/dev/null
 } > "$out/machine.txt" 2>&1
 
-ex=examples/recurrent_decode.py
+ex=examples/model_loops/recurrent_decode.py
 phase graph 150 python3 "$ex" --device cuda --graph --sync-debug --negative-control \
   --page-sizes 1 4 16 --no-progress --out "$out/graph"
 phase eager 90 python3 "$ex" --device cuda --sync-debug --negative-control \

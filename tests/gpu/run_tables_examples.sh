@@ -10,13 +10,13 @@
 #                           steps under sync debug, tables against the dense recomputation,
 #                           FlashInfer / Triton against the Torch twin), test_examples_tables,
 #                           test_examples_speculative, test_examples_flashinfer_decode
-#   decode_tables       60  examples/decode_loop.py --device cuda --graph --sync-debug
+#   decode_tables       60  examples/model_loops/decode_loop.py --device cuda --graph --sync-debug
 #                           --negative-control (Triton paged attention over alloc.tables)
 #   decode_flashinfer  140  the same with --attention flashinfer --dtype float16 (skipped
 #                           when FlashInfer does not import)
-#   flashinfer_tables  170  examples/flashinfer_tables.py (correctness at page sizes 16, 1;
+#   flashinfer_tables  170  examples/model_loops/flashinfer_tables.py (correctness at page sizes 16, 1;
 #                           timing at B = 1, 64, 256)
-#   speculative         60  examples/speculative_decode.py --device cuda --graph --sync-debug
+#   speculative         60  examples/model_loops/speculative_decode.py --device cuda --graph --sync-debug
 #
 # Each example writes its json / md (/ png) into OUTDIR/<phase>/; every log is
 # OUTDIR/<phase>.log; OUTDIR/summary.tsv lists phase, exit code, seconds, bound. Overrides:
@@ -61,20 +61,20 @@ phase() {
 phase tests 140 python3 -m pytest -q -rfEs -p no:cacheprovider -m cuda \
   tests/device/test_page_tables.py tests/examples/test_examples_tables.py tests/examples/test_examples_speculative.py \
   tests/examples/test_examples_flashinfer_decode.py
-phase decode_tables 60 python3 examples/decode_loop.py --device cuda --graph --sync-debug \
+phase decode_tables 60 python3 examples/model_loops/decode_loop.py --device cuda --graph --sync-debug \
   --negative-control --no-progress --out "$out/decode_tables"
 if [[ " $phases " != *" decode_flashinfer "* ]]; then
   :  # not asked for
 elif python3 -c "import flashinfer" > /dev/null 2>&1; then
-  phase decode_flashinfer 140 python3 examples/decode_loop.py --device cuda --graph \
+  phase decode_flashinfer 140 python3 examples/model_loops/decode_loop.py --device cuda --graph \
     --sync-debug --attention flashinfer --dtype float16 --negative-control --no-progress \
     --out "$out/decode_flashinfer"
 else
   echo "phase decode_flashinfer: skipped (flashinfer does not import)" | tee "$out/decode_flashinfer.log"
 fi
-phase flashinfer_tables 170 python3 examples/flashinfer_tables.py --no-progress \
+phase flashinfer_tables 170 python3 examples/model_loops/flashinfer_tables.py --no-progress \
   --out "$out/flashinfer_tables"
-phase speculative 60 python3 examples/speculative_decode.py --device cuda --graph \
+phase speculative 60 python3 examples/model_loops/speculative_decode.py --device cuda --graph \
   --sync-debug --no-progress --out "$out/speculative"
 
 cat "$out/summary.tsv"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DIRS = ("examples", "benchmarks", "tools")
+DIRS = ("examples", "examples/model_loops", "benchmarks", "tools")
 SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for d in DIRS for p in (ROOT / d).glob("*.py")
                  if not p.name.startswith("integrate_"))
 

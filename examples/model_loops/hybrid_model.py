@@ -372,7 +372,7 @@ if __name__ == "__main__":  # a module, not a script: --help says what it is and
     _ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog=(
-            "A module imported by other scripts; run examples/decode_loop.py (and "
+            "A module imported by other scripts; run examples/model_loops/decode_loop.py (and "
             "speculative_decode.py, recurrent_decode.py, "
             "benchmarks/bench_decode_loop.py) instead (each takes --help)."))
     _ap.parse_args()

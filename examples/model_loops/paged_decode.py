@@ -100,7 +100,7 @@ from hybrid_model import FULL, SLIDING, PagedKV, TinyHybridLM
 import graphalloc as ga
 from graphalloc.kernels import paged_decode_attention, paged_decode_attention_torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from timing import StepEvents, graph_nodes  # noqa: E402
 
 __all__ = ["Request", "DecodeLoop", "LoopResult", "TableAttention", "FlashInferAttention",
@@ -678,7 +678,7 @@ if __name__ == "__main__":  # a module, not a script: --help says what it is and
     _ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog=(
-            "A module imported by other scripts; run examples/decode_loop.py (and "
+            "A module imported by other scripts; run examples/model_loops/decode_loop.py (and "
             "benchmarks/bench_decode_loop.py) instead (each takes --help)."))
     _ap.parse_args()
     _ap.error("nothing to run here: see --help")

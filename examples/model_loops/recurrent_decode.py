@@ -38,11 +38,11 @@ main run matches and every control differs.
 
 CPU (eager, tiny sizes)::
 
-    python examples/recurrent_decode.py
+    python examples/model_loops/recurrent_decode.py
 
 GPU (each step one graph replay, any host sync but a round's read raises)::
 
-    python examples/recurrent_decode.py --device cuda --graph --sync-debug \\
+    python examples/model_loops/recurrent_decode.py --device cuda --graph --sync-debug \\
         --negative-control --out DIR
 """
 
@@ -62,7 +62,7 @@ if not torch.cuda.is_available():  # Triton kernels (if chosen) run in the inter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import timing  # noqa: E402
 from decode_loop import _json_default, _progress  # noqa: E402
 from paged_decode import Request  # noqa: E402
@@ -79,7 +79,7 @@ import graphalloc as ga  # noqa: E402
 
 __all__ = ["main", "make_requests", "build", "reference", "compare"]
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "examples"
+RESULTS = Path(__file__).resolve().parents[2] / "results" / "examples"
 MODES = {"plain": 0, "spec": None}  # spec: --lookahead
 
 

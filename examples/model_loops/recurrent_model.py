@@ -399,7 +399,7 @@ if __name__ == "__main__":  # a module, not a script: --help says what it is and
     _ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog=(
-            "A module imported by other scripts; run examples/recurrent_decode.py "
+            "A module imported by other scripts; run examples/model_loops/recurrent_decode.py "
             "instead (each takes --help)."))
     _ap.parse_args()
     _ap.error("nothing to run here: see --help")

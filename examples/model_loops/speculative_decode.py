@@ -30,12 +30,12 @@ rate, rounds, tokens per round and pages in use.
 
 CPU (eager, tiny sizes)::
 
-    python examples/speculative_decode.py
+    python examples/model_loops/speculative_decode.py
 
 GPU (allocator step + draft + verify + acceptance in one CUDA graph per round, any host
 sync but the round's read raises)::
 
-    python examples/speculative_decode.py --device cuda --graph --sync-debug --out DIR
+    python examples/model_loops/speculative_decode.py --device cuda --graph --sync-debug --out DIR
 
 Exit status 0 when every run matches transformers and every audit is empty. Negative
 controls (must fail): ``--alloc-window W-2`` (the allocator frees a position the SWA layers
@@ -61,7 +61,7 @@ if not torch.cuda.is_available():  # Triton kernels (if chosen) run in the inter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import timing  # noqa: E402
 from decode_loop import _json_default, _progress, compare, make_requests, reference  # noqa: E402
 from hybrid_model import (  # noqa: E402
@@ -77,7 +77,7 @@ import graphalloc as ga  # noqa: E402
 __all__ = ["main", "build_allocator", "summarize"]
 
 # the default --out is a folder of the repository's one results tree
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "examples"
+RESULTS = Path(__file__).resolve().parents[2] / "results" / "examples"
 
 
 def build_allocator(*, page_size: int, max_batch: int, max_prompt: int, max_total: int,

@@ -85,7 +85,7 @@ from paged_decode import Request, capture_step_graphs
 import graphalloc as ga
 from graphalloc.diagnostics.sync_points import sync_allowed
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from timing import graph_nodes  # noqa: E402
 
 __all__ = ["SpecLoop", "SpecResult", "table_key_table", "spec_tables_spec",
@@ -526,7 +526,7 @@ if __name__ == "__main__":  # a module, not a script: --help says what it is and
     _ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog=(
-            "A module imported by other scripts; run examples/speculative_decode.py"
+            "A module imported by other scripts; run examples/model_loops/speculative_decode.py"
             " instead (each takes --help)."))
     _ap.parse_args()
     _ap.error("nothing to run here: see --help")

@@ -56,11 +56,11 @@ pages in use per step and the KV memory saved against giving every layer full KV
 
 CPU (eager, tiny sizes)::
 
-    python examples/decode_loop.py
+    python examples/model_loops/decode_loop.py
 
 GPU (each step one graph replay, any host sync raises)::
 
-    python examples/decode_loop.py --device cuda --graph --sync-debug --out DIR
+    python examples/model_loops/decode_loop.py --device cuda --graph --sync-debug --out DIR
 
 ``--shared-prompt N``: every request's prompt starts with the same N-token system prompt,
 served from the allocator's prefix cache (``prefix_cache=True``): the first request
@@ -78,7 +78,8 @@ every control differs from transformers.
 
 GPU, FlashInfer (page sizes 1 and 16, JIT compile on first use, both controls)::
 
-    python examples/decode_loop.py --device cuda --graph --sync-debug --attention flashinfer \
+    python examples/model_loops/decode_loop.py --device cuda --graph --sync-debug \
+        --attention flashinfer \
         --dtype float16 --negative-control --out DIR
 """
 
@@ -100,7 +101,7 @@ if not torch.cuda.is_available():  # Triton kernels (if chosen) run in the inter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import timing  # noqa: E402
 from figures import plot_decode_loop_example  # noqa: E402
 from hybrid_model import (  # noqa: E402
@@ -125,7 +126,7 @@ __all__ = ["main", "make_requests", "build_allocator", "reference", "compare",
            "default_atol", "resolve_model_args"]
 
 # the default --out is a folder of the repository's one results tree
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "examples"
+RESULTS = Path(__file__).resolve().parents[2] / "results" / "examples"
 # logit tolerance per dtype (also the near-tie margin): float32 as before; in half precision
 # 16 ulps of a logit of magnitude 8 (fp16 ulp 2^-7 there, bf16 2^-4 -> 8 ulps): at least
 # twice the largest difference seen between our half-precision model and transformers' SDPA

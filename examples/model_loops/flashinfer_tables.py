@@ -112,13 +112,13 @@ records "flashinfer not installed".
 
 GPU (an H200; FlashInfer JIT-compiles two decode variants on first use)::
 
-    python examples/flashinfer_tables.py --out results/examples/flashinfer-tables-h200
+    python examples/model_loops/flashinfer_tables.py --out results/examples/flashinfer-tables-h200
 
 CPU (no FlashInfer: the workload and the Torch reference path, a progress bar per page size;
 exit status 1). At the defaults this takes minutes on a CPU (7.5 min on 2 cores, 157 steps per
 page size); a smaller model and fewer requests take about 40 s::
 
-    python examples/flashinfer_tables.py --device cpu --timing-batches --out '' \
+    python examples/model_loops/flashinfer_tables.py --device cpu --timing-batches --out '' \
         --requests 16 --max-batch 8 --heads 4 --head-dim 32
 """
 
@@ -142,7 +142,7 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels (if chosen) run in the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import timing  # noqa: E402
 
 import graphalloc as ga  # noqa: E402
@@ -152,7 +152,7 @@ __all__ = ["main", "content", "dense_attention", "make_requests", "CorrectnessRu
            "TimingRun", "FlashInferDecode", "Report", "table_spec", "lane_max_pages"]
 
 # the default --out is a folder of the repository's one results tree
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "examples"
+RESULTS = Path(__file__).resolve().parents[2] / "results" / "examples"
 FULL, SWA = "full", "swa"
 # content kinds: one hash stream per tensor
 KIND_Q, KIND_K_FULL, KIND_V_FULL, KIND_K_SWA, KIND_V_SWA = range(5)

@@ -100,7 +100,7 @@ from recurrent_model import RecurrentState, TinyRecurrentLM, paged_kv
 import graphalloc as ga
 from graphalloc.diagnostics.sync_points import sync_allowed
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from timing import graph_nodes  # noqa: E402
 
 __all__ = ["RecurrentLoop", "LoopResult", "STALE_STATE", "chunk_ends", "state_slots_needed"]
@@ -539,7 +539,7 @@ if __name__ == "__main__":  # a module, not a script: --help says what it is and
     _ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog=(
-            "A module imported by other scripts; run examples/recurrent_decode.py "
+            "A module imported by other scripts; run examples/model_loops/recurrent_decode.py "
             "instead (each takes --help)."))
     _ap.parse_args()
     _ap.error("nothing to run here: see --help")
