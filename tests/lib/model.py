@@ -140,6 +140,7 @@ SHARING = "sharing"  # a sharing call in ring mode (a ContractError)
 SPEC = "spec"  # speculative state: nothing to commit, a tail blocks a plain allocation,
 # a third step in flight (a ContractError)
 SHARED = "shared"  # a trim into a page another holder references (SharedPageError)
+MAPPED = "mapped"  # a load-back of a page with an SWA page, or one an earlier row loads back
 # Recurrent-state slots (the test maps them onto refusal codes 40-45).
 STATE_ADMIT = "state_admit"  # admit on a handle at n != the handle's n (40)
 STATE_TAKE = "state_take"  # a handle at n != the committed length as the step began (41)
@@ -593,7 +594,7 @@ class Model:
 
     def step(self, release=(), evict=None, evict_all=False, advance=None, decode=(),
              extend=None, commit=None, trim=None, lookahead=None, take=None, drop=(),
-             drop_swa=(), admit=(), admit_on=None):
+             drop_swa=(), admit=(), admit_on=None, load_back=None):
         """One step of any kinds, in the step's order: ``take`` ((handles, rows, n): a
         handle on a row's first n tokens, as the step begins), ``release``, ``commit``
         ((rows, n_accepted)), ``trim`` ((rows, new_lens)), ``evict`` (rows) or
@@ -601,7 +602,10 @@ class Model:
         (handles: one drop call, whole drops then tombstones), ``admit`` (free rows become
         empty requests; ring mode pops their ring pages), ``admit_on`` ((rows, handles, n or
         None): requests on a handle's first n tokens), ``decode`` (with ``lookahead``: None,
-        an int or one per decode row; -1 marks a plain row), ``extend`` ((rows, n_tokens)).
+        an int or one per decode row; -1 marks a plain row), ``extend`` ((rows, n_tokens)),
+        ``load_back`` ((rows, new frontiers): pool mode; each row's ``[new, f)`` gets fresh
+        SWA pages, popped in row order, then position order; the pages must have no SWA page
+        and no earlier row of the step may load them back).
         Returns the allocation results ``[(row, full_slots, swa_slots)]`` (decode rows
         first) or None when nothing allocates. Inside a free group a step with frees is
         refused (``nested``) first; then a malformed step -- a row that is not an int in
@@ -616,7 +620,8 @@ class Model:
             raise Violation({NESTED})
         for rows in (release, evict or (), decode, admit,
                      *(x[1 if x is take else 0] for x in (commit, trim, advance, extend, take,
-                                                          admit_on) if x is not None)):
+                                                          admit_on, load_back)
+                       if x is not None)):
             if any(not _is_int(r) or not 0 <= int(r) < self.max_reqs for r in rows):
                 raise Violation({UNKNOWN})
         work = self.clone()
@@ -669,6 +674,11 @@ class Model:
             rows = work._rows(extend[0])
             results = (results or []) + work._extend(rows, list(extend[1]), allocated,
                                                      alloc_rows)
+        if load_back is not None and list(load_back[0]):
+            if work.ring_mode:
+                raise Violation({SHARING})  # pool mode only (a ContractError)
+            work._load_back(work._rows(load_back[0]), list(load_back[1]), allocated,
+                            alloc_rows)
         work._check_shape(rel_rows, alloc_rows + [0] * extra_rows)
         work._check_reads()
         work._end_step()
@@ -991,6 +1001,47 @@ class Model:
                 alloc_rows.append(n)
             out.append((r, full_slots, swa_slots))
         return out
+
+    def _load_back(self, rows, new_pos, allocated: set, alloc_rows: list) -> None:
+        """Frontiers back to ``new_pos``: a FULL page is paired with one SWA page at a time,
+        so only pages nobody maps, each loaded back by one row of the step."""
+        ps, kinds, seen, need = self.ps, set(), set(), 0
+        if len(new_pos) != len(rows):
+            raise Violation({POSITION})
+        for r, p in zip(rows, new_pos, strict=True):
+            req = self.reqs[r]
+            if r in allocated:
+                kinds.add(OVERLAP)
+            if not _is_int(p):
+                kinds.add(POSITION)
+                continue
+            if p % ps:
+                kinds.add(ALIGNMENT)
+                continue
+            if p < 0 or p > req.frontier:
+                kinds.add(FRONTIER)
+                continue
+            pages = req.pages[p // ps:req.frontier // ps]
+            if any(self.f2s[x] or x in seen for x in pages):
+                kinds.add(MAPPED)
+            seen.update(pages)
+            if len(pages) * ps > self.max_tokens_per_alloc_row:
+                kinds.add(BATCH)
+            need += len(pages)
+        if need > len(self.swa_q):
+            kinds.add(CAPACITY)
+        if kinds:
+            raise Violation(kinds)
+        for r, p in zip(rows, new_pos, strict=True):
+            req = self.reqs[r]
+            for x in req.pages[p // ps:req.frontier // ps]:
+                swa = self._pop_swa()
+                self.f2s[x] = swa
+                self.swa_ref[swa] += 1
+            if req.frontier > p:
+                alloc_rows.append(req.frontier - p)
+            req.frontier = p
+            allocated.add(r)
 
     def _commit(self, rows, n_accepted) -> list:
         """Resolve each row's oldest speculative step; returns the release segments."""

@@ -54,6 +54,7 @@ from model import (
     CAPACITY,
     FRONTIER,
     HANDLE,
+    MAPPED,
     NESTED,
     OVERLAP,
     POSITION,
@@ -91,6 +92,7 @@ ERRORS = {
     SHARING: E.ContractError,  # ring mode: every sharing call is refused
     SPEC: E.SpeculativeStateError,
     SHARED: E.SharedPageError,
+    MAPPED: E.ContractError,  # code 33
     # recurrent-state slots (tests/planning/test_state_slots.py drives this machine with them)
     STATE_ADMIT: E.PositionError,  # code 40
     STATE_TAKE: E.PositionError,  # 41
@@ -641,6 +643,38 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.compare_result(*self.apply(
             lambda m: m.step(commit=commit, evict=ev, decode=rows, lookahead=k),
             lambda a: a.step(commit=commit, evict=ev, decode=rows, lookahead=k)))
+
+    def shared_load_back(self, idx):
+        """Two rows with a FULL page in common below both frontiers, and each one's
+        position of it: both load it back in one step (refused: one SWA pairing a page)."""
+        m, ps = self.model, self.ps
+        rows = self.shared_rows(idx)
+        for i, r1 in enumerate(rows):
+            q1 = m.reqs[r1]
+            for r2 in rows[i + 1:]:
+                q2 = m.reqs[r2]
+                common = set(q1.pages[:q1.frontier // ps]) & set(q2.pages[:q2.frontier // ps])
+                if common:
+                    p = min(common)
+                    return [r1, r2], [q1.pages.index(p) * ps, q2.pages.index(p) * ps]
+        return [], []
+
+    @rule(idx=picks, backs=st.lists(st.integers(-1, 3), min_size=1, max_size=3),
+          misalign=st.booleans(), bad=badness, shared=st.booleans())
+    def load_back(self, idx, backs, misalign, bad, shared):
+        """Frontiers moved back by whole pages (mostly), one off a boundary, or forward; or
+        (``shared``) two rows loading back a page they share."""
+        rows, pos = self.shared_load_back(idx) if shared else ([], [])
+        if not rows:
+            rows = self.rows_from(idx, bad)
+            for i, r in enumerate(rows):
+                req = self.model.reqs.get(r)
+                p = (req.frontier if req is not None else 0) - backs[i % len(backs)] * self.ps
+                pos.append(p + 1 if misalign and i == 0 and self.ps > 1 else p)
+        self.apply(lambda m: m.step(load_back=(rows, pos)),
+                   lambda a: a.step(load_back=(rows, pos)))
+        for r, q in self.model.reqs.items():  # the one way a frontier moves back
+            self.prev_frontier[r] = min(self.prev_frontier.get(r, 0), q.frontier)
 
     @rule(idx=picks, all_rows=st.booleans(), bad=badness)
     def evict(self, idx, all_rows, bad):
