@@ -350,8 +350,8 @@ class ReplicatedAllocator(ReplicaOps):
                 # off the fast path: a check point (or sync_ledger()) reads the tables
                 tables = (state.req_to_token_buf[:n_rows, ::ps], state.full_to_swa_buf[::ps],
                           state.full_free, state.swa_free)
-                rebuild_page_refs(cfg, ledger, *(t.cpu().numpy() for t in tables))  # off the
-                # fast path (a check point)
+                host = [t.cpu().numpy() for t in tables]  # off the fast path (a check point)
+                rebuild_page_refs(cfg, ledger, *host)
         own = host_digests(ledger)
         return ledger, {k: own[k] for k in _REBUILT}, planned_digests(header), steps_run_of(
             header)

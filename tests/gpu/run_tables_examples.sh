@@ -34,23 +34,8 @@ phases=${PHASES:-tests decode_tables decode_flashinfer flashinfer_tables specula
 : > "$out/summary.tsv"
 status=0
 
-# phase NAME BOUND_S COMMAND...: run COMMAND under its bound, log it, record it
-phase() {
-  local name=$1 bound=$2
-  shift 2
-  case " $phases " in *" $name "*) ;; *) return 0 ;; esac
-  local var="T_${name^^}"
-  bound=${!var:-$bound}
-  local log="$out/$name.log" t0 t1 rc
-  { printf "== phase %s (bound %s s):" "$name" "$bound"; printf " %q" "$@"; echo; } > "$log"
-  t0=$(date +%s)
-  timeout --kill-after=3 "$bound" "$@" >> "$log" 2>&1
-  rc=$?
-  t1=$(date +%s)
-  printf '%s\t%d\t%d\t%d\n' "$name" "$rc" $((t1 - t0)) "$bound" >> "$out/summary.tsv"
-  echo "phase $name: exit $rc after $((t1 - t0)) s (bound $bound s), log $log"
-  [ "$rc" = 0 ] || status=1
-}
+# phase NAME BOUND_S COMMAND...: run, log and record one bounded phase
+source tests/gpu/phase.sh
 
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
