@@ -14,12 +14,20 @@ endif
 CPU_TORCH := torch==2.13.0 triton==3.7.1
 
 .PHONY: install test demo lint bench
+# pip prints one line per package it collects and installs (about 2.5 minutes on a fresh
+# 2-core machine, most of it torch): the progress of a first `make test`.
+PIP_PROGRESS := --progress-bar off --disable-pip-version-check
 install:
-	@if [ "$(PY)" = ".venv/bin/python" ] && [ ! -x .venv/bin/python ]; then $(PY_SYS) -m venv .venv; fi
-	@if [ "$(HAVE_TORCH)" != "yes" ] && [ "$(HAVE_GPU)" != "yes" ]; then \
-		$(PY) -m pip install -q $(CPU_TORCH) -e ".[test,bench]"; \
+	@if [ "$(PY)" = ".venv/bin/python" ] && [ ! -x .venv/bin/python ]; then \
+		echo "make: creating .venv with $(PY_SYS)"; $(PY_SYS) -m venv .venv; fi
+	@set -o pipefail; if [ "$(HAVE_TORCH)" != "yes" ] && [ "$(HAVE_GPU)" != "yes" ]; then \
+		echo "make: installing $(CPU_TORCH) and graphalloc[test,bench] into $(PY)"; \
+		$(PY) -m pip install $(PIP_PROGRESS) $(CPU_TORCH) -e ".[test,bench]" \
+			| { grep -E --line-buffered '^(Collecting|Installing|Successfully|Building|ERROR)' || true; }; \
 	else \
-		$(PY) -m pip install -q -e ".[test,bench]"; \
+		echo "make: installing graphalloc[test,bench] into $(PY)"; \
+		$(PY) -m pip install $(PIP_PROGRESS) -e ".[test,bench]" \
+			| { grep -E --line-buffered '^(Collecting|Installing|Successfully|Building|ERROR)' || true; }; \
 	fi
 
 test: install
