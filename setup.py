@@ -39,7 +39,8 @@ setup(
                            sources=[f"graphalloc/plan/{name}.c" for name in (
                                "_cplan", "_cplan_core", "_cplan_frees", "_cplan_alloc",
                                "_cplan_states")],
-                           depends=["graphalloc/plan/_cplan.h"],
+                           depends=["graphalloc/plan/_cplan.h",
+                                    "graphalloc/plan/_cplan_refusals.h"],
                            extra_compile_args=["-O3", "-fwrapv"], optional=True)],
     cmdclass={"build_ext": OptionalBuildExt},
 )

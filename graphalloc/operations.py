@@ -39,7 +39,7 @@ from .errors import (
 )
 from .inputs import as_index, as_rows
 from .plan.frees import split_release_rows
-from .plan.refusals import SHORTAGE_CODES
+from .plan.refusals import Kind, Refusal, RefusalCode, to_error
 from .plan.step import KINDS, Step
 from .state.queries import HandleInfo
 
@@ -124,7 +124,7 @@ def dry_run(alloc, step, use_group, oversize):
 
 def is_shortage(exc: ContractError) -> bool:
     refusal = getattr(exc, "refusal", None)
-    return refusal is not None and refusal[0] in SHORTAGE_CODES
+    return refusal is not None and RefusalCode(refusal[0]).shortage
 
 
 def try_step(alloc, step: Step):
@@ -226,8 +226,8 @@ def free_row(alloc, reserved=()) -> int:
         taken[as_rows(reserved, alloc.config.max_reqs, "free_row reserved rows")] = True
     free = np.flatnonzero(~taken)
     if not len(free):
-        raise CapacityError(f"all {alloc.config.max_reqs} request rows are in use (or "
-                            "reserved); release one first")
+        raise to_error(Refusal(RefusalCode.NO_FREE_ROW, Kind.ADMIT, -1, 0,
+                               alloc.config.max_reqs))
     return int(free[0])
 
 

@@ -65,7 +65,13 @@ class GraphallocError(Exception):
 
 
 class ContractError(GraphallocError, ValueError):
-    """A host-side contract was violated. Nothing was changed."""
+    """A host-side contract was violated. Nothing was changed.
+
+    ``refusal``: the planner's refusal behind the error (a
+    :class:`graphalloc.plan.refusals.RefusalInfo`: code, kind, row, value, limit), or None
+    when the error was raised before planning (a malformed input, a configuration)."""
+
+    refusal = None  # set on errors made from a planner's refusal (plan.refusals.to_error)
 
 
 class ConfigError(ContractError):

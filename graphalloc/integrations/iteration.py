@@ -37,19 +37,24 @@ import numpy as np
 
 from ..allocator import HybridAllocator
 from ..errors import BatchTooLargeError, CapacityError, ConfigError, ContractError
+from ..plan.refusals import RefusalCode
 from ..plan.step import EMPTY, Step
 from ..sharing.prefix_cache import page_keys
 
 __all__ = ["IterationStep", "Ints"]
 
-_SHORT = frozenset({28, 36, 43, 45})  # "not now": pages, request rows or state slots short
-_SHAPE = 35  # the frozen step shape
+_SHAPE = RefusalCode.STEP_OVER_SHAPE  # the frozen step shape
 
 
-def refusal_code(exc: ContractError) -> int:
-    """The planner's refusal code carried by a typed error (0 when none)."""
-    refusal = getattr(exc, "refusal", None)
-    return 0 if refusal is None else int(refusal[0])
+def refusal_code(exc: ContractError) -> RefusalCode | None:
+    """The planner's refusal code carried by a typed error (None when none)."""
+    refusal = exc.refusal
+    return None if refusal is None else refusal.code
+
+
+def _short_of_room(exc: ContractError) -> bool:
+    """Refused for lack of pages, request rows or state slots (frees can make room)."""
+    return exc.refusal is not None and exc.refusal.code.room
 
 
 class Ints:
@@ -321,10 +326,9 @@ class IterationStep:
         try:
             planned = alloc.plan(step)
         except (BatchTooLargeError, CapacityError) as exc:
-            code = refusal_code(exc)
-            if code in _SHORT:
+            if _short_of_room(exc):
                 return None
-            if code != _SHAPE or not self.has_frees():
+            if refusal_code(exc) != _SHAPE or not self.has_frees():
                 raise
             return self._run_split(call, before)
         result = alloc.run(planned)
@@ -344,7 +348,7 @@ class IterationStep:
                                admit_on=whole.admit_on, decode=whole.decode,
                                extend=whole.extend))
         except (BatchTooLargeError, CapacityError) as exc:
-            if refusal_code(exc) not in _SHORT:  # short of pages the frees give back: fine
+            if not _short_of_room(exc):  # short of pages the frees give back: fine
                 raise
         if self.take_h.n:
             alloc.step(take=(self.take_h.view(), self.take_row.view(), self.take_n.view()))

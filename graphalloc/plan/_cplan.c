@@ -299,12 +299,12 @@ static int plan_kinds(Planner *P, Plan *S) {
 
 /* reference._finish: the frozen step shape (code 35, shapes 0-3). */
 static int finish(Planner *P, Plan *S) {
-    if (S->n_rel > P->max_rel) return refuse(S, 35, K_STEP, 0, S->n_rel, P->max_rel);
+    if (S->n_rel > P->max_rel) return refuse(S, R_STEP_OVER_SHAPE, K_STEP, 0, S->n_rel, P->max_rel);
     if (S->n_rel_pages > P->max_step_pages)
-        return refuse(S, 35, K_STEP, 1, S->n_rel_pages, P->max_step_pages);
-    if (S->n_al > P->max_al) return refuse(S, 35, K_STEP, 2, S->n_al, P->max_al);
+        return refuse(S, R_STEP_OVER_SHAPE, K_STEP, 1, S->n_rel_pages, P->max_step_pages);
+    if (S->n_al > P->max_al) return refuse(S, R_STEP_OVER_SHAPE, K_STEP, 2, S->n_al, P->max_al);
     if (S->n_tokens > P->max_step_tokens)
-        return refuse(S, 35, K_STEP, 3, S->n_tokens, P->max_step_tokens);
+        return refuse(S, R_STEP_OVER_SHAPE, K_STEP, 3, S->n_tokens, P->max_step_tokens);
     return 0;
 }
 
@@ -622,7 +622,7 @@ static struct PyModuleDef cplan_module = {
 };
 
 /* The constants this build was compiled with, for compiled.py's check against
- * kernels/abi.py, state/references.py, Ledger.SPEC_DEPTH and refusals.KIND_NAMES. */
+ * kernels/abi.py, state/references.py and Ledger.SPEC_DEPTH. */
 static PyObject *abi_dict(void) {
     static const struct { const char *name; int value; } table[] = {
         {"ROW_WIDTH", ROW_WIDTH}, {"REL_REQ", REL_REQ}, {"REL_START_POS", REL_START_POS},
@@ -643,12 +643,6 @@ static PyObject *abi_dict(void) {
         {"ST_N_TABLE", ST_N_TABLE},
         {"ACT_NONE", ACT_NONE}, {"ACT_FULL", ACT_FULL}, {"ACT_SWA", ACT_SWA},
         {"ACT_BOTH", ACT_BOTH}, {"SPEC_DEPTH", SPEC_DEPTH}, {"N_FIELDS", N_FIELDS},
-        {"K_TAKE", K_TAKE}, {"K_RELEASE", K_RELEASE}, {"K_COMMIT", K_COMMIT},
-        {"K_TRIM", K_TRIM}, {"K_EVICT", K_EVICT}, {"K_ADVANCE", K_ADVANCE},
-        {"K_DROP", K_DROP}, {"K_DROP_SWA", K_DROP_SWA}, {"K_ADMIT", K_ADMIT},
-        {"K_ADMIT_ON", K_ADMIT_ON}, {"K_DECODE", K_DECODE}, {"K_EXTEND", K_EXTEND},
-        {"K_LOAD_BACK", K_LOAD_BACK}, {"K_STEP", K_STEP}, {"K_RECLAIM", K_RECLAIM},
-        {"N_KINDS", N_KINDS},
     };
     PyObject *abi = PyDict_New();
     for (size_t i = 0; abi && i < sizeof table / sizeof table[0]; i++) {
@@ -662,6 +656,22 @@ static PyObject *abi_dict(void) {
     return abi;
 }
 
+/* The names of refusals.Kind and refusals.RefusalCode as this build knows them
+ * (_cplan_refusals.h): compared with the enums at import (compiled.py). */
+static PyObject *refusal_dict(void) {
+    static const struct { const char *name; int value; } table[] = { REFUSAL_TABLE };
+    PyObject *d = PyDict_New();
+    for (size_t i = 0; d && i < sizeof table / sizeof table[0]; i++) {
+        PyObject *v = PyLong_FromLong(table[i].value);
+        if (!v || PyDict_SetItemString(d, table[i].name, v) < 0) {
+            Py_XDECREF(v); Py_CLEAR(d);
+        } else {
+            Py_DECREF(v);
+        }
+    }
+    return d;
+}
+
 PyMODINIT_FUNC PyInit__cplan(void) {
     if (PyType_Ready(&PlannerType) < 0) return NULL;
     PyObject *m = PyModule_Create(&cplan_module);
@@ -672,6 +682,10 @@ PyMODINIT_FUNC PyInit__cplan(void) {
         Py_DECREF(&PlannerType); Py_XDECREF(abi); Py_DECREF(m); return NULL;
     }
     if (!abi || PyModule_AddObject(m, "ABI", abi) < 0) { Py_XDECREF(abi); Py_DECREF(m); return NULL; }
+    PyObject *refusals = refusal_dict();
+    if (!refusals || PyModule_AddObject(m, "REFUSALS", refusals) < 0) {
+        Py_XDECREF(refusals); Py_DECREF(m); return NULL;
+    }
     PyObject *fields = Py_BuildValue("(sssssssssssssssssssssssss)", "take_handle", "take_row",
         "take_tokens", "release", "commit_row", "commit_n", "trim_row", "trim_len", "evict",
         "evict_all", "advance_row", "advance_pos", "drop", "drop_swa", "admit", "admit_on_row",

@@ -53,9 +53,8 @@ enum { ST_KIND, ST_A, ST_B };
 #define ACT_BOTH 3
 #define SPEC_DEPTH 2 /* Ledger.SPEC_DEPTH */
 
-/* refusals.KIND_NAMES, by id */
-enum { K_TAKE, K_RELEASE, K_COMMIT, K_TRIM, K_EVICT, K_ADVANCE, K_DROP, K_DROP_SWA, K_ADMIT,
-       K_ADMIT_ON, K_DECODE, K_EXTEND, K_LOAD_BACK, K_STEP, K_RECLAIM, N_KINDS };
+/* Kind and RefusalCode (graphalloc/plan/refusals.py), emitted from the enums */
+#include "_cplan_refusals.h"
 
 /* StepArrays fields, in its order (evict_all is an int) */
 enum { A_TAKE_H, A_TAKE_R, A_TAKE_N, A_RELEASE, A_COMMIT_R, A_COMMIT_N, A_TRIM_R, A_TRIM_L,

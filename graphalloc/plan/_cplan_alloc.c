@@ -39,19 +39,22 @@ int plan_take(Planner *P, Plan *S) {
     const int64_t *h = S->a[A_TAKE_H], *rows = S->a[A_TAKE_R], *tok = S->a[A_TAKE_N];
     Py_ssize_t n = S->n[A_TAKE_H];
     if (!n) return 0;
-    if (P->ring_mode) return refuse(S, 9, K_TAKE, 0, 0, 0);
+    if (P->ring_mode) return refuse(S, R_SHARING_NEEDS_POOL_MODE, K_TAKE_HANDLE, 0, 0, 0);
     for (Py_ssize_t i = 0; i < n; i++)
-        if (h[i] < 0 || h[i] >= P->n_handles) return refuse(S, 5, K_TAKE, h[i], 0, P->n_handles);
+        if (h[i] < 0 || h[i] >= P->n_handles)
+            return refuse(S, R_HANDLE_NOT_HELD, K_TAKE_HANDLE, h[i], 0, P->n_handles);
     for (Py_ssize_t i = 0; i < n; i++)
-        if (P->h_live[h[i]]) return refuse(S, 8, K_TAKE, h[i], 0, 0);
+        if (P->h_live[h[i]]) return refuse(S, R_HANDLE_HELD, K_TAKE_HANDLE, h[i], 0, 0);
     Py_ssize_t rep = first_repeat(&P->seen_h, h, n);
-    if (rep >= 0) return refuse(S, 7, K_TAKE, h[rep], 0, 0);
-    TRY(live_rows(P, S, rows, n, K_TAKE, 1));
+    if (rep >= 0) return refuse(S, R_HANDLE_REPEATED, K_TAKE_HANDLE, h[rep], 0, 0);
+    TRY(live_rows(P, S, rows, n, K_TAKE_HANDLE, 1));
     for (Py_ssize_t i = 0; i < n; i++)
-        if (PMOD(P, tok[i]) != 0) return refuse(S, 10, K_TAKE, rows[i], tok[i], P->ps);
+        if (PMOD(P, tok[i]) != 0)
+            return refuse(S, R_NOT_WHOLE_PAGES, K_TAKE_HANDLE, rows[i], tok[i], P->ps);
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t limit = imin(len_at_start(P, rows[i]), P->comm[rows[i]]);
-        if (tok[i] <= 0 || tok[i] > limit) return refuse(S, 11, K_TAKE, rows[i], tok[i], limit);
+        if (tok[i] <= 0 || tok[i] > limit)
+            return refuse(S, R_TAKE_PAST_COMMITTED, K_TAKE_HANDLE, rows[i], tok[i], limit);
     }
     if (P->has_states) TRY(states_take(P, S, h, rows, tok, n));
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -74,7 +77,7 @@ int plan_admit(Planner *P, Plan *S) {
     if (!n) return 0;
     int64_t R = P->ring_pages;
     if (P->ring_mode && R * n > S->nfree[1])
-        return refuse(S, 30, K_ADMIT, rows[0], S->nfree[1], R * n);
+        return refuse(S, R_RING_ADMIT_SHORT, K_ADMIT, rows[0], S->nfree[1], R * n);
     if (P->has_states) TRY(states_admit(P, S, rows, n, K_ADMIT));
     reset_rows(P, rows, n, 1);
     for (Py_ssize_t i = 0; i < n; i++) P->rflags[rows[i]] |= F_ADMITTED;
@@ -101,16 +104,16 @@ int plan_admit_on(Planner *P, Plan *S) {
     const int64_t *rows = S->a[A_ON_R], *h = S->a[A_ON_H], *nt = S->a[A_ON_N];
     Py_ssize_t n = S->n[A_ON_R];
     if (!n) return 0;
-    if (P->ring_mode) return refuse(S, 9, K_ADMIT_ON, 0, 0, 0);
+    if (P->ring_mode) return refuse(S, R_SHARING_NEEDS_POOL_MODE, K_ADMIT_ON, 0, 0, 0);
     TRY(free_rows(P, S, rows, n, K_ADMIT_ON));
     TRY(live_handles(P, S, h, n, K_ADMIT_ON, 1));
     int64_t *m = P->x_lane;
     for (Py_ssize_t i = 0; i < n; i++) m[i] = nt[i] < 0 ? P->h_len[h[i]] : nt[i];
     for (Py_ssize_t i = 0; i < n; i++)
-        if (PMOD(P, m[i]) != 0) return refuse(S, 10, K_ADMIT_ON, h[i], m[i], P->ps);
+        if (PMOD(P, m[i]) != 0) return refuse(S, R_NOT_WHOLE_PAGES, K_ADMIT_ON, h[i], m[i], P->ps);
     for (Py_ssize_t i = 0; i < n; i++)
         if (m[i] <= 0 || m[i] > P->h_len[h[i]])
-            return refuse(S, 12, K_ADMIT_ON, h[i], m[i], P->h_len[h[i]]);
+            return refuse(S, R_SHARE_PAST_HANDLE, K_ADMIT_ON, h[i], m[i], P->h_len[h[i]]);
     if (P->has_states) TRY(states_admit_on(P, S, rows, h, m, n));
     reset_rows(P, rows, n, 1);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -130,24 +133,27 @@ static int extend_rules(Planner *P, Plan *S, const int64_t *rows, const int64_t 
                         const int64_t *spec_flags, Py_ssize_t n, int kind) {
     for (Py_ssize_t i = 0; i < n; i++) {
         uint8_t f = P->rflags[rows[i]];
-        if (f & F_ALLOCATED) return refuse(S, (f & F_RING_ADMITTED) ? 23 : 22, kind, rows[i], 0, 0);
+        if (f & F_ALLOCATED)
+            return refuse(S, (f & F_RING_ADMITTED) ? R_RING_ADMIT_ALLOCATES
+                                                   : R_ROW_ALLOCATES_TWICE, kind, rows[i], 0, 0);
     }
     for (Py_ssize_t i = 0; i < n; i++)
         if (spec_flags && spec_flags[i] && P->spec[rows[i] * SPEC_DEPTH + SPEC_DEPTH - 1])
-            return refuse(S, 24, kind, rows[i], 0, SPEC_DEPTH);
+            return refuse(S, R_SPECULATION_TOO_DEEP, kind, rows[i], 0, SPEC_DEPTH);
     for (Py_ssize_t i = 0; i < n; i++) {
         const int64_t *sp = P->spec + rows[i] * SPEC_DEPTH;
         if ((spec_flags && spec_flags[i]) || !sp[0]) continue;
         int64_t tail = 0;
         for (int j = 0; j < SPEC_DEPTH; j++) tail += sp[j];
-        return refuse(S, 25, kind, rows[i], tail, 0);
+        return refuse(S, R_SPECULATIVE_TAIL_PENDING, kind, rows[i], tail, 0);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t end = P->seq[rows[i]] + ntok[i];
-        if (end > P->max_ctx) return refuse(S, 26, kind, rows[i], end, P->max_ctx);
+        if (end > P->max_ctx) return refuse(S, R_PAST_CONTEXT, kind, rows[i], end, P->max_ctx);
     }
     for (Py_ssize_t i = 0; i < n; i++)
-        if (ntok[i] > P->max_tok_row) return refuse(S, 27, kind, rows[i], ntok[i], P->max_tok_row);
+        if (ntok[i] > P->max_tok_row)
+            return refuse(S, R_ROW_OVER_TOKEN_SHAPE, kind, rows[i], ntok[i], P->max_tok_row);
     return 0;
 }
 
@@ -227,13 +233,16 @@ int plan_extend(Planner *P, Plan *S, const int64_t *rows, const int64_t *ntok,
     int64_t need_swa = P->ring_mode ? 0 : need;
     if ((need > S->nfree[0] || need_swa > S->nfree[1]) && S->reclaim)
         TRY(plan_reclaim(P, S, need, need_swa, 0));
-    if (need > S->nfree[0]) return refuse(S, 28, kind, 0, need - S->nfree[0], S->nfree[0]);
-    if (need_swa > S->nfree[1]) return refuse(S, 28, kind, 1, need_swa - S->nfree[1], S->nfree[1]);
+    if (need > S->nfree[0])
+        return refuse(S, R_PAGES_SHORT, kind, 0, need - S->nfree[0], S->nfree[0]);
+    if (need_swa > S->nfree[1])
+        return refuse(S, R_PAGES_SHORT, kind, 1, need_swa - S->nfree[1], S->nfree[1]);
     if (P->ring_mode) {
         for (Py_ssize_t i = 0; i < n; i++) {
             int64_t r = rows[i];
             int64_t span = PCEIL(P, P->seq[r] + ntok[i]) - PDIV(P, P->front[r]);
-            if (span > P->ring_pages) return refuse(S, 29, kind, r, span, P->ring_pages);
+            if (span > P->ring_pages)
+                return refuse(S, R_RING_SPAN_TOO_LONG, kind, r, span, P->ring_pages);
         }
     }
     if (P->has_states) TRY(states_speculative(P, S, rows, ntok, spec_flags, n, kind));
@@ -247,12 +256,15 @@ static int load_back_rules(Planner *P, Plan *S, const int64_t *rows, const int64
                            Py_ssize_t n, int64_t *need) {
     const int k = K_LOAD_BACK;
     for (Py_ssize_t i = 0; i < n; i++)
-        if (P->rflags[rows[i]] & F_ALLOCATED) return refuse(S, 22, k, rows[i], 0, 0);
+        if (P->rflags[rows[i]] & F_ALLOCATED)
+            return refuse(S, R_ROW_ALLOCATES_TWICE, k, rows[i], 0, 0);
     for (Py_ssize_t i = 0; i < n; i++)
-        if (PMOD(P, pos[i]) != 0) return refuse(S, 19, k, rows[i], pos[i], P->ps);
+        if (PMOD(P, pos[i]) != 0)
+            return refuse(S, R_FRONTIER_NOT_ALIGNED, k, rows[i], pos[i], P->ps);
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t old = P->front[rows[i]];
-        if (pos[i] < 0 || pos[i] > old) return refuse(S, 32, k, rows[i], pos[i], old);
+        if (pos[i] < 0 || pos[i] > old)
+            return refuse(S, R_LOAD_BACK_OUTSIDE_FRONTIER, k, rows[i], pos[i], old);
     }
     uint32_t g = stamp_next(&P->seen_page);  /* pages an earlier row of the step loads back */
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -260,17 +272,19 @@ static int load_back_rules(Planner *P, Plan *S, const int64_t *rows, const int64
         int64_t lo = PDIV(P, pos[i]), hi = PDIV(P, P->front[rows[i]]);
         for (int64_t q = lo; q < hi; q++) {
             if (P->swa_of[prow[q]] || P->seen_page.mark[prow[q]] == g)
-                return refuse(S, 33, k, rows[i], pos[i] + (q - lo) * P->ps, 0);
+                return refuse(S, R_LOAD_BACK_MAPPED_PAGE, k, rows[i], pos[i] + (q - lo) * P->ps, 0);
             P->seen_page.mark[prow[q]] = g;
         }
     }
     *need = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t len = (P->front[rows[i]] - pos[i]);  /* (old - new) // ps * ps: aligned */
-        if (len > P->max_tok_row) return refuse(S, 34, k, rows[i], len, P->max_tok_row);
+        if (len > P->max_tok_row)
+            return refuse(S, R_LOAD_BACK_OVER_TOKEN_SHAPE, k, rows[i], len, P->max_tok_row);
         *need += PDIV(P, len);
     }
-    if (*need > S->nfree[1]) return refuse(S, 28, k, 1, *need - S->nfree[1], S->nfree[1]);
+    if (*need > S->nfree[1])
+        return refuse(S, R_PAGES_SHORT, k, 1, *need - S->nfree[1], S->nfree[1]);
     return 0;
 }
 
@@ -280,7 +294,7 @@ int plan_load_back(Planner *P, Plan *S) {
     const int64_t *rows = S->a[A_LOAD_R], *pos = S->a[A_LOAD_P];
     Py_ssize_t n = S->n[A_LOAD_R];
     if (!n) return 0;
-    if (P->ring_mode) return refuse(S, 31, K_LOAD_BACK, 0, 0, 0);
+    if (P->ring_mode) return refuse(S, R_LOAD_BACK_IN_RING_MODE, K_LOAD_BACK, 0, 0, 0);
     TRY(live_rows(P, S, rows, n, K_LOAD_BACK, 0));
     int64_t need, spop = 0, before = 0, lane = S->n_tokens;
     TRY(load_back_rules(P, S, rows, pos, n, &need));
@@ -341,14 +355,16 @@ int check_lanes(Planner *P, Plan *S, int64_t *totals) {
     for (Py_ssize_t i = 0; i < ne; i++) {
         if (S->a[A_EXT_N][i] > 0) P->t_rows[n - nd] = i, n++;
     }
-    if (n > B) return refuse(S, 35, K_STEP, 4, n, B);
+    if (n > B) return refuse(S, R_STEP_OVER_SHAPE, K_STEP, 4, n, B);
     int64_t v[ROW_WIDTH], full = 0, swa = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         lane_values(P, S, i < nd ? i : nd + P->t_rows[i - nd], v);
         full += v[PT_END_PAGE]; swa += v[PT_END_PAGE] - v[PT_SWA_FIRST];
     }
-    if (full > P->max_full_idx && P->csr_full) return refuse(S, 35, K_STEP, 5, full, P->max_full_idx);
-    if (swa > P->max_swa_idx && P->csr_swa) return refuse(S, 35, K_STEP, 6, swa, P->max_swa_idx);
+    if (full > P->max_full_idx && P->csr_full)
+        return refuse(S, R_STEP_OVER_SHAPE, K_STEP, 5, full, P->max_full_idx);
+    if (swa > P->max_swa_idx && P->csr_swa)
+        return refuse(S, R_STEP_OVER_SHAPE, K_STEP, 6, swa, P->max_swa_idx);
     totals[0] = full; totals[1] = swa; totals[2] = n;
     return 0;
 }

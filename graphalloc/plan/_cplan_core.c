@@ -63,11 +63,11 @@ int live_rows(Planner *P, Plan *S, const int64_t *rows, Py_ssize_t n, int kind, 
         if (P->live[r] && !(excl && excl[r])) continue;
         int state = (excl && excl[r]) ? 3 : (P->rflags[r] & F_RELEASED) ? 2
                     : P->admitted_once[r] ? 1 : 0;
-        return refuse(S, 1, kind, r, state, 0);
+        return refuse(S, R_ROW_NOT_LIVE, kind, r, state, 0);
     }
     if (!repeats) {
         Py_ssize_t i = first_repeat(&P->seen_row, rows, n);
-        if (i >= 0) return refuse(S, 2, kind, rows[i], 0, 0);
+        if (i >= 0) return refuse(S, R_ROW_REPEATED, kind, rows[i], 0, 0);
     }
     return 0;
 }
@@ -81,12 +81,12 @@ int free_rows(Planner *P, Plan *S, const int64_t *rows, Py_ssize_t n, int kind) 
         int64_t r = rows[i];
         uint8_t f = P->rflags[r];
         if (!(P->live[r] || (f & (F_RELEASED | F_ADMITTED)) || (excl && excl[r]))) continue;
-        if (f & F_ADMITTED) return refuse(S, 4, kind, r, 0, 0);
+        if (f & F_ADMITTED) return refuse(S, R_ROW_ADMITTED_TWICE, kind, r, 0, 0);
         int state = (excl && excl[r]) ? 2 : (f & F_RELEASED) ? 1 : 0;
-        return refuse(S, 3, kind, r, state, 0);
+        return refuse(S, R_ROW_NOT_FREE, kind, r, state, 0);
     }
     Py_ssize_t i = first_repeat(&P->seen_row, rows, n);
-    if (i >= 0) return refuse(S, 4, kind, rows[i], 0, 0);
+    if (i >= 0) return refuse(S, R_ROW_ADMITTED_TWICE, kind, rows[i], 0, 0);
     return 0;
 }
 
@@ -94,22 +94,23 @@ int free_rows(Planner *P, Plan *S, const int64_t *rows, Py_ssize_t n, int kind) 
  * (6), each once unless `repeats` (7). Rule-major. */
 int live_handles(Planner *P, Plan *S, const int64_t *h, Py_ssize_t n, int kind, int repeats) {
     if (!n) return 0;
-    if (P->ring_mode) return refuse(S, 9, kind, 0, 0, 0);
+    if (P->ring_mode) return refuse(S, R_SHARING_NEEDS_POOL_MODE, kind, 0, 0, 0);
     int64_t nh = P->n_handles;
     for (Py_ssize_t i = 0; i < n; i++)
-        if (h[i] < 0 || h[i] >= nh) return refuse(S, 5, kind, h[i], 0, nh);
+        if (h[i] < 0 || h[i] >= nh) return refuse(S, R_HANDLE_NOT_HELD, kind, h[i], 0, nh);
     const uint8_t *excl = S->excl_h;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t x = h[i];
         int dropped = (P->hflags[x] & H_DROPPED) != 0, ex = excl && excl[x];
         if (P->h_live[x] && !dropped && !ex) continue;
-        return refuse(S, 5, kind, x, ex ? 2 : dropped ? 3 : 1, nh);
+        return refuse(S, R_HANDLE_NOT_HELD, kind, x, ex ? 2 : dropped ? 3 : 1, nh);
     }
     for (Py_ssize_t i = 0; i < n; i++)
-        if (P->hflags[h[i]] & H_WRITTEN) return refuse(S, 6, kind, h[i], 0, 0);
+        if (P->hflags[h[i]] & H_WRITTEN)
+            return refuse(S, R_HANDLE_WRITTEN_THIS_STEP, kind, h[i], 0, 0);
     if (!repeats) {
         Py_ssize_t i = first_repeat(&P->seen_h, h, n);
-        if (i >= 0) return refuse(S, 7, kind, h[i], 0, 0);
+        if (i >= 0) return refuse(S, R_HANDLE_REPEATED, kind, h[i], 0, 0);
     }
     return 0;
 }

@@ -65,10 +65,12 @@ int plan_commit(Planner *P, Plan *S) {
     TRY(live_rows(P, S, rows, n, K_COMMIT, 0));
     if (!n) return 0;
     for (Py_ssize_t i = 0; i < n; i++)
-        if (P->spec[rows[i] * SPEC_DEPTH] == 0) return refuse(S, 13, K_COMMIT, rows[i], 0, 0);
+        if (P->spec[rows[i] * SPEC_DEPTH] == 0)
+            return refuse(S, R_NO_SPECULATIVE_STEP, K_COMMIT, rows[i], 0, 0);
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t oldest = P->spec[rows[i] * SPEC_DEPTH];
-        if (cn[i] > oldest) return refuse(S, 14, K_COMMIT, rows[i], cn[i], oldest);
+        if (cn[i] > oldest)
+            return refuse(S, R_ACCEPTED_PAST_STEP, K_COMMIT, rows[i], cn[i], oldest);
     }
     int64_t *new_len = P->t_a, *committed = P->t_b;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -103,18 +105,21 @@ static int64_t shared_end(const Planner *P, int64_t row) {
 static int trim_rules(Planner *P, Plan *S, const int64_t *rows, const int64_t *nl,
                       Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++)
-        if (nl[i] < 0) return refuse(S, 15, K_TRIM, rows[i], nl[i], 0);
+        if (nl[i] < 0) return refuse(S, R_NEGATIVE_LENGTH, K_TRIM, rows[i], nl[i], 0);
     for (Py_ssize_t i = 0; i < n; i++)
-        if (nl[i] > P->seq[rows[i]]) return refuse(S, 16, K_TRIM, rows[i], nl[i], P->seq[rows[i]]);
+        if (nl[i] > P->seq[rows[i]])
+            return refuse(S, R_TRIM_LENGTHENS, K_TRIM, rows[i], nl[i], P->seq[rows[i]]);
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t f = P->front[rows[i]];
-        if (f > 0 && nl[i] < f + P->window) return refuse(S, 17, K_TRIM, rows[i], nl[i], f + P->window);
+        if (f > 0 && nl[i] < f + P->window)
+            return refuse(S, R_TRIM_BELOW_WINDOW, K_TRIM, rows[i], nl[i], f + P->window);
     }
     if (!P->ring_mode) {
         for (Py_ssize_t i = 0; i < n; i++) {
             if (PMOD(P, nl[i]) == 0) continue;
             int64_t end = shared_end(P, rows[i]);
-            if (nl[i] < end) return refuse(S, 18, K_TRIM, rows[i], nl[i], end);
+            if (nl[i] < end)
+                return refuse(S, R_TRIM_INSIDE_SHARED_PAGE, K_TRIM, rows[i], nl[i], end);
         }
     }
     return 0;
@@ -153,12 +158,15 @@ int plan_advance(Planner *P, Plan *S, const int64_t *rows, const int64_t *pos, P
     if (!checked) TRY(live_rows(P, S, rows, n, kind, 0));
     if (!n) return 0;
     for (Py_ssize_t i = 0; i < n; i++)
-        if (PMOD(P, pos[i]) != 0) return refuse(S, 19, kind, rows[i], pos[i], P->ps);
+        if (PMOD(P, pos[i]) != 0)
+            return refuse(S, R_FRONTIER_NOT_ALIGNED, kind, rows[i], pos[i], P->ps);
     for (Py_ssize_t i = 0; i < n; i++)
-        if (pos[i] < P->front[rows[i]]) return refuse(S, 20, kind, rows[i], pos[i], P->front[rows[i]]);
+        if (pos[i] < P->front[rows[i]])
+            return refuse(S, R_FRONTIER_BACKWARDS, kind, rows[i], pos[i], P->front[rows[i]]);
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t r = rows[i], limit = PFLOOR(P, imin(len_at_start(P, r), P->comm[r]));
-        if (pos[i] > limit) return refuse(S, 21, kind, rows[i], pos[i], limit);
+        if (pos[i] > limit)
+            return refuse(S, R_FRONTIER_PAST_COMMITTED, kind, rows[i], pos[i], limit);
     }
     Py_ssize_t m = 0;  /* the rows that move */
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -242,8 +250,8 @@ int plan_drops(Planner *P, Plan *S) {
     const int64_t *d = S->a[A_DROP], *ds = S->a[A_DROP_SWA];
     Py_ssize_t nd = S->n[A_DROP], ns = S->n[A_DROP_SWA], n = nd + ns;
     if (!n) return 0;
-    TRY(live_handles(P, S, d, nd, K_DROP, 0));
-    TRY(live_handles(P, S, ds, ns, K_DROP_SWA, 0));
+    TRY(live_handles(P, S, d, nd, K_DROP_HANDLE, 0));
+    TRY(live_handles(P, S, ds, ns, K_DROP_HANDLE_SWA, 0));
     int64_t *both = P->spare;
     uint8_t *flags = P->spare_flags;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -251,7 +259,7 @@ int plan_drops(Planner *P, Plan *S) {
         flags[i] = i >= nd;
     }
     Py_ssize_t i = first_repeat(&P->seen_h, both, n);
-    if (i >= 0) return refuse(S, 7, K_DROP_SWA, both[i], 0, 0);
+    if (i >= 0) return refuse(S, R_HANDLE_REPEATED, K_DROP_HANDLE_SWA, both[i], 0, 0);
     return drop_handles(P, S, both, flags, n);
 }
 

@@ -69,7 +69,7 @@ static int copy_slot(Planner *P, Plan *S, int64_t src, int64_t dst) {
  * offered entries were dropped (their snapshots come back). */
 int states_need(Planner *P, Plan *S, int64_t n, int kind, int64_t row) {
     if (n > S->nfree[2] && S->reclaim) TRY(plan_reclaim(P, S, 0, 0, n));
-    if (n > S->nfree[2]) return refuse(S, 43, kind, row, n, S->nfree[2]);
+    if (n > S->nfree[2]) return refuse(S, R_STATE_SLOTS_SHORT, kind, row, n, S->nfree[2]);
     return 0;
 }
 
@@ -79,9 +79,10 @@ int states_take(Planner *P, Plan *S, const int64_t *h, const int64_t *rows, cons
                 Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t limit = imin(len_at_start(P, rows[i]), P->comm[rows[i]]);
-        if (tok[i] != limit) return refuse(S, 41, K_TAKE, rows[i], tok[i], limit);
+        if (tok[i] != limit)
+            return refuse(S, R_STATE_TAKE_NOT_AT_COMMITTED, K_TAKE_HANDLE, rows[i], tok[i], limit);
     }
-    TRY(states_need(P, S, n, K_TAKE, rows[0]));
+    TRY(states_need(P, S, n, K_TAKE_HANDLE, rows[0]));
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t slot = pop_slot(P, S), src = P->state_slot[rows[i]];
         TRY(set_slot(P, S, P->max_reqs + h[i], slot));
@@ -131,7 +132,8 @@ int states_commit(Planner *P, Plan *S, int64_t r, int64_t n_accepted, int64_t ol
 int states_trim(Planner *P, Plan *S, const int64_t *rows, const int64_t *new_len, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++)
         if (new_len[i] < P->comm[rows[i]])
-            return refuse(S, 42, K_TRIM, rows[i], new_len[i], P->comm[rows[i]]);
+            return refuse(S, R_STATE_TRIM_BELOW_COMMITTED,
+                          K_TRIM, rows[i], new_len[i], P->comm[rows[i]]);
     return 0;
 }
 
@@ -166,7 +168,8 @@ int states_admit_on(Planner *P, Plan *S, const int64_t *rows, const int64_t *h,
                     const int64_t *n_tokens, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++)
         if (n_tokens[i] != P->h_len[h[i]])
-            return refuse(S, 40, K_ADMIT_ON, h[i], n_tokens[i], P->h_len[h[i]]);
+            return refuse(S, R_STATE_SHARE_NOT_AT_SNAPSHOT,
+                          K_ADMIT_ON, h[i], n_tokens[i], P->h_len[h[i]]);
     TRY(states_need(P, S, n, K_ADMIT_ON, rows[0]));
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t src = P->state_slot[P->max_reqs + h[i]];
@@ -188,7 +191,7 @@ int states_speculative(Planner *P, Plan *S, const int64_t *rows, const int64_t *
     for (Py_ssize_t i = 0; i < n; i++) {
         if (!spec_flags[i]) continue;
         if (first < 0) first = i;
-        if (ntok[i] > P->K) return refuse(S, 44, kind, rows[i], ntok[i], P->K);
+        if (ntok[i] > P->K) return refuse(S, R_STATE_SPEC_OVER_SHAPE, kind, rows[i], ntok[i], P->K);
     }
     if (first < 0) return 0;
     for (Py_ssize_t i = 0; i < n; i++) total += spec_flags[i] ? ntok[i] : 0;
@@ -256,7 +259,8 @@ int states_check(Planner *P, Plan *S) {
         }
         for (Py_ssize_t c = 0; c < S->n_copy; c++) {
             int64_t dst = P->st_copy[2 * c + 1];
-            if (P->seen_slot.mark[dst] == g) return refuse(S, 45, K_ADMIT_ON, 0, dst, 0);
+            if (P->seen_slot.mark[dst] == g)
+                return refuse(S, R_STATE_COPY_SOURCE_BUSY, K_ADMIT_ON, 0, dst, 0);
         }
     }
     uint32_t g = stamp_next(&P->seen_index);

@@ -49,7 +49,7 @@ from ..kernels.abi import (
 from . import states
 from .context import PlanContext, first_repeat
 from .frees import drop_handles
-from .refusals import Refusal, kind_id
+from .refusals import Kind, Refusal, RefusalCode, kind_id
 
 __all__ = ["take", "admit", "admit_on", "extend", "load_back"]
 
@@ -87,29 +87,29 @@ def take(ctx: PlanContext, handles: np.ndarray, rows: np.ndarray, n: np.ndarray)
     ``[0, n)``, SWA ``[min(frontier, n), n)``."""
     if not len(handles):
         return
-    k = kind_id("take_handle")
+    k = Kind.TAKE_HANDLE
     cfg, led, ps = ctx.config, ctx.ledger, ctx.ps
     if cfg.ring_mode:
-        raise Refusal(9, k)
+        raise Refusal(RefusalCode.SHARING_NEEDS_POOL_MODE, k)
     n_h = led.n_handles
     out = (handles < 0) | (handles >= n_h)
     if out.any():
-        raise Refusal(5, k, int(handles[np.flatnonzero(out)[0]]), 0, n_h)
+        raise Refusal(RefusalCode.HANDLE_NOT_HELD, k, int(handles[np.flatnonzero(out)[0]]), 0, n_h)
     held = led.h_live[handles]
     if held.any():
-        raise Refusal(8, k, int(handles[np.flatnonzero(held)[0]]))
+        raise Refusal(RefusalCode.HANDLE_HELD, k, int(handles[np.flatnonzero(held)[0]]))
     i = first_repeat(handles)
     if i >= 0:
-        raise Refusal(7, k, int(handles[i]))
+        raise Refusal(RefusalCode.HANDLE_REPEATED, k, int(handles[i]))
     ctx.live_rows(rows, "take_handle", repeats=True)  # one row may give several handles
     if (n % ps != 0).any():
         i = int(np.flatnonzero(n % ps)[0])
-        raise Refusal(10, k, int(rows[i]), int(n[i]), ps)
+        raise Refusal(RefusalCode.NOT_WHOLE_PAGES, k, int(rows[i]), int(n[i]), ps)
     limit = np.minimum(ctx.len_at_start[rows], led.committed[rows])
     bad = (n <= 0) | (n > limit)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise Refusal(11, k, int(rows[i]), int(n[i]), int(limit[i]))
+        raise Refusal(RefusalCode.TAKE_PAST_COMMITTED, k, int(rows[i]), int(n[i]), int(limit[i]))
     if ctx.has_states:
         states.take(ctx, handles, rows, n)
     put = ctx.journal.put
@@ -132,7 +132,8 @@ def admit(ctx: PlanContext, rows: np.ndarray) -> None:
     if cfg.ring_mode:
         need = cfg.swa_ring_pages * len(rows)
         if need > led.swa.n_free:
-            raise Refusal(30, kind_id("admit"), int(rows[0]), led.swa.n_free, need)
+            raise Refusal(RefusalCode.RING_ADMIT_SHORT, Kind.ADMIT, int(rows[0]), led.swa.n_free,
+                          need)
     if ctx.has_states:
         states.need(ctx, len(rows), "admit", int(rows[0]))
         states.admit(ctx, rows)
@@ -159,21 +160,21 @@ def admit_on(ctx: PlanContext, rows: np.ndarray, handles: np.ndarray, n: np.ndar
     be recomputed), the same references, the prefix copied into the row on the device."""
     if not len(rows):
         return
-    k = kind_id("admit(handle=)")
+    k = Kind.ADMIT_ON
     cfg, led, ps = ctx.config, ctx.ledger, ctx.ps
     if cfg.ring_mode:
-        raise Refusal(9, k)
+        raise Refusal(RefusalCode.SHARING_NEEDS_POOL_MODE, k)
     rows = ctx.free_rows(rows, "admit(handle=)")
     ctx.live_handles(handles, "admit(handle=)", repeats=True)  # several may share one
     h_len = led.h_len[handles]
     n = np.where(n < 0, h_len, n)
     if (n % ps != 0).any():
         i = int(np.flatnonzero(n % ps)[0])
-        raise Refusal(10, k, int(handles[i]), int(n[i]), ps)
+        raise Refusal(RefusalCode.NOT_WHOLE_PAGES, k, int(handles[i]), int(n[i]), ps)
     bad = (n <= 0) | (n > h_len)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise Refusal(12, k, int(handles[i]), int(n[i]), int(h_len[i]))
+        raise Refusal(RefusalCode.SHARE_PAST_HANDLE, k, int(handles[i]), int(n[i]), int(h_len[i]))
     if ctx.has_states:
         states.admit_on(ctx, rows, handles, n, h_len)
     led.reset_rows(rows, live=True)
@@ -225,25 +226,28 @@ def extend(ctx: PlanContext, rows: np.ndarray, n_tokens: np.ndarray, kind: str,
     busy = ctx.allocated[rows]
     if busy.any():
         r = int(rows[np.flatnonzero(busy)[0]])
-        raise Refusal(23 if ctx.ring_admitted[r] else 22, k, r)
+        raise Refusal(RefusalCode.RING_ADMIT_ALLOCATES if ctx.ring_admitted[r]
+                      else RefusalCode.ROW_ALLOCATES_TWICE, k, r)
     spec = led.spec_steps[rows]
     is_spec = (np.zeros(len(rows), dtype=bool) if speculative is None
                else np.asarray(speculative) != 0)
     full = is_spec & (spec[:, -1] != 0)
     if full.any():
-        raise Refusal(24, k, int(rows[np.flatnonzero(full)[0]]), 0, led.SPEC_DEPTH)
+        raise Refusal(RefusalCode.SPECULATION_TOO_DEEP, k, int(rows[np.flatnonzero(full)[0]]), 0,
+                      led.SPEC_DEPTH)
     tail = ~is_spec & (spec[:, 0] != 0)
     if tail.any():
         i = int(np.flatnonzero(tail)[0])
-        raise Refusal(25, k, int(rows[i]), int(spec[i].sum()))
+        raise Refusal(RefusalCode.SPECULATIVE_TAIL_PENDING, k, int(rows[i]), int(spec[i].sum()))
     start = led.seq_len[rows]
     end = start + n_tokens
     if (end > cfg.max_context_len).any():
         i = int(np.flatnonzero(end > cfg.max_context_len)[0])
-        raise Refusal(26, k, int(rows[i]), int(end[i]), cfg.max_context_len)
+        raise Refusal(RefusalCode.PAST_CONTEXT, k, int(rows[i]), int(end[i]), cfg.max_context_len)
     if (n_tokens > cfg.max_tokens_per_alloc_row).any():
         i = int(np.flatnonzero(n_tokens > cfg.max_tokens_per_alloc_row)[0])
-        raise Refusal(27, k, int(rows[i]), int(n_tokens[i]), cfg.max_tokens_per_alloc_row)
+        raise Refusal(RefusalCode.ROW_OVER_TOKEN_SHAPE, k, int(rows[i]), int(n_tokens[i]),
+                      cfg.max_tokens_per_alloc_row)
     new_pages = _ceil_div(end, ps) - _ceil_div(start, ps)
     need_full = int(new_pages.sum())
     need_swa = 0 if cfg.ring_mode else need_full
@@ -251,12 +255,13 @@ def extend(ctx: PlanContext, rows: np.ndarray, n_tokens: np.ndarray, kind: str,
         reclaim(ctx, need_full, need_swa)
     for pool, ring, need in ((0, led.full, need_full), (1, led.swa, need_swa)):
         if need > ring.n_free:
-            raise Refusal(28, k, pool, need - ring.n_free, ring.n_free)
+            raise Refusal(RefusalCode.PAGES_SHORT, k, pool, need - ring.n_free, ring.n_free)
     if cfg.ring_mode:
         span = _ceil_div(end, ps) - led.frontier[rows] // ps
         if (span > cfg.swa_ring_pages).any():
             i = int(np.flatnonzero(span > cfg.swa_ring_pages)[0])
-            raise Refusal(29, k, int(rows[i]), int(span[i]), cfg.swa_ring_pages)
+            raise Refusal(RefusalCode.RING_SPAN_TOO_LONG, k, int(rows[i]), int(span[i]),
+                          cfg.swa_ring_pages)
     depth = np.count_nonzero(spec, axis=1)  # each row's new speculative step index
     if ctx.has_states and is_spec.any():
         states.speculative(ctx, rows[is_spec], n_tokens[is_spec], depth[is_spec], kind)
@@ -319,37 +324,39 @@ def load_back(ctx: PlanContext, rows: np.ndarray, new_pos: np.ndarray) -> None:
     slots where the caller copies the KV back)."""
     if not len(rows):
         return
-    k = kind_id("load_back")
+    k = Kind.LOAD_BACK
     cfg, led, ps = ctx.config, ctx.ledger, ctx.ps
     if cfg.ring_mode:
-        raise Refusal(31, k)
+        raise Refusal(RefusalCode.LOAD_BACK_IN_RING_MODE, k)
     rows = ctx.live_rows(rows, "load_back")
     busy = ctx.allocated[rows]
     if busy.any():
-        raise Refusal(22, k, int(rows[np.flatnonzero(busy)[0]]))
+        raise Refusal(RefusalCode.ROW_ALLOCATES_TWICE, k, int(rows[np.flatnonzero(busy)[0]]))
     old = led.frontier[rows]
     if (new_pos % ps != 0).any():
         i = int(np.flatnonzero(new_pos % ps)[0])
-        raise Refusal(19, k, int(rows[i]), int(new_pos[i]), ps)
+        raise Refusal(RefusalCode.FRONTIER_NOT_ALIGNED, k, int(rows[i]), int(new_pos[i]), ps)
     bad = (new_pos < 0) | (new_pos > old)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise Refusal(32, k, int(rows[i]), int(new_pos[i]), int(old[i]))
+        raise Refusal(RefusalCode.LOAD_BACK_OUTSIDE_FRONTIER, k, int(rows[i]), int(new_pos[i]),
+                      int(old[i]))
     n_pages = (old - new_pos) // ps
     seen = np.zeros(cfg.num_full_pages + 1, dtype=bool)  # pages an earlier row loads back
     for i, r in enumerate(rows.tolist()):  # pages another holder's window still maps
         pages = ctx.refs.page_of[r, new_pos[i] // ps:old[i] // ps]
         mapped = np.flatnonzero((ctx.refs.swa_of[pages] != 0) | seen[pages])
         if len(mapped):
-            raise Refusal(33, k, r, int(new_pos[i] + mapped[0] * ps))
+            raise Refusal(RefusalCode.LOAD_BACK_MAPPED_PAGE, k, r, int(new_pos[i] + mapped[0] * ps))
         seen[pages] = True
     long = n_pages * ps > cfg.max_tokens_per_alloc_row
     if long.any():
         i = int(np.flatnonzero(long)[0])
-        raise Refusal(34, k, int(rows[i]), int(n_pages[i] * ps), cfg.max_tokens_per_alloc_row)
+        raise Refusal(RefusalCode.LOAD_BACK_OVER_TOKEN_SHAPE, k, int(rows[i]), int(n_pages[i] * ps),
+                      cfg.max_tokens_per_alloc_row)
     need = int(n_pages.sum())
     if need > led.swa.n_free:
-        raise Refusal(28, k, 1, need - led.swa.n_free, led.swa.n_free)
+        raise Refusal(RefusalCode.PAGES_SHORT, k, 1, need - led.swa.n_free, led.swa.n_free)
     first_lane = ctx.n_tokens + np.cumsum(n_pages * ps) - n_pages * ps
     keep = n_pages > 0
     if keep.any():

@@ -55,7 +55,7 @@ from ..kernels import abi
 from ..state import references
 from ..state.ledger import Ledger
 from .reference import PlanOutcome
-from .refusals import CODES, KIND_NAMES, Refusal
+from .refusals import Kind, Refusal, RefusalCode
 from .step import EMPTY, StepArrays
 
 __all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "CompiledPlanner", "CompiledLanes",
@@ -63,12 +63,6 @@ __all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "CompiledPlanner", "CompiledLanes"
 
 PLANNERS = ("auto", "compiled", "numpy")
 
-_KINDS = {"K_TAKE": "take_handle", "K_RELEASE": "release", "K_COMMIT": "commit",
-          "K_TRIM": "trim", "K_EVICT": "evict", "K_ADVANCE": "advance",
-          "K_DROP": "drop_handle", "K_DROP_SWA": "drop_handle_swa", "K_ADMIT": "admit",
-          "K_ADMIT_ON": "admit(handle=)", "K_DECODE": "decode", "K_EXTEND": "extend",
-          "K_LOAD_BACK": "load_back", "K_STEP": "step", "K_RECLAIM": "reclaim"}
-_REFUSAL_CODES = (*range(1, 36), *range(40, 46))  # the C's codes (36: the allocator's own)
 _HOST = ("full_kv_indptr", "full_kv_last_page_len", "swa_kv_indptr", "swa_kv_last_page_len",
          "seq_lens")  # the C's host-copy order
 
@@ -80,15 +74,20 @@ class CompiledPlannerWarning(RuntimeWarning):
 def _expected(name: str):
     if name.startswith("ACT_"):
         return getattr(references, name)
-    if name in _KINDS:
-        return KIND_NAMES.index(_KINDS[name])
-    if name == "N_KINDS":
-        return len(KIND_NAMES)
     if name == "SPEC_DEPTH":
         return Ledger.SPEC_DEPTH
     if name == "N_FIELDS":
         return len(StepArrays._fields)
-    return getattr(abi, name)
+    return getattr(abi, name, None)  # (None: a name this side does not know)
+
+
+def _refusal_names() -> dict[str, int]:
+    """The names the C uses for :class:`Kind` and :class:`RefusalCode` (its
+    ``_cplan_refusals.h`` is emitted from them)."""
+    names = {f"K_{kind.name}": int(kind) for kind in Kind}
+    names.update({f"R_{code.name}": int(code) for code in RefusalCode})
+    names["N_KINDS"] = len(Kind)
+    return names
 
 
 def _load():
@@ -103,8 +102,8 @@ def _load():
                           f"{expected}): rebuild with pip install -e .")
     if tuple(_cplan.FIELDS) != StepArrays._fields:
         return None, "built for other StepArrays fields: rebuild with pip install -e ."
-    if not set(_REFUSAL_CODES) <= set(CODES):
-        return None, "refusal codes changed: rebuild with pip install -e ."
+    if dict(getattr(_cplan, "REFUSALS", {})) != _refusal_names():
+        return None, "refusal codes or kinds changed: rebuild with pip install -e ."
     return _cplan, ""
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels.abi import ROW_WIDTH
-from .refusals import Refusal, kind_id
+from .refusals import Refusal, RefusalCode, kind_id
 
 __all__ = ["PlanContext", "first_repeat"]
 
@@ -105,10 +105,10 @@ class PlanContext:
             r = int(rows[np.flatnonzero(dead)[0]])
             state = (3 if excl is not None and excl[r] else 2 if self.released[r]
                      else 1 if led.admitted_once[r] else 0)
-            raise Refusal(1, kind_id(kind), r, state)
+            raise Refusal(RefusalCode.ROW_NOT_LIVE, kind_id(kind), r, state)
         i = -1 if repeats else first_repeat(rows)
         if i >= 0:
-            raise Refusal(2, kind_id(kind), int(rows[i]))
+            raise Refusal(RefusalCode.ROW_REPEATED, kind_id(kind), int(rows[i]))
         return rows
 
     def free_rows(self, rows: np.ndarray, kind: str) -> np.ndarray:
@@ -123,12 +123,12 @@ class PlanContext:
         if bad.any():
             r = int(rows[np.flatnonzero(bad)[0]])
             if self.admitted[r]:
-                raise Refusal(4, kind_id(kind), r)
+                raise Refusal(RefusalCode.ROW_ADMITTED_TWICE, kind_id(kind), r)
             state = 2 if excl is not None and excl[r] else 1 if self.released[r] else 0
-            raise Refusal(3, kind_id(kind), r, state)
+            raise Refusal(RefusalCode.ROW_NOT_FREE, kind_id(kind), r, state)
         i = first_repeat(rows)
         if i >= 0:
-            raise Refusal(4, kind_id(kind), int(rows[i]))
+            raise Refusal(RefusalCode.ROW_ADMITTED_TWICE, kind_id(kind), int(rows[i]))
         return rows
 
     def live_handles(self, handles: np.ndarray, kind: str, repeats: bool = False) -> np.ndarray:
@@ -138,11 +138,12 @@ class PlanContext:
             return handles
         k = kind_id(kind)
         if self.config.ring_mode:
-            raise Refusal(9, k)
+            raise Refusal(RefusalCode.SHARING_NEEDS_POOL_MODE, k)
         led, n = self.ledger, self.ledger.n_handles
         out = (handles < 0) | (handles >= n)
         if out.any():
-            raise Refusal(5, k, int(handles[np.flatnonzero(out)[0]]), 0, n)
+            raise Refusal(RefusalCode.HANDLE_NOT_HELD, k, int(handles[np.flatnonzero(out)[0]]), 0,
+                          n)
         excl = self.excluded_handles
         dead = ~led.h_live[handles] | self.dropped_handles[handles]
         if excl is not None:
@@ -151,13 +152,14 @@ class PlanContext:
             h = int(handles[np.flatnonzero(dead)[0]])
             state = (2 if excl is not None and excl[h] else 3 if self.dropped_handles[h]
                      else 1)
-            raise Refusal(5, k, h, state, n)
+            raise Refusal(RefusalCode.HANDLE_NOT_HELD, k, h, state, n)
         written = self.written_handles[handles]
         if written.any():
-            raise Refusal(6, k, int(handles[np.flatnonzero(written)[0]]))
+            raise Refusal(RefusalCode.HANDLE_WRITTEN_THIS_STEP, k,
+                          int(handles[np.flatnonzero(written)[0]]))
         i = -1 if repeats else first_repeat(handles)
         if i >= 0:
-            raise Refusal(7, k, int(handles[i]))
+            raise Refusal(RefusalCode.HANDLE_REPEATED, k, int(handles[i]))
         return handles
 
     # ---- the rows produced ----------------------------------------------------------------

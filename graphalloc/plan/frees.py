@@ -49,7 +49,7 @@ from ..state.references import ACT_BOTH, ACT_FULL, ACT_SWA, drop_actions
 from ..state.window import window_targets
 from . import states
 from .context import PlanContext
-from .refusals import Refusal, kind_id
+from .refusals import Kind, Refusal, RefusalCode, kind_id
 
 __all__ = ["release", "commit", "trim", "evict", "advance", "drop_handles", "window_frontier",
            "renumber_lanes", "split_release_rows", "shared_end"]
@@ -204,13 +204,13 @@ def commit(ctx: PlanContext, rows: np.ndarray, n: np.ndarray) -> None:
     rows = ctx.live_rows(rows, "commit")
     if not len(rows):
         return
-    led, k = ctx.ledger, kind_id("commit")
+    led, k = ctx.ledger, Kind.COMMIT
     oldest = led.spec_steps[rows, 0]
     if (oldest == 0).any():
-        raise Refusal(13, k, int(rows[np.flatnonzero(oldest == 0)[0]]))
+        raise Refusal(RefusalCode.NO_SPECULATIVE_STEP, k, int(rows[np.flatnonzero(oldest == 0)[0]]))
     if (n > oldest).any():
         i = int(np.flatnonzero(n > oldest)[0])
-        raise Refusal(14, k, int(rows[i]), int(n[i]), int(oldest[i]))
+        raise Refusal(RefusalCode.ACCEPTED_PAST_STEP, k, int(rows[i]), int(n[i]), int(oldest[i]))
     committed = led.committed[rows] + n
     later = led.spec_steps[rows, 1:]
     _cut(ctx, rows, committed + later.sum(axis=1))
@@ -231,24 +231,26 @@ def trim(ctx: PlanContext, rows: np.ndarray, new_len: np.ndarray) -> None:
     rows = ctx.live_rows(rows, "trim")
     if not len(rows):
         return
-    led, k, window = ctx.ledger, kind_id("trim"), ctx.config.sliding_window
+    led, k, window = ctx.ledger, Kind.TRIM, ctx.config.sliding_window
     length, frontier = led.seq_len[rows], led.frontier[rows]
     if (new_len < 0).any():
         i = int(np.flatnonzero(new_len < 0)[0])
-        raise Refusal(15, k, int(rows[i]), int(new_len[i]))
+        raise Refusal(RefusalCode.NEGATIVE_LENGTH, k, int(rows[i]), int(new_len[i]))
     if (new_len > length).any():
         i = int(np.flatnonzero(new_len > length)[0])
-        raise Refusal(16, k, int(rows[i]), int(new_len[i]), int(length[i]))
+        raise Refusal(RefusalCode.TRIM_LENGTHENS, k, int(rows[i]), int(new_len[i]), int(length[i]))
     low = (frontier > 0) & (new_len < frontier + window)
     if low.any():
         i = int(np.flatnonzero(low)[0])
-        raise Refusal(17, k, int(rows[i]), int(new_len[i]), int(frontier[i] + window))
+        raise Refusal(RefusalCode.TRIM_BELOW_WINDOW, k, int(rows[i]), int(new_len[i]),
+                      int(frontier[i] + window))
     if ctx.refs is not None:
         inside = np.flatnonzero(new_len % ctx.ps != 0)
         for i in inside:  # a partial page the next allocation would continue
             end = shared_end(ctx, int(rows[i]))
             if new_len[i] < end:
-                raise Refusal(18, k, int(rows[i]), int(new_len[i]), end)
+                raise Refusal(RefusalCode.TRIM_INSIDE_SHARED_PAGE, k, int(rows[i]), int(new_len[i]),
+                              end)
     if ctx.has_states:
         states.trim(ctx, rows, new_len)
     _cut(ctx, rows, new_len)
@@ -283,13 +285,14 @@ def advance(ctx: PlanContext, rows: np.ndarray, new_pos: np.ndarray, kind: str =
     limit = np.minimum(ctx.len_at_start[rows], led.committed[rows]) // ps * ps
     if (new_pos % ps != 0).any():
         i = int(np.flatnonzero(new_pos % ps)[0])
-        raise Refusal(19, k, int(rows[i]), int(new_pos[i]), ps)
+        raise Refusal(RefusalCode.FRONTIER_NOT_ALIGNED, k, int(rows[i]), int(new_pos[i]), ps)
     if (new_pos < old).any():
         i = int(np.flatnonzero(new_pos < old)[0])
-        raise Refusal(20, k, int(rows[i]), int(new_pos[i]), int(old[i]))
+        raise Refusal(RefusalCode.FRONTIER_BACKWARDS, k, int(rows[i]), int(new_pos[i]), int(old[i]))
     if (new_pos > limit).any():
         i = int(np.flatnonzero(new_pos > limit)[0])
-        raise Refusal(21, k, int(rows[i]), int(new_pos[i]), int(limit[i]))
+        raise Refusal(RefusalCode.FRONTIER_PAST_COMMITTED, k, int(rows[i]), int(new_pos[i]),
+                      int(limit[i]))
     moved = new_pos > old
     if not moved.all():
         rows, old, new_pos = rows[moved], old[moved], new_pos[moved]

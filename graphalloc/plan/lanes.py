@@ -26,7 +26,7 @@ from ..kernels.abi import (
     PT_WINDOW_START,
     ROW_WIDTH,
 )
-from .refusals import Refusal, kind_id
+from .refusals import Kind, Refusal, RefusalCode
 
 __all__ = ["plan_lanes", "LaneOutcome"]
 
@@ -51,9 +51,9 @@ def plan_lanes(ctx, spec, rows: np.ndarray, query: np.ndarray) -> LaneOutcome:
     :class:`~graphalloc.attention.spec.PageTableSpec`."""
     B, ps, W = spec.max_batch, ctx.ps, spec.model_window
     n = len(rows)
-    k = kind_id("step")
+    k = Kind.STEP
     if n > B:
-        raise Refusal(35, k, 4, n, B)
+        raise Refusal(RefusalCode.STEP_OVER_SHAPE, k, 4, n, B)
     led = ctx.ledger
     cols = np.zeros((ROW_WIDTH, B), dtype=np.int64)
     L, f = led.seq_len[rows], led.frontier[rows]
@@ -69,7 +69,7 @@ def plan_lanes(ctx, spec, rows: np.ndarray, query: np.ndarray) -> LaneOutcome:
     for which, layer, total, cap in ((5, "full", full_indptr[-1], spec.max_full_indices),
                                      (6, "swa", swa_indptr[-1], spec.max_swa_indices)):
         if total > cap and spec.has("csr", layer):
-            raise Refusal(35, k, which, int(total), cap)
+            raise Refusal(RefusalCode.STEP_OVER_SHAPE, k, which, int(total), cap)
     last = np.where(L > 0, L - (end - 1) * ps, 0)
     cols[PT_REQ, :n] = rows
     cols[PT_SEQ_LEN, :n] = L

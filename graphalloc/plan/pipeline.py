@@ -42,11 +42,14 @@ from ..errors import ContractError, LaunchError, PendingStepError
 from ..kernels.abi import REL_EPOCH, REL_N_PAGES, ROW_WIDTH, ST_N_COPY, ST_N_TABLE
 from .context import PlanContext
 from .reference import PlanOutcome, plan_step
-from .refusals import Refusal, to_error
+from .refusals import Refusal, RefusalCode, to_error
 from .results import AllocResult, PlannedStep
 from .step import Step, StepArrays, normalize
 
 __all__ = ["StepPipeline"]
+
+# Refusals a prefix cache can lift by dropping entries (their pages, their state snapshots).
+_CACHE_CAN_HELP = (RefusalCode.PAGES_SHORT, RefusalCode.STATE_SLOTS_SHORT)
 
 
 class StepPipeline:
@@ -120,7 +123,7 @@ class StepPipeline:
                     out = plan_step(ctx, arrays)
             except Refusal as refusal:
                 journal.rollback(mark[0])  # (the compiled twin rolled its own writes back)
-                if (refusal.code in (28, 43) and cache is not None
+                if (refusal.code in _CACHE_CAN_HELP and cache is not None
                         and cache.n_unlocked > offered):
                     offered = max(64, 2 * offered)  # the cache's entries, a few at a time
                     reclaim = cache.offer(offered)

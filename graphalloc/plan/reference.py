@@ -22,7 +22,7 @@ import numpy as np
 from . import allocation, frees, states
 from .context import PlanContext, first_repeat
 from .lanes import plan_lanes
-from .refusals import Refusal, kind_id
+from .refusals import Kind, Refusal, RefusalCode
 from .step import StepArrays
 
 __all__ = ["plan_step", "PlanOutcome"]
@@ -57,7 +57,7 @@ def _drops(ctx: PlanContext, a: StepArrays) -> None:
     both = np.concatenate([a.drop, a.drop_swa])
     i = first_repeat(both)
     if i >= 0:
-        raise Refusal(7, kind_id("drop_handle_swa"), int(both[i]))
+        raise Refusal(RefusalCode.HANDLE_REPEATED, Kind.DROP_HANDLE_SWA, int(both[i]))
     flags = np.concatenate([np.zeros(len(a.drop), np.int64), np.ones(len(a.drop_swa), np.int64)])
     frees.drop_handles(ctx, both, flags)
 
@@ -69,7 +69,7 @@ def _finish(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray]:
               (2, len(alloc), cfg.max_alloc_rows), (3, ctx.n_tokens, cfg.max_step_tokens)]
     for which, have, cap in checks[2 if ctx.oversize else 0:]:
         if have > cap:
-            raise Refusal(35, kind_id("step"), which, have, cap)
+            raise Refusal(RefusalCode.STEP_OVER_SHAPE, Kind.STEP, which, have, cap)
     return release, alloc
 
 

@@ -50,7 +50,7 @@ from ..kernels.abi import (
     ST_SPEC,
     ST_SPEC_SLOTS,
 )
-from .refusals import Refusal, kind_id
+from .refusals import Kind, Refusal, RefusalCode, kind_id
 
 __all__ = ["pop", "push", "set_slot", "copy", "spec_index", "finish"]
 
@@ -72,7 +72,7 @@ def need(ctx, n: int, kind: str, row: int = 0) -> None:
         reclaim(ctx, 0, 0, n)
         free = ctx.ledger.states.n_free
     if n > free:
-        raise Refusal(43, kind_id(kind), row, n, free)
+        raise Refusal(RefusalCode.STATE_SLOTS_SHORT, kind_id(kind), row, n, free)
 
 
 def pop(ctx, n: int) -> np.ndarray:
@@ -156,7 +156,8 @@ def trim(ctx, rows: np.ndarray, new_len: np.ndarray) -> None:
     low = new_len < committed
     if low.any():
         i = int(np.flatnonzero(low)[0])
-        raise Refusal(42, kind_id("trim"), int(rows[i]), int(new_len[i]), int(committed[i]))
+        raise Refusal(RefusalCode.STATE_TRIM_BELOW_COMMITTED, Kind.TRIM, int(rows[i]),
+                      int(new_len[i]), int(committed[i]))
 
 
 def trim_slots(ctx, rows: np.ndarray, kept: np.ndarray) -> None:
@@ -191,7 +192,8 @@ def take(ctx, handles: np.ndarray, rows: np.ndarray, n: np.ndarray) -> None:
     bad = n != limit
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise Refusal(41, kind_id("take_handle"), int(rows[i]), int(n[i]), int(limit[i]))
+        raise Refusal(RefusalCode.STATE_TAKE_NOT_AT_COMMITTED, Kind.TAKE_HANDLE, int(rows[i]),
+                      int(n[i]), int(limit[i]))
     need(ctx, len(handles), "take_handle", int(rows[0]))
     slots = pop(ctx, len(handles))
     src = ctx.ledger.state_slot[rows].copy()
@@ -215,8 +217,8 @@ def admit_on(ctx, rows: np.ndarray, handles: np.ndarray, n: np.ndarray,
     bad = n != h_len
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise Refusal(40, kind_id("admit(handle=)"), int(handles[i]), int(n[i]),
-                      int(h_len[i]))
+        raise Refusal(RefusalCode.STATE_SHARE_NOT_AT_SNAPSHOT, Kind.ADMIT_ON, int(handles[i]),
+                      int(n[i]), int(h_len[i]))
     need(ctx, len(rows), "admit(handle=)", int(rows[0]))
     src = ctx.ledger.state_slot[ctx.config.max_reqs + handles]
     if ctx.taken_state is not None:
@@ -231,7 +233,7 @@ def speculative(ctx, rows: np.ndarray, n: np.ndarray, depth: np.ndarray, kind: s
     long = n > K
     if long.any():
         i = int(np.flatnonzero(long)[0])
-        raise Refusal(44, kind_id(kind), int(rows[i]), int(n[i]), K)
+        raise Refusal(RefusalCode.STATE_SPEC_OVER_SHAPE, kind_id(kind), int(rows[i]), int(n[i]), K)
     need(ctx, int(n.sum()), kind, int(rows[0]) if len(rows) else 0)
 
 
@@ -287,7 +289,7 @@ def finish(ctx) -> np.ndarray:
         clash = np.isin(copies[:, ST_B], copies[:, ST_A])
         if clash.any():
             slot = int(copies[np.flatnonzero(clash)[0], ST_B])
-            raise Refusal(45, kind_id("admit(handle=)"), 0, slot, 0)
+            raise Refusal(RefusalCode.STATE_COPY_SOURCE_BUSY, Kind.ADMIT_ON, 0, slot, 0)
     sets = rows[kind == ST_SET]
     if len(sets):  # the last write per index: unique over the reversed rows
         _, last = np.unique(sets[::-1, ST_A], return_index=True)

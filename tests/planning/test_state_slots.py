@@ -51,9 +51,14 @@ from test_model_vs_allocator import AllocatorMachine, FlakyExecutor, expected_er
 
 from graphalloc import AllocatorConfig, HybridAllocator
 from graphalloc import errors as E
+from graphalloc.plan.refusals import RefusalCode
 
-STATE_CODES = {STATE_ADMIT: 40, STATE_TAKE: 41, STATE_TRIM: 42, STATE_SHORT: 43,
-               STATE_SPEC: 44, STATE_READ: 45}
+STATE_CODES = {STATE_ADMIT: RefusalCode.STATE_SHARE_NOT_AT_SNAPSHOT,
+               STATE_TAKE: RefusalCode.STATE_TAKE_NOT_AT_COMMITTED,
+               STATE_TRIM: RefusalCode.STATE_TRIM_BELOW_COMMITTED,
+               STATE_SHORT: RefusalCode.STATE_SLOTS_SHORT,
+               STATE_SPEC: RefusalCode.STATE_SPEC_OVER_SHAPE,
+               STATE_READ: RefusalCode.STATE_COPY_SOURCE_BUSY}
 # Kinds a step's refusal can have for lack of room (try_step -> None, fits -> False): in a
 # Step, the model's CAPACITY is a page shortage and BATCH the frozen shape.
 SHORTAGE = frozenset({CAPACITY, BATCH, STATE_SHORT, STATE_READ})
@@ -541,7 +546,7 @@ def test_a_copy_into_a_slot_the_step_reads_is_refused_then_runs_next_step():
     before = a.snapshot()
     with pytest.raises(E.CapacityError) as info:
         a.step(**step)
-    assert info.value.refusal[0] == 45
+    assert info.value.refusal.code is RefusalCode.STATE_COPY_SOURCE_BUSY
     assert a.fits(**step) is False and a.try_step(**step) is None
     assert_same_snapshot(before, a.snapshot())
     a.step(take=([1], [r1], [3]), release=[r1])
@@ -579,7 +584,7 @@ def test_admit_on_a_handle_taken_in_the_same_step_is_refused():
     before = a.snapshot()
     with pytest.raises(E.OverlapError) as info:
         a.step(take=([0], [r0], [2]), admit_on=([1], [0], None))
-    assert info.value.refusal[0] == 6
+    assert info.value.refusal[0] == RefusalCode.HANDLE_WRITTEN_THIS_STEP
     assert_same_snapshot(before, a.snapshot())
 
 
@@ -617,12 +622,16 @@ def test_state_refusals_change_nothing(case):
     h = a.take_handle(r0, 3)
     a.alloc_decode([r0], lookahead=1)
     code, step = {
-        "admit_short_of_handle": (40, dict(admit_on=([1], [h], [2]))),
-        "take_off_committed": (41, dict(take=([1], [r0], [2]))),
-        "trim_below_committed": (42, dict(trim=([r0], [2]))),
-        "spec_too_long": (44, dict(commit=([r0], [1]), decode=[r0], lookahead=3)),
+        "admit_short_of_handle": (RefusalCode.STATE_SHARE_NOT_AT_SNAPSHOT,
+                                  dict(admit_on=([1], [h], [2]))),
+        "take_off_committed": (RefusalCode.STATE_TAKE_NOT_AT_COMMITTED,
+                               dict(take=([1], [r0], [2]))),
+        "trim_below_committed": (RefusalCode.STATE_TRIM_BELOW_COMMITTED, dict(trim=([r0], [2]))),
+        "spec_too_long": (RefusalCode.STATE_SPEC_OVER_SHAPE,
+                          dict(commit=([r0], [1]), decode=[r0], lookahead=3)),
         # slots 1 (r0), 2 (h), 3 and 4 (spec) held; the admits pop 5, 6; 7, 8 left
-        "no_free_slot": (43, dict(admit=[1, 2], decode=[r0], lookahead=2)),
+        "no_free_slot": (RefusalCode.STATE_SLOTS_SHORT,
+                         dict(admit=[1, 2], decode=[r0], lookahead=2)),
     }[case]
     before, t_before = a.snapshot(), [t.clone() for t in tensors]
     with pytest.raises(E.ContractError) as info:
@@ -630,7 +639,7 @@ def test_state_refusals_change_nothing(case):
     assert info.value.refusal[0] == code
     assert_same_snapshot(before, a.snapshot())
     assert all(torch.equal(t, b) for t, b in zip(tensors, t_before, strict=True))
-    if code == 43:  # a shortage: back-pressure
+    if code.shortage:  # a shortage: back-pressure
         assert a.try_step(**step) is None and a.fits(**step) is False
     else:
         with pytest.raises(type(info.value)):
