@@ -1,11 +1,13 @@
 """Build of the one compiled part: the optional compiled twin of the step planner,
-``graphalloc.plan._cplan`` (C, five files under graphalloc/plan/).
+``graphalloc.plan._cplan`` (C, every ``_cplan*.c`` under graphalloc/plan/: the kinds and
+one file per pool).
 
 Everything else is in pyproject.toml. The extension is optional: without a C compiler (or
 Python headers) the build goes on without it and prints one line; ``graphalloc.plan.compiled``
 then warns once at import and every step runs the numpy planner (the reference).
 """
 
+import glob
 import sys
 
 from setuptools import Extension, setup
@@ -36,9 +38,8 @@ class OptionalBuildExt(build_ext):
 
 setup(
     ext_modules=[Extension("graphalloc.plan._cplan",
-                           sources=[f"graphalloc/plan/{name}.c" for name in (
-                               "_cplan", "_cplan_core", "_cplan_frees", "_cplan_alloc",
-                               "_cplan_states")],
+                           # every _cplan*.c: the kinds and each pool's own file
+                           sources=sorted(glob.glob("graphalloc/plan/_cplan*.c")),
                            depends=["graphalloc/plan/_cplan.h",
                                     "graphalloc/plan/_cplan_refusals.h"],
                            extra_compile_args=["-O3", "-fwrapv"], optional=True)],

@@ -11,6 +11,7 @@ The engine sizing (its memory split and shape formulas) lives in
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 import torch
@@ -26,6 +27,14 @@ from .config_inputs import (
 )
 from .engine_sizing import for_engine as _for_engine
 from .errors import ConfigError
+from .pools import Pools, build_pools
+from .pools.layers import (
+    LAYER_KINDS,
+    ChunkedLocal,
+    FullAttention,
+    RecurrentState,
+    SlidingWindow,
+)
 
 __all__ = ["AllocatorConfig"]
 
@@ -150,15 +159,15 @@ class AllocatorConfig:
     """
 
     page_size: int
-    num_full_pages: int
-    num_swa_pages: int
-    max_reqs: int
-    max_context_len: int
+    num_full_pages: int | None = None  # deprecated input (layers=); always set after init
+    num_swa_pages: int | None = None  # deprecated input (layers=); always set after init
+    max_reqs: int | None = None
+    max_context_len: int | None = None
     sliding_window: int | None = None  # deprecated input (W - 1); always set after init
     index_dtype: torch.dtype = torch.int64
     device: str | torch.device = "cpu"
     backend: str = "torch"
-    swa_ring_pages: int = 0
+    swa_ring_pages: int | None = None  # deprecated input (layers=); 0: pool mode
     max_release_rows: int = 0  # 0: max(3 * max_reqs, min_release_rows)
     max_pages_per_row: int = 0  # 0: pages of max_context_len
     max_alloc_rows: int = 0  # 0: max_reqs
@@ -167,29 +176,43 @@ class AllocatorConfig:
     max_step_tokens: int = 0  # 0: max_alloc_rows + max_tokens_per_alloc_row
     validate: bool = False
     max_handles: int = 0  # prefix-sharing handles (pool mode); 0: sharing off
-    num_state_slots: int = 0  # recurrent-state slots (ids 1..S, 0 the sink); 0: none
-    max_spec_tokens: int = 0  # state slots of one speculative step (1 + k); 0: 8
+    num_state_slots: int | None = None  # deprecated input (layers=); 0: no state slots
+    max_spec_tokens: int | None = None  # state slots of one speculative step (1 + k); 0: 8
     model_window: int | None = None  # the model's window W (Hugging Face); sets sliding_window
+    layers: tuple | None = None  # the model's layer kinds (graphalloc.pools.layers)
 
     def __post_init__(self) -> None:
         def fix(name: str, value) -> None:
             object.__setattr__(self, name, value)
 
         where = "AllocatorConfig: "
-        model_w, allocator_w = _windows(where, self.model_window, self.sliding_window)
-        fix("model_window", model_w)
-        fix("sliding_window", allocator_w)
-        for name in ("page_size", "num_full_pages", "num_swa_pages", "max_reqs",
-                     "max_context_len"):
+        for name in ("page_size", "max_reqs", "max_context_len"):
+            if getattr(self, name) is None:
+                raise ConfigError(f"{where}{name} must be an int >= 1, got None (it is "
+                                  "required)")
             fix(name, _as_int(where, name, getattr(self, name), 1))
-        fix("swa_ring_pages", _as_int(where, "swa_ring_pages", self.swa_ring_pages, 0,
-                                      "0 is pool mode"))
         fix("max_handles", _as_int(where, "max_handles", self.max_handles, 0,
                                    "0 turns prefix sharing off"))
-        fix("num_state_slots", _as_int(where, "num_state_slots", self.num_state_slots, 0,
-                                       "0: the model has no recurrent layers"))
-        fix("max_spec_tokens", _as_int(where, "max_spec_tokens", self.max_spec_tokens, 0,
-                                       "0 picks 8") or 8)
+        layers = _resolve_layers(self, where)
+        fix("layers", layers)
+        full, windows, state = _split_layers(layers)
+        fix("num_full_pages", full.num_pages)
+        if windows:
+            window = windows[0]
+            fix("num_swa_pages", window.num_pages)
+            fix("swa_ring_pages", getattr(window, "ring_pages", 0))
+            w = window.window if isinstance(window, SlidingWindow) else window.chunk
+            fix("model_window", w)
+            fix("sliding_window", max(w - 1, 1) if isinstance(window, SlidingWindow) else w)
+        else:
+            for name in ("num_swa_pages", "swa_ring_pages"):
+                fix(name, 0)
+            fix("model_window", None)
+            fix("sliding_window", None)
+        fix("num_state_slots", state.num_slots if state is not None else 0)
+        fix("max_spec_tokens", state.max_spec_tokens if state is not None else
+            (_as_int(where, "max_spec_tokens", self.max_spec_tokens or 0, 0, "0 picks 8") or 8))
+        _remember_pools(self, build_pools(layers))
         if self.max_handles and self.swa_ring_pages:
             raise ConfigError(f"{where}max_handles={self.max_handles} with swa_ring_pages="
                               f"{self.swa_ring_pages}: prefix sharing needs pool mode (a ring "
@@ -213,12 +236,15 @@ class AllocatorConfig:
             raise ConfigError(f"{where}{max_slot} slots do not fit int32 indices; use "
                               "index_dtype=torch.int64")
         ps, ring = self.page_size, self.swa_ring_pages
-        if ring:
-            need = _ceil_div(self.sliding_window, ps) + 1
+        window = self.pools.window
+        if not window.has_window:
+            pass
+        elif ring:
+            need = _ceil_div(window.rule.reach, ps) + 1
             if ring < need:
                 raise ConfigError(
                     f"{where}swa_ring_pages={ring} cannot hold a window of "
-                    f"{self.sliding_window} tokens at page_size {ps}: need >= {need} "
+                    f"{window.rule.reach} tokens at page_size {ps}: need >= {need} "
                     "(ceil(sliding_window / page_size) + 1); raise swa_ring_pages or use pool "
                     "mode (0)")
             if ring > self.num_swa_pages:
@@ -227,12 +253,12 @@ class AllocatorConfig:
                     f"{self.num_swa_pages}: no request could ever be admitted (each takes a "
                     f"ring of {ring} SWA pages); use num_swa_pages >= {ring}")
         else:
-            window_pages = _ceil_div(self.sliding_window, ps) + 1
-            need = min(window_pages, self.request_pages)
+            window_pages = _ceil_div(window.rule.reach, ps) + 1
+            need = window.min_pages(ps, self.request_pages)
             if self.num_swa_pages < need:
                 raise ConfigError(
                     f"{where}num_swa_pages={self.num_swa_pages} cannot hold one request's "
-                    f"window: a request at its window of {self.sliding_window} tokens holds "
+                    f"window: a request at its window of {window.rule.reach} tokens holds "
                     f"up to {window_pages} SWA pages of {ps} (ceil(sliding_window / "
                     f"page_size) + 1), and {need} when capped by the pages one request can own "
                     f"({self.request_pages}); no eviction frees them while the window reads "
@@ -302,6 +328,11 @@ class AllocatorConfig:
                 f"max_step_pages >= {need_pages}, or a smaller max_context_len")
 
     # ---- derived quantities ------------------------------------------------------------
+    @property
+    def pools(self) -> Pools:
+        """The model's pools (:mod:`graphalloc.pools`), built once from :attr:`layers`."""
+        return _POOLS[id(self)]
+
     @property
     def ring_mode(self) -> bool:
         return self.swa_ring_pages > 0
@@ -385,3 +416,113 @@ class AllocatorConfig:
 
     # ---- the engine's constructor ------------------------------------------------------
     for_engine = classmethod(_for_engine)
+
+
+# The pools of each live config, keyed by id() and dropped with it (kept out of the instance
+# so its __dict__ stays its fields, as _ORIGINS).
+_POOLS: dict[int, Pools] = {}
+
+
+def _remember_pools(cfg: AllocatorConfig, pools: Pools) -> None:
+    if id(cfg) not in _POOLS:
+        weakref.finalize(cfg, _POOLS.pop, id(cfg), None)
+    _POOLS[id(cfg)] = pools
+
+
+_KEYWORDS = ("num_full_pages", "num_swa_pages", "model_window", "sliding_window",
+             "swa_ring_pages", "num_state_slots", "max_spec_tokens")
+
+
+def _split_layers(layers):
+    full = [x for x in layers if isinstance(x, FullAttention)]
+    windows = [x for x in layers if isinstance(x, (SlidingWindow, ChunkedLocal))]
+    states = [x for x in layers if isinstance(x, RecurrentState)]
+    return full[0], windows, (states[0] if states else None)
+
+
+def _resolve_layers(cfg: AllocatorConfig, where: str) -> tuple:
+    """The model's layer kinds: ``layers`` as given (checked), with any keyword field that
+    names one of them (``dataclasses.replace`` passes them back) applied on top; or, from
+    the keyword form alone (deprecated), built from it."""
+    given = {name: getattr(cfg, name) for name in _KEYWORDS}
+    if cfg.layers is None:
+        if given["num_full_pages"] is None:
+            raise ConfigError(f"{where}give the model's layers: layers=[FullAttention("
+                              "num_pages), SlidingWindow(window, num_pages), ...] "
+                              "(graphalloc.pools.layers)")
+        return _layers_from_keywords(where, given)
+    layers = tuple(cfg.layers) if isinstance(cfg.layers, (list, tuple)) else None
+    if layers is None or not all(isinstance(x, LAYER_KINDS) for x in layers):
+        raise ConfigError(f"{where}layers must be a list of FullAttention, SlidingWindow, "
+                          f"ChunkedLocal and RecurrentState values, got {cfg.layers!r}")
+    n_full = sum(isinstance(x, FullAttention) for x in layers)
+    n_state = sum(isinstance(x, RecurrentState) for x in layers)
+    n_window = sum(isinstance(x, (SlidingWindow, ChunkedLocal)) for x in layers)
+    if n_full != 1:
+        raise ConfigError(f"{where}a model has exactly one FullAttention layer kind (it holds "
+                          f"the pages every other pool pairs with), got {n_full}")
+    if n_state > 1:
+        raise ConfigError(f"{where}at most one RecurrentState layer kind, got {n_state}: give "
+                          "the slots every recurrent layer needs together (one slot serves "
+                          "all of a request's recurrent layers)")
+    if n_window > 1:
+        raise ConfigError(f"{where}{n_window} window layer kinds (sliding windows or chunked "
+                          "local attention): this version serves one window pool per model. "
+                          "Serve the layers of every window with the largest window (a "
+                          "SlidingWindow of the largest W holds what each of them reads)")
+    return _apply_keywords(where, layers, given)
+
+
+def _apply_keywords(where: str, layers: tuple, given: dict) -> tuple:
+    """``layers`` with the keyword fields that differ from them applied (how
+    ``dataclasses.replace(cfg, num_full_pages=...)`` changes a pool)."""
+    full, windows, state = _split_layers(layers)
+    out = list(layers)
+
+    def swap(old, new):
+        out[out.index(old)] = new
+
+    if given["num_full_pages"] is not None and given["num_full_pages"] != full.num_pages:
+        swap(full, FullAttention(_as_int(where, "num_full_pages", given["num_full_pages"], 1)))
+    window = windows[0] if windows else None
+    if isinstance(window, SlidingWindow):
+        model_w, _ = _windows(where, given["model_window"] if given["model_window"] is not None
+                              else window.window, given["sliding_window"]
+                              if given["model_window"] is not None else None)
+        pages = window.num_pages if given["num_swa_pages"] is None else given["num_swa_pages"]
+        ring = window.ring_pages if given["swa_ring_pages"] is None else given["swa_ring_pages"]
+        new = SlidingWindow(model_w, pages, ring)
+        if new != window:
+            swap(window, new)
+    elif window is not None and given["num_swa_pages"] not in (None, window.num_pages):
+        swap(window, ChunkedLocal(window.chunk, given["num_swa_pages"]))
+    if state is not None and given["num_state_slots"] not in (None, state.num_slots):
+        n = _as_int(where, "num_state_slots", given["num_state_slots"], 0)
+        if n:
+            swap(state, RecurrentState(n, state.max_spec_tokens))
+        else:
+            out.remove(state)
+    elif state is None and given["num_state_slots"]:
+        out.append(RecurrentState(given["num_state_slots"], given["max_spec_tokens"] or 0))
+    return tuple(out)
+
+
+def _layers_from_keywords(where: str, given: dict) -> tuple:
+    """The keyword form (before ``layers``): FULL and SWA pages, the model window, ring
+    pages, state slots. Deprecated, with the equivalent ``layers`` in the warning."""
+    full = FullAttention(_as_int(where, "num_full_pages", given["num_full_pages"], 1))
+    layers = [full]
+    swa_pages = given["num_swa_pages"]
+    if swa_pages is None:
+        raise ConfigError(f"{where}num_swa_pages is required with num_full_pages (or give "
+                          "layers=[FullAttention(...), ...])")
+    model_w, _ = _windows(where, given["model_window"], given["sliding_window"])
+    ring = _as_int(where, "swa_ring_pages", given["swa_ring_pages"] or 0, 0, "0 is pool mode")
+    layers.append(SlidingWindow(model_w, _as_int(where, "num_swa_pages", swa_pages, 1), ring))
+    n_slots = _as_int(where, "num_state_slots", given["num_state_slots"] or 0, 0,
+                      "0: the model has no recurrent layers")
+    if n_slots:
+        layers.append(RecurrentState(n_slots, _as_int(where, "max_spec_tokens",
+                                                       given["max_spec_tokens"] or 0, 0,
+                                                       "0 picks 8")))
+    return tuple(layers)

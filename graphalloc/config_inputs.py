@@ -48,7 +48,7 @@ def _windows(where: str, model_window, sliding_window) -> tuple[int, int]:
         warnings.warn("AllocatorConfig(sliding_window=...) is the model's window minus one and "
                       "is deprecated: pass model_window=W (Hugging Face's "
                       f"config.sliding_window), here model_window={allocator_w + 1}",
-                      DeprecationWarning, stacklevel=4)
+                      DeprecationWarning, stacklevel=6)
         return allocator_w + 1, allocator_w
     model_w = _as_int(where, "model_window", model_window, 1)
     derived = max(model_w - 1, 1)

@@ -41,7 +41,9 @@ Allocation rows, one per allocating request::
     5    AL_OUT        exclusive prefix sum of tokens: the row's first output lane
     6    AL_FLAGS      AL_RING (SWA slot from the request's ring) | AL_RING_ADMIT |
                        AL_SWA_ONLY (re-pair existing FULL pages with popped SWA pages) |
-                       AL_COPY (copy another row's prefix: shared pages)
+                       AL_COPY (copy another row's prefix: shared pages) |
+                       AL_NO_WINDOW (a model without window layers: FULL pages only, no
+                       SWA page popped or mapped, the SWA output lanes hold 0 * ps + off)
     7    AL_N_PAGES    new pages (informative); for AL_RING_ADMIT, ring pages to pop;
                        for AL_SWA_ONLY, the SWA pages to pop
 
@@ -97,7 +99,7 @@ __all__ = [
     "REL_LANE", "REL_EPOCH",
     "REL_SWA", "REL_FULL", "REL_CLEAR", "REL_RING_RETURN",
     "AL_REQ", "AL_START_POS", "AL_N_TOKENS", "AL_FULL_POP", "AL_SWA_POP", "AL_OUT", "AL_FLAGS",
-    "AL_N_PAGES", "AL_RING", "AL_RING_ADMIT", "AL_SWA_ONLY", "AL_COPY",
+    "AL_N_PAGES", "AL_RING", "AL_RING_ADMIT", "AL_SWA_ONLY", "AL_COPY", "AL_NO_WINDOW",
     "ERR_CODES", "ERR_COUNT", "ERR_CLAIMED", "ERR_CODE", "ERR_ROW", "ERR_REQ", "ERR_PAGE",
     "ERR_STAGE", "ERR_WORDS", "SEEN_MAX", "SEEN_COUNT", "SEEN_WORDS",
     "STAGE_RELEASE", "STAGE_ALLOC", "STAGE_SINGLE", "STAGE_NAMES",
@@ -113,7 +115,7 @@ REL_SWA, REL_FULL, REL_CLEAR, REL_RING_RETURN = 1, 2, 4, 8
 
 # ---- allocation rows -------------------------------------------------------------------
 AL_REQ, AL_START_POS, AL_N_TOKENS, AL_FULL_POP, AL_SWA_POP, AL_OUT, AL_FLAGS, AL_N_PAGES = range(8)
-AL_RING, AL_RING_ADMIT, AL_SWA_ONLY, AL_COPY = 1, 2, 4, 8
+AL_RING, AL_RING_ADMIT, AL_SWA_ONLY, AL_COPY, AL_NO_WINDOW = 1, 2, 4, 8, 16
 
 # ---- error word ------------------------------------------------------------------------
 ERR_CODES, ERR_COUNT, ERR_CLAIMED, ERR_CODE, ERR_ROW, ERR_REQ, ERR_PAGE, ERR_STAGE = range(8)

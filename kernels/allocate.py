@@ -22,12 +22,14 @@ on row ``pid // n_chunks``, chunk ``pid % n_chunks``)::
         if page_no >= first_new:                            # a new page, popped in order
             k = page_no - first_new
             full = full_free[(full_pop + k) % cap_full]
-            swa  = ring_pages[r, page_no % R] if RING else swa_free[(swa_pop + k) % cap_swa]
+            swa  = ring_pages[r, page_no % R] if RING else 0 if NO_WINDOW else \
+                   swa_free[(swa_pop + k) % cap_swa]
             if off == 0 and full > 0 and swa > 0:            # page-dense mapping, whole page
                 full_to_swa[full*ps : full*ps + ps] = swa*ps + [0, ps)
         else:                                               # continue the partial page
             full = req_to_token[r, page_no * ps] // ps
-            swa  = ring_pages[r, page_no % R] if RING else full_to_swa[full * ps] // ps
+            swa  = ring_pages[r, page_no % R] if RING else 0 if NO_WINDOW else \
+                   full_to_swa[full * ps] // ps
         req_to_token[r, t] = full*ps + off
         out_full[lane] = full*ps + off; out_swa[lane] = swa*ps + off
 
@@ -78,6 +80,7 @@ from .abi import (
     AL_FULL_POP,
     AL_N_PAGES,
     AL_N_TOKENS,
+    AL_NO_WINDOW,
     AL_OUT,
     AL_REQ,
     AL_RING,
@@ -117,6 +120,7 @@ _N_PAGES = tl.constexpr(AL_N_PAGES)
 _F_RING, _F_RING_ADMIT = tl.constexpr(AL_RING), tl.constexpr(AL_RING_ADMIT)
 _F_SWA_ONLY = tl.constexpr(AL_SWA_ONLY)
 _F_COPY = tl.constexpr(AL_COPY)
+_F_NO_WINDOW = tl.constexpr(AL_NO_WINDOW)
 _SINK_POP = tl.constexpr(FaultCode.SINK_POP)
 _MAPPED_PEER = tl.constexpr(FaultCode.MAPPED_PEER)
 _OUT_OF_RANGE = tl.constexpr(FaultCode.OUT_OF_RANGE)
@@ -147,7 +151,7 @@ def _allocate_body(
     first_out = row_col(row, cols, _OUT)
     flags = row_col(row, cols, _FLAGS)
     ring = (flags & _F_RING) != 0
-    pool = (flags & _F_RING) == 0
+    pool = (flags & (_F_RING | _F_NO_WINDOW)) == 0  # SWA pages from the shared pool
     r2t_row_ptr = r2t_ptr + r * stride_r2t_row
     ring_row_ptr = ring_ptr + r * stride_ring_row
     lanes_t = tl.arange(0, BLOCK_TOKENS)
@@ -425,6 +429,7 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     r = torch.where(valid, rows[row_of, AL_REQ], scratch_row)
     s = rows[row_of, AL_START_POS]
     ring = valid & ((rows[row_of, AL_FLAGS] & AL_RING) != 0)  # padded lanes: no row's flags
+    no_window = valid & ((rows[row_of, AL_FLAGS] & AL_NO_WINDOW) != 0)  # FULL pages only
     swa_only = valid & ((rows[row_of, AL_FLAGS] & AL_SWA_ONLY) != 0)  # load-back lanes
     t = torch.where(valid, s + i, 0)
     page_no = t // ps
@@ -439,8 +444,10 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     old_col = torch.where(valid & ~is_new, page_no * ps, 0)
     old_full = req_to_token[r, old_col].to(torch.int64) // ps
     old_swa_pool = full_to_swa[old_full * ps].to(torch.int64) // ps
+    new_swa_pool = torch.where(no_window, 0, new_swa_pool)
+    old_swa_pool = torch.where(no_window, 0, old_swa_pool)
 
-    pool_new = is_new & ~ring
+    pool_new = is_new & ~ring & ~no_window
     sink = (is_new & (new_full == 0)) | (pool_new & (new_swa_pool == 0))
     if validate:
         full_bad = is_new & ((new_full <= 0) | (new_full > n_full_cap))

@@ -92,7 +92,14 @@ class PageTableSpec:
     def resolve(self, config) -> PageTableSpec:
         """This spec with every 0 filled from ``config`` (an AllocatorConfig)."""
         ps = config.page_size
-        window = self.model_window or config.sliding_window + 1
+        if not config.pools.window.has_window:
+            if "swa" in self.layers:
+                raise ConfigError("PageTableSpec: the model has no window layers (no "
+                                  "SlidingWindow or ChunkedLocal pool), so there are no SWA "
+                                  "tables to write; pass layers=('full',)")
+            window = 1
+        else:
+            window = self.model_window or config.sliding_window + 1
         width = self.max_pages_per_req or -(-config.max_context_len // ps)
         if width * ps < config.max_context_len:
             raise ConfigError(f"PageTableSpec: max_pages_per_req={width} pages of {ps} cannot "

@@ -343,7 +343,7 @@ static int run_step(Planner *P, Plan *S, int64_t *totals) {
     if (!rc) rc = finish(P, S);
     if (!rc && P->oom) { PyErr_NoMemory(); rc = -2; }
     if (!rc && P->has_tables) rc = check_lanes(P, S, totals);
-    if (!rc && P->has_states) rc = states_check(P, S);
+    if (!rc) rc = states_check(P, S);
     if (rc) {  /* (lanes and state rows are written only below: nothing of theirs to undo) */
         undo_to(P, S->undo_mark);
         restore_rows(S->rel, P->saved_rel, S->n_rel, P->max_rel, S->old_rel);
@@ -351,8 +351,8 @@ static int run_step(Planner *P, Plan *S, int64_t *totals) {
         return rc;
     }
     if (P->has_tables) write_lanes(P, S, totals);
-    if (P->has_states) states_write(P, S);
-    for (int pool = 0; pool < (P->has_states ? 3 : 2); pool++) {
+    states_write(P, S);
+    for (int pool = 0; pool < 3; pool++) {
         set64(P, &P->rings[2 * pool], S->head[pool]);
         set64(P, &P->rings[2 * pool + 1], S->nfree[pool]);
     }
@@ -375,7 +375,7 @@ static PyObject *Planner_plan(Planner *P, PyObject *const *args, Py_ssize_t narg
     PyObject *arrays = args[0];
     if (!PyTuple_Check(arrays) || PyTuple_GET_SIZE(arrays) != N_FIELDS)
         return PyErr_Format(PyExc_TypeError, "plan(): a StepArrays of %d fields", N_FIELDS);
-    if (!P->live || (!P->ring_mode && !P->page_of) || (P->has_states && !P->state_slot))
+    if (!P->live || (WIN_SHARES(P) && !P->page_of) || (P->has_states && !P->state_slot))
         return PyErr_Format(PyExc_RuntimeError, "compiled planner: ledger not bound");
     Plan S;
     memset(&S, 0, sizeof S);
@@ -487,32 +487,42 @@ static void *zalloc(size_t n, size_t item, int *failed) {
     return p;
 }
 
-/* Planner(ps, max_reqs, n_handles, ring_pages, window, max_ctx, max_tok_row, row_cap,
- * max_rel, max_step_pages, max_al, max_step_tokens, nf, ns, ppr, n_bufs, empty, tables,
- * states) with tables None or (B, model_window, max_full_indices, max_swa_indices, csr_full,
- * csr_swa) and states None or (num_state_slots, max_spec_tokens, state rows of a
- * descriptor, the header included); n_bufs counts the ring's buffers (one scratch buffer is
- * added). */
+/* Planner(ps, max_reqs, n_handles, max_ctx, max_tok_row, row_cap, max_rel, max_step_pages,
+ * max_al, max_step_tokens, nf, ns, ppr, n_bufs, empty, window, tables, states) with window
+ * None (no window layers) or (rule, tokens, ring_pages) (pools/window.py: the rule's c_kind,
+ * w or the chunk, 0 for the pooled policy), tables None or (B, model_window,
+ * max_full_indices, max_swa_indices, csr_full, csr_swa) and states None or
+ * (num_state_slots, max_spec_tokens, state rows of a descriptor, the header included);
+ * n_bufs counts the ring's buffers (one scratch buffer is added). */
 static int Planner_init(Planner *P, PyObject *args, PyObject *kwds) {
     (void)kwds;
-    long long v[15];
+    long long v[13];
     int n_bufs;
-    PyObject *empty, *tables, *states;
-    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLLLiOOO", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
-                          &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13], &v[14],
-                          &n_bufs, &empty, &tables, &states))
+    PyObject *empty, *window, *tables, *states;
+    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLiOOOO", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+                          &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &n_bufs, &empty,
+                          &window, &tables, &states))
         return -1;
     if (P->bufs) { PyErr_SetString(PyExc_RuntimeError, "Planner initialised twice"); return -1; }
-    P->ps = v[0]; P->max_reqs = v[1]; P->n_handles = v[2]; P->ring_pages = v[3];
-    P->window = v[4]; P->max_ctx = v[5]; P->max_tok_row = v[6]; P->row_cap = v[7];
-    P->max_rel = v[8]; P->max_step_pages = v[9]; P->max_al = v[10]; P->max_step_tokens = v[11];
-    P->nf = v[12]; P->ns = v[13]; P->ppr = v[14];
-    if (P->ps <= 0 || P->max_reqs <= 0 || P->row_cap <= 0 || n_bufs < 1 || P->nf <= 0 || P->ns <= 0) {
+    P->ps = v[0]; P->max_reqs = v[1]; P->n_handles = v[2]; P->max_ctx = v[3];
+    P->max_tok_row = v[4]; P->row_cap = v[5]; P->max_rel = v[6]; P->max_step_pages = v[7];
+    P->max_al = v[8]; P->max_step_tokens = v[9]; P->nf = v[10]; P->ns = v[11]; P->ppr = v[12];
+    if (P->ps <= 0 || P->max_reqs <= 0 || P->row_cap <= 0 || n_bufs < 1 || P->nf <= 0 || P->ns < 0) {
         PyErr_SetString(PyExc_ValueError, "compiled planner: bad configuration");
         return -1;
     }
     P->ps_shift = (P->ps & (P->ps - 1)) == 0 ? __builtin_ctzll((unsigned long long)P->ps) : -1;
-    P->ring_mode = P->ring_pages > 0;
+    P->win_policy = WP_NONE;
+    if (window != Py_None) {
+        long long w[3];
+        if (!PyArg_ParseTuple(window, "LLL", &w[0], &w[1], &w[2])) return -1;
+        if ((w[0] != RULE_SLIDING && w[0] != RULE_CHUNK) || w[1] <= 0 || w[2] < 0 || P->ns <= 0) {
+            PyErr_SetString(PyExc_ValueError, "compiled planner: bad window pool");
+            return -1;
+        }
+        P->win_rule = (int)w[0]; P->win_tokens = w[1]; P->ring_pages = w[2];
+        P->win_policy = w[2] > 0 ? WP_RING : WP_POOLED;
+    }
     if (tables != Py_None) {
         long long t[4]; int cf, cs;
         if (!PyArg_ParseTuple(tables, "LLLLpp", &t[0], &t[1], &t[2], &t[3], &cf, &cs)) return -1;
@@ -634,6 +644,7 @@ static PyObject *abi_dict(void) {
         {"AL_FULL_POP", AL_FULL_POP}, {"AL_SWA_POP", AL_SWA_POP}, {"AL_OUT", AL_OUT},
         {"AL_FLAGS", AL_FLAGS}, {"AL_N_PAGES", AL_N_PAGES}, {"AL_RING", AL_RING},
         {"AL_RING_ADMIT", AL_RING_ADMIT}, {"AL_SWA_ONLY", AL_SWA_ONLY}, {"AL_COPY", AL_COPY},
+        {"AL_NO_WINDOW", AL_NO_WINDOW},
         {"PT_REQ", PT_REQ}, {"PT_SEQ_LEN", PT_SEQ_LEN}, {"PT_END_PAGE", PT_END_PAGE},
         {"PT_SWA_FIRST", PT_SWA_FIRST}, {"PT_FULL_OFF", PT_FULL_OFF},
         {"PT_SWA_OFF", PT_SWA_OFF}, {"PT_LAST_LEN", PT_LAST_LEN},

@@ -11,8 +11,10 @@
  *
  * Files: _cplan_core.c (undo log, validators, release rows, drop_actions + _emit),
  * _cplan_frees.c (release, commit, trim, evict, advance, drops, reclaim), _cplan_alloc.c
- * (take, admit, admit_on, decode / extend, load_back, lanes), _cplan_states.c (recurrent-
- * state slots: plan/states.py), _cplan.c (the Python type: binding, the step's entry,
+ * (take, admit, admit_on, decode / extend, load_back, lanes), the pools' own files --
+ * _cplan_window.c (the window pool: its policies and sliding rule, pools/window.py),
+ * _cplan_chunked.c (the chunk rule, pools/chunked.py), _cplan_states.c (recurrent-state
+ * slots, pools/state.py) -- and _cplan.c (the Python type: binding, the step's entry,
  * finish).
  */
 #ifndef GRAPHALLOC_CPLAN_H
@@ -46,6 +48,7 @@ enum { ST_KIND, ST_A, ST_B };
 #define AL_RING_ADMIT 2
 #define AL_SWA_ONLY 4
 #define AL_COPY 8
+#define AL_NO_WINDOW 16
 /* graphalloc/state/references.py */
 #define ACT_NONE 0
 #define ACT_FULL 1
@@ -89,12 +92,19 @@ typedef struct {
     Py_buffer res_view[3];     /* the result arrays' exports (replaced by bind_results) */
 } Buf;
 
+/* The window pool (pools/window.py): its policy and rule. */
+enum { WP_NONE, WP_POOLED, WP_RING };  /* NoWindow, pooled, ring */
+enum { RULE_SLIDING, RULE_CHUNK };     /* SlidingRule, ChunkRule (their c_kind) */
+
 typedef struct {
     PyObject_HEAD
     /* config (graphalloc/config.py) */
-    int ps_shift, ring_mode;
-    int64_t ps, max_reqs, n_handles, ring_pages, window, max_ctx, max_tok_row, row_cap,
-        max_rel, max_step_pages, max_al, max_step_tokens, nf, ns, ppr;
+    int ps_shift;
+    int64_t ps, max_reqs, n_handles, max_ctx, max_tok_row, row_cap, max_rel, max_step_pages,
+        max_al, max_step_tokens, nf, ns, ppr;
+    /* the window pool: policy, rule, its tokens (w, or the chunk), ring pages (ring policy) */
+    int win_policy, win_rule;
+    int64_t win_tokens, ring_pages;
     /* page tables (attention/spec.py), has_tables 0 when absent */
     int has_tables, csr_full, csr_swa;
     int64_t B, model_window, max_full_idx, max_swa_idx;
@@ -254,7 +264,33 @@ int plan_load_back(Planner *P, Plan *S);
 int check_lanes(Planner *P, Plan *S, int64_t *totals);
 void write_lanes(Planner *P, Plan *S, const int64_t *totals);
 
-/* _cplan_states.c (plan/states.py; each called only when has_states) */
+/* _cplan_window.c (pools/window.py) and _cplan_chunked.c (pools/chunked.py) */
+#define WIN_SHARES(P) ((P)->win_policy != WP_RING) /* prefix sharing, handles, a page mirror */
+int64_t win_needed_from(const Planner *P, int64_t len);
+int64_t win_min_length(const Planner *P, int64_t f);
+int64_t win_lane_start(const Planner *P, int64_t L, int64_t q);
+int64_t win_lane_first(const Planner *P, int64_t ws, int64_t end);
+int64_t win_target(const Planner *P, int64_t r);
+int win_check_trim(Planner *P, Plan *S, const int64_t *rows, const int64_t *nl, Py_ssize_t n);
+int win_release(Planner *P, Plan *S, const int64_t *rows, Py_ssize_t n);
+int win_cut(Planner *P, Plan *S, const int64_t *rows, const int64_t *lo, const int64_t *hi,
+            Py_ssize_t n);
+int win_moves_allowed(Planner *P, Plan *S, int kind);
+int win_advance(Planner *P, Plan *S, Py_ssize_t m, int64_t *freed);
+int win_check_admit(Planner *P, Plan *S, const int64_t *rows, Py_ssize_t n);
+void win_admit(Planner *P, Plan *S, const int64_t *rows, Py_ssize_t n);
+int64_t win_pages_needed(const Planner *P, int64_t need);
+int win_check_span(Planner *P, Plan *S, const int64_t *rows, const int64_t *ntok, Py_ssize_t n,
+                   int kind);
+void win_row_columns(const Planner *P, int64_t *row, int64_t swa_pos);
+int64_t win_take_start(const Planner *P, int64_t r, int64_t n);
+int64_t win_admitted_frontier(const Planner *P, int64_t swa_start);
+int win_load_back_allowed(Planner *P, Plan *S);
+int64_t chunk_needed_from(int64_t chunk, int64_t len);
+int64_t chunk_min_length(int64_t chunk, int64_t f);
+int64_t chunk_lane_start(int64_t chunk, int64_t L, int64_t q);
+
+/* _cplan_states.c (pools/state.py; each a no-op without state slots) */
 int states_need(Planner *P, Plan *S, int64_t n, int kind, int64_t row);
 int states_take(Planner *P, Plan *S, const int64_t *h, const int64_t *rows, const int64_t *tok,
                 Py_ssize_t n);

@@ -1,6 +1,7 @@
 /* The compiled twin's allocations: plan/allocation.py (take, admit, admit_on, extend for
  * decode and extend, load_back) and plan/lanes.py (attention lane rows and host copies).
- * The recurrent-state hooks (states_*) are _cplan_states.c's. See _cplan.h. */
+ * The pools' hooks are their own files' (win_*: _cplan_window.c, states_*:
+ * _cplan_states.c). See _cplan.h. */
 #include "_cplan.h"
 
 /* allocation._hold (+ _copy_row): dst takes references to src's pages of [0, n_tokens)
@@ -39,7 +40,7 @@ int plan_take(Planner *P, Plan *S) {
     const int64_t *h = S->a[A_TAKE_H], *rows = S->a[A_TAKE_R], *tok = S->a[A_TAKE_N];
     Py_ssize_t n = S->n[A_TAKE_H];
     if (!n) return 0;
-    if (P->ring_mode) return refuse(S, R_SHARING_NEEDS_POOL_MODE, K_TAKE_HANDLE, 0, 0, 0);
+    if (!WIN_SHARES(P)) return refuse(S, R_SHARING_NEEDS_POOL_MODE, K_TAKE_HANDLE, 0, 0, 0);
     for (Py_ssize_t i = 0; i < n; i++)
         if (h[i] < 0 || h[i] >= P->n_handles)
             return refuse(S, R_HANDLE_NOT_HELD, K_TAKE_HANDLE, h[i], 0, P->n_handles);
@@ -56,9 +57,9 @@ int plan_take(Planner *P, Plan *S) {
         if (tok[i] <= 0 || tok[i] > limit)
             return refuse(S, R_TAKE_PAST_COMMITTED, K_TAKE_HANDLE, rows[i], tok[i], limit);
     }
-    if (P->has_states) TRY(states_take(P, S, h, rows, tok, n));
+    TRY(states_take(P, S, h, rows, tok, n));
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t swa_start = imin(P->front[rows[i]], tok[i]);
+        int64_t swa_start = win_take_start(P, rows[i], tok[i]);
         set8(P, &P->h_live[h[i]], 1);
         set64(P, &P->h_len[h[i]], tok[i]);
         set64(P, &P->h_swa[h[i]], swa_start);
@@ -68,33 +69,18 @@ int plan_take(Planner *P, Plan *S) {
     return 0;
 }
 
-/* allocation.admit: free rows become empty requests; in ring mode each pops its R ring
- * pages (one AL_RING_ADMIT row each; code 30 when the SWA pool is short). */
+/* allocation.admit: free rows become empty requests; the window pool's ring policy pops
+ * each one's ring (win_admit; code 30 when short). */
 int plan_admit(Planner *P, Plan *S) {
     const int64_t *rows = S->a[A_ADMIT];
     Py_ssize_t n = S->n[A_ADMIT];
     TRY(free_rows(P, S, rows, n, K_ADMIT));
     if (!n) return 0;
-    int64_t R = P->ring_pages;
-    if (P->ring_mode && R * n > S->nfree[1])
-        return refuse(S, R_RING_ADMIT_SHORT, K_ADMIT, rows[0], S->nfree[1], R * n);
-    if (P->has_states) TRY(states_admit(P, S, rows, n, K_ADMIT));
+    TRY(win_check_admit(P, S, rows, n));
+    TRY(states_admit(P, S, rows, n, K_ADMIT));
     reset_rows(P, rows, n, 1);
     for (Py_ssize_t i = 0; i < n; i++) P->rflags[rows[i]] |= F_ADMITTED;
-    if (!P->ring_mode) return 0;
-    int64_t pop;
-    ring_pop(P, S, 1, R * n, &pop);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t *row = next_al_row(P, S);
-        if (row) {
-            memset(row, 0, ROW_WIDTH * 8);
-            row[AL_REQ] = rows[i]; row[AL_SWA_POP] = wrap(pop + R * i, P->ns);
-            row[AL_FLAGS] = AL_RING_ADMIT; row[AL_N_PAGES] = R;
-        }
-        if (P->rflags[rows[i]] & F_CUT) S->cut_alloc = 1;
-        P->rflags[rows[i]] |= F_ALLOCATED | F_RING_ADMITTED;
-    }
-    S->allocd[1] += R * n;
+    win_admit(P, S, rows, n);
     return 0;
 }
 
@@ -104,7 +90,7 @@ int plan_admit_on(Planner *P, Plan *S) {
     const int64_t *rows = S->a[A_ON_R], *h = S->a[A_ON_H], *nt = S->a[A_ON_N];
     Py_ssize_t n = S->n[A_ON_R];
     if (!n) return 0;
-    if (P->ring_mode) return refuse(S, R_SHARING_NEEDS_POOL_MODE, K_ADMIT_ON, 0, 0, 0);
+    if (!WIN_SHARES(P)) return refuse(S, R_SHARING_NEEDS_POOL_MODE, K_ADMIT_ON, 0, 0, 0);
     TRY(free_rows(P, S, rows, n, K_ADMIT_ON));
     TRY(live_handles(P, S, h, n, K_ADMIT_ON, 1));
     int64_t *m = P->x_lane;
@@ -114,13 +100,13 @@ int plan_admit_on(Planner *P, Plan *S) {
     for (Py_ssize_t i = 0; i < n; i++)
         if (m[i] <= 0 || m[i] > P->h_len[h[i]])
             return refuse(S, R_SHARE_PAST_HANDLE, K_ADMIT_ON, h[i], m[i], P->h_len[h[i]]);
-    if (P->has_states) TRY(states_admit_on(P, S, rows, h, m, n));
+    TRY(states_admit_on(P, S, rows, h, m, n));
     reset_rows(P, rows, n, 1);
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t r = rows[i], swa_start = imin(P->h_swa[h[i]], m[i]);
         P->rflags[r] |= F_ADMITTED;
         set_seq(P, r, m[i]);
-        set64(P, &P->front[r], swa_start);
+        set64(P, &P->front[r], win_admitted_frontier(P, swa_start));
         set64(P, &P->comm[r], m[i]);
         TRY(hold(P, S, r, P->max_reqs + h[i], m[i], swa_start));
     }
@@ -158,18 +144,21 @@ static int extend_rules(Planner *P, Plan *S, const int64_t *rows, const int64_t 
 }
 
 /* allocation._hold_new_pages: row r gets the popped pages at page indices from
- * ceil(start / ps), one reference each. */
+ * ceil(start / ps), one reference each (window pages too when `window`). */
 static int hold_new_pages(Planner *P, int64_t r, int64_t start, int64_t pages, int64_t fpos,
-                          int64_t spos) {
+                          int64_t spos, int window) {
     int64_t first = PCEIL(P, start);
     if (first + pages > P->ppr) return mirror_error("page index", r, first + pages);
     int32_t *prow = page_row(P, r) + first;
     for (int64_t j = 0; j < pages; j++) {
-        int64_t fp = P->full_ring[wrap(fpos + j, P->nf)], sp = P->swa_ring[wrap(spos + j, P->ns)];
-        if (fp < 0 || fp > P->nf || sp < 0 || sp > P->ns) return mirror_error("ring", r, fp);
+        int64_t fp = P->full_ring[wrap(fpos + j, P->nf)];
+        if (fp < 0 || fp > P->nf) return mirror_error("ring", r, fp);
         set32(P, &prow[j], fp);
-        set32(P, &P->swa_of[fp], sp);
         set32(P, &P->full_ref[fp], 1);
+        if (!window) continue;
+        int64_t sp = P->swa_ring[wrap(spos + j, P->ns)];
+        if (sp < 0 || sp > P->ns) return mirror_error("ring", r, sp);
+        set32(P, &P->swa_of[fp], sp);
         set32(P, &P->swa_ref[sp], 1);
     }
     return 0;
@@ -177,10 +166,11 @@ static int hold_new_pages(Planner *P, int64_t r, int64_t start, int64_t pages, i
 
 /* allocation.extend, its writes: rows, pops, mirror, lengths, speculative steps, results. */
 static int extend_write(Planner *P, Plan *S, const int64_t *rows, const int64_t *ntok,
-                        const int64_t *spec_flags, Py_ssize_t n, int64_t need) {
-    int ring = P->ring_mode;
-    int64_t fpop = S->head[0], spop = ring ? 0 : S->head[1], lane = S->n_tokens, pb = 0;
-    if (need) { ring_pop(P, S, 0, need, &fpop); if (!ring) ring_pop(P, S, 1, need, &spop); }
+                        const int64_t *spec_flags, Py_ssize_t n, int64_t need,
+                        int64_t need_swa) {
+    int64_t fpop = S->head[0], spop = S->head[1], lane = S->n_tokens, pb = 0;
+    if (need) ring_pop(P, S, 0, need, &fpop);
+    if (need_swa) ring_pop(P, S, 1, need_swa, &spop);
     int64_t *res_r = S->buf->res[0], *res_f = S->buf->res[1], *res_n = S->buf->res[2];
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t r = rows[i], t = ntok[i], start = P->seq[r], pages = P->x_pages[i];
@@ -190,10 +180,11 @@ static int extend_write(Planner *P, Plan *S, const int64_t *rows, const int64_t 
             if (row) {
                 row[AL_REQ] = r; row[AL_START_POS] = start; row[AL_N_TOKENS] = t;
                 row[AL_FULL_POP] = wrap(fpop + pb, P->nf);
-                row[AL_SWA_POP] = ring ? 0 : wrap(spop + pb, P->ns);
-                row[AL_OUT] = lane; row[AL_FLAGS] = ring ? AL_RING : 0; row[AL_N_PAGES] = pages;
+                win_row_columns(P, row, spop + pb);
+                row[AL_OUT] = lane; row[AL_N_PAGES] = pages;
             }
-            if (!ring && need) TRY(hold_new_pages(P, r, start, pages, fpop + pb, spop + pb));
+            if (P->page_of && need)
+                TRY(hold_new_pages(P, r, start, pages, fpop + pb, spop + pb, need_swa > 0));
             pb += pages;
             lane += t;
         }
@@ -202,7 +193,7 @@ static int extend_write(Planner *P, Plan *S, const int64_t *rows, const int64_t 
             int slot = 0;
             for (int j = 0; j < SPEC_DEPTH; j++) slot += sp[j] != 0;
             set64(P, &sp[slot], t);
-            if (P->has_states) TRY(states_speculative_slots(P, S, r, slot, t));
+            TRY(states_speculative_slots(P, S, r, slot, t));
         } else {
             set64(P, &P->comm[r], start + t);
         }
@@ -212,7 +203,7 @@ static int extend_write(Planner *P, Plan *S, const int64_t *rows, const int64_t 
     }
     S->n_tokens = lane;
     S->allocd[0] += need;
-    S->allocd[1] += ring ? 0 : need;
+    S->allocd[1] += need_swa;
     return 0;
 }
 
@@ -230,23 +221,16 @@ int plan_extend(Planner *P, Plan *S, const int64_t *rows, const int64_t *ntok,
         P->x_pages[i] = PCEIL(P, start + ntok[i]) - PCEIL(P, start);
         need += P->x_pages[i];
     }
-    int64_t need_swa = P->ring_mode ? 0 : need;
+    int64_t need_swa = win_pages_needed(P, need);
     if ((need > S->nfree[0] || need_swa > S->nfree[1]) && S->reclaim)
         TRY(plan_reclaim(P, S, need, need_swa, 0));
     if (need > S->nfree[0])
         return refuse(S, R_PAGES_SHORT, kind, 0, need - S->nfree[0], S->nfree[0]);
     if (need_swa > S->nfree[1])
         return refuse(S, R_PAGES_SHORT, kind, 1, need_swa - S->nfree[1], S->nfree[1]);
-    if (P->ring_mode) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t r = rows[i];
-            int64_t span = PCEIL(P, P->seq[r] + ntok[i]) - PDIV(P, P->front[r]);
-            if (span > P->ring_pages)
-                return refuse(S, R_RING_SPAN_TOO_LONG, kind, r, span, P->ring_pages);
-        }
-    }
-    if (P->has_states) TRY(states_speculative(P, S, rows, ntok, spec_flags, n, kind));
-    return extend_write(P, S, rows, ntok, spec_flags, n, need);
+    TRY(win_check_span(P, S, rows, ntok, n, kind));
+    TRY(states_speculative(P, S, rows, ntok, spec_flags, n, kind));
+    return extend_write(P, S, rows, ntok, spec_flags, n, need, need_swa);
 }
 
 /* allocation.load_back, its rules after live_rows: 31 pool mode, 22 allocating twice, 19
@@ -294,7 +278,7 @@ int plan_load_back(Planner *P, Plan *S) {
     const int64_t *rows = S->a[A_LOAD_R], *pos = S->a[A_LOAD_P];
     Py_ssize_t n = S->n[A_LOAD_R];
     if (!n) return 0;
-    if (P->ring_mode) return refuse(S, R_LOAD_BACK_IN_RING_MODE, K_LOAD_BACK, 0, 0, 0);
+    TRY(win_load_back_allowed(P, S));
     TRY(live_rows(P, S, rows, n, K_LOAD_BACK, 0));
     int64_t need, spop = 0, before = 0, lane = S->n_tokens;
     TRY(load_back_rules(P, S, rows, pos, n, &need));
@@ -337,8 +321,9 @@ static void lane_values(const Planner *P, const Plan *S, Py_ssize_t i, int64_t *
     if (i < nd) { r = S->a[A_DEC][i]; q = S->a[A_DEC_N][i]; }
     else { r = S->a[A_EXT_R][i - nd]; q = S->a[A_EXT_N][i - nd]; }
     int64_t L = P->seq[r], f = P->front[r], end = PCEIL(P, L);
-    int64_t ws = imax(imax(L - (imax(q, 1) - 1) - P->model_window, 0), f);
-    v[PT_REQ] = r; v[PT_SEQ_LEN] = L; v[PT_END_PAGE] = end; v[PT_SWA_FIRST] = PDIV(P, ws);
+    int64_t ws = imax(win_lane_start(P, L, q), f);
+    v[PT_REQ] = r; v[PT_SEQ_LEN] = L; v[PT_END_PAGE] = end;
+    v[PT_SWA_FIRST] = win_lane_first(P, ws, end);
     v[PT_LAST_LEN] = L > 0 ? L - (end - 1) * P->ps : 0; v[PT_WINDOW_START] = ws;
 }
 

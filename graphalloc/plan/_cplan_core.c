@@ -90,11 +90,11 @@ int free_rows(Planner *P, Plan *S, const int64_t *rows, Py_ssize_t n, int kind) 
     return 0;
 }
 
-/* PlanContext.live_handles: pool mode (9), in range and held (5), not written in this step
+/* PlanContext.live_handles: a window pool that shares (9), in range and held (5), not written in this step
  * (6), each once unless `repeats` (7). Rule-major. */
 int live_handles(Planner *P, Plan *S, const int64_t *h, Py_ssize_t n, int kind, int repeats) {
     if (!n) return 0;
-    if (P->ring_mode) return refuse(S, R_SHARING_NEEDS_POOL_MODE, kind, 0, 0, 0);
+    if (!WIN_SHARES(P)) return refuse(S, R_SHARING_NEEDS_POOL_MODE, kind, 0, 0, 0);
     int64_t nh = P->n_handles;
     for (Py_ssize_t i = 0; i < n; i++)
         if (h[i] < 0 || h[i] >= nh) return refuse(S, R_HANDLE_NOT_HELD, kind, h[i], 0, nh);

@@ -1,6 +1,6 @@
 /* The compiled twin's frees: plan/frees.py (release, commit, trim, evict, advance,
- * drop_handles), reference._drops and allocation.reclaim. The recurrent-state hooks
- * (states_*) are _cplan_states.c's. See _cplan.h. */
+ * drop_handles), reference._drops and allocation.reclaim. The pools' hooks are their own
+ * files' (win_*: _cplan_window.c, states_*: _cplan_states.c). See _cplan.h. */
 #include "_cplan.h"
 
 /* frees.release: free everything the requests hold and return their rows. */
@@ -9,27 +9,8 @@ int plan_release(Planner *P, Plan *S) {
     Py_ssize_t n = S->n[A_RELEASE];
     TRY(live_rows(P, S, rows, n, K_RELEASE, 0));
     if (!n) return 0;
-    if (P->ring_mode) {  /* three add_release calls, each over the rows in order */
-        for (Py_ssize_t i = 0; i < n; i++)
-            add_release(P, S, rows[i], 0, PDIV(P, P->front[rows[i]]), REL_FULL);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t r = rows[i], f = P->front[r];
-            add_release(P, S, r, f, PCEIL(P, P->seq[r]) - PDIV(P, f), REL_FULL | REL_CLEAR);
-        }
-        for (Py_ssize_t i = 0; i < n; i++)
-            add_release(P, S, rows[i], 0, P->ring_pages, REL_RING_RETURN);
-    } else {  /* drop FULL [0, L) and SWA [f, L) */
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t r = rows[i];
-            P->t_a[i] = 0;
-            P->t_b[i] = PCEIL(P, P->seq[r]);
-            P->t_c[i] = PDIV(P, P->front[r]);
-        }
-        int64_t freed;
-        TRY(drop_emit(P, S, rows, P->t_a, P->t_b, P->t_c, P->t_b, n, &freed));
-    }
-    if (P->has_states)
-        for (Py_ssize_t i = 0; i < n; i++) TRY(states_release(P, S, rows[i]));
+    TRY(win_release(P, S, rows, n));
+    for (Py_ssize_t i = 0; i < n; i++) TRY(states_release(P, S, rows[i]));
     reset_rows(P, rows, n, 0);
     for (Py_ssize_t i = 0; i < n; i++) P->rflags[rows[i]] |= F_RELEASED;
     return 0;
@@ -43,13 +24,7 @@ static int cut(Planner *P, Plan *S, const int64_t *rows, const int64_t *new_len,
         lo[i] = PCEIL(P, new_len[i]);
         hi[i] = PCEIL(P, P->seq[rows[i]]);
     }
-    if (P->ring_mode) {
-        for (Py_ssize_t i = 0; i < n; i++)
-            add_release(P, S, rows[i], lo[i] * P->ps, hi[i] - lo[i], REL_FULL | REL_CLEAR);
-    } else {
-        int64_t freed;
-        TRY(drop_emit(P, S, rows, lo, hi, lo, hi, n, &freed));
-    }
+    TRY(win_cut(P, S, rows, lo, hi, n));
     for (Py_ssize_t i = 0; i < n; i++) {
         set_seq(P, rows[i], new_len[i]);
         if (hi[i] > lo[i]) P->rflags[rows[i]] |= F_CUT;
@@ -80,9 +55,8 @@ int plan_commit(Planner *P, Plan *S) {
         for (int j = 1; j < SPEC_DEPTH; j++) new_len[i] += sp[j];
     }
     TRY(cut(P, S, rows, new_len, n));
-    if (P->has_states)
-        for (Py_ssize_t i = 0; i < n; i++)
-            TRY(states_commit(P, S, rows[i], cn[i], P->spec[rows[i] * SPEC_DEPTH]));
+    for (Py_ssize_t i = 0; i < n; i++)
+        TRY(states_commit(P, S, rows[i], cn[i], P->spec[rows[i] * SPEC_DEPTH]));
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t *sp = P->spec + rows[i] * SPEC_DEPTH;
         set64(P, &P->comm[rows[i]], committed[i]);
@@ -100,8 +74,8 @@ static int64_t shared_end(const Planner *P, int64_t row) {
     return n_pages * P->ps;
 }
 
-/* frees.trim, its rules (15 negative, 16 above L, 17 below f + W, 18 inside a shared page),
- * rule-major. */
+/* frees.trim, its rules (15 negative, 16 above L, 17 below the window's min_length, 18
+ * inside a shared page), rule-major. */
 static int trim_rules(Planner *P, Plan *S, const int64_t *rows, const int64_t *nl,
                       Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++)
@@ -109,12 +83,8 @@ static int trim_rules(Planner *P, Plan *S, const int64_t *rows, const int64_t *n
     for (Py_ssize_t i = 0; i < n; i++)
         if (nl[i] > P->seq[rows[i]])
             return refuse(S, R_TRIM_LENGTHENS, K_TRIM, rows[i], nl[i], P->seq[rows[i]]);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t f = P->front[rows[i]];
-        if (f > 0 && nl[i] < f + P->window)
-            return refuse(S, R_TRIM_BELOW_WINDOW, K_TRIM, rows[i], nl[i], f + P->window);
-    }
-    if (!P->ring_mode) {
+    TRY(win_check_trim(P, S, rows, nl, n));
+    if (P->page_of) {  /* a page mirror: pages may be shared */
         for (Py_ssize_t i = 0; i < n; i++) {
             if (PMOD(P, nl[i]) == 0) continue;
             int64_t end = shared_end(P, rows[i]);
@@ -132,7 +102,7 @@ int plan_trim(Planner *P, Plan *S) {
     TRY(live_rows(P, S, rows, n, K_TRIM, 0));
     if (!n) return 0;
     TRY(trim_rules(P, S, rows, nl, n));
-    if (P->has_states) TRY(states_trim(P, S, rows, nl, n));
+    TRY(states_trim(P, S, rows, nl, n));
     TRY(cut(P, S, rows, nl, n));
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t r = rows[i], committed = P->comm[r], keep = nl[i] - committed, before = 0;
@@ -142,10 +112,10 @@ int plan_trim(Planner *P, Plan *S) {
             int64_t s = sp[j], v = imin(imax(keep - before, 0), s);
             before += s;
             depth += s != 0;
-            if (P->has_states) TRY(states_trim_slots(P, S, r, j, v));
+            TRY(states_trim_slots(P, S, r, j, v));
             set64(P, &sp[j], v);
         }
-        if (P->has_states) TRY(states_trim_newest(P, S, r, depth));
+        TRY(states_trim_newest(P, S, r, depth));
         set64(P, &P->comm[r], imin(committed, nl[i]));
     }
     return 0;
@@ -157,6 +127,7 @@ int plan_advance(Planner *P, Plan *S, const int64_t *rows, const int64_t *pos, P
                  int kind, int checked) {
     if (!checked) TRY(live_rows(P, S, rows, n, kind, 0));
     if (!n) return 0;
+    if (!checked) TRY(win_moves_allowed(P, S, kind));
     for (Py_ssize_t i = 0; i < n; i++)
         if (PMOD(P, pos[i]) != 0)
             return refuse(S, R_FRONTIER_NOT_ALIGNED, kind, rows[i], pos[i], P->ps);
@@ -178,22 +149,14 @@ int plan_advance(Planner *P, Plan *S, const int64_t *rows, const int64_t *pos, P
         m++;
     }
     int64_t freed = 0;
-    if (P->ring_mode) {  /* the ring pages stay with the request: only clear the mapping */
-        for (Py_ssize_t i = 0; i < m; i++) {
-            int64_t pages = P->t_c[i] - P->t_b[i];
-            add_release(P, S, P->t_rows[i], P->front[P->t_rows[i]], pages, REL_CLEAR);
-            freed += pages;
-        }
-    } else {
-        TRY(drop_emit(P, S, P->t_rows, P->t_a, P->t_a, P->t_b, P->t_c, m, &freed));
-    }
+    TRY(win_advance(P, S, m, &freed));
     for (Py_ssize_t i = 0; i < m; i++) set64(P, &P->front[P->t_rows[i]], P->t_d[i]);
     S->evicted += freed;
     return 0;
 }
 
-/* frees.evict + frees.window_frontier (state/window.py:window_targets on the lengths when
- * the step began): rows, or every live row not in an open free group. */
+/* frees.evict + frees.window_frontier (the window pool's rule on the lengths when the step
+ * began, win_target): rows, or every live row not in an open free group. */
 int plan_evict(Planner *P, Plan *S) {
     const int64_t *rows = S->a[A_EVICT];
     Py_ssize_t n = S->n[A_EVICT];
@@ -208,10 +171,7 @@ int plan_evict(Planner *P, Plan *S) {
         TRY(live_rows(P, S, rows, n, K_EVICT, 0));
     }
     int64_t *target = P->spare;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t r = rows[i], len = imin(len_at_start(P, r), P->comm[r]);
-        target[i] = imax(P->front[r], PFLOOR(P, imax(len - P->window, 0)));
-    }
+    for (Py_ssize_t i = 0; i < n; i++) target[i] = win_target(P, rows[i]);
     return plan_advance(P, S, rows, target, n, K_EVICT, 1);
 }
 
@@ -229,9 +189,8 @@ int drop_handles(Planner *P, Plan *S, const int64_t *h, const uint8_t *swa_only,
     }
     int64_t freed;
     TRY(drop_emit(P, S, P->t_rows, P->t_a, P->t_b, P->t_c, P->t_d, n, &freed));
-    if (P->has_states)
-        for (Py_ssize_t i = 0; i < n; i++)
-            if (!swa_only[i]) TRY(states_drop(P, S, h[i]));
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!swa_only[i]) TRY(states_drop(P, S, h[i]));
     for (Py_ssize_t i = 0; i < n; i++)
         if (swa_only[i]) set64(P, &P->h_swa[h[i]], P->h_len[h[i]]);
     for (Py_ssize_t i = 0; i < n; i++) {

@@ -67,6 +67,7 @@ enum {
     R_STATE_SLOTS_SHORT = 43,
     R_STATE_SPEC_OVER_SHAPE = 44,
     R_STATE_COPY_SOURCE_BUSY = 45,
+    R_NO_WINDOW_POOL = 46,
 };
 
 /* name -> value, for the import-time comparison (compiled.py) */
@@ -128,6 +129,7 @@ enum {
     {"R_STATE_SLOTS_SHORT", R_STATE_SLOTS_SHORT}, \
     {"R_STATE_SPEC_OVER_SHAPE", R_STATE_SPEC_OVER_SHAPE}, \
     {"R_STATE_COPY_SOURCE_BUSY", R_STATE_COPY_SOURCE_BUSY}, \
+    {"R_NO_WINDOW_POOL", R_NO_WINDOW_POOL}, \
     {"N_KINDS", N_KINDS}
 
 #endif

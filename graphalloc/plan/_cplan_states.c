@@ -1,5 +1,6 @@
-/* The compiled twin's recurrent-state slots: plan/states.py (who holds which slot, the state
- * rows of a step) and the rules its hooks add (codes 40-45). See _cplan.h.
+/* The compiled twin of the state pool (graphalloc/pools/state.py): recurrent-state slots
+ * (who holds which slot, the state rows of a step) and the rules its hooks add (codes
+ * 40-45). Every hook is a no-op without state slots (NoStates). See _cplan.h.
  *
  * The pool is the host-only FIFO ring Ledger.state_ring (n_slots entries): pops take the
  * head, pushes write the tail through the undo log, like every ledger write; the ring's
@@ -77,6 +78,7 @@ int states_need(Planner *P, Plan *S, int64_t n, int kind, int64_t row) {
  * pop per handle, its ST_SET and the copy of the row's slot into it. */
 int states_take(Planner *P, Plan *S, const int64_t *h, const int64_t *rows, const int64_t *tok,
                 Py_ssize_t n) {
+    if (!P->has_states) return 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t limit = imin(len_at_start(P, rows[i]), P->comm[rows[i]]);
         if (tok[i] != limit)
@@ -96,6 +98,7 @@ int states_take(Planner *P, Plan *S, const int64_t *h, const int64_t *rows, cons
 /* states.release for one row: its slot, then its speculative ones (oldest step first) back
  * to the pool; its table entry 0. */
 int states_release(Planner *P, Plan *S, int64_t r) {
+    if (!P->has_states) return 0;
     push_slot(P, S, P->state_slot[r]);
     for (int j = 0; j < SPEC_DEPTH; j++) {
         const int64_t *sp = spec_slots(P, r, j);
@@ -113,6 +116,7 @@ int states_release(Planner *P, Plan *S, int64_t r) {
  * the slot after token n - 1 (the old one and the rest of the step go back); n == 0 gives
  * the whole step back. The next step moves up. */
 int states_commit(Planner *P, Plan *S, int64_t r, int64_t n_accepted, int64_t oldest) {
+    if (!P->has_states) return 0;
     const int64_t *step = spec_slots(P, r, 0);
     if (n_accepted > P->K) return mirror_error("speculative step past max_spec_tokens", r,
                                                n_accepted);
@@ -130,6 +134,7 @@ int states_commit(Planner *P, Plan *S, int64_t r, int64_t n_accepted, int64_t ol
 
 /* states.trim: a cut below the committed length is refused (42: no state to roll back to). */
 int states_trim(Planner *P, Plan *S, const int64_t *rows, const int64_t *new_len, Py_ssize_t n) {
+    if (!P->has_states) return 0;
     for (Py_ssize_t i = 0; i < n; i++)
         if (new_len[i] < P->comm[rows[i]])
             return refuse(S, R_STATE_TRIM_BELOW_COMMITTED,
@@ -139,6 +144,7 @@ int states_trim(Planner *P, Plan *S, const int64_t *rows, const int64_t *new_len
 
 /* states.trim_slots for one step of one row: `kept` tokens stay, the other slots go back. */
 int states_trim_slots(Planner *P, Plan *S, int64_t r, int step, int64_t kept) {
+    if (!P->has_states) return 0;
     int64_t *sp = spec_slots(P, r, step);
     for (int64_t i = imax(kept, 0); i < P->K; i++) {
         push_slot(P, S, sp[i]);
@@ -149,6 +155,7 @@ int states_trim_slots(Planner *P, Plan *S, int64_t r, int step, int64_t kept) {
 
 /* states.drop for one whole drop: the snapshot back (a tombstone keeps it). */
 int states_drop(Planner *P, Plan *S, int64_t h) {
+    if (!P->has_states) return 0;
     int64_t index = P->max_reqs + h;
     push_slot(P, S, P->state_slot[index]);
     return set_slot(P, S, index, 0);
@@ -156,6 +163,7 @@ int states_drop(Planner *P, Plan *S, int64_t h) {
 
 /* allocation.admit's hook (states.need + states.admit): a slot for each admitted row. */
 int states_admit(Planner *P, Plan *S, const int64_t *rows, Py_ssize_t n, int kind) {
+    if (!P->has_states) return 0;
     TRY(states_need(P, S, n, kind, rows[0]));
     for (Py_ssize_t i = 0; i < n; i++) TRY(set_slot(P, S, rows[i], pop_slot(P, S)));
     return 0;
@@ -166,6 +174,7 @@ int states_admit(Planner *P, Plan *S, const int64_t *rows, Py_ssize_t n, int kin
  * from the take's source. */
 int states_admit_on(Planner *P, Plan *S, const int64_t *rows, const int64_t *h,
                     const int64_t *n_tokens, Py_ssize_t n) {
+    if (!P->has_states) return 0;
     for (Py_ssize_t i = 0; i < n; i++)
         if (n_tokens[i] != P->h_len[h[i]])
             return refuse(S, R_STATE_SHARE_NOT_AT_SNAPSHOT,
@@ -185,6 +194,7 @@ int states_admit_on(Planner *P, Plan *S, const int64_t *rows, const int64_t *h,
  * is longer than max_spec_tokens, 43 when the pool is short. */
 int states_speculative(Planner *P, Plan *S, const int64_t *rows, const int64_t *ntok,
                        const int64_t *spec_flags, Py_ssize_t n, int kind) {
+    if (!P->has_states) return 0;
     if (!spec_flags) return 0;
     Py_ssize_t first = -1;
     int64_t total = 0;
@@ -208,6 +218,7 @@ static int spec_entry(Planner *P, Plan *S, int64_t r, int step, int64_t n_tokens
 
 /* states.speculative_slots for one row: the pops of its new step `step` (n_tokens slots). */
 int states_speculative_slots(Planner *P, Plan *S, int64_t r, int step, int64_t n_tokens) {
+    if (!P->has_states) return 0;
     if (step < 0 || step >= SPEC_DEPTH || n_tokens > P->K)
         return mirror_error("speculative step", r, step);
     int64_t *sp = spec_slots(P, r, step);
@@ -218,6 +229,7 @@ int states_speculative_slots(Planner *P, Plan *S, int64_t r, int step, int64_t n
 /* states.trim_slots' last part: a row whose newest step was cut whole while an older one
  * stays (`depth` steps before the trim) shows that one on the device. */
 int states_trim_newest(Planner *P, Plan *S, int64_t r, int depth_before) {
+    if (!P->has_states) return 0;
     const int64_t *steps = P->spec + r * SPEC_DEPTH;
     int depth = 0;
     for (int j = 0; j < SPEC_DEPTH; j++) depth += steps[j] != 0;
@@ -249,6 +261,7 @@ static void spec_dedupe(Planner *P, Plan *S) {
  * of the step reads; the table writes kept (the last per index, latest first); the
  * section's size checked against the descriptor's. Writes nothing. */
 int states_check(Planner *P, Plan *S) {
+    if (!P->has_states) return 0;
     if (S->n_copy) {
         uint32_t g = stamp_next(&P->seen_slot);
         for (Py_ssize_t c = 0; c < S->n_copy; c++) {
@@ -280,6 +293,7 @@ int states_check(Planner *P, Plan *S) {
 /* states.finish, its rows: the section laid out in the descriptor buffer (after
  * states_check passed); the rows this buffer used before past it become padding. */
 void states_write(Planner *P, Plan *S) {
+    if (!P->has_states) return;
     int64_t *out = S->buf->desc + P->st_base * ROW_WIDTH, *row = out;
     memset(out, 0, (size_t)S->n_st * ROW_WIDTH * 8);
     row[ST_N_COPY] = S->n_copy;

@@ -39,19 +39,17 @@ from ..kernels.abi import (
     AL_N_TOKENS,
     AL_OUT,
     AL_REQ,
-    AL_RING,
     AL_RING_ADMIT,
     AL_START_POS,
     AL_SWA_ONLY,
     AL_SWA_POP,
     ROW_WIDTH,
 )
-from . import states
 from .context import PlanContext, first_repeat
 from .frees import drop_handles
 from .refusals import Kind, Refusal, RefusalCode, kind_id
 
-__all__ = ["take", "admit", "admit_on", "extend", "load_back"]
+__all__ = ["take", "admit", "admit_on", "extend", "load_back", "ring_admit", "reclaim"]
 
 
 def _ceil_div(a, b):
@@ -89,7 +87,7 @@ def take(ctx: PlanContext, handles: np.ndarray, rows: np.ndarray, n: np.ndarray)
         return
     k = Kind.TAKE_HANDLE
     cfg, led, ps = ctx.config, ctx.ledger, ctx.ps
-    if cfg.ring_mode:
+    if not ctx.window.shares:
         raise Refusal(RefusalCode.SHARING_NEEDS_POOL_MODE, k)
     n_h = led.n_handles
     out = (handles < 0) | (handles >= n_h)
@@ -110,10 +108,9 @@ def take(ctx: PlanContext, handles: np.ndarray, rows: np.ndarray, n: np.ndarray)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise Refusal(RefusalCode.TAKE_PAST_COMMITTED, k, int(rows[i]), int(n[i]), int(limit[i]))
-    if ctx.has_states:
-        states.take(ctx, handles, rows, n)
+    ctx.state.take(ctx, handles, rows, n)
     put = ctx.journal.put
-    swa_start = np.minimum(led.frontier[rows], n)
+    swa_start = ctx.window.take_start(led, rows, n)
     put(led.h_live, handles, True)
     put(led.h_len, handles, n)
     put(led.h_swa_start, handles, swa_start)
@@ -128,20 +125,17 @@ def admit(ctx: PlanContext, rows: np.ndarray) -> None:
     rows = ctx.free_rows(rows, "admit")
     if not len(rows):
         return
-    cfg, led = ctx.config, ctx.ledger
-    if cfg.ring_mode:
-        need = cfg.swa_ring_pages * len(rows)
-        if need > led.swa.n_free:
-            raise Refusal(RefusalCode.RING_ADMIT_SHORT, Kind.ADMIT, int(rows[0]), led.swa.n_free,
-                          need)
-    if ctx.has_states:
-        states.need(ctx, len(rows), "admit", int(rows[0]))
-        states.admit(ctx, rows)
-    led.reset_rows(rows, live=True)
+    ctx.window.check_admit(ctx, rows)
+    ctx.state.admit(ctx, rows)
+    ctx.ledger.reset_rows(rows, live=True)
     ctx.admitted[rows] = True
-    if not cfg.ring_mode:
-        return
-    n_ring = cfg.swa_ring_pages
+    ctx.window.admit(ctx, rows)
+
+
+def ring_admit(ctx: PlanContext, rows: np.ndarray, n_ring: int) -> None:
+    """One ``AL_RING_ADMIT`` row per admitted request: it pops the request's ``n_ring`` ring
+    pages (a window pool's ring policy); the request allocates from the next step on."""
+    led = ctx.ledger
     out = np.zeros((len(rows), ROW_WIDTH), dtype=np.int64)
     out[:, AL_REQ] = rows
     out[:, AL_SWA_POP] = (led.swa.pop(n_ring * len(rows)) + n_ring * np.arange(len(rows))
@@ -162,7 +156,7 @@ def admit_on(ctx: PlanContext, rows: np.ndarray, handles: np.ndarray, n: np.ndar
         return
     k = Kind.ADMIT_ON
     cfg, led, ps = ctx.config, ctx.ledger, ctx.ps
-    if cfg.ring_mode:
+    if not ctx.window.shares:
         raise Refusal(RefusalCode.SHARING_NEEDS_POOL_MODE, k)
     rows = ctx.free_rows(rows, "admit(handle=)")
     ctx.live_handles(handles, "admit(handle=)", repeats=True)  # several may share one
@@ -175,14 +169,13 @@ def admit_on(ctx: PlanContext, rows: np.ndarray, handles: np.ndarray, n: np.ndar
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise Refusal(RefusalCode.SHARE_PAST_HANDLE, k, int(handles[i]), int(n[i]), int(h_len[i]))
-    if ctx.has_states:
-        states.admit_on(ctx, rows, handles, n, h_len)
+    ctx.state.admit_on(ctx, rows, handles, n, h_len)
     led.reset_rows(rows, live=True)
     ctx.admitted[rows] = True
     swa_start = np.minimum(led.h_swa_start[handles], n)
     put = ctx.journal.put
     put(led.seq_len, rows, n)
-    put(led.frontier, rows, swa_start)
+    put(led.frontier, rows, ctx.window.admitted_frontier(swa_start))
     put(led.committed, rows, n)
     for r, h, m, s in zip(rows.tolist(), handles.tolist(), n.tolist(), swa_start.tolist(),
                           strict=True):
@@ -250,21 +243,16 @@ def extend(ctx: PlanContext, rows: np.ndarray, n_tokens: np.ndarray, kind: str,
                       cfg.max_tokens_per_alloc_row)
     new_pages = _ceil_div(end, ps) - _ceil_div(start, ps)
     need_full = int(new_pages.sum())
-    need_swa = 0 if cfg.ring_mode else need_full
+    need_swa = ctx.window.pages_needed(need_full)
     if (need_full > led.full.n_free or need_swa > led.swa.n_free) and ctx.reclaim is not None:
         reclaim(ctx, need_full, need_swa)
     for pool, ring, need in ((0, led.full, need_full), (1, led.swa, need_swa)):
         if need > ring.n_free:
             raise Refusal(RefusalCode.PAGES_SHORT, k, pool, need - ring.n_free, ring.n_free)
-    if cfg.ring_mode:
-        span = _ceil_div(end, ps) - led.frontier[rows] // ps
-        if (span > cfg.swa_ring_pages).any():
-            i = int(np.flatnonzero(span > cfg.swa_ring_pages)[0])
-            raise Refusal(RefusalCode.RING_SPAN_TOO_LONG, k, int(rows[i]), int(span[i]),
-                          cfg.swa_ring_pages)
+    ctx.window.check_span(ctx, rows, end, k)
     depth = np.count_nonzero(spec, axis=1)  # each row's new speculative step index
-    if ctx.has_states and is_spec.any():
-        states.speculative(ctx, rows[is_spec], n_tokens[is_spec], depth[is_spec], kind)
+    if is_spec.any():
+        ctx.state.speculative(ctx, rows[is_spec], n_tokens[is_spec], depth[is_spec], kind)
     first_lane = ctx.n_tokens + np.cumsum(n_tokens) - n_tokens
     keep = n_tokens > 0
     k_rows, k_start, k_tok, k_pages, k_lane = (rows[keep], start[keep], n_tokens[keep],
@@ -276,25 +264,20 @@ def extend(ctx: PlanContext, rows: np.ndarray, n_tokens: np.ndarray, kind: str,
         out[:, AL_START_POS] = k_start
         out[:, AL_N_TOKENS] = k_tok
         full_pop = led.full.pop(need_full) if need_full else led.full.head
-        swa_pop = 0
         out[:, AL_FULL_POP] = (full_pop + pages_before) % led.full.capacity
-        if cfg.ring_mode:
-            out[:, AL_FLAGS] = AL_RING
-        else:
-            swa_pop = led.swa.pop(need_swa) if need_swa else led.swa.head
-            out[:, AL_SWA_POP] = (swa_pop + pages_before) % led.swa.capacity
+        swa_pop = ctx.window.pop_columns(ctx, out, need_swa, pages_before)
         out[:, AL_OUT] = k_lane
         out[:, AL_N_PAGES] = k_pages
         ctx.alloc_parts.append(out)
         ctx.n_tokens = int(k_lane[-1] + k_tok[-1])
         if ctx.refs is not None and need_full:
-            _hold_new_pages(ctx, k_rows, k_start, k_pages, full_pop, swa_pop, need_full)
+            _hold_new_pages(ctx, k_rows, k_start, k_pages, full_pop, swa_pop, need_full,
+                            need_swa)
     put = ctx.journal.put
     put(led.seq_len, rows, end)
     if is_spec.any():  # the step joins the row's speculative steps (first empty slot)
         put(led.spec_steps, (rows[is_spec], depth[is_spec]), n_tokens[is_spec])
-        if ctx.has_states:
-            states.speculative_slots(ctx, rows[is_spec], n_tokens[is_spec], depth[is_spec])
+        ctx.state.speculative_slots(ctx, rows[is_spec], n_tokens[is_spec], depth[is_spec])
     if not is_spec.all():
         put(led.committed, rows[~is_spec], end[~is_spec])
     ctx.allocated[rows] = True
@@ -304,18 +287,20 @@ def extend(ctx: PlanContext, rows: np.ndarray, n_tokens: np.ndarray, kind: str,
 
 
 def _hold_new_pages(ctx, rows, start, n_pages, full_pop: int, swa_pop: int,
-                    total: int) -> None:
+                    total: int, total_swa: int) -> None:
     """Mirror the pops of an extension: row ``rows[i]`` gets the next ``n_pages[i]`` pages
-    of both rings at page indices from ``ceil(start[i] / ps)``; counts 1 each."""
+    of the FULL ring (and of the window pool's, ``total_swa`` of them: all or none) at page
+    indices from ``ceil(start[i] / ps)``; counts 1 each."""
     refs, ps = ctx.refs, ctx.ps
     full = refs.ring_pages("full", int(full_pop), total).astype(np.int64)
-    swa = refs.ring_pages("swa", int(swa_pop), total).astype(np.int64)
     seg = np.repeat(np.arange(len(rows)), n_pages)
     k = np.arange(total) - np.repeat(np.cumsum(n_pages) - n_pages, n_pages)
     refs.put("page_of", (rows[seg], _ceil_div(start, ps)[seg] + k), full)
-    refs.put("swa_of", full, swa)
     refs.put("full_ref", full, 1)
-    refs.put("swa_ref", swa, 1)
+    if total_swa:
+        swa = refs.ring_pages("swa", int(swa_pop), total_swa).astype(np.int64)
+        refs.put("swa_of", full, swa)
+        refs.put("swa_ref", swa, 1)
 
 
 def load_back(ctx: PlanContext, rows: np.ndarray, new_pos: np.ndarray) -> None:
@@ -326,8 +311,7 @@ def load_back(ctx: PlanContext, rows: np.ndarray, new_pos: np.ndarray) -> None:
         return
     k = Kind.LOAD_BACK
     cfg, led, ps = ctx.config, ctx.ledger, ctx.ps
-    if cfg.ring_mode:
-        raise Refusal(RefusalCode.LOAD_BACK_IN_RING_MODE, k)
+    ctx.window.load_back_allowed()
     rows = ctx.live_rows(rows, "load_back")
     busy = ctx.allocated[rows]
     if busy.any():

@@ -190,18 +190,22 @@ class CompiledPlanner:
         shape = None if spec is None else (
             spec.max_batch, spec.model_window, spec.max_full_indices, spec.max_swa_indices,
             spec.has("csr", "full"), spec.has("csr", "swa"))
-        states = None if not cfg.has_states else (cfg.num_state_slots, cfg.max_spec_tokens,
-                                                   ring.n_state_rows)
+        pools = cfg.pools
+        state = pools.state
+        states = None if not state.has_states else (state.num_slots, state.max_spec_tokens,
+                                                     ring.n_state_rows)
+        window = pools.window
+        window = None if not window.has_window else (window.rule.c_kind, window.rule.tokens,
+                                                     window.ring_pages)
         self._c = _cplan.Planner(
-            cfg.page_size, cfg.max_reqs, cfg.max_handles, cfg.swa_ring_pages,
-            cfg.sliding_window, cfg.max_context_len, cfg.max_tokens_per_alloc_row,
-            cfg.max_pages_per_row, cfg.max_release_rows, cfg.max_step_pages,
-            cfg.max_alloc_rows, cfg.max_step_tokens, cfg.num_full_pages, cfg.num_swa_pages,
-            cfg.pages_per_request, len(ring), EMPTY, shape, states)
+            cfg.page_size, cfg.max_reqs, cfg.max_handles, cfg.max_context_len,
+            cfg.max_tokens_per_alloc_row, cfg.max_pages_per_row, cfg.max_release_rows,
+            cfg.max_step_pages, cfg.max_alloc_rows, cfg.max_step_tokens, cfg.num_full_pages,
+            cfg.num_swa_pages, cfg.pages_per_request, len(ring), EMPTY, window, shape, states)
         self._c.bind_ledger(led.live, led.admitted_once, led.seq_len, led.frontier,
                             led.committed, led.spec_steps, led.h_live, led.h_len,
                             led.h_swa_start, led.rings)
-        if states is not None:
+        if states is not None:  # (the state pool's arrays, bound when it exists)
             self._c.bind_states(led.state_slot, led.spec_state, led.state_ring)
         if led.refs is not None:
             refs = led.refs

@@ -84,7 +84,9 @@ class PlanContext:
         self.pages_freed = [0, 0]  # FULL, SWA
         self.pages_allocated = [0, 0]
         self.pages_evicted = 0  # SWA pages freed by frontier moves (part of pages_freed)
-        self.has_states = config.num_state_slots > 0
+        pools = config.pools
+        self.window = pools.window  # the window pool's rules (NoWindow: no window layers)
+        self.state = pools.state  # the state pool's rules (NoStates: no recurrent layers)
         self.state_parts: list[np.ndarray] = []  # ST_SET / ST_COPY rows (plan.states)
         self.spec_parts: list[np.ndarray] = []  # (row, step, n) newest speculative steps
         self.state_freed = 0
@@ -137,7 +139,7 @@ class PlanContext:
         if not len(handles):
             return handles
         k = kind_id(kind)
-        if self.config.ring_mode:
+        if not self.window.shares:
             raise Refusal(RefusalCode.SHARING_NEEDS_POOL_MODE, k)
         led, n = self.ledger, self.ledger.n_handles
         out = (handles < 0) | (handles >= n)
@@ -161,6 +163,13 @@ class PlanContext:
         if i >= 0:
             raise Refusal(RefusalCode.HANDLE_REPEATED, k, int(handles[i]))
         return handles
+
+    def reclaim_pages(self, need_full: int, need_swa: int, need_states: int = 0) -> None:
+        """Drop the prefix cache's offered entries until the pools hold what is needed (a
+        no-op without an offer): :func:`graphalloc.plan.allocation.reclaim`."""
+        if self.reclaim is not None:
+            from .allocation import reclaim  # (allocation imports this module)
+            reclaim(self, need_full, need_swa, need_states)
 
     # ---- the rows produced ----------------------------------------------------------------
     def release_rows(self) -> np.ndarray:

@@ -30,26 +30,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.abi import (
-    REL_CLEAR,
-    REL_EPOCH,
-    REL_FLAGS,
-    REL_FULL,
-    REL_FULL_PUSH,
-    REL_LANE,
-    REL_N_PAGES,
-    REL_REQ,
-    REL_RING_RETURN,
-    REL_START_POS,
-    REL_SWA,
-    REL_SWA_PUSH,
-    ROW_WIDTH,
-)
-from ..state.references import ACT_BOTH, ACT_FULL, ACT_SWA, drop_actions
-from ..state.window import window_targets
-from . import states
 from .context import PlanContext
 from .refusals import Kind, Refusal, RefusalCode, kind_id
+from .release_rows import drop, renumber_lanes, split_release_rows
 
 __all__ = ["release", "commit", "trim", "evict", "advance", "drop_handles", "window_frontier",
            "renumber_lanes", "split_release_rows", "shared_end"]
@@ -59,117 +42,14 @@ def _ceil_div(a, b):
     return -(-a // b)
 
 
-def renumber_lanes(release_rows: np.ndarray) -> np.ndarray:
-    """Release rows with ``REL_LANE`` made the exclusive prefix sum of their pages (in
-    place), as a step's release rows must be."""
-    if len(release_rows):
-        pages = release_rows[:, REL_N_PAGES]
-        release_rows[:, REL_LANE] = np.cumsum(pages) - pages
-    return release_rows
-
-
-def split_release_rows(rows: np.ndarray, max_rows: int, max_pages: int) -> list[np.ndarray]:
-    """Cut release rows, in order, into parts of at most ``max_rows`` rows and ``max_pages``
-    pages each (lanes renumbered per part). Every row carries absolute push positions, so
-    running the parts as consecutive steps pushes the same pages to the same positions as
-    one step would. One row never exceeds ``max_pages`` (the config guarantees it)."""
-    parts, start = [], 0
-    pages = rows[:, REL_N_PAGES]
-    while start < len(rows):
-        ends = start + np.flatnonzero(np.cumsum(pages[start:start + max_rows]) <= max_pages)
-        stop = int(ends[-1]) + 1 if len(ends) else start + 1
-        parts.append(renumber_lanes(rows[start:stop].copy()))
-        start = stop
-    return parts
-
-
-def add_release(ctx: PlanContext, rows, start_pos, n_pages, flags) -> None:
-    """Release rows for segments (split every ``max_pages_per_row`` pages), lanes and push
-    positions assigned in row order. ``flags``: one int, or one per row."""
-    flags = np.broadcast_to(np.asarray(flags, dtype=np.int64), np.shape(rows))
-    keep = n_pages > 0
-    if not keep.all():
-        if not keep.any():
-            return
-        rows, start_pos, n_pages, flags = rows[keep], start_pos[keep], n_pages[keep], flags[keep]
-    cap = ctx.config.max_pages_per_row
-    if n_pages.max() > cap:  # split long segments into rows of at most cap pages
-        n_chunks = _ceil_div(n_pages, cap)
-        seg = np.repeat(np.arange(len(rows)), n_chunks)
-        chunk = np.arange(len(seg)) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
-        rows, n_pages, flags = rows[seg], np.minimum(cap, n_pages[seg] - chunk * cap), flags[seg]
-        start_pos = start_pos[seg] + chunk * cap * ctx.ps  # ring rows: column = pos // ps
-    out = np.empty((len(rows), ROW_WIDTH), dtype=np.int64)
-    out[:, REL_REQ] = rows
-    out[:, REL_START_POS] = start_pos
-    out[:, REL_N_PAGES] = n_pages
-    out[:, REL_FLAGS] = flags
-    ends = np.cumsum(n_pages)
-    out[:, REL_LANE] = ends - n_pages + ctx.n_release_pages
-    ctx.n_release_pages += int(ends[-1])
-    led = ctx.ledger
-    for pool, ring, col, mask in (
-            (1, led.swa, REL_SWA_PUSH, (flags & (REL_SWA | REL_RING_RETURN)) != 0),
-            (0, led.full, REL_FULL_PUSH, (flags & REL_FULL) != 0)):
-        pushed = np.where(mask, n_pages, 0)
-        ends = np.cumsum(pushed)
-        total = int(ends[-1])
-        start = ring.push(total) if total else ring.tail
-        out[:, col] = np.where(mask, (start + ends - pushed) % ring.capacity, 0)
-        ctx.pages_freed[pool] += total
-    out[:, REL_EPOCH] = ctx.epoch
-    ctx.release_parts.append(out)
-
-
-def _emit(ctx: PlanContext, r: np.ndarray, k: np.ndarray, action: np.ndarray) -> int:
-    """Release rows for freed pages ``(row, page index, action)`` in push order: consecutive
-    pages of one row with one action are one segment. Updates the host mirror (rings,
-    mapping). Returns the SWA pages freed."""
-    if not len(r):
-        return 0
-    refs, led, ps = ctx.refs, ctx.ledger, ctx.ps
-    brk = np.ones(len(r), dtype=bool)
-    brk[1:] = (r[1:] != r[:-1]) | (action[1:] != action[:-1]) | (k[1:] != k[:-1] + 1)
-    starts = np.flatnonzero(brk)
-    n_pages = np.diff(np.append(starts, len(r)))
-    act = action[starts]
-    flags = np.where(act == ACT_FULL, REL_FULL,
-                     np.where(act == ACT_BOTH, REL_SWA | REL_FULL | REL_CLEAR,
-                              REL_SWA | REL_CLEAR))
-    pages = refs.page_of[r, k].astype(np.int64)
-    full_pages = pages[action != ACT_SWA]
-    swa_pages = refs.swa_of[pages[action != ACT_FULL]].astype(np.int64)
-    full_tail, swa_tail = led.full.tail, led.swa.tail
-    add_release(ctx, r[starts], k[starts] * ps, n_pages, flags)
-    refs.put("full_ring", (full_tail + np.arange(len(full_pages))) % led.full.capacity,
-             full_pages)
-    refs.put("swa_ring", (swa_tail + np.arange(len(swa_pages))) % led.swa.capacity, swa_pages)
-    refs.put("swa_of", pages[action != ACT_FULL], 0)
-    return len(swa_pages)
-
-
-def _drop(ctx, rows, full_lo, full_hi, swa_lo, swa_hi) -> int:
-    return _emit(ctx, *drop_actions(ctx.refs, rows, full_lo, full_hi, swa_lo, swa_hi))
-
-
 def release(ctx: PlanContext, rows: np.ndarray) -> None:
     """Free everything the requests hold and return their rows."""
     rows = ctx.live_rows(rows, "release")
     if not len(rows):
         return
     led, ps = ctx.ledger, ctx.ps
-    frontier = led.frontier[rows]
-    end_page = _ceil_div(led.seq_len[rows], ps)
-    zero = np.zeros(len(rows), dtype=np.int64)
-    if ctx.config.ring_mode:
-        add_release(ctx, rows, zero, frontier // ps, REL_FULL)
-        add_release(ctx, rows, frontier, end_page - frontier // ps, REL_FULL | REL_CLEAR)
-        ring = np.full(len(rows), ctx.config.swa_ring_pages, dtype=np.int64)
-        add_release(ctx, rows, zero, ring, REL_RING_RETURN)
-    else:  # drop FULL [0, L) and SWA [f, L): pages nobody else holds are freed
-        _drop(ctx, rows, zero, end_page, frontier // ps, end_page)
-    if ctx.has_states:
-        states.release(ctx, rows)
+    ctx.window.release(ctx, rows, led.frontier[rows], _ceil_div(led.seq_len[rows], ps))
+    ctx.state.release(ctx, rows)
     led.reset_rows(rows, live=False)
     ctx.released[rows] = True
 
@@ -190,10 +70,7 @@ def _cut(ctx: PlanContext, rows: np.ndarray, new_len: np.ndarray) -> None:
     stays). Marks the rows ``cut`` (not fusable with their own allocation)."""
     led, ps = ctx.ledger, ctx.ps
     lo, hi = _ceil_div(new_len, ps), _ceil_div(led.seq_len[rows], ps)
-    if ctx.config.ring_mode:
-        add_release(ctx, rows, lo * ps, hi - lo, REL_FULL | REL_CLEAR)
-    else:
-        _drop(ctx, rows, lo, hi, lo, hi)
+    ctx.window.cut(ctx, rows, lo, hi)
     ctx.journal.put(led.seq_len, rows, new_len)
     ctx.cut[rows] |= hi > lo
 
@@ -214,8 +91,7 @@ def commit(ctx: PlanContext, rows: np.ndarray, n: np.ndarray) -> None:
     committed = led.committed[rows] + n
     later = led.spec_steps[rows, 1:]
     _cut(ctx, rows, committed + later.sum(axis=1))
-    if ctx.has_states:
-        states.commit(ctx, rows, n, oldest)
+    ctx.state.commit(ctx, rows, n, oldest)
     put = ctx.journal.put
     put(led.committed, rows, committed)
     shifted = np.zeros((len(rows), led.SPEC_DEPTH), dtype=np.int64)
@@ -231,19 +107,15 @@ def trim(ctx: PlanContext, rows: np.ndarray, new_len: np.ndarray) -> None:
     rows = ctx.live_rows(rows, "trim")
     if not len(rows):
         return
-    led, k, window = ctx.ledger, Kind.TRIM, ctx.config.sliding_window
-    length, frontier = led.seq_len[rows], led.frontier[rows]
+    led, k = ctx.ledger, Kind.TRIM
+    length = led.seq_len[rows]
     if (new_len < 0).any():
         i = int(np.flatnonzero(new_len < 0)[0])
         raise Refusal(RefusalCode.NEGATIVE_LENGTH, k, int(rows[i]), int(new_len[i]))
     if (new_len > length).any():
         i = int(np.flatnonzero(new_len > length)[0])
         raise Refusal(RefusalCode.TRIM_LENGTHENS, k, int(rows[i]), int(new_len[i]), int(length[i]))
-    low = (frontier > 0) & (new_len < frontier + window)
-    if low.any():
-        i = int(np.flatnonzero(low)[0])
-        raise Refusal(RefusalCode.TRIM_BELOW_WINDOW, k, int(rows[i]), int(new_len[i]),
-                      int(frontier[i] + window))
+    ctx.window.check_trim(ctx, rows, new_len)
     if ctx.refs is not None:
         inside = np.flatnonzero(new_len % ctx.ps != 0)
         for i in inside:  # a partial page the next allocation would continue
@@ -251,25 +123,23 @@ def trim(ctx: PlanContext, rows: np.ndarray, new_len: np.ndarray) -> None:
             if new_len[i] < end:
                 raise Refusal(RefusalCode.TRIM_INSIDE_SHARED_PAGE, k, int(rows[i]), int(new_len[i]),
                               end)
-    if ctx.has_states:
-        states.trim(ctx, rows, new_len)
+    ctx.state.trim(ctx, rows, new_len)
     _cut(ctx, rows, new_len)
     committed = led.committed[rows]
     keep = new_len - committed  # speculative tokens kept, cut step by step (oldest first)
     steps = led.spec_steps[rows]
     before = np.cumsum(steps, axis=1) - steps
     kept = np.clip(keep[:, None] - before, 0, steps)
-    if ctx.has_states:
-        states.trim_slots(ctx, rows, kept)
+    ctx.state.trim_slots(ctx, rows, kept)
     put = ctx.journal.put
     put(led.spec_steps, rows, kept)
     put(led.committed, rows, np.minimum(committed, new_len))
 
 
 def window_frontier(ctx: PlanContext, rows: np.ndarray) -> np.ndarray:
-    """The window rule (:func:`graphalloc.state.window.window_targets`) on the lengths when
-    the step began and C after the step's commits and trims."""
-    return window_targets(ctx.config, ctx.ledger, rows, ctx.len_at_start)
+    """The window pool's rule (:meth:`graphalloc.pools.window.WindowPool.targets`) on the
+    lengths when the step began and C after the step's commits and trims."""
+    return ctx.window.targets(ctx.ledger, rows, ctx.len_at_start)
 
 
 def advance(ctx: PlanContext, rows: np.ndarray, new_pos: np.ndarray, kind: str = "advance",
@@ -281,6 +151,8 @@ def advance(ctx: PlanContext, rows: np.ndarray, new_pos: np.ndarray, kind: str =
     if not len(rows):
         return
     led, ps, k = ctx.ledger, ctx.ps, kind_id(kind)
+    if not checked:
+        ctx.window.moves_allowed(k)
     old = led.frontier[rows]
     limit = np.minimum(ctx.len_at_start[rows], led.committed[rows]) // ps * ps
     if (new_pos % ps != 0).any():
@@ -298,13 +170,7 @@ def advance(ctx: PlanContext, rows: np.ndarray, new_pos: np.ndarray, kind: str =
         rows, old, new_pos = rows[moved], old[moved], new_pos[moved]
         if not len(rows):
             return
-    n_pages = (new_pos - old) // ps
-    if ctx.config.ring_mode:  # the ring pages stay with the request: only clear the mapping
-        add_release(ctx, rows, old, n_pages, REL_CLEAR)
-        n_freed = int(n_pages.sum())
-    else:  # drop the SWA references of [old, new): pages nobody else holds are freed
-        empty = np.zeros(len(rows), dtype=np.int64)
-        n_freed = _drop(ctx, rows, empty, empty, old // ps, new_pos // ps)
+    n_freed = ctx.window.advance(ctx, rows, old, new_pos)
     ctx.journal.put(led.frontier, rows, new_pos)
     ctx.pages_evicted += n_freed
 
@@ -333,9 +199,8 @@ def drop_handles(ctx: PlanContext, handles: np.ndarray, swa_only: np.ndarray,
     n_pages = led.h_len[handles] // ps
     swa_lo = led.h_swa_start[handles] // ps
     zero = np.zeros(len(handles), dtype=np.int64)
-    _drop(ctx, rows, zero, np.where(swa_only != 0, 0, n_pages), swa_lo, n_pages)
-    if ctx.has_states:
-        states.drop(ctx, handles, swa_only)
+    drop(ctx, rows, zero, np.where(swa_only != 0, 0, n_pages), swa_lo, n_pages)
+    ctx.state.drop(ctx, handles, swa_only)
     put = ctx.journal.put
     tomb, whole = handles[swa_only != 0], handles[swa_only == 0]
     put(led.h_swa_start, tomb, led.h_len[tomb])

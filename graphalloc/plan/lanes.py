@@ -58,8 +58,7 @@ def plan_lanes(ctx, spec, rows: np.ndarray, query: np.ndarray) -> LaneOutcome:
     cols = np.zeros((ROW_WIDTH, B), dtype=np.int64)
     L, f = led.seq_len[rows], led.frontier[rows]
     end = -(-L // ps)
-    ws = np.maximum(np.maximum(L - (np.maximum(query, 1) - 1) - W, 0), f)
-    first = ws // ps
+    ws, first = ctx.window.lane_window(L, query, W, f, end, ps)
     full_indptr = np.zeros(B + 1, dtype=np.int64)
     swa_indptr = np.zeros(B + 1, dtype=np.int64)
     np.cumsum(end, out=full_indptr[1:n + 1])

@@ -19,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from . import allocation, frees, states
+from . import allocation, frees
 from .context import PlanContext, first_repeat
 from .lanes import plan_lanes
 from .refusals import Kind, Refusal, RefusalCode
@@ -107,4 +107,4 @@ def plan_step(ctx: PlanContext, a: StepArrays) -> PlanOutcome:
     return PlanOutcome(release, alloc, ctx.n_tokens, tuple(ctx.pages_freed),
                        tuple(ctx.pages_allocated), ctx.pages_evicted, ctx.fusable, rows, first,
                        n_tok, ctx.reclaimed, lanes,
-                       states.finish(ctx) if ctx.has_states else None)
+                       ctx.state.finish(ctx))

@@ -247,6 +247,10 @@ class RefusalCode(enum.IntEnum):
         "{kind}: state slot {value} is copied from in this step, so it cannot "
         "also be a copy's destination; the pool had no other free slot. "
         "Retry next step (the slot is free then)")
+    NO_WINDOW_POOL = (46, ContractError, False,
+        "{kind}: the model has no window layers (no SlidingWindow or ChunkedLocal pool), "
+        "so there is no frontier to move; every position keeps its FULL page until the "
+        "request is released or trimmed")
 
 
 class RefusalInfo(NamedTuple):

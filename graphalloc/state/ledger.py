@@ -121,7 +121,8 @@ class Ledger:
         self.h_swa_start = np.zeros(n_handles, dtype=np.int64)  # SWA held: [start, h_len)
         self.rings = np.zeros((3, 2), dtype=np.int64)  # [FULL, SWA, STATE] x [head, n_free]
         self.full = FreeRing(config.num_full_pages, self.rings[FULL_RING], self.journal)
-        self.swa = FreeRing(config.num_swa_pages, self.rings[SWA_RING], self.journal)
+        # (a model without window layers has no window pages: a ring of capacity 1, empty)
+        self.swa = FreeRing(max(config.num_swa_pages, 1), self.rings[SWA_RING], self.journal)
         # Recurrent-state slots (num_state_slots S; all empty and unused when S == 0).
         n_slots = config.num_state_slots
         self.state_slot = np.zeros(n + n_handles, dtype=np.int64)  # main slot / snapshot
@@ -129,7 +130,7 @@ class Ledger:
         self.state_ring = np.zeros(max(n_slots, 1), dtype=np.int64)  # free slots (FIFO)
         self.states = FreeRing(max(n_slots, 1), self.rings[STATE_RING], self.journal)
         # Page ids and reference counts (pool mode).
-        self.refs = None if config.ring_mode else PageRefs(
+        self.refs = None if not config.pools.window.shares else PageRefs(
             n + n_handles, config.pages_per_request, config.num_full_pages,
             config.num_swa_pages, self.journal)
         self.reset()

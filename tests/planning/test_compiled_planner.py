@@ -41,6 +41,7 @@ from graphalloc.attention.spec import PageTableSpec
 from graphalloc.kernels.abi import ST_SPEC
 from graphalloc.plan.refusals import Kind, RefusalCode
 from graphalloc.plan.step import Step, normalize
+from graphalloc.pools.layers import ChunkedLocal, FullAttention, RecurrentState
 
 if os.environ.get("CI") and not compiled.AVAILABLE:  # CI must build it: never skip there
     raise AssertionError(f"the compiled planner was not built: {compiled.UNAVAILABLE_REASON}")
@@ -77,6 +78,23 @@ CONFIGS = {
                       max_tokens_per_alloc_row=16), dict(max_batch=2, forms=("block_table",))),
 }
 
+# Pools the keyword form cannot describe (layers=): no window layers, chunked local attention
+LAYER_CONFIGS = {
+    "nowin-ps4-handles": (dict(page_size=4, max_reqs=5, max_context_len=64, max_handles=4,
+                               layers=(FullAttention(40),), max_tokens_per_alloc_row=16),
+                          dict(max_batch=5, layers=("full",))),
+    "nowin-ps1-tight": (dict(page_size=1, max_reqs=4, max_context_len=24, max_handles=3,
+                             layers=(FullAttention(60),), max_pages_per_row=5,
+                             index_dtype=torch.int32), "tight"),
+    "chunk-ps4-handles": (dict(page_size=4, max_reqs=5, max_context_len=80, max_handles=4,
+                               layers=(FullAttention(48), ChunkedLocal(12, 20)),
+                               max_tokens_per_alloc_row=20), dict(max_batch=5)),
+    "chunk-ps3-tight": (dict(page_size=3, max_reqs=4, max_context_len=48, max_handles=3,
+                             layers=(FullAttention(40), ChunkedLocal(8, 16)),
+                             max_pages_per_row=2, max_alloc_rows=3, max_step_tokens=20,
+                             max_tokens_per_alloc_row=12), "tight"),
+}
+
 STATE_CONFIGS = {
     # recurrent-state slots: pools a few requests' speculative steps exhaust
     "states-ps4-k3": (dict(page_size=4, num_full_pages=48, num_swa_pages=24, max_reqs=6,
@@ -96,6 +114,14 @@ STATE_CONFIGS = {
                              max_context_len=256, sliding_window=31, max_handles=4,
                              max_tokens_per_alloc_row=48, num_state_slots=40,
                              max_spec_tokens=12), dict(max_batch=4)),
+    "states-nowin-ps4": (dict(page_size=4, max_reqs=5, max_context_len=64, max_handles=4,
+                              layers=(FullAttention(40), RecurrentState(12, 3)),
+                              max_tokens_per_alloc_row=16), dict(max_batch=5,
+                                                                 layers=("full",))),
+    "states-chunk-ps2": (dict(page_size=2, max_reqs=4, max_context_len=40, max_handles=4,
+                              layers=(FullAttention(50), ChunkedLocal(6, 20),
+                                      RecurrentState(12, 3)),
+                              max_tokens_per_alloc_row=10), None),
     "states-ring-ps4": (dict(page_size=4, num_full_pages=50, num_swa_pages=20, max_reqs=4,
                              max_context_len=64, sliding_window=6, swa_ring_pages=4,
                              max_tokens_per_alloc_row=16, num_state_slots=8,
@@ -106,7 +132,7 @@ COUNTS: collections.Counter = collections.Counter()  # kinds planned, refusal co
 
 
 def make_config(name: str, **overrides):
-    kwargs, tables = {**CONFIGS, **STATE_CONFIGS}[name]
+    kwargs, tables = {**CONFIGS, **LAYER_CONFIGS, **STATE_CONFIGS}[name]
     kwargs = dict(kwargs, backend="torch", device="cpu")
     if tables == "tight":  # every frozen release shape at its minimum: steps exceed them
         probe = AllocatorConfig(**kwargs)
@@ -526,6 +552,14 @@ def drive(name: str, seed: int, n_steps: int) -> Pair:
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_steps_match_the_reference(name, seed):
+    pair = drive(name, seed, 300)
+    assert pair.twin.pipeline.compiled.n_planned > 50
+
+
+@pytest.mark.parametrize("name", sorted(LAYER_CONFIGS))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_steps_of_new_pools_match_the_reference(name, seed):
+    """Models the keyword form cannot describe: no window layers, chunked local attention."""
     pair = drive(name, seed, 300)
     assert pair.twin.pipeline.compiled.n_planned > 50
 

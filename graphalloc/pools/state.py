@@ -1,5 +1,6 @@
-"""The numpy reference planner's recurrent-state slots: who holds which slot, and the state
-rows (slot-table writes, state copies) of a step.
+"""The state pool: recurrent-state slots -- who holds which slot, and the state rows
+(slot-table writes, state copies) of a step. The planner asks :class:`StatePool` (or
+:class:`NoStates`, a model without recurrent layers) at every step kind.
 
 A model with recurrent layers (Mamba, gated delta-net, short convolutions) keeps one
 fixed-size state per request instead of per-token KV. With ``num_state_slots`` S > 0 every
@@ -50,9 +51,9 @@ from ..kernels.abi import (
     ST_SPEC,
     ST_SPEC_SLOTS,
 )
-from .refusals import Kind, Refusal, RefusalCode, kind_id
+from ..plan.refusals import Kind, Refusal, RefusalCode, kind_id
 
-__all__ = ["pop", "push", "set_slot", "copy", "spec_index", "finish"]
+__all__ = ["StatePool", "NoStates", "pop", "push", "set_slot", "copy", "spec_index", "finish"]
 
 
 def _rows(ctx, kind: int, a: np.ndarray, b: np.ndarray) -> None:
@@ -67,9 +68,8 @@ def need(ctx, n: int, kind: str, row: int = 0) -> None:
     """Refuse (43) unless the pool holds ``n`` more free slots (the prefix cache's offered
     entries dropped first, when the allocator owns one: their snapshots come back)."""
     free = ctx.ledger.states.n_free
-    if n > free and ctx.reclaim is not None:
-        from .allocation import reclaim  # (allocation imports this module)
-        reclaim(ctx, 0, 0, n)
+    if n > free:
+        ctx.reclaim_pages(0, 0, n)
         free = ctx.ledger.states.n_free
     if n > free:
         raise Refusal(RefusalCode.STATE_SLOTS_SHORT, kind_id(kind), row, n, free)
@@ -300,3 +300,70 @@ def finish(ctx) -> np.ndarray:
     out[1:1 + len(copies)] = copies
     out[1 + len(copies):] = table
     return out
+
+
+class StatePool:
+    """Recurrent-state slots (``RecurrentState(num_slots)``): the rules of this module, one
+    per step kind, for the planner to call (the compiled twin: ``_cplan_states.c``)."""
+
+    has_states = True
+
+    def __init__(self, num_slots: int, max_spec_tokens: int):
+        self.num_slots, self.max_spec_tokens = int(num_slots), int(max_spec_tokens)
+
+    take = staticmethod(take)
+    release = staticmethod(release)
+    commit = staticmethod(commit)
+    trim = staticmethod(trim)
+    trim_slots = staticmethod(trim_slots)
+    drop = staticmethod(drop)
+    admit_on = staticmethod(admit_on)
+    speculative = staticmethod(speculative)
+    speculative_slots = staticmethod(speculative_slots)
+    finish = staticmethod(finish)
+
+    @staticmethod
+    def admit(ctx, rows: np.ndarray) -> None:
+        need(ctx, len(rows), "admit", int(rows[0]))
+        admit(ctx, rows)
+
+
+class NoStates:
+    """A model without recurrent layers: every rule does nothing, the step has no state
+    section."""
+
+    has_states = False
+    num_slots = 0
+
+    def take(self, ctx, handles, rows, n) -> None:
+        return None
+
+    def release(self, ctx, rows) -> None:
+        return None
+
+    def commit(self, ctx, rows, n, oldest) -> None:
+        return None
+
+    def trim(self, ctx, rows, new_len) -> None:
+        return None
+
+    def trim_slots(self, ctx, rows, kept) -> None:
+        return None
+
+    def drop(self, ctx, handles, swa_only) -> None:
+        return None
+
+    def admit(self, ctx, rows) -> None:
+        return None
+
+    def admit_on(self, ctx, rows, handles, n, h_len) -> None:
+        return None
+
+    def speculative(self, ctx, rows, n, depth, kind) -> None:
+        return None
+
+    def speculative_slots(self, ctx, rows, n, depth) -> None:
+        return None
+
+    def finish(self, ctx) -> None:
+        return None

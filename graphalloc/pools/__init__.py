@@ -1,0 +1,82 @@
+"""Pools: a model is a list of layer kinds, each served by one pool (the registry below).
+
+=====================  =======================================  ==========================
+layer kind             pool                                     module (numpy / C twin)
+=====================  =======================================  ==========================
+``FullAttention``      :class:`~.full.FullPool`                 ``full`` / ``_cplan_core``
+``SlidingWindow``      :class:`~.window.WindowPool`, sliding    ``window`` /
+                       rule, pooled or ring policy              ``_cplan_window``
+``ChunkedLocal``       :class:`~.window.WindowPool`, chunk rule ``chunked`` /
+                                                                ``_cplan_chunked``
+``RecurrentState``     :class:`~.state.StatePool`               ``state`` /
+                                                                ``_cplan_states``
+=====================  =======================================  ==========================
+
+:func:`build_pools` turns a config's layers into :class:`Pools`: the FULL pool, the window
+pool (:class:`~.window.NoWindow` when the model has no window layers) and the state pool
+(:class:`~.state.NoStates` when it has no recurrent layers). The planner asks them at every
+step kind; nothing outside this room asks "is there a state pool?" or "is this the ring
+policy?". Stage one serves one window pool (a model with several windows is refused by the
+config, naming the gap). Cost: O(layers) once, at construction.
+"""
+
+from __future__ import annotations
+
+from .chunked import ChunkRule
+from .full import FullPool
+from .layers import ChunkedLocal, FullAttention, RecurrentState, SlidingWindow
+from .state import NoStates, StatePool
+from .window import NoWindow, SlidingRule, WindowPool
+
+__all__ = ["Pools", "build_pools", "REGISTRY", "FullAttention", "SlidingWindow",
+           "ChunkedLocal", "RecurrentState"]
+
+
+def _window(layer: SlidingWindow, index: int) -> WindowPool:
+    return WindowPool(SlidingRule(layer.window), layer.num_pages, layer.ring_pages, index)
+
+
+def _chunked(layer: ChunkedLocal, index: int) -> WindowPool:
+    return WindowPool(ChunkRule(layer.chunk), layer.num_pages, 0, index)
+
+
+# layer kind -> (the pool's role, how to build it): the one place a new kind is registered.
+REGISTRY = {
+    FullAttention: ("full", lambda layer, index: FullPool(layer.num_pages)),
+    SlidingWindow: ("window", _window),
+    ChunkedLocal: ("window", _chunked),
+    RecurrentState: ("state", lambda layer, index: StatePool(layer.num_slots,
+                                                             layer.max_spec_tokens)),
+}
+
+
+class Pools:
+    """The pools of one model: ``full``, ``windows`` (in layer order), ``window`` (the
+    first, or :class:`NoWindow`) and ``state`` (or :class:`NoStates`)."""
+
+    __slots__ = ("full", "windows", "window", "state")
+
+    def __init__(self, full, windows, state):
+        self.full, self.windows = full, tuple(windows)
+        self.window = self.windows[0] if self.windows else NoWindow()
+        self.state = state if state is not None else NoStates()
+
+    def __iter__(self):
+        yield self.full
+        yield from self.windows
+        if self.state.has_states:
+            yield self.state
+
+
+def build_pools(layers) -> Pools:
+    """The pools of ``layers`` (checked by the config: one FULL, at most one state)."""
+    full, windows, state = None, [], None
+    for layer in layers:
+        role, make = REGISTRY[type(layer)]
+        if role == "full":
+            full = make(layer, 0)
+        elif role == "window":
+            windows.append(make(layer, len(windows)))
+        else:
+            state = make(layer, 0)
+    return Pools(full, windows, state)
