@@ -107,7 +107,7 @@ class HybridAllocator:
                                    n_bufs=n_descriptor_bufs,
                                    n_lane_rows=0 if self.tables is None else
                                    self.tables.spec.max_batch,
-                                   n_state_rows=config.max_state_rows + 1 if config.has_states
+                                   n_state_rows=config.max_state_rows + 1 if config.max_state_rows
                                    else 0)
         self.kernels = StepKernels(config, self.state, fused=fused_step, tables=self.tables,
                                    ring=self.ring, state_tensors=state_tensors)

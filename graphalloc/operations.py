@@ -63,7 +63,7 @@ def check_arguments(config, n_descriptor_bufs, fused_step, prefix_cache, page_ta
     if page_tables is not None and not isinstance(page_tables, PageTableSpec):
         raise ConfigError(f"page_tables takes a PageTableSpec (or None), got "
                           f"{type(page_tables).__name__}")
-    if prefix_cache and (config.ring_mode or config.max_handles == 0):
+    if prefix_cache and (not config.pools.window.shares or config.max_handles == 0):
         raise ConfigError("prefix_cache=True needs pool mode and max_handles > 0 (each cache "
                           "entry is a handle)")
 

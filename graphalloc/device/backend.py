@@ -68,7 +68,8 @@ class StepKernels:
         self.num_warps: int | None = None  # warps per program (None: Triton's default)
         # Per-call constants, built once (a launch is on every step's path).
         self._common = dict(page_size=config.page_size, n_full_cap=config.num_full_pages,
-                            n_swa_cap=config.num_swa_pages, validate=config.validate)
+                            # (no window layers: a ring of capacity 1 that no row reads)
+                            n_swa_cap=max(config.num_swa_pages, 1), validate=config.validate)
         self._epochs = (state.full_epoch_buf, state.swa_epoch_buf)
         self._tables = (state.req_to_token_buf, state.full_to_swa_buf, state.full_free_buf,
                         state.swa_free_buf, state.ring_pages_buf)

@@ -55,7 +55,8 @@ class DeviceState:
         self.req_to_token_buf = torch.zeros(cfg.max_reqs + self.n_handles + 1,
                                             cfg.max_context_len, dtype=dt, device=dev)
         self.full_free_buf = torch.zeros(cfg.num_full_pages + 1, dtype=dt, device=dev)
-        self.swa_free_buf = torch.zeros(cfg.num_swa_pages + 1, dtype=dt, device=dev)
+        # (no window layers: a ring of capacity 1 that nothing reads, and its scratch entry)
+        self.swa_free_buf = torch.zeros(max(cfg.num_swa_pages, 1) + 1, dtype=dt, device=dev)
         self.ring_pages_buf = torch.zeros(cfg.max_reqs + 1, max(1, cfg.swa_ring_pages), dtype=dt,
                                           device=dev)
         self.out_full_buf = torch.zeros(cfg.max_step_tokens + 1, dtype=dt, device=dev)
@@ -78,7 +79,8 @@ class DeviceState:
             getattr(self, name).zero_()
         dev, dt = cfg.device, cfg.index_dtype
         self.full_free_buf[:-1].copy_(torch.arange(1, cfg.num_full_pages + 1, dtype=dt, device=dev))
-        self.swa_free_buf[:-1].copy_(torch.arange(1, cfg.num_swa_pages + 1, dtype=dt, device=dev))
+        self.swa_free_buf[:cfg.num_swa_pages].copy_(torch.arange(1, cfg.num_swa_pages + 1,
+                                                                 dtype=dt, device=dev))
         self.full_free_buf[-1:].zero_()
         self.swa_free_buf[-1:].zero_()
 
@@ -102,7 +104,7 @@ class DeviceState:
 
     @property
     def swa_free(self) -> torch.Tensor:
-        return self.swa_free_buf[:-1]
+        return self.swa_free_buf[:self.config.num_swa_pages]
 
     @property
     def ring_pages(self) -> torch.Tensor:

@@ -68,17 +68,14 @@ def _free_entries(free: np.ndarray, head: int, n_free: int) -> np.ndarray:
 def ownership(config, ledger, snap: dict) -> dict:
     """Pages per owner, rebuilt from device tables + host ledger:
     ``{"full": {req: pages}, "swa": {req: pages}, "full_free": ..., "swa_free": ...}``."""
-    ps = config.page_size
-    r2t, f2s = snap["req_to_token"], snap["full_to_swa"]
+    ps, window = config.page_size, config.pools.window
+    r2t = snap["req_to_token"]
     full_owned, swa_owned = {}, {}
     for r in np.flatnonzero(ledger.live):
         end_page = -(-ledger.seq_len[r] // ps)
         full_owned[int(r)] = r2t[r, np.arange(end_page) * ps] // ps
-        if config.ring_mode:
-            swa_owned[int(r)] = snap["ring_pages"][r, :config.swa_ring_pages]
-        else:
-            live_pages = r2t[r, np.arange(ledger.frontier[r] // ps, end_page) * ps] // ps
-            swa_owned[int(r)] = f2s[np.clip(live_pages, 0, None) * ps] // ps
+        swa_owned[int(r)] = window.owned_on_device(snap, r, ledger.frontier[r] // ps, end_page,
+                                                   ps)
     return {
         "full": full_owned,
         "swa": swa_owned,
@@ -123,9 +120,10 @@ def _holders(config, ledger):
     then held handles."""
     rows = np.flatnonzero(ledger.live)
     handles = np.flatnonzero(ledger.h_live)
-    return (np.concatenate([rows, config.max_reqs + handles]),
-            np.concatenate([ledger.seq_len[rows], ledger.h_len[handles]]),
-            np.concatenate([ledger.frontier[rows], ledger.h_swa_start[handles]]))
+    lens = np.concatenate([ledger.seq_len[rows], ledger.h_len[handles]])
+    starts = np.concatenate([ledger.frontier[rows], ledger.h_swa_start[handles]])
+    return (np.concatenate([rows, config.max_reqs + handles]), lens,
+            config.pools.window.held_from(starts, lens, config.page_size))
 
 
 def audit_references(config, ledger, snap: dict) -> list[Finding]:
@@ -260,9 +258,11 @@ def audit_state(config, ledger, snap: dict) -> list[Finding]:
                                 f"full_to_swa of full page {p} is not page-dense: "
                                 f"{f2s[p].tolist()}"))  # numpy: off the fast path
     should_map = np.zeros(config.num_full_pages + 1, dtype=bool)
-    for r in np.flatnonzero(ledger.live):
+    live = np.flatnonzero(ledger.live)
+    held = config.pools.window.held_from(ledger.frontier[live], ledger.seq_len[live], ps)
+    for r, start in zip(live, held, strict=True):
         end_page = -(-ledger.seq_len[r] // ps)
-        pages = r2t[r, np.arange(ledger.frontier[r] // ps, end_page) * ps] // ps
+        pages = r2t[r, np.arange(start // ps, end_page) * ps] // ps
         should_map[np.clip(pages, 0, config.num_full_pages)] = True
     mapped = first > 0
     for p in np.flatnonzero(mapped != should_map)[:8]:

@@ -133,7 +133,7 @@ class IterationStep:
             raise ConfigError(f"{owner} takes a graphalloc.HybridAllocator, got "
                               f"{type(alloc).__name__}")
         cfg = alloc.config
-        if cfg.ring_mode:
+        if not cfg.pools.window.shares:
             raise ConfigError(
                 f"{owner} needs a pool-mode allocator (swa_ring_pages=0): in ring mode an "
                 "admit pops ring pages, so a request cannot be admitted on a cached prefix "

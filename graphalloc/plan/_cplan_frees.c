@@ -127,7 +127,6 @@ int plan_advance(Planner *P, Plan *S, const int64_t *rows, const int64_t *pos, P
                  int kind, int checked) {
     if (!checked) TRY(live_rows(P, S, rows, n, kind, 0));
     if (!n) return 0;
-    if (!checked) TRY(win_moves_allowed(P, S, kind));
     for (Py_ssize_t i = 0; i < n; i++)
         if (PMOD(P, pos[i]) != 0)
             return refuse(S, R_FRONTIER_NOT_ALIGNED, kind, rows[i], pos[i], P->ps);
@@ -148,6 +147,7 @@ int plan_advance(Planner *P, Plan *S, const int64_t *rows, const int64_t *pos, P
         P->t_d[m] = pos[i];
         m++;
     }
+    if (m) TRY(win_moves_allowed(P, S, kind));  /* no window layers: no frontier to move */
     int64_t freed = 0;
     TRY(win_advance(P, S, m, &freed));
     for (Py_ssize_t i = 0; i < m; i++) set64(P, &P->front[P->t_rows[i]], P->t_d[i]);

@@ -41,7 +41,6 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import FrontierError
-from ..state.window import window_targets
 from .step import Step, normalize
 
 __all__ = ["FreeGroup"]
@@ -98,7 +97,7 @@ class FreeGroup:
         else:
             arr = normalize(Step(evict=rows), alloc.config).evict
             alloc.dry_run(Step(evict=arr), oversize=True)
-        targets = window_targets(alloc.config, alloc.ledger, arr)
+        targets = alloc.config.pools.window.targets(alloc.ledger, arr)
         self._target(arr, np.maximum(targets, self.target[arr]))
 
     def _target(self, rows: np.ndarray, pos: np.ndarray) -> None:

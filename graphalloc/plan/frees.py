@@ -151,8 +151,6 @@ def advance(ctx: PlanContext, rows: np.ndarray, new_pos: np.ndarray, kind: str =
     if not len(rows):
         return
     led, ps, k = ctx.ledger, ctx.ps, kind_id(kind)
-    if not checked:
-        ctx.window.moves_allowed(k)
     old = led.frontier[rows]
     limit = np.minimum(ctx.len_at_start[rows], led.committed[rows]) // ps * ps
     if (new_pos % ps != 0).any():
@@ -166,6 +164,8 @@ def advance(ctx: PlanContext, rows: np.ndarray, new_pos: np.ndarray, kind: str =
         raise Refusal(RefusalCode.FRONTIER_PAST_COMMITTED, k, int(rows[i]), int(new_pos[i]),
                       int(limit[i]))
     moved = new_pos > old
+    if moved.any():
+        ctx.window.moves_allowed(k)  # (a model without window layers has no frontier to move)
     if not moved.all():
         rows, old, new_pos = rows[moved], old[moved], new_pos[moved]
         if not len(rows):

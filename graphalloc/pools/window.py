@@ -223,6 +223,19 @@ class WindowPool:
         of a request admitted on its first ``n_tokens``."""
         return swa_start <= int(self.rule.needed_from(n_tokens)) // page_size * page_size
 
+    def held_from(self, starts: np.ndarray, lengths: np.ndarray, ps: int) -> np.ndarray:
+        """Where holders (frontiers, handles' starts) hold window pages from."""
+        return starts
+
+    def owned_on_device(self, snap: dict, row: int, first_page: int, end_page: int,
+                        ps: int) -> np.ndarray:
+        """The window pages request ``row`` holds by the device tables of ``snap`` (an
+        audit): its ring (ring policy), or the peers of its FULL pages from its frontier."""
+        if self.policy == RING:
+            return snap["ring_pages"][row, :self.ring_pages]
+        full = snap["req_to_token"][row, np.arange(first_page, end_page) * ps] // ps
+        return snap["full_to_swa"][np.clip(full, 0, None) * ps] // ps
+
 
 class NoWindow:
     """A model without window layers: frontiers stay 0, nothing is held, nothing evicted.
@@ -287,3 +300,9 @@ class NoWindow:
 
     def present(self, swa_start: int, n_tokens: int, page_size: int) -> bool:
         return True
+
+    def held_from(self, starts, lengths, ps):
+        return -(-lengths // ps) * ps  # nothing held: from past the last page
+
+    def owned_on_device(self, snap, row, first_page, end_page, ps):
+        return np.zeros(0, dtype=np.int64)

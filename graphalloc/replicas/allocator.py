@@ -120,7 +120,7 @@ class ReplicatedAllocator(ReplicaOps):
                               f"digest_every ({digest_every}, >= 1)")
         if not isinstance(prefix_cache, bool):
             raise ConfigError(f"prefix_cache must be a bool, got {prefix_cache!r}")
-        if prefix_cache and (cfg.ring_mode or not cfg.max_handles):  # before any collective
+        if prefix_cache and (not cfg.pools.window.shares or not cfg.max_handles):  # (no collective)
             raise ConfigError("prefix_cache=True needs pool mode and max_handles > 0 (each "
                               "cache entry is a handle)")
         self.group = group if group is not None else dist.group.WORLD
@@ -345,7 +345,7 @@ class ReplicatedAllocator(ReplicaOps):
             if not has_ledger(header):
                 return None
             ledger = unpack_ledger(cfg, header)
-            if not cfg.ring_mode:
+            if ledger.refs is not None:  # a page mirror to check the tables against
                 ps, n_rows = cfg.page_size, cfg.max_reqs + ledger.n_handles
                 # off the fast path: a check point (or sync_ledger()) reads the tables
                 tables = (state.req_to_token_buf[:n_rows, ::ps], state.full_to_swa_buf[::ps],

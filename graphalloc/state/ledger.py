@@ -211,7 +211,7 @@ class Ledger:
         else:
             end = -(-self.seq_len // ps)
             owned_full = int(np.where(live, end, 0).sum())
-            owned_swa = int(np.count_nonzero(live)) * cfg.swa_ring_pages
+            owned_swa = cfg.pools.window.min_pages(ps, 0) * int(np.count_nonzero(live))
         slots = np.concatenate([self.state_slot, self.spec_state.reshape(-1)])
         owned_states = int(np.count_nonzero(slots))
         for name, ring, owned, total in (

@@ -140,6 +140,7 @@ SHARING = "sharing"  # a sharing call in ring mode (a ContractError)
 SPEC = "spec"  # speculative state: nothing to commit, a tail blocks a plain allocation,
 # a third step in flight (a ContractError)
 SHARED = "shared"  # a trim into a page another holder references (SharedPageError)
+NO_WINDOW = "no_window"  # a frontier move (advance, load-back) in a model with no window layers
 MAPPED = "mapped"  # a load-back of a page with an SWA page, or one an earlier row loads back
 # Recurrent-state slots (the test maps them onto refusal codes 40-45).
 STATE_ADMIT = "state_admit"  # admit on a handle at n != the handle's n (40)
@@ -217,8 +218,13 @@ class Model:
     def __init__(self, page_size, num_full_pages, num_swa_pages, max_reqs, max_context_len,
                  sliding_window, swa_ring_pages=0, max_release_rows=0, max_pages_per_row=0,
                  max_alloc_rows=0, max_tokens_per_alloc_row=0, max_step_pages=0,
-                 max_step_tokens=0, max_handles=0, num_state_slots=0, max_spec_tokens=0):
+                 max_step_tokens=0, max_handles=0, num_state_slots=0, max_spec_tokens=0,
+                 rule=None):
         self.ps = page_size
+        # The window layers' rule: ("window", W) keeps [C - W, C) of committed length C,
+        # ("chunk", K) keeps [floor(C / K) * K, C) (chunked local attention), None: a model
+        # without window layers (no window pages at all; frontiers stay 0).
+        self.rule = rule if rule is not None or not num_swa_pages else ("window", sliding_window)
         self.n_full = num_full_pages
         self.n_swa = num_swa_pages
         self.max_reqs = max_reqs
@@ -260,12 +266,18 @@ class Model:
 
     @classmethod
     def from_config(cls, cfg) -> Model:
+        rule = None
+        for layer in getattr(cfg, "layers", None) or ():  # the model's window layers
+            if type(layer).__name__ == "ChunkedLocal":
+                rule = ("chunk", layer.chunk)
+            elif type(layer).__name__ == "SlidingWindow":
+                rule = ("window", max(layer.window - 1, 1))
         return cls(cfg.page_size, cfg.num_full_pages, cfg.num_swa_pages, cfg.max_reqs,
                    cfg.max_context_len, cfg.sliding_window, cfg.swa_ring_pages,
                    cfg.max_release_rows, cfg.max_pages_per_row, cfg.max_alloc_rows,
                    cfg.max_tokens_per_alloc_row, cfg.max_step_pages, cfg.max_step_tokens,
                    getattr(cfg, "max_handles", 0), getattr(cfg, "num_state_slots", 0),
-                   getattr(cfg, "max_spec_tokens", 0))
+                   getattr(cfg, "max_spec_tokens", 0), rule)
 
     def clone(self) -> Model:
         return copy.deepcopy(self)
@@ -273,6 +285,25 @@ class Model:
     @property
     def ring_mode(self) -> bool:
         return self.ring_pages > 0
+
+    @property
+    def has_window(self) -> bool:
+        return self.rule is not None
+
+    def needed_from(self, length: int) -> int:
+        """The first position the window layers still read at committed length ``length``."""
+        kind, size = self.rule
+        return max(length - size, 0) if kind == "window" else length // size * size
+
+    def min_length(self, frontier: int) -> int:
+        """The shortest length whose window needs nothing below ``frontier`` (> 0)."""
+        kind, size = self.rule
+        return frontier + size if kind == "window" else ceil_div(frontier, size) * size
+
+    def _window_start(self, frontier: int, n: int) -> int:
+        """Where a holder of ``n`` tokens that shares a holder's window from ``frontier``
+        starts holding window pages: ``min(frontier, n)``; nothing (n) without a window."""
+        return min(frontier, n) if self.has_window else n
 
     # ---- queues --------------------------------------------------------------------------
     def _pop_full(self) -> int:
@@ -333,6 +364,8 @@ class Model:
         """Take ``holder``'s references: FULL of all its pages, SWA from its frontier."""
         for page in holder.pages:
             self.full_ref[page] += 1
+        if not self.has_window:
+            return
         for page in holder.pages[holder.frontier // self.ps:]:
             swa = self.f2s[page]
             assert swa > 0, f"model: SWA reference to full page {page} with no SWA page"
@@ -464,7 +497,7 @@ class Model:
             raise Violation(kinds)
         n = h.n_tokens if n_tokens is None or n_tokens == -1 else int(n_tokens)
         row = free_rows[0]
-        req = Req(self.ps, h.pages[:n // self.ps], min(h.swa_start, n))
+        req = Req(self.ps, h.pages[:n // self.ps], min(h.swa_start, n) if self.has_window else 0)
         self._hold(req)
         self.reqs[row] = req
         self._begin_step()
@@ -519,7 +552,7 @@ class Model:
         if kinds:
             raise Violation(kinds)
         req, n = self.reqs[r], int(n_tokens)
-        handle = Handle(self.ps, req.pages[:n // self.ps], min(req.frontier, n))
+        handle = Handle(self.ps, req.pages[:n // self.ps], self._window_start(req.frontier, n))
         self._hold(handle)
         self.handles[free[0]] = handle
         self._begin_step()
@@ -677,6 +710,8 @@ class Model:
         if load_back is not None and list(load_back[0]):
             if work.ring_mode:
                 raise Violation({SHARING})  # pool mode only (a ContractError)
+            if not work.has_window:
+                raise Violation({NO_WINDOW})
             work._load_back(work._rows(load_back[0]), list(load_back[1]), allocated,
                             alloc_rows)
         work._check_shape(rel_rows, alloc_rows + [0] * extra_rows)
@@ -710,7 +745,8 @@ class Model:
             raise Violation(kinds)
         for h, r, n in zip(handles, rows, n_tokens, strict=True):
             req = self.reqs[r]
-            handle = Handle(self.ps, req.pages[:n // self.ps], min(req.frontier, n))
+            handle = Handle(self.ps, req.pages[:n // self.ps],
+                            self._window_start(req.frontier, n))
             self._hold(handle)
             self.handles[h] = handle
             self._snapshot(h, req)
@@ -762,7 +798,8 @@ class Model:
         for r, h, n in zip(rows, hs, n_tokens, strict=True):
             hd = self.handles[h]
             n = hd.n_tokens if n is None or n == -1 else int(n)
-            req = Req(self.ps, hd.pages[:n // self.ps], min(hd.swa_start, n))
+            req = Req(self.ps, hd.pages[:n // self.ps],
+                      min(hd.swa_start, n) if self.has_window else 0)
             self._hold(req)
             self.reqs[r] = req
             self._restore(req, h)
@@ -785,6 +822,7 @@ class Model:
         rows_v = self._rows(rows)
         new_pos = [int(p) for p in new_pos]
         self._check_advance(rows_v, new_pos, [self.reqs[r].frontier for r in rows_v])
+        self._check_window(rows_v, new_pos)
         if self.group is not None:
             target = self.group["target"]
             if any(p < target.get(r, p) for r, p in zip(rows_v, new_pos, strict=True)):
@@ -873,7 +911,9 @@ class Model:
     # ---- rules -----------------------------------------------------------------------------
     def window_frontier(self, row: int) -> int:
         req, ps = self.reqs[row], self.ps
-        return max(req.frontier, max(req.committed - self.window, 0) // ps * ps)
+        if not self.has_window:
+            return req.frontier
+        return max(req.frontier, self.needed_from(req.committed) // ps * ps)
 
     def _check_advance(self, rows, new_pos, current) -> None:
         kinds = set()
@@ -889,12 +929,19 @@ class Model:
         if kinds:
             raise Violation(kinds)
 
+    def _check_window(self, rows, new_pos) -> None:
+        """A frontier that would move needs window layers (their frontier stays 0)."""
+        if not self.has_window and any(p != self.reqs[r].frontier
+                                       for r, p in zip(rows, new_pos, strict=True)):
+            raise Violation({NO_WINDOW})
+
     def _segments(self, n_pages: int) -> int:
         return ceil_div(n_pages, self.max_pages_per_row) if n_pages > 0 else 0
 
     def _advance(self, rows, new_pos) -> list:
         """Frontier advance; returns the release segments' page counts (for the step shape)."""
         self._check_advance(rows, new_pos, [self.reqs[r].frontier for r in rows])
+        self._check_window(rows, new_pos)
         ps = self.ps
         if self.ring_mode:  # nothing pushed: the mapping of [old, new) is cleared
             segs = []
@@ -917,7 +964,8 @@ class Model:
         for r in rows:
             req = self.reqs[r]
             n = len(req.pages)
-            items.append((req.pages, 0, n, n if self.ring_mode else req.frontier // ps, n))
+            items.append((req.pages, 0, n, n if self.ring_mode or not self.has_window
+                          else req.frontier // ps, n))
         segs = self._drop(items)
         if self.ring_mode:
             for r in rows:
@@ -961,7 +1009,8 @@ class Model:
             need += ceil_div(end, ps) - ceil_div(req.length, ps)
             if self.ring_mode and ceil_div(end, ps) - req.frontier // ps > self.ring_pages:
                 kinds.add(RING)
-        if need > len(self.full_q) or (not self.ring_mode and need > len(self.swa_q)):
+        pooled = self.has_window and not self.ring_mode  # window pages popped with FULL ones
+        if need > len(self.full_q) or (pooled and need > len(self.swa_q)):
             kinds.add(CAPACITY)
         if self._state_short(state_pops):
             kinds.add(STATE_SHORT)
@@ -979,7 +1028,7 @@ class Model:
                     self.full_ref[full] += 1
                     if self.ring_mode:
                         self.f2s[full] = req.ring[p % self.ring_pages]
-                    else:
+                    elif self.has_window:
                         swa = self._pop_swa()
                         self.f2s[full] = swa
                         self.swa_ref[swa] += 1
@@ -1080,7 +1129,7 @@ class Model:
             req = self.reqs[r]
             if not _is_int(n) or not 0 <= n <= req.length:
                 kinds.add(POSITION)
-            elif req.frontier > 0 and n < req.frontier + self.window:
+            elif req.frontier > 0 and n < self.min_length(req.frontier):
                 kinds.add(FRONTIER)
             elif n % self.ps and self.full_ref[req.pages[n // self.ps]] > 1:
                 kinds.add(SHARED)  # the next allocation would write a shared page
@@ -1113,7 +1162,8 @@ class Model:
         for r, n in zip(rows, new_lens, strict=True):
             req = self.reqs[r]
             lo, hi = ceil_div(n, ps), len(req.pages)
-            items.append((req.pages, lo, hi, hi if self.ring_mode else lo, hi))
+            items.append((req.pages, lo, hi, hi if self.ring_mode or not self.has_window
+                          else lo, hi))
         segs = self._drop(items)
         for r, n in zip(rows, new_lens, strict=True):
             req = self.reqs[r]
@@ -1155,7 +1205,7 @@ class Model:
         for _, _, h in self.holders():
             for k, page in enumerate(h.pages):
                 full[page] += 1
-                if not self.ring_mode and k >= h.frontier // self.ps:
+                if self.has_window and not self.ring_mode and k >= h.frontier // self.ps:
                     swa[self.f2s[page]] += 1
         assert full == self.full_ref and full[0] == 0
         if not self.ring_mode:
@@ -1179,4 +1229,4 @@ class Model:
     def free_ring_head(self, pool: str) -> int:
         if pool == "full":
             return self.full_pops % self.n_full
-        return self.swa_pops % self.n_swa
+        return self.swa_pops % max(self.n_swa, 1)  # (no window layers: an empty ring of 1)

@@ -56,6 +56,7 @@ from model import (
     HANDLE,
     MAPPED,
     NESTED,
+    NO_WINDOW,
     OVERLAP,
     POSITION,
     RING,
@@ -77,6 +78,7 @@ from model import (
 from graphalloc import AllocatorConfig, HybridAllocator
 from graphalloc import errors as E
 from graphalloc.device.executor import EagerExecutor
+from graphalloc.pools.layers import ChunkedLocal, FullAttention
 
 ERRORS = {
     UNKNOWN: E.UnknownRequestError,
@@ -93,6 +95,7 @@ ERRORS = {
     SPEC: E.SpeculativeStateError,
     SHARED: E.SharedPageError,
     MAPPED: E.ContractError,  # code 33
+    NO_WINDOW: E.ContractError,  # code 46: a frontier move without window layers
     # recurrent-state slots (tests/planning/test_state_slots.py drives this machine with them)
     STATE_ADMIT: E.PositionError,  # code 40
     STATE_TAKE: E.PositionError,  # 41
@@ -136,6 +139,15 @@ CONFIGS = {
     "ps128": dict(page_size=128, num_full_pages=5, num_swa_pages=4, max_reqs=2,
                   max_context_len=384, sliding_window=130, index_dtype=I32, max_handles=2,
                   fused_step=False),
+    # pools the keyword form cannot describe: no window layers; chunked local attention
+    "ps2_no_window": dict(page_size=2, max_reqs=4, max_context_len=14, index_dtype=I64,
+                          layers=(FullAttention(14),), max_handles=3, fused_step=True),
+    "ps3_chunked": dict(page_size=3, max_reqs=4, max_context_len=18, index_dtype=I32,
+                        layers=(FullAttention(14), ChunkedLocal(4, 10)), max_handles=3,
+                        fused_step=False),
+    "ps1_chunked": dict(page_size=1, max_reqs=3, max_context_len=10, index_dtype=I64,
+                        layers=(FullAttention(14), ChunkedLocal(3, 8)), max_handles=2,
+                        fused_step=True),
 }
 
 
@@ -405,7 +417,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 out.append(q.committed if q is not None else 0)
             else:
                 f = q.frontier if q is not None else 0
-                out.append(max(f + self.cfg.sliding_window - 1, 0))
+                out.append(max(f + (self.cfg.sliding_window or 0) - 1, 0))
         return out
 
     def do_release(self, idx, bad):
@@ -908,11 +920,12 @@ class AllocatorMachine(RuleBasedStateMachine):
             full_refs.update(pages)
             if cfg.ring_mode:
                 swa_refs.update(a.state.ring_pages[r, :cfg.swa_ring_pages].tolist())
-            else:
+            elif m.has_window:
                 swa_refs.update(f2s[pg * ps] // ps for pg in pages[q.frontier // ps:])
         for h in m.handles.values():
             full_refs.update(h.pages)
-            swa_refs.update(f2s[pg * ps] // ps for pg in h.pages[h.swa_start // ps:])
+            if m.has_window:
+                swa_refs.update(f2s[pg * ps] // ps for pg in h.pages[h.swa_start // ps:])
         assert 0 not in full_refs and 0 not in swa_refs, "page 0 (or an unmapped page) held"
         assert {p: full_refs[p] for p in full_refs} == {
             p: c for p, c in enumerate(m.full_ref) if c}
