@@ -10,7 +10,12 @@ Layers, highest first (most users want the first):
 * :class:`StepGraph` -- replays each step from a captured CUDA graph;
 * ``graphalloc.plan`` / ``graphalloc.kernels`` -- the planner pair and the kernels.
 
-Rooms by stage: ``state`` (ledger, page references, journal), ``plan`` (Step, planners,
+A model is a list of layer kinds (``AllocatorConfig(layers=[FullAttention(...),
+SlidingWindow(...), ChunkedLocal(...), RecurrentState(...)])``), each served by a pool
+(``graphalloc.pools``).
+
+Rooms by stage: ``pools`` (one per layer kind: its rules, sizing, audit), ``state`` (ledger,
+page references, journal), ``plan`` (Step, planners,
 refusals, recorder), ``device`` (descriptor ring, tables, executors, graphs), ``sharing``
 (prefix cache), ``attention`` (page tables), ``diagnostics``, ``replicas``,
 ``integrations``; ``kernels`` at the bottom.
@@ -24,10 +29,12 @@ from .device.graph import StepGraph, capture_graph, describe_graph
 from .errors import *  # noqa: F403
 from .errors import __all__ as _errors_all
 from .plan.step import Step
+from .pools import ChunkedLocal, FullAttention, RecurrentState, SlidingWindow
 from .replicas.allocator import ReplicatedAllocator
 
 __all__ = [
     "HybridAllocator", "AllocatorConfig", "Step", "AllocResult", "PlannedStep", "StepGraph",
-    "ReplicatedAllocator", "PageTableSpec", "PlannedTables",
+    "ReplicatedAllocator", "PageTableSpec", "PlannedTables", "FullAttention", "SlidingWindow",
+    "ChunkedLocal", "RecurrentState",
     "capture_graph", "describe_graph", *_errors_all,
 ]

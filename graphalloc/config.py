@@ -11,6 +11,7 @@ The engine sizing (its memory split and shape formulas) lives in
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 
 import numpy as np
@@ -27,14 +28,8 @@ from .config_inputs import (
 )
 from .engine_sizing import for_engine as _for_engine
 from .errors import ConfigError
-from .pools import Pools, build_pools
-from .pools.layers import (
-    LAYER_KINDS,
-    ChunkedLocal,
-    FullAttention,
-    RecurrentState,
-    SlidingWindow,
-)
+from .pools import LAYER_KINDS, Pools, build_pools, role_of
+from .pools.layers import FullAttention, RecurrentState, SlidingWindow
 
 __all__ = ["AllocatorConfig"]
 
@@ -195,24 +190,17 @@ class AllocatorConfig:
                                    "0 turns prefix sharing off"))
         layers = _resolve_layers(self, where)
         fix("layers", layers)
-        full, windows, state = _split_layers(layers)
-        fix("num_full_pages", full.num_pages)
-        if windows:
-            window = windows[0]
-            fix("num_swa_pages", window.num_pages)
-            fix("swa_ring_pages", getattr(window, "ring_pages", 0))
-            w = window.window if isinstance(window, SlidingWindow) else window.chunk
-            fix("model_window", w)
-            fix("sliding_window", max(w - 1, 1) if isinstance(window, SlidingWindow) else w)
-        else:
-            for name in ("num_swa_pages", "swa_ring_pages"):
-                fix(name, 0)
-            fix("model_window", None)
-            fix("sliding_window", None)
-        fix("num_state_slots", state.num_slots if state is not None else 0)
-        fix("max_spec_tokens", state.max_spec_tokens if state is not None else
+        pools = build_pools(layers)
+        _remember_pools(self, pools)
+        window, state = pools.window, pools.state
+        fix("num_full_pages", pools.full.num_pages)
+        fix("num_swa_pages", window.num_pages)
+        fix("swa_ring_pages", window.ring_pages)
+        fix("model_window", window.rule.model_window if window.has_window else None)
+        fix("sliding_window", window.rule.tokens if window.has_window else None)
+        fix("num_state_slots", state.num_slots)
+        fix("max_spec_tokens", state.max_spec_tokens if state.has_states else
             (_as_int(where, "max_spec_tokens", self.max_spec_tokens or 0, 0, "0 picks 8") or 8))
-        _remember_pools(self, build_pools(layers))
         if self.max_handles and self.swa_ring_pages:
             raise ConfigError(f"{where}max_handles={self.max_handles} with swa_ring_pages="
                               f"{self.swa_ring_pages}: prefix sharing needs pool mode (a ring "
@@ -406,8 +394,12 @@ class AllocatorConfig:
             rows += [("num_state_slots", self.num_state_slots),
                      ("max_spec_tokens", self.max_spec_tokens),
                      ("max_state_rows", self.max_state_rows)]
+        window = self.pools.window
         lines = [f"AllocatorConfig: page_size {self.page_size}, {mode}, backend {self.backend} "
                  f"on {self.device}, {str(self.index_dtype).replace('torch.', '')} indices",
+                 f"layers: {', '.join(map(repr, self.layers))}"
+                 + (f" ({window.rule.describe()})" if window.has_window else
+                    " (no window layers)"),
                  "", "| shape | value | rule |", "|---|---:|---|"]
         lines += [f"| {name} | {value} | {origin.get(name, 'given')} |" for name, value in rows]
         lines += ["", f"Releasing one request needs at most {self.min_release_rows} release "
@@ -434,9 +426,9 @@ _KEYWORDS = ("num_full_pages", "num_swa_pages", "model_window", "sliding_window"
 
 
 def _split_layers(layers):
-    full = [x for x in layers if isinstance(x, FullAttention)]
-    windows = [x for x in layers if isinstance(x, (SlidingWindow, ChunkedLocal))]
-    states = [x for x in layers if isinstance(x, RecurrentState)]
+    full = [x for x in layers if role_of(x) == "full"]
+    windows = [x for x in layers if role_of(x) == "window"]
+    states = [x for x in layers if role_of(x) == "state"]
     return full[0], windows, (states[0] if states else None)
 
 
@@ -453,11 +445,10 @@ def _resolve_layers(cfg: AllocatorConfig, where: str) -> tuple:
         return _layers_from_keywords(where, given)
     layers = tuple(cfg.layers) if isinstance(cfg.layers, (list, tuple)) else None
     if layers is None or not all(isinstance(x, LAYER_KINDS) for x in layers):
-        raise ConfigError(f"{where}layers must be a list of FullAttention, SlidingWindow, "
-                          f"ChunkedLocal and RecurrentState values, got {cfg.layers!r}")
-    n_full = sum(isinstance(x, FullAttention) for x in layers)
-    n_state = sum(isinstance(x, RecurrentState) for x in layers)
-    n_window = sum(isinstance(x, (SlidingWindow, ChunkedLocal)) for x in layers)
+        raise ConfigError(f"{where}layers must be a list of layer kinds ("
+                          f"{', '.join(k.__name__ for k in LAYER_KINDS)}), got {cfg.layers!r}")
+    roles = [role_of(x) for x in layers]
+    n_full, n_state, n_window = (roles.count(r) for r in ("full", "state", "window"))
     if n_full != 1:
         raise ConfigError(f"{where}a model has exactly one FullAttention layer kind (it holds "
                           f"the pages every other pool pairs with), got {n_full}")
@@ -495,7 +486,7 @@ def _apply_keywords(where: str, layers: tuple, given: dict) -> tuple:
         if new != window:
             swap(window, new)
     elif window is not None and given["num_swa_pages"] not in (None, window.num_pages):
-        swap(window, ChunkedLocal(window.chunk, given["num_swa_pages"]))
+        swap(window, dataclasses.replace(window, num_pages=given["num_swa_pages"]))
     if state is not None and given["num_state_slots"] not in (None, state.num_slots):
         n = _as_int(where, "num_state_slots", given["num_state_slots"], 0)
         if n:
@@ -510,6 +501,12 @@ def _apply_keywords(where: str, layers: tuple, given: dict) -> tuple:
 def _layers_from_keywords(where: str, given: dict) -> tuple:
     """The keyword form (before ``layers``): FULL and SWA pages, the model window, ring
     pages, state slots. Deprecated, with the equivalent ``layers`` in the warning."""
+    warnings.warn(
+        "AllocatorConfig's keyword form (num_full_pages=, num_swa_pages=, model_window=, "
+        "swa_ring_pages=, num_state_slots=) is deprecated: describe the model's layers, "
+        "layers=[FullAttention(num_pages), SlidingWindow(window, num_pages), "
+        "RecurrentState(num_slots)] (graphalloc.FullAttention, ...)", DeprecationWarning,
+        stacklevel=5)
     full = FullAttention(_as_int(where, "num_full_pages", given["num_full_pages"], 1))
     layers = [full]
     swa_pages = given["num_swa_pages"]

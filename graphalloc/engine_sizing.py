@@ -164,14 +164,17 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
                   + evict_pages)
     n_slots, slot_rule = _engine_states(where, rows, n_run, k, n_handles, num_state_slots,
                                         state_bytes_per_slot, state_bytes)
-    cfg = cls(page_size=ps, num_full_pages=n_full, num_swa_pages=n_swa, max_reqs=rows,
-              max_context_len=ctx, model_window=w_model, index_dtype=index_dtype,
-              device=device, backend=backend, swa_ring_pages=ring,
+    from .pools import FullAttention, RecurrentState, SlidingWindow
+
+    layers = [FullAttention(n_full), SlidingWindow(w_model, n_swa, ring)]
+    if n_slots:
+        layers.append(RecurrentState(n_slots, 1 + k))
+    cfg = cls(page_size=ps, max_reqs=rows, max_context_len=ctx, layers=tuple(layers),
+              index_dtype=index_dtype, device=device, backend=backend,
               max_release_rows=release_rows, max_pages_per_row=c,
               max_alloc_rows=n_run + hits, max_tokens_per_alloc_row=row_tokens,
               max_step_tokens=step_tokens, max_step_pages=step_pages, validate=validate,
-              max_handles=n_handles, num_state_slots=n_slots,
-              max_spec_tokens=1 + k if n_slots else 0)
+              max_handles=n_handles)
     ring_rows = " + ceil(R / c)" if ring else ""
     ring_pages = " + min(F x R, num_swa_pages)" if ring else ""
     _ORIGINS[id(cfg)].update({

@@ -516,11 +516,12 @@ static int Planner_init(Planner *P, PyObject *args, PyObject *kwds) {
     if (window != Py_None) {
         long long w[3];
         if (!PyArg_ParseTuple(window, "LLL", &w[0], &w[1], &w[2])) return -1;
-        if ((w[0] != RULE_SLIDING && w[0] != RULE_CHUNK) || w[1] <= 0 || w[2] < 0 || P->ns <= 0) {
+        P->rule = window_rule(w[0]);
+        if (!P->rule || w[1] <= 0 || w[2] < 0 || P->ns <= 0) {
             PyErr_SetString(PyExc_ValueError, "compiled planner: bad window pool");
             return -1;
         }
-        P->win_rule = (int)w[0]; P->win_tokens = w[1]; P->ring_pages = w[2];
+        P->win_tokens = w[1]; P->ring_pages = w[2];
         P->win_policy = w[2] > 0 ? WP_RING : WP_POOLED;
     }
     if (tables != Py_None) {

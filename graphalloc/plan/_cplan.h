@@ -94,7 +94,14 @@ typedef struct {
 
 /* The window pool (pools/window.py): its policy and rule. */
 enum { WP_NONE, WP_POOLED, WP_RING };  /* NoWindow, pooled, ring */
-enum { RULE_SLIDING, RULE_CHUNK };     /* SlidingRule, ChunkRule (their c_kind) */
+/* A window rule (pools/window.py SlidingRule, pools/chunked.py ChunkRule, ...): its three
+ * functions of the rule's tokens (w, or the chunk). Each rule is a file of its own that
+ * defines one; _cplan_window.c lists them by c_kind (its RULES table). */
+typedef struct {
+    int64_t (*needed_from)(int64_t tokens, int64_t len);
+    int64_t (*min_length)(int64_t tokens, int64_t f);
+    int64_t (*lane_start)(int64_t tokens, int64_t model_window, int64_t L, int64_t q);
+} WindowRule;
 
 typedef struct {
     PyObject_HEAD
@@ -103,7 +110,8 @@ typedef struct {
     int64_t ps, max_reqs, n_handles, max_ctx, max_tok_row, row_cap, max_rel, max_step_pages,
         max_al, max_step_tokens, nf, ns, ppr;
     /* the window pool: policy, rule, its tokens (w, or the chunk), ring pages (ring policy) */
-    int win_policy, win_rule;
+    int win_policy;
+    const WindowRule *rule;
     int64_t win_tokens, ring_pages;
     /* page tables (attention/spec.py), has_tables 0 when absent */
     int has_tables, csr_full, csr_swa;
@@ -286,9 +294,7 @@ void win_row_columns(const Planner *P, int64_t *row, int64_t swa_pos);
 int64_t win_take_start(const Planner *P, int64_t r, int64_t n);
 int64_t win_admitted_frontier(const Planner *P, int64_t swa_start);
 int win_load_back_allowed(Planner *P, Plan *S);
-int64_t chunk_needed_from(int64_t chunk, int64_t len);
-int64_t chunk_min_length(int64_t chunk, int64_t f);
-int64_t chunk_lane_start(int64_t chunk, int64_t L, int64_t q);
+const WindowRule *window_rule(int64_t c_kind);  /* NULL: no such rule */
 
 /* _cplan_states.c (pools/state.py; each a no-op without state slots) */
 int states_need(Planner *P, Plan *S, int64_t n, int kind, int64_t row);

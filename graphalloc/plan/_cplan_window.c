@@ -4,24 +4,41 @@
  * this file; the kinds (_cplan_frees.c, _cplan_alloc.c) call these. See _cplan.h. */
 #include "_cplan.h"
 
-/* ---- the rule (SlidingRule; ChunkRule: _cplan_chunked.c) ------------------------------ */
+/* ---- the rules ------------------------------------------------------------------------ */
+/* SlidingRule: the allocator's window w keeps [C - w, C); a lane's first query (at L - q)
+ * reads from L - (q - 1) - W (W the page tables' model window). */
+static int64_t sliding_needed_from(int64_t w, int64_t len) { return imax(len - w, 0); }
+static int64_t sliding_min_length(int64_t w, int64_t f) { return f + w; }
+static int64_t sliding_lane_start(int64_t w, int64_t W, int64_t L, int64_t q) {
+    (void)w;
+    return imax(L - (imax(q, 1) - 1) - W, 0);
+}
+static const WindowRule SLIDING_RULE = {sliding_needed_from, sliding_min_length,
+                                        sliding_lane_start};
+extern const WindowRule CHUNK_RULE;  /* _cplan_chunked.c */
+
+/* Every rule, by its Python class's c_kind (a new rule: its file, one line here). */
+static const WindowRule *const RULES[] = {&SLIDING_RULE, &CHUNK_RULE};
+
+const WindowRule *window_rule(int64_t c_kind) {
+    int64_t n = (int64_t)(sizeof RULES / sizeof RULES[0]);
+    return c_kind >= 0 && c_kind < n ? RULES[c_kind] : NULL;
+}
+
 /* needed_from(len): the first position a window layer reads at committed length len. */
 int64_t win_needed_from(const Planner *P, int64_t len) {
-    if (P->win_rule == RULE_CHUNK) return chunk_needed_from(P->win_tokens, len);
-    return imax(len - P->win_tokens, 0);
+    return P->rule->needed_from(P->win_tokens, len);
 }
 
 /* min_length(f): the shortest length whose window starts at or after f (> 0). */
 int64_t win_min_length(const Planner *P, int64_t f) {
-    if (P->win_rule == RULE_CHUNK) return chunk_min_length(P->win_tokens, f);
-    return f + P->win_tokens;
+    return P->rule->min_length(P->win_tokens, f);
 }
 
 /* lane_start: the first position the lane's first query reads (page tables). NoWindow: L. */
 int64_t win_lane_start(const Planner *P, int64_t L, int64_t q) {
     if (P->win_policy == WP_NONE) return L;
-    if (P->win_rule == RULE_CHUNK) return chunk_lane_start(P->win_tokens, L, q);
-    return imax(L - (imax(q, 1) - 1) - P->model_window, 0);
+    return P->rule->lane_start(P->win_tokens, P->model_window, L, q);
 }
 
 /* WindowPool.lane_window's first window page: ws's page; NoWindow: end (no window pages). */

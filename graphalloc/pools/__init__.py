@@ -22,32 +22,34 @@ config, naming the gap). Cost: O(layers) once, at construction.
 
 from __future__ import annotations
 
-from .chunked import ChunkRule
+from .chunked import ChunkedLocal, chunked_pool
 from .full import FullPool
-from .layers import ChunkedLocal, FullAttention, RecurrentState, SlidingWindow
+from .layers import FullAttention, RecurrentState, SlidingWindow
 from .state import NoStates, StatePool
 from .window import NoWindow, SlidingRule, WindowPool
 
-__all__ = ["Pools", "build_pools", "REGISTRY", "FullAttention", "SlidingWindow",
-           "ChunkedLocal", "RecurrentState"]
+__all__ = ["Pools", "build_pools", "role_of", "REGISTRY", "LAYER_KINDS", "FullAttention",
+           "SlidingWindow", "ChunkedLocal", "RecurrentState"]
 
 
 def _window(layer: SlidingWindow, index: int) -> WindowPool:
     return WindowPool(SlidingRule(layer.window), layer.num_pages, layer.ring_pages, index)
 
 
-def _chunked(layer: ChunkedLocal, index: int) -> WindowPool:
-    return WindowPool(ChunkRule(layer.chunk), layer.num_pages, 0, index)
-
-
 # layer kind -> (the pool's role, how to build it): the one place a new kind is registered.
 REGISTRY = {
     FullAttention: ("full", lambda layer, index: FullPool(layer.num_pages)),
     SlidingWindow: ("window", _window),
-    ChunkedLocal: ("window", _chunked),
+    ChunkedLocal: ("window", chunked_pool),
     RecurrentState: ("state", lambda layer, index: StatePool(layer.num_slots,
                                                              layer.max_spec_tokens)),
 }
+LAYER_KINDS = tuple(REGISTRY)
+
+
+def role_of(layer) -> str:
+    """``"full"``, ``"window"`` or ``"state"``: the role of ``layer``'s pool."""
+    return REGISTRY[type(layer)][0]
 
 
 class Pools:

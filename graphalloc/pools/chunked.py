@@ -16,9 +16,29 @@ The compiled twin's rule is ``_cplan_chunked.c``. Cost: O(rows) numpy.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-__all__ = ["ChunkRule"]
+from .layers import fix_count
+from .window import WindowPool
+
+__all__ = ["ChunkedLocal", "ChunkRule", "chunked_pool"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedLocal:
+    """Chunked local attention layers of chunk size ``chunk`` tokens (Llama 4's
+    ``attention_chunk_size``): a query at position t reads the keys of its own chunk,
+    ``[floor(t / chunk) * chunk, t]``; ``num_pages`` usable pages, paired with FULL pages
+    like a sliding window's."""
+
+    chunk: int
+    num_pages: int
+
+    def __post_init__(self) -> None:
+        fix_count(self, "chunk", 1)
+        fix_count(self, "num_pages", 1)
 
 
 class ChunkRule:
@@ -30,6 +50,7 @@ class ChunkRule:
     def __init__(self, chunk: int):
         self.chunk = int(chunk)
         self.tokens = self.chunk
+        self.model_window = self.chunk  # (what describe() shows as the layers' window)
         self.reach = self.chunk  # positions behind L a chunked layer can read: < C
 
     def needed_from(self, length):
@@ -44,3 +65,8 @@ class ChunkRule:
 
     def describe(self) -> str:
         return f"chunked local attention, chunks of {self.chunk} tokens"
+
+
+def chunked_pool(layer: ChunkedLocal, index: int) -> WindowPool:
+    """The window pool of ``layer`` (the registry's builder)."""
+    return WindowPool(ChunkRule(layer.chunk), layer.num_pages, 0, index)

@@ -13,7 +13,7 @@ kind                        a layer of it reads, at length C     its pool
                             (W as Hugging Face's                 FULL pages; the frontier
                             ``config.sliding_window``)           moves by the window rule
 ``ChunkedLocal(C_k, n)``    its chunk: ``[floor(C / C_k) C_k,    the same pairing; the
-                            C]`` (Llama 4's chunked attention)   frontier moves chunk by
+(:mod:`.chunked`)           C]`` (Llama 4's chunked attention)   frontier moves chunk by
                                                                  chunk
 ``RecurrentState(S)``       one fixed-size state per request     state slots (no pages)
 ==========================  ===================================  ===========================
@@ -32,8 +32,7 @@ import numpy as np
 
 from ..errors import ConfigError
 
-__all__ = ["FullAttention", "SlidingWindow", "ChunkedLocal", "RecurrentState", "LAYER_KINDS",
-           "check_count"]
+__all__ = ["FullAttention", "SlidingWindow", "RecurrentState", "check_count", "fix_count"]
 
 
 def check_count(where: str, name: str, value, minimum: int, meaning: str = "") -> int:
@@ -49,7 +48,8 @@ def check_count(where: str, name: str, value, minimum: int, meaning: str = "") -
     return int(value)
 
 
-def _fix(obj, name: str, minimum: int, meaning: str = "") -> None:
+def fix_count(obj, name: str, minimum: int, meaning: str = "") -> None:
+    """Check a layer kind's count field in place (its ConfigError names the kind)."""
     where = f"{type(obj).__name__}: "
     object.__setattr__(obj, name, check_count(where, name, getattr(obj, name), minimum,
                                               meaning))
@@ -62,7 +62,7 @@ class FullAttention:
     num_pages: int
 
     def __post_init__(self) -> None:
-        _fix(self, "num_pages", 1)
+        fix_count(self, "num_pages", 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,23 +77,9 @@ class SlidingWindow:
     ring_pages: int = 0
 
     def __post_init__(self) -> None:
-        _fix(self, "window", 1)
-        _fix(self, "num_pages", 1)
-        _fix(self, "ring_pages", 0, "0: pages drawn from the shared pool")
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkedLocal:
-    """Chunked local attention (Llama 4's ``attention_chunk_size``): a query at position t
-    reads the keys of its own chunk, ``[floor(t / chunk) * chunk, t]``; ``num_pages`` usable
-    pages paired with FULL pages like a window's."""
-
-    chunk: int
-    num_pages: int
-
-    def __post_init__(self) -> None:
-        _fix(self, "chunk", 1)
-        _fix(self, "num_pages", 1)
+        fix_count(self, "window", 1)
+        fix_count(self, "num_pages", 1)
+        fix_count(self, "ring_pages", 0, "0: pages drawn from the shared pool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +93,8 @@ class RecurrentState:
     max_spec_tokens: int = 0
 
     def __post_init__(self) -> None:
-        _fix(self, "num_slots", 1)
-        _fix(self, "max_spec_tokens", 0, "0 picks 8")
+        fix_count(self, "num_slots", 1)
+        fix_count(self, "max_spec_tokens", 0, "0 picks 8")
         if not self.max_spec_tokens:
             object.__setattr__(self, "max_spec_tokens", 8)
 
-
-LAYER_KINDS = (FullAttention, SlidingWindow, ChunkedLocal, RecurrentState)

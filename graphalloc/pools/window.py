@@ -57,7 +57,7 @@ class SlidingRule:
     c_kind = 0  # the compiled twin's rule id (_cplan_window.c)
 
     def __init__(self, model_window: int):
-        self.model_window = int(model_window)
+        self.model_window = int(model_window)  # W, Hugging Face's config.sliding_window
         self.tokens = max(self.model_window - 1, 1)  # the allocator's window w
         self.reach = self.tokens
 

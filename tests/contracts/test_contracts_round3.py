@@ -436,9 +436,10 @@ def test_the_graph_executor_on_a_cpu_warns_once(monkeypatch):
     monkeypatch.setattr(graph_module, "_warned_cpu", False)
     with pytest.warns(UserWarning, match="eager fallback"):
         ga.HybridAllocator(config(), executor="graph")
+    cfg = config()  # (built first: only the allocator's warnings are under test)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        a = ga.HybridAllocator(config(), executor=ga.StepGraph())
+        a = ga.HybridAllocator(cfg, executor=ga.StepGraph())
     a.step(admit=[0])
     assert a.n_live == 1
 

@@ -41,7 +41,7 @@ from graphalloc.attention.spec import PageTableSpec
 from graphalloc.kernels.abi import ST_SPEC
 from graphalloc.plan.refusals import Kind, RefusalCode
 from graphalloc.plan.step import Step, normalize
-from graphalloc.pools.layers import ChunkedLocal, FullAttention, RecurrentState
+from graphalloc.pools import ChunkedLocal, FullAttention, RecurrentState
 
 if os.environ.get("CI") and not compiled.AVAILABLE:  # CI must build it: never skip there
     raise AssertionError(f"the compiled planner was not built: {compiled.UNAVAILABLE_REASON}")

@@ -78,7 +78,7 @@ from model import (
 from graphalloc import AllocatorConfig, HybridAllocator
 from graphalloc import errors as E
 from graphalloc.device.executor import EagerExecutor
-from graphalloc.pools.layers import ChunkedLocal, FullAttention
+from graphalloc.pools import ChunkedLocal, FullAttention
 
 ERRORS = {
     UNKNOWN: E.UnknownRequestError,
