@@ -197,7 +197,7 @@ class GraphallocKVCacheManager:
         keys = self._request_keys(request_id, cache_salt, extra_keys, block_hashes,
                                   "get_computed_blocks")
         self._drop_hit(request_id)
-        hit = self._match(cache, tokens[:max(len(tokens) - 1, 0)], keys, block_hashes)
+        hit = self._match(cache, tokens[:max(len(tokens) - 1, 0)], keys)
         n_hit = hit.cached_tokens
         if n_hit:
             cache.lock(hit.handle)
@@ -425,7 +425,7 @@ class GraphallocKVCacheManager:
             self._reserved.remove(row)
             return True
         if keys is not None:
-            self._insert(row, token_ids, keys, block_hashes)
+            self._insert(row, token_ids, keys)
         self.pending.add_release(row)
         return True
 
@@ -441,7 +441,7 @@ class GraphallocKVCacheManager:
             return 0
         keys = self._request_keys(request_id, cache_salt, extra_keys, block_hashes,
                                   "cache_blocks")
-        return self._insert(row, token_ids, keys, block_hashes)
+        return self._insert(row, token_ids, keys)
 
     def run_step(self) -> AllocResult | None:
         """Run everything recorded as ONE step (more only when the recorded frees exceed
@@ -595,14 +595,15 @@ class GraphallocKVCacheManager:
 
     # ---- internals ---------------------------------------------------------------------
     def _request_keys(self, request_id, salt, extra_keys, block_hashes, what: str):
-        """The request's kept block keys (made on first use with its namespace); a call
-        naming another salt or extra keys than they were made with is refused."""
+        """The request's kept block keys (made on first use with its namespace), or the
+        engine's ``block_hashes`` (a list) when given; a call naming another salt or extra
+        keys than the kept keys were made with is refused."""
         if block_hashes is not None:
             if type(block_hashes) is not list:
                 raise ContractError(f"{what}({request_id!r}): block_hashes must be the list of "
                                     f"the request's block hashes, got "
                                     f"{type(block_hashes).__name__}")
-            return None
+            return block_hashes
         keys = self._keys.get(request_id)
         if keys is None:
             keys = self._keys[request_id] = RequestKeys(self.block_size, salt=salt,
@@ -614,15 +615,15 @@ class GraphallocKVCacheManager:
                                 "keeps its salt for life")
         return keys
 
-    def _match(self, cache, tokens: list, keys, block_hashes):
-        if keys is None:  # the engine's hashes: the blocks of tokens, as they are
-            return cache.match(keys=block_hashes[:len(tokens) // self.block_size])
+    def _match(self, cache, tokens: list, keys):
+        if type(keys) is list:  # the engine's hashes: the blocks of tokens, as they are
+            return cache.match(keys=keys[:len(tokens) // self.block_size])
         return cache.match(tokens, keys=keys.keys, salt=keys.salt, extra_keys=keys.extra_keys)
 
-    def _insert(self, row: int, token_ids, keys, block_hashes) -> int:
+    def _insert(self, row: int, token_ids, keys) -> int:
         tokens = token_ids if type(token_ids) is list else list(token_ids)
-        if keys is None:
-            return self.pending.insert(row, keys=block_hashes[:len(tokens) // self.block_size])
+        if type(keys) is list:
+            return self.pending.insert(row, keys=keys[:len(tokens) // self.block_size])
         return self.pending.insert(row, tokens, keys=keys.keys, salt=keys.salt,
                                    extra_keys=keys.extra_keys)
 
