@@ -75,16 +75,17 @@ def check_key_hash(key_hash) -> str:
     return key_hash
 
 
-def _hash(key_hash: str, data: bytes) -> bytes:
+def _hash(key_hash: str, data: bytes, compiled: bool = True) -> bytes:
     if key_hash == "siphash":
-        return (_ckeys.siphash128 if _ckeys is not None else siphash128)(SIPHASH_KEY, data)
+        fn = _ckeys.siphash128 if compiled and _ckeys is not None else siphash128
+        return fn(SIPHASH_KEY, data)
     return hashlib.blake2b(data, digest_size=16, person=SIPHASH_KEY).digest()
 
 
 _ROOTS: dict = {}  # (key_hash, salt bytes) -> root; tenants repeat, so a few entries
 
 
-def _root(salt, key_hash: str) -> bytes:
+def _root(salt, key_hash: str, compiled: bool = True) -> bytes:
     if salt is None:
         return _ZERO_ROOT
     if isinstance(salt, str):
@@ -96,11 +97,11 @@ def _root(salt, key_hash: str) -> bytes:
                             f"{type(salt).__name__}")
     if not salt:
         return _ZERO_ROOT
-    root = _ROOTS.get((key_hash, salt))
+    root = _ROOTS.get((key_hash, salt, compiled))
     if root is None:
         if len(_ROOTS) >= 4096:
             _ROOTS.clear()
-        root = _ROOTS[(key_hash, salt)] = _hash(key_hash, _SALT_TAG + salt)
+        root = _ROOTS[(key_hash, salt, compiled)] = _hash(key_hash, _SALT_TAG + salt, compiled)
     return root
 
 
@@ -156,7 +157,7 @@ def _token_array(token_ids, first: int, end: int) -> np.ndarray:
 
 
 def _extend_twin(keys: list, tokens: np.ndarray, page_size: int, prev: bytes, extras,
-                 key_hash: str) -> None:
+                 key_hash: str, compiled: bool) -> None:
     """The reference: each page's message as bytes, hashed (module docstring)."""
     data = tokens.astype("<i8").tobytes()
     step = 8 * page_size
@@ -173,7 +174,7 @@ def _extend_twin(keys: list, tokens: np.ndarray, page_size: int, prev: bytes, ex
         msg = prev + data[j * step:(j + 1) * step]
         if extras is not None and extras[j] is not None:
             msg += extras[j]
-        prev = _hash(key_hash, msg)
+        prev = _hash(key_hash, msg, compiled)
         new.append(prev)
     keys.extend(new)
 
@@ -205,7 +206,7 @@ def page_keys(token_ids, page_size: int, keys: list | None = None, *, salt=None,
     if first and not isinstance(keys[-1], bytes):
         raise ContractError(f"keys must hold bytes (page keys or an engine's block hashes), "
                             f"got {type(keys[-1]).__name__}")
-    prev = keys[-1] if first else _root(salt, key_hash)
+    prev = keys[-1] if first else _root(salt, key_hash, compiled)
     if n_pages <= first:
         return keys
     extras = _extras(extra_keys, first, n_pages)
@@ -225,7 +226,7 @@ def page_keys(token_ids, page_size: int, keys: list | None = None, *, salt=None,
             raise ContractError("token ids must fit in int64") from None
         return keys
     _extend_twin(keys, _token_array(token_ids, first * ps, n_pages * ps), ps, prev, extras,
-                 key_hash)
+                 key_hash, compiled)
     return keys
 
 
