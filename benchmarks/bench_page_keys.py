@@ -24,7 +24,8 @@
    direct driver, its SGLang seam and its vLLM facade (``sched_graphalloc.py``,
    ``sched_seams.py``) on the CPU, eager: host time of each measured step, and the time
    spent inside ``page_keys`` during it (every module's reference to it wrapped by a timer;
-   the wrapper's own ~0.1 us a call is counted in the step, not in hashing). ``--tree``
+   the wrapper's own ~0.1 us a call is counted in the step, not in hashing; the garbage
+   collector off during the measured steps, as in bench_scheduler). ``--tree``
    imports graphalloc and the drivers from another checkout (built), to measure the code
    before this change the same way.
 
@@ -34,6 +35,7 @@ Writes ``bench_page_keys.json`` and ``bench_page_keys.md`` into ``--out``.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -140,6 +142,7 @@ class _HashTimer:
 
         self.orig = pc.page_keys
         self.ns = self.calls = 0
+        self.per_call: list[float] = []
         orig, timer = self.orig, self
 
         def timed(*args, **kwargs):
@@ -147,8 +150,10 @@ class _HashTimer:
             try:
                 return orig(*args, **kwargs)
             finally:
-                timer.ns += time.perf_counter_ns() - t0
+                dt = time.perf_counter_ns() - t0
+                timer.ns += dt
                 timer.calls += 1
+                timer.per_call.append(dt / 1e3)
 
         self.patched = []
         for name, mod in list(sys.modules.items()):
@@ -207,6 +212,8 @@ def step_share(bs, n_steps: int, quick: bool) -> list[dict]:
                 d.step(st, clock)
             timer = _HashTimer()
             host = []
+            gc.collect()
+            gc.disable()  # no collector pause inside the measured steps (bench_scheduler's rule)
             try:
                 for st in trace.steps[m0:m0 + n_steps]:
                     if prepare is not None:
@@ -216,6 +223,7 @@ def step_share(bs, n_steps: int, quick: bool) -> list[dict]:
                     d.step(st, clock)
                     host.append(time.perf_counter_ns() - t0 - clock.ns)
             finally:
+                gc.enable()
                 timer.restore()
                 if hasattr(d, "close"):
                     d.close()
@@ -225,6 +233,8 @@ def step_share(bs, n_steps: int, quick: bool) -> list[dict]:
                          "host_us_mean": total / len(host) / 1e3,
                          "hash_us_per_step": timer.ns / len(host) / 1e3,
                          "hash_calls_per_step": timer.calls / len(host),
+                         "hash_us_per_call_p50": float(np.median(timer.per_call))
+                         if timer.per_call else 0.0,
                          "hash_share": timer.ns / total if total else 0.0})
     return rows
 
@@ -248,11 +258,13 @@ def markdown(res: dict) -> str:
                   "Host us per step (eager, CPU); hashing = time inside page_keys during "
                   "the measured steps.", "",
                   "| B | driver | steps | host us p50 | host us mean | hash us per step | "
-                  "page_keys calls per step | hash share |", "|---|---|---|---|---|---|---|---|"]
+                  "page_keys calls per step | us per call (p50) | hash share (of the mean) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in res["share"]:
             lines.append(f"| {r['b']} | {r['impl']} | {r['steps']} | {r['host_us_p50']:.0f} | "
                          f"{r['host_us_mean']:.0f} | {r['hash_us_per_step']:.1f} | "
-                         f"{r['hash_calls_per_step']:.1f} | {100 * r['hash_share']:.1f}% |")
+                         f"{r['hash_calls_per_step']:.1f} | {r['hash_us_per_call_p50']:.1f} | "
+                         f"{100 * r['hash_share']:.1f}% |")
     return "\n".join(lines) + "\n"
 
 
