@@ -291,8 +291,17 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    res = {"command": "python benchmarks/bench_page_keys.py " + " ".join(
-        sys.argv[1:] if argv is None else argv), "tree": TREE, "commit": _commit(TREE),
+    shown = []  # the command as run, with this machine's folders as placeholders
+    for arg in (sys.argv[1:] if argv is None else argv):
+        path = os.path.abspath(arg) if os.path.exists(arg) or os.sep in arg else None
+        if path and path.startswith(os.path.dirname(HERE) + os.sep):
+            arg = os.path.relpath(path, os.path.dirname(HERE))
+        elif path and arg not in ("--tree",):
+            arg = "OTHER_CHECKOUT" if os.path.isdir(os.path.join(path, "graphalloc")) else arg
+        shown.append(arg)
+    res = {"command": "python benchmarks/bench_page_keys.py " + " ".join(shown),
+           "tree": "this checkout" if TREE == os.path.dirname(HERE) else "OTHER_CHECKOUT",
+           "commit": _commit(TREE),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                    f"Python {platform.python_version()}, torch {torch.__version__}"}
     if not args.share_only:

@@ -1083,7 +1083,8 @@ def _run(args, argv, device, backend, note) -> int:
     t_start = time.perf_counter()
     p = args.params
     ctx = Context(args, device, backend)
-    res = {"command": " ".join(["python", os.path.relpath(__file__, REPO), *argv]),
+    res = {"command": " ".join(["python", os.path.relpath(__file__, REPO),
+                                *sched_tokenspeed.placeholder_argv(argv)]),
            "machine": machine_info(device),
            "device_clock": "cuda-events" if ctx.is_cuda else "cpu-wall",
            "backend": backend, "backend_note": note, "impls": list(args.impls),

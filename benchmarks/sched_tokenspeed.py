@@ -43,7 +43,7 @@ import time
 import numpy as np
 
 __all__ = ["AVAILABLE", "REASON", "VERSION", "load", "measure", "markdown_lines",
-           "graphalloc_key"]
+           "graphalloc_key", "placeholder_argv"]
 
 AVAILABLE, REASON, VERSION = False, "not loaded", None
 FACTOR = 3.0
@@ -209,6 +209,24 @@ def measure(trace, pools: tuple[int, int], max_reqs: int, m0: int, m: int) -> di
             "decoding_end": int(sched.decoding_size()),
             "waiting_end": int(sched.waiting_size()),
             "config": rep.config}
+
+
+def placeholder_argv(argv) -> list[str]:
+    """``argv`` with the directory of ``--tokenspeed-path`` replaced by a placeholder (a
+    result records where the peer comes from, not this machine's folders)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            out.append("TOKENSPEED_SITE_PACKAGES")
+            skip = False
+        elif arg == "--tokenspeed-path":
+            out.append(arg)
+            skip = True
+        elif arg.startswith("--tokenspeed-path="):
+            out.append("--tokenspeed-path=TOKENSPEED_SITE_PACKAGES")
+        else:
+            out.append(arg)
+    return out
 
 
 def graphalloc_key(res: dict) -> str:
