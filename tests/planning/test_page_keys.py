@@ -212,3 +212,14 @@ def test_every_process_computes_the_same_keys():
         out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
                              text=True, timeout=120, check=True).stdout
         assert out == here
+
+
+def test_the_allocator_takes_a_page_key_hash_or_a_bool():
+    cfg = ga.AllocatorConfig(page_size=4, num_full_pages=32, num_swa_pages=32, max_reqs=4,
+                             max_context_len=64, model_window=64, max_handles=4)
+    assert ga.HybridAllocator(cfg, prefix_cache=True).prefix_cache.key_hash == "siphash"
+    assert ga.HybridAllocator(cfg, prefix_cache="blake2b").prefix_cache.key_hash == "blake2b"
+    assert ga.HybridAllocator(cfg, prefix_cache=False).prefix_cache is None
+    for bad in ("md5", 1, None, "BLAKE2B"):
+        with pytest.raises(ga.ConfigError, match="prefix_cache"):
+            ga.HybridAllocator(cfg, prefix_cache=bad)
