@@ -184,8 +184,9 @@ class GraphallocKVCacheManager:
         disabled. For a waiting request (new or preempted). The request's block keys are
         kept until :meth:`free` (later calls hash only new blocks); ``block_hashes``: the
         engine's own (bytes, one per block of ``block_size`` tokens, salt included: vLLM's
-        ``request.block_hashes``), used as they are, never hashed. Host only: O(new prompt
-        blocks) hashing."""
+        ``request.block_hashes``), used as they are, never hashed; an engine that passes
+        them passes them to :meth:`free` and :meth:`cache_blocks` too (one key scheme per
+        cache). Host only: O(new prompt blocks) hashing."""
         row = self._lookup(request_id, "get_computed_blocks")
         cache = self.prefix_cache
         if cache is None or token_ids is None:
