@@ -6,7 +6,7 @@ Everything else is in pyproject.toml. Both extensions are optional: without a C 
 (or Python headers) the build goes on without them and prints one line each;
 ``graphalloc.plan.compiled`` then warns once at import and every step runs the numpy
 planner (the reference), and ``graphalloc.sharing.page_keys`` warns once and hashes pages
-with its pure-Python twin (the same keys, about 100x slower).
+with its pure-Python twin (the same keys, hundreds of times slower).
 """
 
 import sys

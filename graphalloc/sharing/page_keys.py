@@ -31,9 +31,9 @@ Keys are computed once per request: pass the request's key list back as ``keys``
 the pages past it are hashed (:class:`RequestKeys` keeps one with its salt). An engine's
 own block hashes (bytes) may stand in for keys: the chain goes on from the last one.
 
-Cost (x86-64, 16-token pages): siphash in C about 60 ns a page plus about 1 us a call;
-blake2b about 0.5 us a page; the Python twin about 75 us a page. ``benchmarks/
-bench_page_keys.py`` measures them.
+Cost (2-core x86-64, 16-token pages): siphash in C 80-175 ns a page plus about 0.5 us a
+call; blake2b 0.8-1.9 us a page; the Python twin about 36 us a page.
+``benchmarks/bench_page_keys.py`` measures them.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ try:
 except ImportError as _exc:  # not built: the twin, same keys, much slower
     _ckeys = None
     warnings.warn(f"graphalloc: compiled page keys unavailable ({_exc}); hashing with the "
-                  "pure-Python twin (same keys, about 100x slower): rebuild with "
+                  "pure-Python twin (same keys, hundreds of times slower): rebuild with "
                   "pip install -e .", PageKeysWarning, stacklevel=2)
 COMPILED = _ckeys is not None
 

@@ -16,8 +16,8 @@ must compute the same keys), so here it is a well-mixed non-cryptographic hash: 
 collisions are about 2^-64 after 2^32 pages, but tokens can be chosen to collide. The
 multi-tenant mode (``key_hash="blake2b"``) is for deployments where that matters.
 
-Cost: about 40 us per 144-byte message (a 16-token page) in Python; the C twin about
-0.1 us.
+Cost: about 36 us per 144-byte message (a 16-token page) in Python; the C twin about
+0.1 us (``benchmarks/bench_page_keys.py``).
 """
 
 from __future__ import annotations
