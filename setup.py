@@ -1,10 +1,12 @@
-"""Build of the one compiled part: the optional compiled twin of the step planner,
+"""Build of the compiled parts: the optional compiled twin of the step planner,
 ``graphalloc.plan._cplan`` (C, every ``_cplan*.c`` under graphalloc/plan/: the kinds and
-one file per pool).
+one file per pool), and the page keys' ``graphalloc.sharing._ckeys`` (C, one file).
 
-Everything else is in pyproject.toml. The extension is optional: without a C compiler (or
-Python headers) the build goes on without it and prints one line; ``graphalloc.plan.compiled``
-then warns once at import and every step runs the numpy planner (the reference).
+Everything else is in pyproject.toml. Both extensions are optional: without a C compiler
+(or Python headers) the build goes on without them and prints one line each;
+``graphalloc.plan.compiled`` then warns once at import and every step runs the numpy
+planner (the reference), and ``graphalloc.sharing.page_keys`` warns once and hashes pages
+with its pure-Python twin (the same keys, hundreds of times slower).
 """
 
 import glob
@@ -32,8 +34,8 @@ class OptionalBuildExt(build_ext):
     @staticmethod
     def _skip(exc):
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        print(f"graphalloc: compiled planner not built ({reason}); the numpy planner will be "
-              "used", file=sys.stderr)
+        print(f"graphalloc: a compiled part was not built ({reason}); its Python twin will "
+              "be used", file=sys.stderr)
 
 
 setup(
@@ -42,6 +44,9 @@ setup(
                            sources=sorted(glob.glob("graphalloc/plan/_cplan*.c")),
                            depends=["graphalloc/plan/_cplan.h",
                                     "graphalloc/plan/_cplan_refusals.h"],
-                           extra_compile_args=["-O3", "-fwrapv"], optional=True)],
+                           extra_compile_args=["-O3", "-fwrapv"], optional=True),
+                 Extension("graphalloc.sharing._ckeys",
+                           sources=["graphalloc/sharing/_ckeys.c"],
+                           extra_compile_args=["-O3"], optional=True)],
     cmdclass={"build_ext": OptionalBuildExt},
 )

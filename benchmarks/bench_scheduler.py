@@ -24,9 +24,16 @@ the same decisions:
     graphalloc_vllm     graphalloc through its vLLM facade: per request allocate_slots /
                         free (get_computed_blocks, cache_blocks with a cache), then
                         run_step(): one step per iteration (sched_seams.py)
-    sglang              SGLang-style eager calls (sched_baselines.SGLangStyle)
+    sglang              SGLang-style eager calls (sched_baselines.SGLangStyle): the
+                        project's own re-implementation, not SGLang's code
     vllm                a vLLM-style CPU block manager and block-table upload
-                        (sched_baselines.VLLMStyle)
+                        (sched_baselines.VLLMStyle): the project's own re-implementation
+
+and, beside them, a real peer's code where it is installed: TokenSpeed's scheduler
+(``tokenspeed-scheduler`` from the package index, ``sched_tokenspeed.py``) given the same
+trace's work -- its own plan per iteration, timed -- and compared with graphalloc's whole
+step with tables (``--tokenspeed-path`` names a site-packages to import it from; without
+it importable the peer is skipped and the outputs say so).
 
 Per configuration, each implementation runs the trace's bootstrap and warm-up steps, then
 M measured steps (M adapts to ``--time-budget-s``), then a profiled window of K steps:
@@ -90,6 +97,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+import sched_tokenspeed  # noqa: E402
 from sched_agreement import (  # noqa: E402
     AgreementError,  # noqa: F401 (re-exported: the tests catch it from here)
     check_agreement,
@@ -124,7 +132,8 @@ IMPLS = ("graphalloc", "graphalloc_tables", "graphalloc_sglang", "graphalloc_vll
 LABELS = {"graphalloc": "graphalloc", "graphalloc_tables": "graphalloc + tables",
           "graphalloc_sglang": "graphalloc via SGLang seam",
           "graphalloc_vllm": "graphalloc via vLLM facade",
-          "sglang": "SGLang-style eager", "vllm": "vLLM-style block manager"}
+          "sglang": "SGLang-style eager (own re-implementation)",
+          "vllm": "vLLM-style block manager (own re-implementation)"}
 SEAMS = ("graphalloc_sglang", "graphalloc_vllm")  # their own window rule (sched_seams.py)
 RATIOS = (("sglang", "graphalloc"), ("vllm", "graphalloc"), ("vllm", "graphalloc_tables"),
           ("sglang", "graphalloc_tables"), ("graphalloc_sglang", "graphalloc"),
@@ -186,6 +195,8 @@ class StepClock:
     def begin(self) -> None:
         self.i += 1
         self.excluded = 0
+        if not self.is_cuda:
+            self.walls.append(0.0)  # this step's device part (its launches add up)
         self.t0 = time.perf_counter_ns()
 
     def device_begin(self) -> None:
@@ -200,7 +211,7 @@ class StepClock:
         if self.is_cuda:
             self.pairs[self.i][1].record()
         else:
-            self.walls.append((a - self._wall0) / 1e3)
+            self.walls[-1] += (a - self._wall0) / 1e3
         self.excluded += time.perf_counter_ns() - a
 
     def end(self) -> float:
@@ -335,6 +346,7 @@ class Context:
         self.args, self.params = args, args.params
         self.device, self.backend = device, backend
         self.is_cuda = device.type == "cuda"
+        self.tokenspeed, self.tokenspeed_why = False, "not loaded"  # _run loads the peer
 
 
 def baseline_pools(trace, pool: str) -> tuple[int, int]:
@@ -448,6 +460,10 @@ def _measure(ctx, d, trace, m0: int, m: int, counts: np.ndarray, classes, seg1,
         gc.enable()
     dev = clock.device_us()
     per_sync = None if syncs[0] is None else np.diff([0] + syncs).tolist()
+    if not is_cuda:  # the eager device part runs inside the step on a CPU: without it
+        extra = {"host_us_no_device": stats(host - np.asarray(dev[:m]))}
+    else:
+        extra = {}
     out = {
         "host_us": stats(host), "host_us_by_class": _by_class(host, classes),
         "gpu_interval_us": stats(dev), "gpu_interval_us_by_class": _by_class(dev, classes),
@@ -459,6 +475,7 @@ def _measure(ctx, d, trace, m0: int, m: int, counts: np.ndarray, classes, seg1,
     }
     if plan:
         out["plan_us"] = stats(plan)
+    out.update(extra)
     return out
 
 
@@ -503,7 +520,11 @@ def run_config(ctx, b: int, ps: int, window: int, interval: int, budget_s: float
     gc.collect()
     gc.freeze()  # the drivers' long-lived objects (vLLM's blocks) are never scanned again
     try:
-        return _run_drivers(ctx, rec, drivers, trace, cfg, t_cfg, m_max)
+        rec = _run_drivers(ctx, rec, drivers, trace, cfg, t_cfg, m_max)
+        rec["peers"] = {"tokenspeed": sched_tokenspeed.measure(
+            trace, baseline_pools(trace, pool), cfg.max_reqs, trace.phase_start["measure"],
+            rec["steps"]["measured"]) if ctx.tokenspeed else {"skipped": ctx.tokenspeed_why}}
+        return rec
     finally:
         for d in drivers.live.values():
             if hasattr(d, "close"):
@@ -753,6 +774,7 @@ def markdown(res: dict) -> str:
             f" | {_f(rat.get('vllm/graphalloc_tables', {}).get('host_p50'))}x"
             f" | {_f(rat.get('graphalloc_sglang/graphalloc', {}).get('host_p50'))}x"
             f" | {_f(rat.get('graphalloc_vllm/graphalloc', {}).get('host_p50'))}x |")
+    lines += sched_tokenspeed.markdown_lines(res)
     lines += ["", "## GPU per step (us): interval p50 (CUDA events) / busy (CUPTI, mean)", "",
               "| B | ps | W | interval | " + " | ".join(labels[n] for n in IMPLS)
               + " | ga decode+evict p50 | ga one-segment p50 | floor |",
@@ -939,7 +961,7 @@ allocation is short the planner evicts unlocked entries inside the step (SWA tom
 first, then LRU leaves). Page keys are hashed once per page (kept per request). Through
 the seams the same cache is driven by `match_prefix` / `cache_unfinished_req` /
 `cache_finished_req` (SGLang) and `get_computed_blocks` / `cache_blocks` / `free(rid,
-token_ids)` (vLLM), which hash a request's tokens at every call. Pools: every
+token_ids)` (vLLM), which keep a request's page keys too (each page hashed once). Pools: every
 implementation gets every page the cached replay allocates (+2%), so nothing is evicted,
 and one extra small-pool configuration (the peak without a cache + 2%; B = 64, 300 steps)
 in which the caches fill and evict. Both pools get the FULL size: with a smaller SWA pool
@@ -1010,6 +1032,12 @@ def parse_args(argv):
                     help="B of the small-pool configuration with --prefix-cache (0: none)")
     ap.add_argument("--time-budget-s", type=float, default=None,
                     help="whole-run budget (default 200 s; 60 s with --quick)")
+    ap.add_argument("--tokenspeed-path", default=None,
+                    help="a directory (the site-packages of an environment where "
+                         "tokenspeed-scheduler is installed) appended to sys.path to import "
+                         "TokenSpeed's scheduler from; default: import it if installed here")
+    ap.add_argument("--no-tokenspeed", action="store_true",
+                    help="skip the TokenSpeed peer even when it is importable")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
@@ -1055,13 +1083,21 @@ def _run(args, argv, device, backend, note) -> int:
     t_start = time.perf_counter()
     p = args.params
     ctx = Context(args, device, backend)
-    res = {"command": " ".join(["python", os.path.relpath(__file__, REPO), *argv]),
+    res = {"command": " ".join(["python", os.path.relpath(__file__, REPO),
+                                *sched_tokenspeed.placeholder_argv(argv)]),
            "machine": machine_info(device),
            "device_clock": "cuda-events" if ctx.is_cuda else "cpu-wall",
            "backend": backend, "backend_note": note, "impls": list(args.impls),
            "params": {k: list(v) if isinstance(v, tuple) else v for k, v in p.items()},
            "floor": None, "floor_end": None, "configs": [], "errors": [], "skipped": [],
            "targets": []}
+    ctx.tokenspeed = not args.no_tokenspeed and sched_tokenspeed.load(args.tokenspeed_path)
+    ctx.tokenspeed_why = ("--no-tokenspeed" if args.no_tokenspeed else sched_tokenspeed.REASON)
+    res["peers"] = {"tokenspeed": {"available": ctx.tokenspeed,
+                                   "version": sched_tokenspeed.VERSION,
+                                   "reason": "" if ctx.tokenspeed else ctx.tokenspeed_why}}
+    if not ctx.tokenspeed:
+        res["skipped"].append(f"TokenSpeed peer (its real scheduler): {ctx.tokenspeed_why}")
     try:
         res["floor"] = measure_floors(device, p["floor_samples"], flush=True)
     except Exception as exc:

@@ -1,5 +1,7 @@
 """The scheduler benchmark's two figures, pure functions of ``bench_scheduler.json``.
 
+``peers_vs_b.png`` (when the run had the TokenSpeed peer): graphalloc's whole step with
+tables against TokenSpeed's iteration (``sched_tokenspeed.py``), per panel as above.
 ``host_us_vs_b.png``: host time per step against running requests B, one panel per
 (page size, window, eviction interval), one line per implementation, the targets dashed.
 ``gpu_us_vs_b.png``: the same grid for GPU time per step, two measures per implementation:
@@ -16,14 +18,14 @@ from figures import finish, machine_name, pyplot, set_b_axis, set_log_y, stat
 
 __all__ = ["plot", "FILES"]
 
-FILES = ("host_us_vs_b.png", "gpu_us_vs_b.png")
+FILES = ("host_us_vs_b.png", "gpu_us_vs_b.png", "peers_vs_b.png")
 LEGEND = {
     "graphalloc": "graphalloc: one alloc.step per iteration, one CUDA-graph replay",
     "graphalloc_tables": "graphalloc + attention block tables, still one replay",
     "graphalloc_sglang": "graphalloc through its SGLang seam (one step per iteration)",
     "graphalloc_vllm": "graphalloc through its vLLM facade (one step per iteration)",
-    "sglang": "SGLang-style eager allocator (launches per call)",
-    "vllm": "vLLM-style CPU block manager + block-table upload",
+    "sglang": "SGLang-style eager allocator (own re-implementation)",
+    "vllm": "vLLM-style CPU block manager + block-table upload (own re-implementation)",
 }
 STYLE = {"graphalloc": ("tab:blue", "o"), "graphalloc_tables": ("tab:cyan", "D"),
          "graphalloc_sglang": ("tab:purple", "v"), "graphalloc_vllm": ("tab:green", "P"),
@@ -146,7 +148,52 @@ def plot(res: dict, out_dir: str) -> list[str]:
             if cuda else "device part of a step against running requests B, CPU wall time")
     finish(fig, os.path.join(out_dir, FILES[1]), title=f"Scheduler benchmark: {what} [{machine}]",
            caption=caption, legend=_gpu_legend(axes, cuda), ncol=2)
-    return list(FILES)
+    return list(FILES[:2]) + _peers(plt, res, out_dir, machine)
+
+
+def _peers(plt, res, out_dir, machine) -> list[str]:
+    """``peers_vs_b.png``: graphalloc + tables against TokenSpeed's iteration (p50)."""
+    from sched_tokenspeed import graphalloc_key
+
+    cfgs = [c for c in res["configs"]
+            if "iteration_us" in ((c.get("peers") or {}).get("tokenspeed") or {})]
+    if not cfgs:
+        return []
+    key = graphalloc_key(res)
+    rows, cols = _panels(cfgs)
+    fig, axes = plt.subplots(len(rows), len(cols), figsize=(4.4 * len(cols), 3.5 * len(rows)),
+                             squeeze=False, sharex=True)
+    for r, interval in enumerate(rows):
+        for col, (ps, window) in enumerate(cols):
+            ax = axes[r][col]
+            sel = sorted((c for c in cfgs if (c["ps"], c["window"], c["interval"]) == (
+                ps, window, interval)), key=lambda c: c["b"])
+            ga = [(c["b"], stat(c["impls"]["graphalloc_tables"].get(key))) for c in sel
+                  if "graphalloc_tables" in c["impls"]]
+            ts = [(c["b"], c["peers"]["tokenspeed"]["iteration_us"]["p50"]) for c in sel]
+            if ga:
+                ax.plot(*zip(*ga, strict=True), color="tab:cyan", marker="D",
+                        label="graphalloc: whole step with block tables" + (
+                            "" if key == "host_us" else " (less its eager device part)"))
+            ax.plot(*zip(*ts, strict=True), color="tab:brown", marker="X",
+                    label="TokenSpeed scheduler (its real code): advance + submit + plan")
+            set_log_y(ax)
+            set_b_axis(ax, [c["b"] for c in cfgs],
+                       "running requests B" if r == len(rows) - 1 else "")
+            if col == 0:
+                ax.set_ylabel("host time per iteration (us, p50)")
+            ax.set_title(f"page size {ps}, window {window}, eviction interval {interval}",
+                         fontsize=10)
+            ax.grid(True, which="both", alpha=0.25)
+    version = ((res.get("peers") or {}).get("tokenspeed") or {}).get("version")
+    finish(fig, os.path.join(out_dir, FILES[2]), title="Scheduler benchmark: graphalloc "
+           f"against TokenSpeed's scheduler {version}, same trace [{machine}]",
+           caption="The same seeded trace per panel and B. TokenSpeed is given the trace's "
+           "work (arrivals with their prompts, sampled tokens, finishes) and plans each "
+           "iteration by its own policy (its forward batch with block tables); graphalloc "
+           "replays the trace's decisions as one step with the batch's block tables. p50 "
+           "over the measured steps.", legend=axes[0][0].get_legend_handles_labels(), ncol=1)
+    return [FILES[2]]
 
 
 if __name__ == "__main__":  # a module, not a script: --help says what it is and what to run

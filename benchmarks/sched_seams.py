@@ -63,13 +63,17 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class _Req:
-    """The attributes of SGLang's ``Req`` the seam reads."""
+    """The attributes of SGLang's ``Req`` the seam reads (``extra_key``: its cache
+    namespace, none in this workload) and the one it writes (``graphalloc_page_keys``: the
+    request's page keys, kept on it as SGLang's ``Req`` keeps any attribute)."""
 
-    __slots__ = ("rid", "req_pool_idx", "origin_input_ids", "output_ids", "last_node")
+    __slots__ = ("rid", "req_pool_idx", "origin_input_ids", "output_ids", "last_node",
+                 "extra_key", "graphalloc_page_keys")
 
     def __init__(self, rid: int, ids):
         self.rid, self.req_pool_idx, self.last_node = rid, None, None
         self.origin_input_ids, self.output_ids = ids, []
+        self.extra_key = self.graphalloc_page_keys = None
 
 
 class _Batch:

@@ -78,7 +78,9 @@ class HybridAllocator:
         fused_step: a step whose pops fit in what each free ring held before it runs as ONE
             kernel (about 2.6 us less per replay on an H200).
         prefix_cache: own a :class:`~graphalloc.sharing.prefix_cache.PrefixCache` on the
-            handles (pool mode, ``max_handles > 0``).
+            handles (pool mode, ``max_handles > 0``): ``True`` or ``"siphash"`` (page keys
+            hashed with SipHash-2-4-128, fast, not cryptographic), ``"blake2b"`` (BLAKE2b,
+            for multi-tenant deployments whose users choose tokens; docs/sharing.md).
         planner: ``"auto"`` (the compiled twin when built, else numpy), ``"compiled"`` or
             ``"numpy"``: who plans steps; same results either way.
         page_tables: a :class:`~graphalloc.attention.spec.PageTableSpec`: every step also
@@ -94,7 +96,7 @@ class HybridAllocator:
 
     def __init__(self, config: AllocatorConfig, *, executor="eager",
                  n_descriptor_bufs: int = 2, fused_step: bool = True,
-                 prefix_cache: bool = False, planner: str = "auto", page_tables=None,
+                 prefix_cache: bool | str = False, planner: str = "auto", page_tables=None,
                  state_tensors=()):
         ops.check_arguments(config, n_descriptor_bufs, fused_step, prefix_cache, page_tables)
         state_tensors = check_state_tensors(state_tensors, config.num_state_slots, config.device)
@@ -115,7 +117,8 @@ class HybridAllocator:
         self.group: FreeGroup | None = None  # the open free_group() block
         self.recorder: StepRecorder | None = None  # the open scheduler_step() block
         self.faulted = False  # a device fault reported by check(), until reset_faults()
-        self.prefix_cache = PrefixCache(self) if prefix_cache else None
+        self.prefix_cache = (PrefixCache(self, ops.key_hash_of(prefix_cache)) if prefix_cache
+                             else None)
         self.pipeline = StepPipeline(self, CompiledPlanner.for_allocator(self, planner))
         self.executor = make_executor(executor)
         self.executor.bind(self)

@@ -41,6 +41,7 @@ from .inputs import as_index, as_rows
 from .plan.frees import split_release_rows
 from .plan.refusals import Kind, Refusal, RefusalCode, to_error
 from .plan.step import KINDS, Step
+from .sharing.page_keys import KEY_HASHES
 from .state.queries import HandleInfo
 
 __all__ = ["HandleInfo"]
@@ -55,9 +56,9 @@ def check_arguments(config, n_descriptor_bufs, fused_step, prefix_cache, page_ta
     if isinstance(n_descriptor_bufs, bool) or not isinstance(n_descriptor_bufs, int) or (
             n_descriptor_bufs < 1):
         raise ConfigError(f"n_descriptor_bufs must be an int >= 1, got {n_descriptor_bufs!r}")
-    for name, value in (("fused_step", fused_step), ("prefix_cache", prefix_cache)):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{name} must be a bool, got {value!r}")
+    if not isinstance(fused_step, bool):
+        raise ConfigError(f"fused_step must be a bool, got {fused_step!r}")
+    key_hash_of(prefix_cache)
     from .attention.spec import PageTableSpec
 
     if page_tables is not None and not isinstance(page_tables, PageTableSpec):
@@ -66,6 +67,18 @@ def check_arguments(config, n_descriptor_bufs, fused_step, prefix_cache, page_ta
     if prefix_cache and (not config.pools.window.shares or config.max_handles == 0):
         raise ConfigError("prefix_cache=True needs pool mode and max_handles > 0 (each cache "
                           "entry is a handle)")
+
+
+def key_hash_of(prefix_cache) -> str:
+    """The page-key hash a ``prefix_cache=`` argument names: ``True`` -> ``"siphash"``,
+    ``"siphash"`` / ``"blake2b"`` as they are (``False``: ``""``, no cache); else
+    ``ConfigError``."""
+    if isinstance(prefix_cache, bool):
+        return "siphash" if prefix_cache else ""
+    if isinstance(prefix_cache, str) and prefix_cache in KEY_HASHES:
+        return prefix_cache
+    raise ConfigError(f"prefix_cache must be a bool or a page-key hash {KEY_HASHES}, got "
+                      f"{prefix_cache!r}")
 
 
 # ---- the blocks' rules -----------------------------------------------------------------------

@@ -39,7 +39,6 @@ from ..allocator import HybridAllocator
 from ..errors import BatchTooLargeError, CapacityError, ConfigError, ContractError
 from ..plan.refusals import RefusalCode
 from ..plan.step import EMPTY, Step
-from ..sharing.prefix_cache import page_keys
 
 __all__ = ["IterationStep", "Ints"]
 
@@ -181,17 +180,22 @@ class IterationStep:
         self.adv_pos.append(pos)
         self.frees_version += 1
 
-    def insert(self, row: int, token_ids) -> int:
+    def insert(self, row: int, token_ids=None, *, keys: list | None = None, salt=None,
+               extra_keys=None) -> int:
         """Record a prefix-cache insert of live ``row``'s whole pages of ``token_ids`` (its
         first positions hold them) as a ``take`` of the next step: FULL pages of the prefix,
-        SWA from the row's frontier. Returns the tokens cached (0: nothing to cache, or no
+        SWA from the row's frontier. ``keys`` / ``salt`` / ``extra_keys``: the request's
+        page keys so far (extended in place: only new pages hashed) and namespace, as for
+        ``PrefixCache.insert``. Returns the tokens cached (0: nothing to cache, or no
         handle could be freed). A prefix already cached, or recorded in this iteration,
         costs no take. When every handle is held or reserved, the cache drops its LRU
         unlocked leaf first: one step of its own (``cache_steps``). With recurrent-state
         slots only a page-aligned committed length is cached (the state snapshot is the
         state there). O(prefix pages)."""
         cache, ps = self.cache, self.ps
-        keys = page_keys(token_ids, ps)
+        keys = cache.keys_of(token_ids, keys=keys, salt=salt, extra_keys=extra_keys)
+        if token_ids is not None:
+            keys = keys[:len(token_ids) // ps]
         committed = int(self.ledger.committed[row])
         n = min(len(keys), committed // ps) * ps
         if n == 0 or (self.states and n != committed):  # a snapshot: the committed length

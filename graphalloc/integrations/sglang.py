@@ -31,6 +31,10 @@ where it synchronises. Recurrent-state slots (a config with ``num_state_slots``)
 Mamba pool's mapping is :attr:`SGLangAllocator.req_index_to_mamba_index_mapping`, its
 alloc / free ride in the admits and releases, snapshot copies in the steps; the engine
 still zeroes a new request's state before its prefill and runs its layers on the slot.
+Tenants: a request's ``extra_key`` (SGLang's cache namespace: LoRA id, cache salt) enters
+its page keys as their salt, so requests of two namespaces never share a page; a request
+without one shares the default namespace (docs/sharing.md). A request's page keys are
+computed once and kept on it (``req.graphalloc_page_keys``), extended as it grows.
 Not covered: the overlap scheduler's deferred eviction,
 speculative multi-token decode, HiCache, page_size-1 ``alloc(n)``, ring mode.
 """
@@ -56,6 +60,7 @@ from ..errors import (
 )
 from ..inputs import as_int64
 from ..plan.step import EMPTY
+from ..sharing.page_keys import RequestKeys
 from .iteration import IterationStep
 
 __all__ = ["SGLangAllocator", "SGLangBatchAlloc"]
@@ -335,7 +340,8 @@ class SGLangAllocator:
         if row is None:
             return False
         if is_insert and self.tree_cache is not None:
-            self._insert(row, self._token_ids(req, "release_kv_cache"))
+            self._insert(row, self._token_ids(req, "release_kv_cache"),
+                         self._request_keys(req))
         if self.defer_frees:
             self.pending.add_release(row)
         else:  # in a group: run by free_group_end(); else one step now
@@ -357,7 +363,8 @@ class SGLangAllocator:
         step now); none when an equal prefix is cached. Returns the tokens cached."""
         self._need_cache("insert_into_prefix_cache")
         row = self._row_of(req, "insert_into_prefix_cache", allow_none=False)
-        return self._insert(row, self._token_ids(req, "insert_into_prefix_cache"))
+        tokens = self._token_ids(req, "insert_into_prefix_cache")
+        return self._insert(row, tokens, self._request_keys(req))
 
     def cache_unfinished_req(self, req) -> int:
         """SGLang's ``tree_cache.cache_unfinished_req`` (after a chunked prefill's chunk):
@@ -368,17 +375,19 @@ class SGLangAllocator:
     def match_prefix(self, req) -> int:
         """SGLang's ``tree_cache.match_prefix`` for a new request: the longest cached
         prefix (whole pages) of ``origin_input_ids + output_ids`` without its last token,
-        counting only hits whose SWA window is present. Locks the entry until the next
-        step the seam runs (a later match of the same request replaces it) and names it in
-        ``req.last_node``; returns the prefix length (0: a miss, ``last_node = None``).
-        Host only: O(prompt pages) hashing."""
+        counting only hits whose SWA window is present, among the pages cached under the
+        request's ``extra_key`` (none: the default namespace). Locks the entry until the
+        next step the seam runs (a later match of the same request replaces it) and names
+        it in ``req.last_node``; returns the prefix length (0: a miss, ``last_node =
+        None``). Host only: O(new prompt pages) hashing (the request's keys are kept)."""
         cache = self._need_cache("match_prefix")
         if getattr(req, "req_pool_idx", None) is not None:
             raise ContractError("match_prefix: the request already has a row; match new "
                                 "(waiting) requests")
         tokens = self._token_ids(req, "match_prefix")
+        keys = self._request_keys(req)
         self._unlock(req)
-        hit = cache.match(tokens[:max(len(tokens) - 1, 0)])
+        hit = cache.match(tokens[:max(len(tokens) - 1, 0)], keys=keys.keys, salt=keys.salt)
         req.last_node = None
         if not hit.cached_tokens:
             return 0
@@ -588,11 +597,24 @@ class SGLangAllocator:
                                 "the prefix cache keys pages by their tokens")
         return list(ids) + list(getattr(req, "output_ids", None) or ())
 
-    def _insert(self, row: int, tokens: list) -> int:
+    def _request_keys(self, req) -> RequestKeys:
+        """The request's page keys, kept on it (``req.graphalloc_page_keys``), made on first
+        use with its ``extra_key`` as the salt; made anew when the request's ``extra_key``
+        is not the one they were made with. O(1)."""
+        salt = getattr(req, "extra_key", None)
+        keys = getattr(req, "graphalloc_page_keys", None)
+        if type(keys) is RequestKeys and keys.same_namespace(salt, None):
+            return keys
+        keys = RequestKeys(self.page_size, salt=salt, key_hash=self.tree_cache.key_hash)
+        with contextlib.suppress(AttributeError):  # a request that takes no attribute:
+            req.graphalloc_page_keys = keys  # its keys are made again next time
+        return keys
+
+    def _insert(self, row: int, tokens: list, keys: RequestKeys) -> int:
         if self.defer_frees:
-            return self.pending.insert(row, tokens)
+            return self.pending.insert(row, tokens, keys=keys.keys, salt=keys.salt)
         before = self.alloc.steps_run
-        n = self.tree_cache.insert(row, tokens)
+        n = self.tree_cache.insert(row, tokens, keys=keys.keys, salt=keys.salt)
         self._immediate_cache_steps += self.alloc.steps_run - before
         return n
 

@@ -14,6 +14,10 @@ its SWA blocks below ``computed - sliding_window`` are removed (null block 0) fi
 target a whole block below what it holds trims the rest (not below ``frontier + window``);
 a second call in one iteration replaces the first; a cache hit is the longest cached
 whole-block prefix of ``token_ids[:-1]`` whose window is cached, locked until ``run_step``.
+Tenants: a request's ``cache_salt`` (vLLM's) and ``extra_keys`` enter its block keys, so
+two salts never share a block; without one, requests share one namespace (docs/sharing.md).
+A request's keys are computed once, kept from ``get_computed_blocks`` to ``free``
+(or taken from the engine: ``block_hashes=``, vLLM's ``request.block_hashes``).
 
 Unknown ids, one policy with the SGLang seam: ``free`` of an id holding no KV here is a
 no-op returning ``False`` (vLLM frees aborted waiting requests so); every other call
@@ -52,6 +56,7 @@ from ..errors import (
     PositionError,
     UnknownRequestError,
 )
+from ..sharing.page_keys import RequestKeys
 from .iteration import IterationStep
 
 __all__ = ["GraphallocKVCacheManager", "GraphallocBlocks", "FULL_GROUP", "SWA_GROUP",
@@ -142,6 +147,7 @@ class GraphallocKVCacheManager:
         self._new = [False] * n  # per row: admitted by the next step
         self._reserved: list[int] = []  # rows of this iteration's new requests
         self._hits: dict[Hashable, int] = {}  # id -> locked cache handle, until run_step
+        self._keys: dict[Hashable, RequestKeys] = {}  # id -> its block keys, until free()
         self._stats = {"requests": 0, "queries": 0, "hits": 0}
         # this iteration's slots, one per request (a later call replaces its slot)
         self._gen = 1
@@ -162,17 +168,25 @@ class GraphallocKVCacheManager:
         self._floor = 0  # min over pools of the free pages when the iteration began
 
     # ---- the scheduler's calls ---------------------------------------------------------
-    def get_computed_blocks(self, request_id: Hashable, token_ids=None
+    def get_computed_blocks(self, request_id: Hashable, token_ids=None, *, cache_salt=None,
+                            extra_keys=None, block_hashes=None
                             ) -> tuple[GraphallocBlocks, int]:
         """The request's cached blocks and computed tokens, ``(blocks, n_tokens)``.
 
         With caching and ``token_ids`` (the request's ``all_token_ids``): the longest
         cached whole-block prefix of ``token_ids[:-1]`` whose sliding-window blocks are
-        cached too; the entry is locked until the next :meth:`run_step` (a later call for
-        the same request replaces it). A hit whose blocks this iteration's recorded
-        allocations need (they would evict them) is reported as a miss. Otherwise ``(no
-        blocks, 0)``, vLLM's answer with caching disabled. For a waiting request (new or
-        preempted). Host only: O(prompt blocks) hashing."""
+        cached too, among the blocks cached under the same ``cache_salt`` / ``extra_keys``
+        (:func:`~graphalloc.sharing.page_keys.page_keys`: vLLM's ``request.cache_salt``;
+        per-block extra keys, e.g. multimodal hashes); the entry is locked until the next
+        :meth:`run_step` (a later call for the same request replaces it). A hit whose
+        blocks this iteration's recorded allocations need (they would evict them) is
+        reported as a miss. Otherwise ``(no blocks, 0)``, vLLM's answer with caching
+        disabled. For a waiting request (new or preempted). The request's block keys are
+        kept until :meth:`free` (later calls hash only new blocks); ``block_hashes``: the
+        engine's own (bytes, one per block of ``block_size`` tokens, salt included: vLLM's
+        ``request.block_hashes``), used as they are, never hashed; an engine that passes
+        them passes them to :meth:`free` and :meth:`cache_blocks` too (one key scheme per
+        cache). Host only: O(new prompt blocks) hashing."""
         row = self._lookup(request_id, "get_computed_blocks")
         cache = self.prefix_cache
         if cache is None or token_ids is None:
@@ -180,9 +194,11 @@ class GraphallocKVCacheManager:
         if row is not None:
             raise ContractError(f"get_computed_blocks({request_id!r}): the request holds KV "
                                 "here already; look up waiting requests only")
-        tokens = list(token_ids)
+        tokens = token_ids if type(token_ids) is list else list(token_ids)
+        keys = self._request_keys(request_id, cache_salt, extra_keys, block_hashes,
+                                  "get_computed_blocks")
         self._drop_hit(request_id)
-        hit = cache.match(tokens[:max(len(tokens) - 1, 0)])
+        hit = self._match(cache, tokens[:max(len(tokens) - 1, 0)], keys)
         n_hit = hit.cached_tokens
         if n_hit:
             cache.lock(hit.handle)
@@ -379,7 +395,8 @@ class GraphallocKVCacheManager:
         last = (max(target, length) + ps - 1) // ps
         return GraphallocBlocks(request_id, first, last - first, self)
 
-    def free(self, request_id: Hashable, token_ids=None) -> bool:
+    def free(self, request_id: Hashable, token_ids=None, *, cache_salt=None,
+             extra_keys=None, block_hashes=None) -> bool:
         """Free everything the request holds (finished or preempted): recorded for the next
         step, its pages count as free at once. An id holding no KV here is a no-op
         returning ``False`` (the unknown-id policy; vLLM frees aborted waiting requests). A
@@ -387,11 +404,19 @@ class GraphallocKVCacheManager:
 
         With caching and ``token_ids`` (its computed tokens), the request's full blocks of
         them go into the prefix cache in the same step (a ``take`` before the release):
-        those stay cached, the rest is freed."""
+        those stay cached, the rest is freed. Keyed with the request's kept block keys
+        (only blocks past them hashed), or made with ``cache_salt`` / ``extra_keys`` when
+        :meth:`get_computed_blocks` never saw it; ``block_hashes`` as there. The kept keys
+        are dropped."""
         try:
-            row = self._rows.pop(request_id, None)
+            row = self._rows.get(request_id)
         except TypeError:
             raise _unhashable(request_id, "free") from None
+        keys = None
+        if token_ids is not None and row is not None and self.prefix_cache is not None:
+            keys = self._request_keys(request_id, cache_salt, extra_keys, block_hashes, "free")
+        self._rows.pop(request_id, None)
+        self._keys.pop(request_id, None)
         self._drop_hit(request_id)
         if row is None:
             return False
@@ -400,20 +425,24 @@ class GraphallocKVCacheManager:
             self._new[row] = False
             self._reserved.remove(row)
             return True
-        if token_ids is not None and self.prefix_cache is not None:
-            self.pending.insert(row, list(token_ids))
+        if keys is not None:
+            self._insert(row, token_ids, keys)
         self.pending.add_release(row)
         return True
 
-    def cache_blocks(self, request_id: Hashable, token_ids) -> int:
+    def cache_blocks(self, request_id: Hashable, token_ids, *, cache_salt=None,
+                     extra_keys=None, block_hashes=None) -> int:
         """vLLM's ``cache_blocks``: put the request's full blocks of ``token_ids`` (tokens
         whose KV is computed) into the prefix cache with the next step (a ``take``), while
         the request runs on. Call it where a prefix is worth keeping with its window, e.g.
-        when a prompt's prefill completed. Returns the tokens cached (0 without caching)."""
+        when a prompt's prefill completed. Keys as for :meth:`free` (kept for later calls).
+        Returns the tokens cached (0 without caching)."""
         row = self._row(request_id, "cache_blocks")
         if self.prefix_cache is None:
             return 0
-        return self.pending.insert(row, list(token_ids))
+        keys = self._request_keys(request_id, cache_salt, extra_keys, block_hashes,
+                                  "cache_blocks")
+        return self._insert(row, token_ids, keys)
 
     def run_step(self) -> AllocResult | None:
         """Run everything recorded as ONE step (more only when the recorded frees exceed
@@ -566,6 +595,39 @@ class GraphallocKVCacheManager:
         return len(self._rows)
 
     # ---- internals ---------------------------------------------------------------------
+    def _request_keys(self, request_id, salt, extra_keys, block_hashes, what: str):
+        """The request's kept block keys (made on first use with its namespace), or the
+        engine's ``block_hashes`` (a list) when given; a call naming another salt or extra
+        keys than the kept keys were made with is refused."""
+        if block_hashes is not None:
+            if type(block_hashes) is not list:
+                raise ContractError(f"{what}({request_id!r}): block_hashes must be the list of "
+                                    f"the request's block hashes, got "
+                                    f"{type(block_hashes).__name__}")
+            return block_hashes
+        keys = self._keys.get(request_id)
+        if keys is None:
+            keys = self._keys[request_id] = RequestKeys(self.block_size, salt=salt,
+                                                        extra_keys=extra_keys,
+                                                        key_hash=self.prefix_cache.key_hash)
+        elif not keys.same_namespace(salt, extra_keys):
+            raise ContractError(f"{what}({request_id!r}): cache_salt / extra_keys differ from "
+                                "the ones the request's block keys were made with; a request "
+                                "keeps its salt for life")
+        return keys
+
+    def _match(self, cache, tokens: list, keys):
+        if type(keys) is list:  # the engine's hashes: the blocks of tokens, as they are
+            return cache.match(keys=keys[:len(tokens) // self.block_size])
+        return cache.match(tokens, keys=keys.keys, salt=keys.salt, extra_keys=keys.extra_keys)
+
+    def _insert(self, row: int, token_ids, keys) -> int:
+        tokens = token_ids if type(token_ids) is list else list(token_ids)
+        if type(keys) is list:
+            return self.pending.insert(row, keys=keys[:len(tokens) // self.block_size])
+        return self.pending.insert(row, tokens, keys=keys.keys, salt=keys.salt,
+                                   extra_keys=keys.extra_keys)
+
     def _lookup(self, request_id, what: str):
         try:
             return self._rows.get(request_id)

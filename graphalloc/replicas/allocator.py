@@ -38,6 +38,7 @@ from ..config import AllocatorConfig
 from ..device.executor import make_executor
 from ..diagnostics.sync_points import sync_allowed
 from ..errors import ConfigError, ContractError, IntegrityError, ReplicaDivergenceError
+from ..operations import key_hash_of
 from .checks import COL_STEP, DigestHistory, check_same_setup, first_divergence
 from .digest import META_STEP, META_STEPS_RUN, host_digests
 from .executor import ReplicaExecutor, capture_warm
@@ -90,7 +91,8 @@ class ReplicatedAllocator(ReplicaOps):
         fused_step, n_descriptor_bufs: as for :class:`~graphalloc.HybridAllocator`.
         prefix_cache: give the planners (every rank in replicated mode, ``src`` in broadcast
             mode) a :class:`~graphalloc.sharing.prefix_cache.PrefixCache` (pool mode,
-            max_handles > 0).
+            max_handles > 0): ``True`` / ``"siphash"`` or ``"blake2b"``, the page keys'
+            hash, as for :class:`~graphalloc.HybridAllocator` (the same on every rank).
 
     Construction is collective (it compares configurations and the initial state of all
     ranks) and synchronises. Every operation that may run a device step is collective too.
@@ -99,7 +101,7 @@ class ReplicatedAllocator(ReplicaOps):
     def __init__(self, config: AllocatorConfig, group=None, *, mode: str = "replicated",
                  src: int | None = None, check_every: int = 64, digest_every: int = 1,
                  use_graph: bool | None = None, fused_step: bool = True,
-                 n_descriptor_bufs: int = 2, prefix_cache: bool = False):
+                 n_descriptor_bufs: int = 2, prefix_cache: bool | str = False):
         if not isinstance(config, AllocatorConfig):
             raise ConfigError(f"ReplicatedAllocator takes this rank's AllocatorConfig (it builds "
                               f"the allocator itself), got {type(config).__name__}")
@@ -118,8 +120,7 @@ class ReplicatedAllocator(ReplicaOps):
         if digest_every < 1 or check_every < 0 or (check_every and check_every % digest_every):
             raise ConfigError(f"check_every ({check_every}) must be 0 or a positive multiple of "
                               f"digest_every ({digest_every}, >= 1)")
-        if not isinstance(prefix_cache, bool):
-            raise ConfigError(f"prefix_cache must be a bool, got {prefix_cache!r}")
+        key_hash_of(prefix_cache)  # a bool or a page-key hash, before any collective
         if prefix_cache and (not cfg.pools.window.shares or not cfg.max_handles):  # (no collective)
             raise ConfigError("prefix_cache=True needs pool mode and max_handles > 0 (each "
                               "cache entry is a handle)")
@@ -162,7 +163,7 @@ class ReplicatedAllocator(ReplicaOps):
         self.executor = ReplicaExecutor(self, role, inner)
         self.alloc = HybridAllocator(cfg, executor=self.executor, fused_step=fused_step,
                                      n_descriptor_bufs=n_descriptor_bufs,
-                                     prefix_cache=prefix_cache and self.is_planner)
+                                     prefix_cache=prefix_cache if self.is_planner else False)
         self.cache_insert_steps = 1 + -(-cfg.request_pages // cfg.max_release_rows)
         with sync_allowed():  # construction may copy weights to the device and capture graphs
             self._check_same_config()

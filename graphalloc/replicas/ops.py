@@ -93,16 +93,19 @@ class ReplicaOps:
         self._raise_divergence()
 
     # ---- several steps --------------------------------------------------------------------
-    def cache_insert(self, row=None, token_ids=None) -> int | None:
-        """:meth:`PrefixCache.insert` on the planner's cache: exactly ``cache_insert_steps``
-        steps on every rank (an LRU drop when every handle is an entry's, then the handle).
-        Returns the tokens cached on a planner. Refused on every rank, before any step,
-        without ``prefix_cache=True``."""
+    def cache_insert(self, row=None, token_ids=None, *, keys=None, salt=None,
+                     extra_keys=None) -> int | None:
+        """:meth:`PrefixCache.insert` on the planner's cache (``keys`` / ``salt`` /
+        ``extra_keys`` as there: the request's namespace enters its page keys, the same
+        keys on every rank): exactly ``cache_insert_steps`` steps on every rank (an LRU
+        drop when every handle is an entry's, then the handle). Returns the tokens cached
+        on a planner. Refused on every rank, before any step, without ``prefix_cache``."""
         if not self.prefix_cache_option:
             raise ContractError("cache_insert: this ReplicatedAllocator was built without "
                                 "prefix_cache=True")
         return self._op(self.cache_insert_steps,
-                        lambda: self.alloc.prefix_cache.insert(row, token_ids))
+                        lambda: self.alloc.prefix_cache.insert(
+                            row, token_ids, keys=keys, salt=salt, extra_keys=extra_keys))
 
     def free_group(self):
         """Replicated mode: :meth:`HybridAllocator.free_group` (inside it, call the

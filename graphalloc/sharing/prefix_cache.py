@@ -1,7 +1,11 @@
 """A built-in prefix cache on the allocator's handles, aware of the sliding window.
 
-Keys are :func:`~graphalloc.sharing.page_keys.page_keys`; each entry is one handle on a
-whole prefix ``[0, n)`` (``take_handle``); each page key knows the entries holding it.
+Keys are :func:`~graphalloc.sharing.page_keys.page_keys` (chained, salted: a tenant's
+salt or extra keys give its pages keys no other tenant's prompt has), with the cache's
+``key_hash``; each entry is one handle on a whole prefix ``[0, n)`` (``take_handle``); each
+page key knows the entries holding it. A request's keys are computed once: :meth:`match`
+returns them (``CacheMatch.keys``) and :meth:`insert` takes them back (``keys=``), hashing
+only the pages the request added since; an engine's own block hashes may be passed instead.
 
 A hit is only as good as its window: an SWA layer at length m reads positions ``[m - W,
 m)``, so a request admitted on m cached tokens needs the SWA pages of that window.
@@ -26,8 +30,8 @@ an entry once the step that dropped its handle was submitted (:meth:`on_reclaime
 refused, dry-run or cancelled step keeps it. Locks (SGLang's ``inc_lock_ref``) keep an
 entry from both until :meth:`unlock`.
 
-Cost: ``match`` O(pages of the prompt) hashing (about 0.5 us a page; none with
-``keys=``) and one dict lookup per matched page, then, from the longest match back, the
+Cost: ``match`` O(pages of the prompt) hashing (about 0.1 us a page in C; none for the
+pages ``keys=`` covers) and one dict lookup per matched page, then, from the longest match back, the
 entries holding a page scanned until one has the window (the first, unless the window was
 tombstoned); ``add_entry`` about 70 ns a page; ``insert`` O(pages of the prefix) plus
 one step (the handle's prefix copy); ``lock`` / ``unlock`` / touching an entry O(1)
@@ -50,7 +54,7 @@ import weakref
 import numpy as np
 
 from ..errors import ContractError, UnknownHandleError
-from .page_keys import page_keys
+from .page_keys import check_key_hash, page_keys
 
 __all__ = ["PrefixCache", "CacheMatch", "page_keys"]
 
@@ -61,7 +65,9 @@ class CacheMatch:
     ``full_tokens`` the longest FULL match (``full_handle``), of which ``recompute_tokens``
     at the end lack their SWA pages. With recurrent-state slots ``cached_tokens`` ends at an
     entry's end (a snapshot) and ``state_recompute_tokens`` counts the matched tokens past it
-    (the recurrent layers recompute them). Handles are ``-1`` when there is no match."""
+    (the recurrent layers recompute them). Handles are ``-1`` when there is no match.
+    ``keys``: the request's page keys as the match computed or extended them (pass them to
+    :meth:`PrefixCache.insert` as ``keys=``: no page is hashed twice); not compared."""
 
     cached_tokens: int = 0
     handle: int = -1
@@ -69,6 +75,7 @@ class CacheMatch:
     full_handle: int = -1
     recompute_tokens: int = 0
     state_recompute_tokens: int = 0
+    keys: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
 
 @dataclasses.dataclass(eq=False)
@@ -84,11 +91,15 @@ class _Entry:
 class PrefixCache:
     """Prefix cache over ``alloc``'s handles (see the module docstring).
 
+    ``key_hash``: how page keys are hashed, ``"siphash"`` (default: fast, not
+    cryptographic) or ``"blake2b"`` (multi-tenant deployments whose users choose tokens);
+    fixed for the cache's life (``HybridAllocator(cfg, prefix_cache="blake2b")``).
     ``hits`` / ``misses`` count :meth:`match` calls; ``hit_tokens`` the tokens reused;
     ``evicted_pages`` / ``tombstoned_pages`` what eviction returned (FULL / SWA pages, steps
     submitted); ``version`` changes whenever entries, locks or handles may have changed."""
 
-    def __init__(self, alloc):
+    def __init__(self, alloc, key_hash: str = "siphash"):
+        self.key_hash = check_key_hash(key_hash)
         self._alloc = weakref.ref(alloc)  # the allocator holds its cache: no cycle
         self.page_size = alloc.config.page_size
         self.window = alloc.config.sliding_window
@@ -117,16 +128,42 @@ class PrefixCache:
                 "cache_evicted_pages": self.evicted_pages,
                 "cache_tombstoned_pages": self.tombstoned_pages}
 
+    # ---- keys ----------------------------------------------------------------------------
+    def keys_of(self, token_ids=None, *, keys: list | None = None, salt=None,
+                extra_keys=None) -> list:
+        """The page keys of ``token_ids``'s whole pages with this cache's hash:
+        :func:`page_keys` extending ``keys`` (the request's, kept) in place; with no
+        ``token_ids``, ``keys`` as they are. ``ContractError`` when neither is given.
+        O(new pages) hashing."""
+        if token_ids is None:
+            if keys is None:
+                raise ContractError("give token_ids, or keys= (the request's page keys), or "
+                                    "both (keys extended to the tokens' pages)")
+            if type(keys) is not list or not all(type(k) is bytes for k in keys):
+                raise ContractError("keys must be a list of bytes (page keys, or an engine's "
+                                    f"block hashes), got {type(keys).__name__}")
+            return keys
+        return page_keys(token_ids, self.page_size, keys, salt=salt, extra_keys=extra_keys,
+                         key_hash=self.key_hash)
+
     # ---- lookup --------------------------------------------------------------------------
-    def match(self, token_ids=None, *, keys: list | None = None) -> CacheMatch:
+    def match(self, token_ids=None, *, keys: list | None = None, salt=None,
+              extra_keys=None) -> CacheMatch:
         """The longest cached prefix of ``token_ids`` (whole pages), see :class:`CacheMatch`.
-        ``keys`` instead of ``token_ids``: their :func:`page_keys`, computed by the caller
-        (no hashing here). Touches the entries it uses (LRU). Host only."""
-        if (keys is None) == (token_ids is None):
-            raise ContractError("match takes token_ids or keys= (their page_keys), one of "
-                                "them")
+
+        ``salt`` / ``extra_keys``: the request's namespace (a tenant, a LoRA adapter,
+        multimodal hashes; :func:`page_keys`): a prefix cached under another salt never
+        matches. ``keys``: the request's page keys computed before (kept by the caller, or
+        an engine's block hashes): extended in place to ``token_ids``' whole pages (only new
+        pages hashed; the salt is already in them), or used as they are without
+        ``token_ids``. The match covers the first ``len(token_ids) // page_size`` keys (all
+        of ``keys`` without ``token_ids``); ``CacheMatch.keys`` is the list. Touches the
+        entries it uses (LRU). Host only."""
         ps, led = self.page_size, self.alloc.ledger
-        keys = page_keys(token_ids, ps) if keys is None else keys
+        keys = self.keys_of(token_ids, keys=keys, salt=salt, extra_keys=extra_keys)
+        all_keys = keys
+        if token_ids is not None and len(keys) > len(token_ids) // ps:
+            keys = keys[:len(token_ids) // ps]
         holders_of = self._holders.get
         n = 0  # pages matched: one dict lookup each
         for key in keys:
@@ -135,7 +172,7 @@ class PrefixCache:
             n += 1
         if not n:
             self.misses += 1
-            return CacheMatch()
+            return CacheMatch(keys=all_keys)
         m_full = n * ps
         full_entry = next(iter(self._holders[keys[n - 1]].values()))
         best, cached = self._usable(keys, n, led.h_swa_start)
@@ -148,7 +185,7 @@ class PrefixCache:
         self.hit_tokens += cached
         return CacheMatch(cached, best.handle if best is not None else -1, m_full,
                           full_entry.handle, max(0, min(start, m_full) - ws),
-                          m_full - cached if self.states else 0)
+                          m_full - cached if self.states else 0, all_keys)
 
     def _usable(self, keys: list, n: int, swa_start) -> tuple:
         """The longest usable match within the first ``n`` matched pages, ``(entry,
@@ -212,15 +249,20 @@ class PrefixCache:
         return entry
 
     # ---- insertion -----------------------------------------------------------------------
-    def insert(self, row, token_ids) -> int:
+    def insert(self, row, token_ids=None, *, keys: list | None = None, salt=None,
+               extra_keys=None) -> int:
         """Cache the whole pages of ``token_ids`` that live request ``row`` holds (its first
         positions hold these tokens): at a request's end or a chunked-prefill boundary. With
         recurrent-state slots only at the committed length, page-aligned (else 0).
-        Takes a handle (one step) unless the prefix is cached already; when every handle is
-        held, the LRU unlocked leaf is dropped first (one more step). Returns the tokens
-        cached (0 when nothing could be). Cost: O(pages) + the step(s)."""
+        ``keys`` / ``salt`` / ``extra_keys`` as for :meth:`match` (pass the match's
+        ``CacheMatch.keys``: only the pages added since are hashed). Takes a handle (one
+        step) unless the prefix is cached already; when every handle is held, the LRU
+        unlocked leaf is dropped first (one more step). Returns the tokens cached (0 when
+        nothing could be). Cost: O(new pages) hashing + O(pages) + the step(s)."""
         ps = self.page_size
-        keys = page_keys(token_ids, ps)
+        keys = self.keys_of(token_ids, keys=keys, salt=salt, extra_keys=extra_keys)
+        if token_ids is not None:
+            keys = keys[:len(token_ids) // ps]
         committed = self.alloc.committed_len(row)
         n = min(len(keys), committed // ps) * ps
         if self.states and n != committed:  # a snapshot is the state at the committed length

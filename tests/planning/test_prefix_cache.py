@@ -51,15 +51,18 @@ def test_hit_admits_on_the_cached_pages_and_counts():
     m = a.prefix_cache.match(prompt + [1, 2, 3])
     assert (m.cached_tokens, m.full_tokens, m.recompute_tokens) == (24, 24, 0)
     assert a.prefix_cache.match(keys=page_keys(prompt + [1, 2, 3], 4)) == m  # keys given
-    with pytest.raises(ga.errors.ContractError, match="token_ids or keys"):
-        a.prefix_cache.match(prompt, keys=page_keys(prompt, 4))
+    with pytest.raises(ga.errors.ContractError, match="token_ids"):
+        a.prefix_cache.match()
+    kept = page_keys(prompt[:10], 4)  # a request's keys so far (2 pages), kept by its caller
+    again = a.prefix_cache.match(prompt + [1, 2, 3], keys=kept)
+    assert again == m and again.keys is kept and kept == page_keys(prompt, 4)  # extended
     s = a.admit(handle=m.handle)
     assert a.seq_len(s) == 24 and a.n_free("full") == full_free  # nothing allocated
     a.alloc_extend([s], [3])
     miss = a.prefix_cache.match([7] * 24)
     assert miss.cached_tokens == 0 and miss.handle == -1
     st_ = a.stats()
-    assert (st_["cache_hits"], st_["cache_misses"], st_["cache_hit_tokens"]) == (2, 1, 48)
+    assert (st_["cache_hits"], st_["cache_misses"], st_["cache_hit_tokens"]) == (3, 1, 72)
     a.check_integrity()
 
 

@@ -375,6 +375,39 @@ def test_every_operation_is_its_fixed_number_of_steps(one_rank_group):
     rep.close()
 
 
+def test_cache_inserts_key_pages_in_their_namespace_and_the_digest_sees_the_keys(
+        one_rank_group):
+    """``cache_insert`` with a salt: the same tokens under another salt are another entry
+    (no page shared), under the same salt cached already; the cache digest covers the
+    entries' keys (changing one key changes it); the hash mode is a wrapper option."""
+    cfg = selftest_config("cpu", "torch", ring=False, max_handles=4)
+    with pytest.raises(ConfigError, match="prefix_cache"):
+        ReplicatedAllocator(cfg, mode="replicated", prefix_cache="md5")
+    rep = ReplicatedAllocator(cfg, mode="replicated", prefix_cache="blake2b")
+    alloc, cache, ps = rep.alloc, rep.alloc.prefix_cache, cfg.page_size
+    assert cache.key_hash == "blake2b"
+    row = rep.admit()
+    rep.step(extend=([row], [4 * ps]))
+    tokens = list(range(4 * ps))
+    assert rep.cache_insert(row, tokens, salt="a") == 4 * ps and len(cache) == 1
+    rep.cache_insert(row, tokens, salt="a")  # cached already
+    assert len(cache) == 1
+    rep.cache_insert(row, tokens, salt="b")  # another namespace: an entry of its own
+    assert len(cache) == 2
+    assert cache.match(tokens, salt="b").full_tokens == 4 * ps
+    assert cache.match(tokens, salt="c").full_tokens == 0
+    (entry, *_) = cache.digest_state()["entries"]
+    base = host_digests(alloc.ledger, cache)
+    last = entry.keys[-1]
+    entry.keys[-1] = bytes(16)
+    assert [k for k, v in host_digests(alloc.ledger, cache).items() if v != base[k]] == [
+        "cache"]
+    entry.keys[-1] = last
+    assert host_digests(alloc.ledger, cache) == base
+    rep.check()
+    rep.close()
+
+
 def test_replicated_wrapper_stacks_on_the_allocators_executor(one_rank_group):
     """Replicated mode: the layer's executor runs each step through the inner executor and
     records a digest after it; nothing is patched into the allocator."""

@@ -45,7 +45,10 @@ def test_quick_run_writes_every_output(tmp_path):
     for key in ("command", "machine", "device_clock", "backend", "impls", "params", "floor",
                 "floor_end", "configs", "targets", "errors", "skipped", "wall_s"):
         assert key in res, key
-    assert res["errors"] == [] and res["skipped"] == []
+    assert res["errors"] == []
+    ts = res["peers"]["tokenspeed"]  # the real peer: run when importable, else said so
+    assert res["skipped"] == ([] if ts["available"] else
+                              [f"TokenSpeed peer (its real scheduler): {ts['reason']}"])
     assert res["device_clock"] == "cpu-wall" and res["machine"]["torch"] == torch.__version__
     assert res["floor"]["pipelined_gpu_us"]["p50"] > 0
     assert [(c["b"], c["interval"]) for c in res["configs"]] == [(1, 1), (1, 8), (4, 1), (4, 8)]
@@ -77,6 +80,36 @@ def test_quick_run_writes_every_output(tmp_path):
     md = (out / "bench_scheduler.md").read_text()
     assert "## Targets" in md and "## Method" in md and md.count("| 4 | 16 | 32 |") == 8
     assert "graphalloc via SGLang seam" in md and "vLLM facade / ga" in md
+    assert "SGLang-style eager (own re-implementation)" in md
+    assert "vLLM-style block manager (own re-implementation)" in md
+    assert "## Real peer: TokenSpeed's scheduler" in md
+    if not ts["available"]:
+        assert "Skipped: tokenspeed_scheduler is not importable" in md
+        assert all(c["peers"]["tokenspeed"] == {"skipped": ts["reason"]}
+                   for c in res["configs"])
+
+
+def test_the_tokenspeed_peer_runs_the_trace_when_installed():
+    """TokenSpeed's scheduler on a quick trace (``GRAPHALLOC_TOKENSPEED_PATH``: the
+    site-packages it is installed in; skipped without it): every iteration timed, every
+    admitted request scheduled, none left waiting, its pages not exhausted."""
+    import sched_tokenspeed as ts
+
+    if not ts.load(os.environ.get("GRAPHALLOC_TOKENSPEED_PATH")):
+        pytest.skip(ts.REASON)
+    for prefix in (None, "system-prompt"):
+        kw = dict(prefix=prefix, system_prompt_tokens=64) if prefix else {}
+        spec = sw.WorkloadSpec(n_running=8, page_size=16, window=32, eviction_interval=1,
+                               chunk_tokens=256, sigma=0.8, seed=3, prompt_median=48,
+                               output_median=24, max_context_len=512, **kw)
+        trace = sw.generate(spec, 4, 40, 0)
+        m0 = trace.phase_start["measure"]
+        out = ts.measure(trace, (400, 400), 24, m0, 40)
+        assert "error" not in out, out
+        assert out["iteration_us"]["n"] == out["plan_us"]["n"] == 40
+        assert out["plan_us"]["p50"] <= out["iteration_us"]["p50"]
+        assert out["scheduled_per_plan"] > 4 and out["full_pages_free_end"] > 0
+        assert out["config"]["prefix_cache"] == bool(prefix)
 
 
 def _drivers(trace, tables=False, sglang_decode="kernels", vllm_cls=sb.VLLMStyle,
