@@ -9,8 +9,10 @@ the batch as arrays once -- ``req_pool_idx`` of each request, ``prefix_lens``,
 ``extend_lens`` / ``seq_lens_cpu`` (host values) -- and run records plus batch as ONE Step:
 take, release, advance (SWA eviction), admit / admit_on (a hit shares its pages), extend /
 decode; the cache evicts inside it when pages are short. SWA eviction is SGLang's rule,
-vectorised: the SWA KV below ``floor_page(pre_len - W)`` goes, ``pre_len`` the prefix at an
-extend, the KV length at a decode (there once ``swa_eviction_interval`` tokens past).
+vectorised: the SWA KV below ``floor_page(pre_len - keep)`` goes, ``pre_len`` the prefix at
+an extend, the KV length at a decode (there once ``swa_eviction_interval`` tokens past);
+``keep`` is W, or ``max(W, page_size)`` in whole pages with a prefix cache (SGLang's
+boundary: a cached prefix keeps a full window of live SWA).
 
 Unknown ids, one policy with the vLLM seam: releasing a request that holds no KV here
 (``req_pool_idx is None``) is a no-op returning ``False``; any other call naming a request
@@ -207,9 +209,16 @@ class SGLangAllocator:
         self._max_reqs = alloc.config.max_reqs
         ps = self.page_size  # floor_page as one bitwise and when the page size is 2^k
         self._page_mask = -ps if ps & (ps - 1) == 0 else 0
-        self._due = self.sliding_window_size + max(swa_eviction_interval, ps)
         self.defer_frees = defer_frees
         self.tree_cache = alloc.prefix_cache  # None: SGLang's ChunkCache behaviour
+        # SGLang's eviction boundary: with a prefix cache the window keeps max(W, ps) tokens
+        # rounded up to whole pages (a cached key ending at floor_page(len) keeps a full
+        # window of live SWA); without one, W tokens. Due once pre_len - W >= frontier +
+        # interval, and the target floor_page(pre_len - keep) is past the frontier once
+        # pre_len - keep >= frontier + ps: one threshold past the frontier
+        w = self.sliding_window_size
+        self._keep = -(-max(w, ps) // ps) * ps if self.tree_cache is not None else w
+        self._due = max(w + swa_eviction_interval, self._keep + ps)
         self._immediate_cache_steps = 0  # inserts run at once (defer_frees=False)
         self._locks: dict[int, tuple] = {}  # id(req) -> (req, locked handle, hit tokens)
         self._group: contextlib.ExitStack | None = None
@@ -255,7 +264,7 @@ class SGLangAllocator:
             run_rows, run_pre = rows[run], prefix[run]
             if np.count_nonzero(self.ledger.seq_len[run_rows] != run_pre):
                 self._check_running(run_rows, run_pre, "prepare_for_extend")
-            moved = run_pre >= self.ledger.frontier[run_rows] + (self.sliding_window_size + ps)
+            moved = run_pre >= self.ledger.frontier[run_rows] + (self._keep + ps)
             if np.count_nonzero(moved):
                 advance = (run_rows[moved], self._floor(run_pre[moved]))
         admit = admit_on = None
@@ -306,9 +315,7 @@ class SGLangAllocator:
         led = self.ledger
         if np.count_nonzero(led.seq_len[rows] != lens):
             self._check_running(rows, lens, "prepare_for_decode")
-        # SGLang's rule: due once pre_len - W >= frontier + interval, to floor_page(pre_len -
-        # W), which moves the (page-aligned) frontier once pre_len - W >= frontier + ps:
-        # one threshold, max(interval, ps), past the frontier
+        # SGLang's rule, to floor_page(pre_len - keep): one threshold past the frontier
         moved = lens >= led.frontier[rows] + self._due
         advance = None
         if np.count_nonzero(moved):
@@ -549,8 +556,9 @@ class SGLangAllocator:
                                 f"says {int(lens[i])}; pass the KV length before this step")
 
     def _floor(self, pre_len: np.ndarray) -> np.ndarray:
-        """floor_page(pre_len - W) (callers pass pre_len >= W + page_size)."""
-        past = pre_len - self.sliding_window_size
+        """floor_page(pre_len - keep); keep is W, or max(W, page_size) in whole pages with a
+        prefix cache (callers pass pre_len >= keep + page_size)."""
+        past = pre_len - self._keep
         return past & self._page_mask if self._page_mask else past // self.page_size * \
             self.page_size
 

@@ -652,3 +652,28 @@ def test_example_with_a_shared_prompt_hits():
     assert s["finished"] == 10 and s["audit_findings"] == 0
     assert s["cache_hit_rate"] > 0.2
     assert s["steps"] == s["iterations_with_batch"] + s["cache_steps"]
+
+
+@pytest.mark.parametrize("ps,window", [(8, 3), (16, 5), (4, 4)])
+def test_a_cached_prefix_still_hits_when_the_page_is_longer_than_the_window(ps, window):
+    """SGLang's eviction boundary: with a prefix cache the decode eviction keeps
+    max(W, page_size) tokens (whole pages) behind the KV length. A request that finishes
+    W or more tokens into a page is cached up to that page's start; its last whole page
+    keeps its SWA, so a new request sharing the sequence hits all of it (with the
+    frontier at floor_page(len - W), that page's SWA was gone and the hit was 0)."""
+    alloc, seam = make(ps=ps, window=window, chunk=64, ctx=128, full=64, swa=32, cache=True,
+                       handles=8)
+    prompt = list(range(1, 3 * ps + 1))  # three whole pages
+    first = Req(0, 0, 2 * ps - 1, origin_input_ids=prompt)
+    assert seam.prepare_for_extend(Batch([first], [0], [len(prompt)])) is not None
+    kv_len = len(prompt)
+    while not first.finished():  # decode to ps - 1 tokens into the fifth page
+        first.sample()
+        assert seam.prepare_for_decode(Batch([first], seq_lens_cpu=[kv_len])) is not None
+        kv_len += 1
+    assert kv_len % ps == ps - 1 and alloc.frontier(first.req_pool_idx) > 0  # slid
+    tokens = first.fill_ids[:kv_len]
+    seam.cache_finished_req(first)
+    seam.flush()
+    second = Req(1, 0, 1, origin_input_ids=tokens + [999])
+    assert seam.match_prefix(second) == kv_len // ps * ps
