@@ -24,7 +24,7 @@ def pool(ps=4, full=16, swa=8):
 
 
 def extend(a, pre, seq, last):
-    n = sum(s - p for p, s in zip(pre, seq))
+    n = sum(s - p for p, s in zip(pre, seq, strict=False))
     return a.alloc_extend(None, torch.tensor(pre), None, torch.tensor(seq),
                           torch.tensor(last), n)
 
@@ -50,7 +50,7 @@ def test_every_new_full_slot_has_its_swa_peer_page_dense():
     assert (swa > 0).all()
     assert ((swa % 4) == (out % 4)).all()  # same in-page offset
     by_page = {}
-    for f, s in zip(out.tolist(), swa.tolist()):
+    for f, s in zip(out.tolist(), swa.tolist(), strict=False):
         by_page.setdefault(f // 4, set()).add(s // 4)
     assert all(len(v) == 1 for v in by_page.values())  # one SWA page per full page
     assert int(a.translate_loc_from_full_to_swa(torch.tensor([-1]))) == -1
@@ -198,7 +198,7 @@ def test_random_calls_against_a_model_of_two_paged_pools(seed, ps):
                 assert out is None
                 continue
             free_full, free_swa = free_full - k, free_swa - k
-            for i, s in zip(rids, out.tolist()):
+            for i, s in zip(rids, out.tolist(), strict=False):
                 reqs[i]["slots"].append(s)
         elif op == 2:  # the window slides (whole pages below len - window)
             rid = int(rng.choice(list(reqs)))

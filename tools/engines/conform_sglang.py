@@ -64,22 +64,25 @@ def run(sg, kind: str, w: Workload, limit: int = 20_000):
 def compare(w: Workload, sg) -> dict:
     ref_loop, ref, _ = run(sg, "sglang", w)
     ga_loop, got, disjoint = run(sg, "graphalloc", w)
-    first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+    pairs = zip(ref, got, strict=False)
+    first = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
     if first is None and len(ref) != len(got):
         first = min(len(ref), len(got))
     kinds = [r["kind"] for r in ref]
     return {
         "name": w.name, "identical": first is None and disjoint,
-        "first_difference": None if first is None else {"iteration": first + 1,
-                                                        "sglang": ref[first] if first < len(ref) else None,
-                                                        "graphalloc": got[first] if first < len(got) else None},
+        "first_difference": None if first is None else {
+            "iteration": first + 1, "sglang": ref[first] if first < len(ref) else None,
+            "graphalloc": got[first] if first < len(got) else None},
         "iterations": len(ref), "extends": kinds.count("extend"),
         "decodes": kinds.count("decode"),
         "retractions": sum(len(r.get("retracted", ())) for r in ref),
-        "window_moves": sum(1 for a, b in zip(ref, ref[1:]) for rid, h in b.get("held", {}).items()
+        "window_moves": sum(1 for a, b in zip(ref, ref[1:], strict=False)
+                            for rid, h in b.get("held", {}).items()
                             if rid in a.get("held", {}) and h[2] > a["held"][rid][2]),
         "owners_disjoint": disjoint,
-        "graphalloc_steps": ga_loop.alloc.n_steps, "graphalloc_host_reads": ga_loop.alloc.n_host_reads,
+        "graphalloc_steps": ga_loop.alloc.n_steps,
+        "graphalloc_host_reads": ga_loop.alloc.n_host_reads,
         "workload": {k: getattr(w, k) for k in w.__dataclass_fields__},
     }
 

@@ -149,7 +149,7 @@ class Loop:
             self._evict(req, pre, 1)
         alloc.free_group_end()
         new = [req for req, _, _ in batch if not req.kv.holds_kv]
-        for req, row in zip(new, self.r2t.alloc_rows(len(new)) or []):
+        for req, row in zip(new, self.r2t.alloc_rows(len(new)) or [], strict=False):
             req.kv.req_pool_idx = row
         pre = torch.tensor([p for _, p, _ in batch], dtype=torch.int64)
         seq = torch.tensor([p + e for _, p, e in batch], dtype=torch.int64)
