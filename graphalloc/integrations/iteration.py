@@ -181,7 +181,7 @@ class IterationStep:
         self.adv_pos.append(pos)
         self.frees_version += 1
 
-    def insert(self, row: int, token_ids) -> int:
+    def insert(self, row: int, token_ids, *, keys: list | None = None) -> int:
         """Record a prefix-cache insert of live ``row``'s whole pages of ``token_ids`` (its
         first positions hold them) as a ``take`` of the next step: FULL pages of the prefix,
         SWA from the row's frontier. Returns the tokens cached (0: nothing to cache, or no
@@ -189,9 +189,10 @@ class IterationStep:
         costs no take. When every handle is held or reserved, the cache drops its LRU
         unlocked leaf first: one step of its own (``cache_steps``). With recurrent-state
         slots only a page-aligned committed length is cached (the state snapshot is the
-        state there). O(prefix pages)."""
+        state there). ``keys``: the tokens' page keys when the caller computed them (a
+        salted chain); else :func:`page_keys` of ``token_ids``. O(prefix pages)."""
         cache, ps = self.cache, self.ps
-        keys = page_keys(token_ids, ps)
+        keys = page_keys(token_ids, ps) if keys is None else keys
         committed = int(self.ledger.committed[row])
         n = min(len(keys), committed // ps) * ps
         if n == 0 or (self.states and n != committed):  # a snapshot: the committed length

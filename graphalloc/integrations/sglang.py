@@ -34,13 +34,17 @@ Mamba pool's mapping is :attr:`SGLangAllocator.req_index_to_mamba_index_mapping`
 alloc / free ride in the admits and releases, snapshot copies in the steps; the engine
 still zeroes a new request's state before its prefill and runs its layers on the slot.
 Not covered: the overlap scheduler's deferred eviction,
-speculative multi-token decode, HiCache, page_size-1 ``alloc(n)``, ring mode.
+speculative multi-token decode, HiCache, page_size-1 ``alloc(n)``, ring mode. Tenant
+isolation: a request's ``extra_key`` / ``cache_salt`` seed its page keys' chain
+(:func:`cache_keys`, the one place the seam salts), so two tenants' identical tokens share
+no page; a request with neither is keyed unsalted (SGLang's default).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 
 import numpy as np
 import torch
@@ -58,11 +62,35 @@ from ..errors import (
 )
 from ..inputs import as_int64
 from ..plan.step import EMPTY
+from ..sharing.page_keys import page_keys
 from .iteration import IterationStep
 
-__all__ = ["SGLangAllocator", "SGLangBatchAlloc"]
+__all__ = ["SGLangAllocator", "SGLangBatchAlloc", "cache_keys", "cache_salt"]
 
 _MISSING = object()
+
+
+def cache_salt(req) -> bytes | None:
+    """What isolates ``req``'s cached KV from other tenants': SGLang's ``extra_key`` (a LoRA
+    id, a multimodal hash, a client's key) and ``cache_salt``, or ``None`` when it sends
+    neither (then every request with the same tokens shares them, SGLang's default)."""
+    extra, salt = getattr(req, "extra_key", None), getattr(req, "cache_salt", None)
+    if extra is None and salt is None:
+        return None
+    return repr((extra, salt)).encode()
+
+
+def cache_keys(token_ids, page_size: int, req) -> list[bytes]:
+    """The page keys the prefix cache files ``req``'s tokens under: graphalloc's chained
+    :func:`page_keys`, the chain seeded by the request's salt when it has one, so equal
+    tokens of different tenants never share a key (and so never a page). The one place
+    the seam salts. O(pages) hashing."""
+    salt = cache_salt(req)
+    if salt is None:
+        return page_keys(token_ids, page_size)
+    seed = hashlib.blake2b(b"graphalloc cache salt\0" + salt, digest_size=16).digest()
+    keys = page_keys([0] * page_size + list(token_ids), page_size, keys=[seed])
+    return keys[1:]  # the seed stands for a page before the first: chained into each key
 
 
 def batch_field(batch, name: str, n: int) -> np.ndarray:
@@ -342,7 +370,7 @@ class SGLangAllocator:
         if row is None:
             return False
         if is_insert and self.tree_cache is not None:
-            self._insert(row, self._token_ids(req, "release_kv_cache"))
+            self._insert(row, req, self._token_ids(req, "release_kv_cache"))
         if self.defer_frees:
             self.pending.add_release(row)
         else:  # in a group: run by free_group_end(); else one step now
@@ -364,7 +392,7 @@ class SGLangAllocator:
         step now); none when an equal prefix is cached. Returns the tokens cached."""
         self._need_cache("insert_into_prefix_cache")
         row = self._row_of(req, "insert_into_prefix_cache", allow_none=False)
-        return self._insert(row, self._token_ids(req, "insert_into_prefix_cache"))
+        return self._insert(row, req, self._token_ids(req, "insert_into_prefix_cache"))
 
     def cache_unfinished_req(self, req) -> int:
         """SGLang's ``tree_cache.cache_unfinished_req`` (after a chunked prefill's chunk):
@@ -385,7 +413,8 @@ class SGLangAllocator:
                                 "(waiting) requests")
         tokens = self._token_ids(req, "match_prefix")
         self._unlock(req)
-        hit = cache.match(tokens[:max(len(tokens) - 1, 0)])
+        hit = cache.match(keys=cache_keys(tokens[:max(len(tokens) - 1, 0)], self.page_size,
+                                          req))
         req.last_node = None
         if not hit.cached_tokens:
             return 0
@@ -596,11 +625,12 @@ class SGLangAllocator:
                                 "the prefix cache keys pages by their tokens")
         return list(ids) + list(getattr(req, "output_ids", None) or ())
 
-    def _insert(self, row: int, tokens: list) -> int:
+    def _insert(self, row: int, req, tokens: list) -> int:
+        keys = cache_keys(tokens, self.page_size, req)
         if self.defer_frees:
-            return self.pending.insert(row, tokens)
+            return self.pending.insert(row, tokens, keys=keys)
         before = self.alloc.steps_run
-        n = self.tree_cache.insert(row, tokens)
+        n = self.tree_cache.insert(row, tokens, keys=keys)
         self._immediate_cache_steps += self.alloc.steps_run - before
         return n
 

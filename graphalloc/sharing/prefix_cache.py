@@ -212,15 +212,15 @@ class PrefixCache:
         return entry
 
     # ---- insertion -----------------------------------------------------------------------
-    def insert(self, row, token_ids) -> int:
+    def insert(self, row, token_ids, *, keys: list | None = None) -> int:
         """Cache the whole pages of ``token_ids`` that live request ``row`` holds (its first
         positions hold these tokens): at a request's end or a chunked-prefill boundary. With
         recurrent-state slots only at the committed length, page-aligned (else 0).
         Takes a handle (one step) unless the prefix is cached already; when every handle is
         held, the LRU unlocked leaf is dropped first (one more step). Returns the tokens
-        cached (0 when nothing could be). Cost: O(pages) + the step(s)."""
+        cached (0: none could be); ``keys``: theirs if computed (salted). O(pages) + steps."""
         ps = self.page_size
-        keys = page_keys(token_ids, ps)
+        keys = page_keys(token_ids, ps) if keys is None else keys
         committed = self.alloc.committed_len(row)
         n = min(len(keys), committed // ps) * ps
         if self.states and n != committed:  # a snapshot is the state at the committed length

@@ -677,3 +677,32 @@ def test_a_cached_prefix_still_hits_when_the_page_is_longer_than_the_window(ps, 
     seam.flush()
     second = Req(1, 0, 1, origin_input_ids=tokens + [999])
     assert seam.match_prefix(second) == kv_len // ps * ps
+
+
+@pytest.mark.parametrize("field", ["extra_key", "cache_salt"])
+def test_two_tenants_with_identical_prompts_share_no_page(field):
+    """SGLang's extra_key / cache_salt enter every page key's chain: the same prompt from
+    another tenant misses (0 tokens, no page shared), from the same tenant it hits."""
+    alloc, seam = make(ps=4, window=64, chunk=64, ctx=128, full=64, swa=64, cache=True,
+                       handles=8)
+    prompt = list(range(1, 33))
+
+    def tenant_req(rid, salt):
+        req = Req(rid, 0, 1, origin_input_ids=prompt + [900 + rid])
+        setattr(req, field, salt)
+        return req
+
+    first = tenant_req(0, "tenant-a")
+    assert seam.prepare_for_extend(Batch([first], [0], [len(first.origin_input_ids)]))
+    first.sample()
+    seam.cache_finished_req(first)
+    seam.flush()
+    other, same, unsalted = tenant_req(1, "tenant-b"), tenant_req(2, "tenant-a"), \
+        tenant_req(3, None)
+    assert seam.match_prefix(other) == 0 and other.last_node is None
+    assert seam.match_prefix(unsalted) == 0  # no salt is a tenant of its own
+    assert seam.match_prefix(same) == 32
+    out = seam.prepare_for_extend(Batch([other], [0], [len(other.origin_input_ids)]))
+    shared = set(alloc.req_to_token[other.req_pool_idx, :32].tolist()) & set(
+        alloc.handle_to_token[same.last_node, :32].tolist())
+    assert out is not None and not shared
