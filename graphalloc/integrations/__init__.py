@@ -31,7 +31,8 @@ it does not, and what an engine must still write itself.
 
 from .iteration import IterationStep
 from .sglang import SGLangAllocator, SGLangBatchAlloc
-from .sglang_pool import GraphallocTokenToKVPoolAllocator, sglang_classes
+from .sglang_pool import GraphallocTokenToKVPoolAllocator
+from .sglang_subclass import sglang_classes
 from .vllm import (
     FULL_GROUP,
     NULL_BLOCK_ID,

@@ -15,8 +15,9 @@ Invariants: ``0 <= fill <= n_pages``; every id in ``[head, head + fill)`` is a d
 page in ``1..n_pages`` as long as callers push only pages they were given (the caller's
 contract; :meth:`audit` checks it by reading the device, off the fast path).
 
-Cost: :meth:`positions` is two device ops; :meth:`pop` and :meth:`push` one more each
-(a gather / an ``index_copy_``); all shapes come from host ints, so nothing synchronises.
+Cost: :meth:`take` and :meth:`tail` are host only (the engine-facing step's kernels read
+and write the ring at those positions); :meth:`positions` is two device ops, :meth:`pop`
+and :meth:`push` one more each; all shapes come from host ints, nothing synchronises.
 """
 
 from __future__ import annotations
@@ -50,6 +51,22 @@ class PageRing:
         if k > self.n_pages:
             raise CapacityError(f"{k} ring positions asked of a ring of {self.n_pages}")
         return (self._arange[:k] + start) % self.n_pages
+
+    @property
+    def tail(self) -> int:
+        """Where the next push lands (a ring position)."""
+        return (self.head + self.fill) % max(self.n_pages, 1)
+
+    def take(self, k: int) -> int:
+        """Host half of a pop: the ``k`` oldest free pages are now taken; returns the ring
+        position of the first (the device reads them there). ``CapacityError`` when
+        fewer than ``k`` are free, nothing changed."""
+        if k > self.fill:
+            raise CapacityError(f"{k} pages asked, {self.fill} free")
+        head = self.head
+        self.head = (head + k) % max(self.n_pages, 1)
+        self.fill -= k
+        return head
 
     def pop(self, k: int) -> torch.Tensor:
         """The ``k`` oldest free pages (a device tensor); the host moves ``head``.

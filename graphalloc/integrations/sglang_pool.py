@@ -12,8 +12,8 @@ one request's kv row), ``free`` / ``free_swa`` / ``free_full`` (any slot set),
 ``translate_loc_from_full_to_swa``, ``set_`` / ``clear_full_to_swa_mapping``, ``alloc``
 (whole pages). With ``size_swa`` it is SGLang's SWA pair (two pools paged in step, the
 ``full_to_swa_index_mapping`` with its trailing ``-1``); without, one paged pool.
-:func:`sglang_classes` subclasses SGLang's own allocators with it when SGLang is
-importable, so the scheduler's capacity hooks it does not override are SGLang's.
+:func:`~.sglang_subclass.sglang_classes` subclasses SGLang's own allocators with it when
+SGLang is importable, so the scheduler's capacity hooks it does not override are SGLang's.
 
 How calls become steps (docs/sglang.md). SGLang's calls name no request: they carry
 device tensors (slots to free, ``last_loc``) and host lengths (``*_cpu``). So the host
@@ -21,34 +21,41 @@ keeps what it can know without reading the device: the free rings' head and fill
 (:class:`~.page_ring.PageRing`), how many pages each recorded free gives back, how many
 each allocation takes. A free only RECORDS: one device copy of the segment's page
 representatives into a staging buffer (SGLang's views may be rewritten later), no
-``torch.unique``, no host read. The next allocation is the iteration's ONE step: the
-recorded SWA peers are looked up and cleared (graphalloc's ``get_and_clear_swa_pages``),
-every recorded page is pushed, then the allocation pops its pages and writes its slots,
-``last_loc`` read on the device. A free group is therefore one step by construction.
+``torch.unique``, no host read. The next allocation is the iteration's ONE step, two
+launches (:mod:`graphalloc.kernels.page_ring`, Triton on a GPU, the Torch twins
+elsewhere): ``ring_frees`` looks the recorded SWA peers up, clears their mappings and
+pushes every recorded page; ``ring_alloc`` writes each new token's slot (the rest of the
+page after ``last_loc``, read on the device, then the rings' pages from the host-known
+heads) and its SWA pair, from a per-token descriptor the host built from the lengths.
+A free group is therefore one step by construction.
 
 Invariants: per pool, ring fill + pages held == pages (page 0 is the sink, never free);
 ``available_size()`` counts recorded frees at once (inside a free group, at its end, as
 SGLang); a segment free needs mapped SWA peers where it frees SWA (SGLang's contract: a
 violation is counted on the device and raised by :meth:`check`, never silently pushed).
 Cost: a free call O(1) host work + one device copy; an allocation O(tokens) vectorised
-numpy + a fixed sequence of device ops (no per-request or per-free launch); set-shaped
+numpy (a few calls for a decode), one descriptor copy and the two launches; set-shaped
 frees read their pages back (one host read, as SGLang's ``torch.unique`` does),
 counted in ``n_host_reads``.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 import numpy as np
 import torch
 
-from ..errors import AlignmentError, ContractError, NestedGroupError, PositionError
-from ..kernels.get_and_clear import get_and_clear_swa_pages, get_and_clear_swa_pages_torch
+from ..errors import (
+    AlignmentError,
+    CapacityError,
+    ConfigError,
+    ContractError,
+    NestedGroupError,
+    PositionError,
+)
+from ..kernels.page_ring import ring_alloc, ring_alloc_torch, ring_frees, ring_frees_torch
 from .page_ring import PageRing
 
-__all__ = ["GraphallocTokenToKVPoolAllocator", "sglang_classes", "new_pages"]
+__all__ = ["GraphallocTokenToKVPoolAllocator", "new_pages"]
 
 
 def new_pages(prefix_lens: np.ndarray, seq_lens: np.ndarray, page_size: int) -> np.ndarray:
@@ -78,7 +85,7 @@ class GraphallocTokenToKVPoolAllocator:
 
     def __init__(self, *, size: int, page_size: int, size_swa: int | None = None,
                  dtype=torch.float16, device="cpu", kvcache=None, need_sort: bool = False,
-                 req_to_token_pool=None):
+                 req_to_token_pool=None, backend: str | None = None):
         if page_size < 1 or size < page_size or (size_swa is not None and size_swa < page_size):
             raise ContractError(f"sizes must hold at least one page of {page_size} tokens: "
                                 f"size={size}, size_swa={size_swa}")
@@ -98,8 +105,12 @@ class GraphallocTokenToKVPoolAllocator:
             self.full_to_swa_index_mapping[-1] = -1
             if kvcache is not None and hasattr(kvcache, "register_mapping"):
                 kvcache.register_mapping(self.full_to_swa_index_mapping)
-        self._get_and_clear = (get_and_clear_swa_pages if self.device.type == "cuda"
-                               else get_and_clear_swa_pages_torch)
+        backend = backend or ("triton" if self.device.type == "cuda" else "torch")
+        if backend not in ("triton", "torch"):
+            raise ConfigError(f"backend must be 'triton' or 'torch', got {backend!r}")
+        self.backend = backend
+        self._frees, self._alloc = ((ring_frees, ring_alloc) if backend == "triton"
+                                    else (ring_frees_torch, ring_alloc_torch))
         self._full_reps_buf = torch.zeros(max(n_full, 1), dtype=torch.int64, device=device)
         self._swa_reps_buf = torch.zeros(max(n_full, 1), dtype=torch.int64, device=device)
         self._faults_buf = torch.zeros((), dtype=torch.int64, device=device)
@@ -174,7 +185,7 @@ class GraphallocTokenToKVPoolAllocator:
         """One slot per request (``seq_lens_cpu`` are the lengths after it): the slot after
         ``last_loc[i]``, or a fresh page's first. ``None`` when a pool is short."""
         seq = _host_lens(seq_lens_cpu, "seq_lens_cpu")
-        return self._allocate(seq - 1, seq, last_loc, len(seq))
+        return self._allocate(seq - 1, seq, last_loc, len(seq), decode=True)
 
     def alloc(self, need_size: int):
         """``need_size`` tokens of whole fresh pages (SGLang's page-aligned ``alloc``):
@@ -192,60 +203,65 @@ class GraphallocTokenToKVPoolAllocator:
                                                    + offs).reshape(-1)
         return out
 
-    def _allocate(self, pre: np.ndarray, seq: np.ndarray, last_loc, n_tokens: int):
+    def _allocate(self, pre: np.ndarray, seq: np.ndarray, last_loc, n_tokens: int,
+                  decode: bool = False):
         ps = self.page_size
         n = seq - pre
         if len(pre) != len(seq) or (len(n) and n.min() < 0) or int(n.sum()) != n_tokens:
             raise PositionError(f"lengths disagree: {len(pre)} prefixes, {len(seq)} lengths, "
                                 f"{int(n.sum())} new tokens, {n_tokens} asked")
-        ceil_pre = -(-pre // ps)
-        fresh = new_pages(pre, seq, ps)
+        fresh = new_pages(pre, seq, ps)  # pages each request adds
         k = int(fresh.sum())
         if not self.new_pages_available(k, k):
             return None
         # per token: owner request, fresh-page rank (-1: the page after last_loc), offset
-        starts = np.cumsum(n) - n
-        owner = np.repeat(np.arange(len(n)), n)
-        local = np.arange(n_tokens) - starts[owner]
-        tail = (np.minimum(seq, ceil_pre * ps) - pre)[owner]
-        past = local - tail
-        rank = np.where(past < 0, -1, (np.cumsum(fresh) - fresh)[owner] + past // ps)
-        offset = np.where(past < 0, local, past % ps)
+        first_rank = np.cumsum(fresh) - fresh
+        if decode:  # one token each: a fresh page exactly where the request starts one
+            owner = np.arange(len(n))
+            rank = np.where(fresh > 0, first_rank, -1)
+            offset = np.zeros(len(n), dtype=np.int64)
+        else:
+            starts = np.cumsum(n) - n
+            owner = np.repeat(np.arange(len(n)), n)
+            local = np.arange(n_tokens) - starts[owner]
+            past = local - (np.minimum(seq, -(-pre // ps) * ps) - pre)[owner]
+            rank = np.where(past < 0, -1, first_rank[owner] + past // ps)
+            offset = np.where(past < 0, local, past % ps)
         desc = torch.from_numpy(np.stack([owner, rank, offset])).to(self.device,
                                                                       non_blocking=True)
-        full_pages, swa_pages = self._step(k)
-        own, rank_t, off = desc[0], desc[1], desc[2]
-        in_tail = rank_t < 0
-        if n_tokens == 0:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        loc = last_loc.to(torch.int64)
-        pick = rank_t.clamp(min=0)
-        out = self._slots(in_tail, loc[own] + 1 + off, full_pages, pick, off, k)
-        if swa_pages is not None:
-            swa_loc = self.full_to_swa_index_mapping[loc][own] + 1 + off
-            self.full_to_swa_index_mapping[out] = self._slots(in_tail, swa_loc, swa_pages,
-                                                              pick, off, k)
+        self._run_frees()
+        full_head = self.full_ring.take(k)
+        swa_head = self.swa_ring.take(k) if self.swa_ring is not None else 0
+        out = torch.empty(n_tokens, dtype=torch.int64, device=self.device)
+        self._alloc(desc, last_loc, self.full_to_swa_index_mapping, self.full_ring.ring_buf,
+                    None if self.swa_ring is None else self.swa_ring.ring_buf, out, n_tokens,
+                    full_head, swa_head, ps)
         return out
 
-    def _slots(self, in_tail, tail_slots, pages, pick, off, k: int):
-        if k == 0:
-            return tail_slots
-        return torch.where(in_tail, tail_slots, pages[pick] * self.page_size + off)
+    def _run_frees(self) -> None:
+        """The recorded frees, one launch (SWA peers looked up, mappings cleared, pages
+        pushed onto the rings); the step's first half. Counts as a step."""
+        n_swa, n_full = self._n_swa, self._n_full
+        self.n_steps += 1
+        if not (n_swa or n_full):
+            return
+        full, swa = self.full_ring, self.swa_ring
+        if full.fill + n_full > full.n_pages or (swa is not None and
+                                                 swa.fill + n_swa > swa.n_pages):
+            self._n_swa = self._n_full = 0
+            raise CapacityError("more pages freed than are held: a page was freed twice "
+                                "(the recorded frees are dropped; check() audits the rings)")
+        self._frees(self._swa_reps_buf, self._full_reps_buf, self.full_to_swa_index_mapping,
+                    None if swa is None else swa.ring_buf, full.ring_buf, self._faults_buf,
+                    n_swa, n_full, 0 if swa is None else swa.tail, full.tail, self.page_size)
+        full.fill += n_full
+        if swa is not None:
+            swa.fill += n_swa
+        self._n_swa = self._n_full = 0
 
     def _step(self, k: int):
-        """Run the recorded frees (SWA peers looked up and cleared, pages pushed), then pop
-        ``k`` pages of each pool: the iteration's one step. Device ops only."""
-        n_swa, n_full = self._n_swa, self._n_full
-        if n_swa:
-            swa_pages, mapped = self._get_and_clear(self._swa_reps_buf[:n_swa],
-                                                    self.full_to_swa_index_mapping,
-                                                    self.page_size)
-            self._faults_buf += (~mapped).sum()
-            self.swa_ring.push(swa_pages)
-        if n_full:
-            self.full_ring.push(self._full_reps_buf[:n_full] // self.page_size)
-        self._n_swa = self._n_full = 0
-        self.n_steps += 1
+        """The recorded frees, then ``k`` pages of each pool popped (device tensors)."""
+        self._run_frees()
         full_pages = self.full_ring.pop(k)
         return full_pages, None if self.swa_ring is None else self.swa_ring.pop(k)
 
@@ -253,7 +269,7 @@ class GraphallocTokenToKVPoolAllocator:
         """Run the recorded frees now (an idle iteration); returns 1 if a step ran."""
         if not (self._n_swa or self._n_full):
             return 0
-        self._step(0)
+        self._run_frees()
         return 1
 
     # ---- frees: recorded, run by the next step ----------------------------------------------
@@ -385,35 +401,3 @@ class GraphallocTokenToKVPoolAllocator:
         self.full_ring.check()
         if self.swa_ring is not None:
             self.swa_ring.check()
-
-
-@functools.lru_cache(maxsize=1)
-def sglang_classes() -> dict | None:
-    """``{"paged": ..., "swa": ...}``: graphalloc's allocator subclassing SGLang's
-    ``PagedTokenToKVPoolAllocator`` / ``SWATokenToKVPoolAllocator`` (SGLang's
-    constructor signatures; SGLang's capacity hooks inherited), or ``None`` when SGLang
-    cannot be imported. Import cost once."""
-    try:
-        paged = importlib.import_module("sglang.srt.mem_cache.allocator.paged")
-        swa = importlib.import_module("sglang.srt.mem_cache.allocator.swa")
-    except ImportError:
-        return None
-
-    class GraphallocPagedTokenToKVPoolAllocator(GraphallocTokenToKVPoolAllocator,
-                                                paged.PagedTokenToKVPoolAllocator):
-        def __init__(self, size, page_size, dtype, device, kvcache, need_sort):
-            GraphallocTokenToKVPoolAllocator.__init__(
-                self, size=size, page_size=page_size, dtype=dtype, device=device,
-                kvcache=kvcache, need_sort=need_sort)
-
-    class GraphallocSWATokenToKVPoolAllocator(GraphallocTokenToKVPoolAllocator,
-                                              swa.SWATokenToKVPoolAllocator):
-        def __init__(self, size, size_swa, page_size, dtype, device, kvcache, need_sort,
-                     req_to_token_pool=None):
-            GraphallocTokenToKVPoolAllocator.__init__(
-                self, size=size, size_swa=size_swa, page_size=page_size, dtype=dtype,
-                device=device, kvcache=kvcache, need_sort=need_sort,
-                req_to_token_pool=req_to_token_pool)
-
-    return {"paged": GraphallocPagedTokenToKVPoolAllocator,
-            "swa": GraphallocSWATokenToKVPoolAllocator}

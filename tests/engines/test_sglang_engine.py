@@ -28,7 +28,7 @@ def sg():
 
 
 def test_an_out_of_tree_paged_allocator_in_sglangs_contract(sg):
-    from graphalloc.integrations.sglang_pool import sglang_classes
+    from graphalloc.integrations.sglang_subclass import sglang_classes
     cls = sglang_classes()["paged"]
     assert issubclass(cls, sg["paged"].PagedTokenToKVPoolAllocator)
     a = cls(size=16 * 8, page_size=16, dtype=torch.float16, device="cpu",

@@ -162,15 +162,16 @@ def test_out_of_tree_contract_alloc_returns_whole_pages():
         a.alloc(8)
 
 
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("ps", [1, 3, 16])
-def test_random_calls_against_a_model_of_two_paged_pools(seed, ps):
+@pytest.mark.parametrize("seed,ps,backend",
+                         [(s, ps, "torch") for s in range(6) for ps in (1, 3, 16)]
+                         + [(s, ps, "triton") for s in range(2) for ps in (3, 16)])
+def test_random_calls_against_a_model_of_two_paged_pools(seed, ps, backend):
     """Requests grow by extends and decodes, slide their window, finish; the model keeps
     each request's pages as lists. Every slot handed out is unique and in a page the
     request holds, the pools' free counts match, and check() passes at the end."""
     rng = np.random.default_rng(seed)
     n_full, n_swa, window = 40, 24, 2 * ps + 1
-    a = Pool(size=n_full * ps, size_swa=n_swa * ps, page_size=ps)
+    a = Pool(size=n_full * ps, size_swa=n_swa * ps, page_size=ps, backend=backend)
     reqs = {}  # id -> {"slots": [...], "front": evicted position}
     free_full, free_swa = n_full, n_swa
     for _ in range(120):
@@ -231,3 +232,43 @@ def test_random_calls_against_a_model_of_two_paged_pools(seed, ps):
         assert len(set(s for r in reqs.values() for s in r["slots"])) == len(held)
         assert 0 not in owners
     a.check()
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_the_step_kernels_equal_their_torch_twins(ps):
+    """ring_frees / ring_alloc (Triton; interpreted on the CPU) against the twins, on the
+    same random state: the rings, the mapping, the fault count and the slots."""
+    from graphalloc.kernels.page_ring import (
+        ring_alloc,
+        ring_alloc_torch,
+        ring_frees,
+        ring_frees_torch,
+    )
+    rng = np.random.default_rng(ps)
+    n_pages = 24
+    pages = torch.from_numpy(rng.permutation(np.arange(1, n_pages + 1)))
+    f2s = torch.zeros((n_pages + 1) * ps + 1, dtype=torch.int64)
+    f2s[-1] = -1
+    swa_of = torch.from_numpy(rng.permutation(np.arange(1, n_pages + 1)))
+    for p, q in zip(pages[:16].tolist(), swa_of[:16].tolist(), strict=True):
+        f2s[p * ps:(p + 1) * ps] = q * ps + torch.arange(ps)
+    swa_reps = pages[:6] * ps + int(rng.integers(ps))
+    swa_reps[5] = pages[20] * ps  # unmapped: a fault
+    full_reps = pages[6:10] * ps
+    last_loc = torch.tensor([int(pages[12]) * ps + ps // 2, -1, int(pages[13]) * ps])
+    desc = torch.tensor([[0, 0, 1, 1, 2], [-1, 0, 1, 2, 3], [0, 0, 0, 0, 0]])
+    if ps == 1:
+        desc[1, 0] = 0
+    results = []
+    for frees, alloc in ((ring_frees, ring_alloc), (ring_frees_torch, ring_alloc_torch)):
+        m = f2s.clone()
+        swa_ring = torch.arange(1, n_pages + 1, dtype=torch.int64)
+        full_ring = torch.arange(1, n_pages + 1, dtype=torch.int64)
+        faults = torch.zeros((), dtype=torch.int64)
+        frees(swa_reps, full_reps, m, swa_ring, full_ring, faults, 6, 4, 20, 21, ps)
+        out = torch.empty(5, dtype=torch.int64)
+        alloc(desc, last_loc, m, full_ring, swa_ring, out, 5, 3, 7, ps)
+        results.append((m, swa_ring, full_ring, faults, out))
+    for got, want in zip(results[0], results[1], strict=True):
+        assert torch.equal(got, want)
+    assert int(results[1][3]) == 1

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from graphalloc.integrations.sglang_pool import GraphallocTokenToKVPoolAllocator, sglang_classes
+from graphalloc.integrations.sglang_pool import GraphallocTokenToKVPoolAllocator
+from graphalloc.integrations.sglang_subclass import sglang_classes
 
 HERE = Path(__file__).resolve().parent
 TOOLS = HERE.parents[1] / "tools" / "engines"

@@ -70,7 +70,7 @@ class Loop:
         from sglang.srt.managers.schedule_batch import ReqKvInfo
         from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-        from graphalloc.integrations.sglang_pool import sglang_classes
+        from graphalloc.integrations.sglang_subclass import sglang_classes
 
         self.sg, self.w, self.kind, self.device = sg, w, kind, device
         self.swa_component = ComponentType.SWA
