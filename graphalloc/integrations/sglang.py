@@ -173,6 +173,22 @@ def pool_indices(reqs, allow_new: bool, n_rows: int) -> np.ndarray:
     return out
 
 
+def batch_rows(batch, reqs, n_rows: int) -> np.ndarray:
+    """The decode batch's rows: SGLang's ``ScheduleBatch.req_pool_indices_cpu`` (a host
+    int64 tensor, one per request) when the batch carries it -- no per-request Python,
+    one range check -- else every request's ``req_pool_idx`` (:func:`pool_indices`)."""
+    host = getattr(batch, "req_pool_indices_cpu", None)
+    if type(host) is not torch.Tensor or host.dtype != torch.int64 or host.dim() != 1 \
+            or host.device.type != "cpu" or len(host) != len(reqs):
+        return pool_indices(reqs, False, n_rows)
+    rows = host.numpy()
+    if len(rows) and int(rows.view(np.uint64).max()) >= n_rows:  # (a negative is huge)
+        bad = int(rows[(rows < 0) | (rows >= n_rows)][0])
+        raise UnknownRequestError(f"req_pool_indices_cpu holds {bad}, outside [0, "
+                                  f"{n_rows}): not a row this seam gave out")
+    return rows
+
+
 @dataclasses.dataclass(eq=False)
 class SGLangBatchAlloc:
     """What ``prepare_for_extend`` / ``prepare_for_decode`` allocated.
@@ -331,7 +347,9 @@ class SGLangAllocator:
     def prepare_for_decode(self, batch) -> SGLangBatchAlloc | None:
         """One slot per request, with the SWA eviction of the requests due by the interval
         and the recorded frees: ONE step. ``seq_lens_cpu[i]`` must equal the request's
-        allocated length. Returns ``None`` (nothing changed) when short."""
+        allocated length. The rows come from ``batch.req_pool_indices_cpu`` when the batch
+        carries it (SGLang's ScheduleBatch does), else from each request's
+        ``req_pool_idx``. Returns ``None`` (nothing changed) when short."""
         if self._in_group:
             self._refuse_in_group("prepare_for_decode")
         reqs = batch_reqs(batch)
@@ -339,7 +357,7 @@ class SGLangAllocator:
         if not n:
             self._nonempty(n)
         lens = batch_field(batch, "seq_lens_cpu", n)
-        rows = pool_indices(reqs, False, self._max_reqs)
+        rows = batch_rows(batch, reqs, self._max_reqs)
         led = self.ledger
         if np.count_nonzero(led.seq_len[rows] != lens):
             self._check_running(rows, lens, "prepare_for_decode")

@@ -706,3 +706,22 @@ def test_two_tenants_with_identical_prompts_share_no_page(field):
     shared = set(alloc.req_to_token[other.req_pool_idx, :32].tolist()) & set(
         alloc.handle_to_token[same.last_node, :32].tolist())
     assert out is not None and not shared
+
+
+def test_a_decode_batch_with_req_pool_indices_cpu_reads_its_rows_there():
+    """SGLang's ScheduleBatch keeps req_pool_indices_cpu: the seam takes the rows from it
+    (no per-request read), the same step as from each req_pool_idx; a row outside the
+    pool is refused with nothing changed."""
+    alloc, seam = make()
+    reqs = [Req(i, 8, 4) for i in range(3)]
+    assert seam.prepare_for_extend(Batch(reqs, [0] * 3, [8] * 3)) is not None
+    batch = Batch(reqs, seq_lens_cpu=torch.tensor([8, 8, 8]))
+    batch.req_pool_indices_cpu = torch.tensor([r.req_pool_idx for r in reqs])
+    out = seam.prepare_for_decode(batch)
+    assert out is not None and out.rows.tolist() == [r.req_pool_idx for r in reqs]
+    before = alloc.n_free("full"), alloc.steps_run
+    bad = Batch(reqs, seq_lens_cpu=torch.tensor([9, 9, 9]))
+    bad.req_pool_indices_cpu = torch.tensor([reqs[0].req_pool_idx, 10_000, 1])
+    with pytest.raises(ga.UnknownRequestError):
+        seam.prepare_for_decode(bad)
+    assert (alloc.n_free("full"), alloc.steps_run) == before
