@@ -54,6 +54,7 @@ from ..errors import (
 )
 from ..kernels.page_ring import ring_alloc, ring_alloc_torch, ring_frees, ring_frees_torch
 from .page_ring import PageRing
+from .sglang_views import FullPoolView, SwaPoolView
 
 __all__ = ["GraphallocTokenToKVPoolAllocator", "new_pages"]
 
@@ -296,9 +297,22 @@ class GraphallocTokenToKVPoolAllocator:
             self.free_full_segment(free_index, start_pos=start_pos)
 
     def free_page_ids(self, page_ids: torch.Tensor) -> None:
-        """Free exactly these FULL pages (and their SWA peers, when mapped)."""
+        """Free exactly these FULL pages (and their SWA peers, mapped by contract)."""
         reps = page_ids.to(torch.int64) * self.page_size
         self._stage(reps, reps.numel(), swa=self.swa_ring is not None, full=True)
+
+    def free_full_page_ids(self, page_ids: torch.Tensor) -> None:
+        reps = page_ids.to(torch.int64) * self.page_size
+        self._stage(reps, reps.numel(), swa=False, full=True)
+
+    @property
+    def full_attn_allocator(self) -> FullPoolView:
+        """SGLang's handle on the FULL pool alone (its radix cache frees through it)."""
+        return FullPoolView(self)
+
+    @property
+    def swa_attn_allocator(self) -> SwaPoolView:
+        return SwaPoolView(self)
 
     def free(self, free_index: torch.Tensor) -> None:
         """Free an arbitrary slot set (each touched page once): one host read of its pages

@@ -58,3 +58,26 @@ def test_sglangs_allocation_path_schedules_the_same_on_graphalloc(sg, ps, window
         assert loop.done()
     assert runs["sglang"] == runs["graphalloc"]
     assert any(h[2] for r in runs["sglang"] for h in r.get("held", {}).values())  # evicted
+
+
+def test_sglangs_radix_cache_behaves_the_same_on_graphalloc(sg):
+    """SGLang's UnifiedRadixCache (FULL + SWA, tombstones) and its Req objects, prompts
+    sharing a system prompt across two tenants: the same schedule, hits, evictable sizes
+    and pages on both allocators, with real prefix hits."""
+    sys.path.insert(0, str(TOOLS))
+    from sglang_loop import Workload
+    from sglang_radix_loop import RadixLoop
+    w = Workload("radix-small", page_size=16, window=32, radix=True, n_requests=24,
+                 full_pages=64, swa_pages=24, prompt_tokens=(8, 80), output_tokens=(4, 40),
+                 system_tokens=64, system_prompts=1, max_running=4, seed=4)
+    runs = {}
+    for kind in ("sglang", "graphalloc"):
+        loop = RadixLoop(sg, kind, w)
+        runs[kind] = []
+        while not loop.done() and loop.n_iter < 3000:
+            runs[kind].append(loop.iteration(observe=True))
+            if kind == "graphalloc":
+                assert loop.owners_disjoint()
+        assert loop.done()
+    assert runs["sglang"] == runs["graphalloc"]
+    assert sum(h for r in runs["sglang"] for h in r.get("hits", ())) > 0

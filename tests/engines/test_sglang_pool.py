@@ -272,3 +272,21 @@ def test_the_step_kernels_equal_their_torch_twins(ps):
     for got, want in zip(results[0], results[1], strict=True):
         assert torch.equal(got, want)
     assert int(results[1][3]) == 1
+
+
+def test_the_pool_handles_sglangs_radix_cache_reaches_into():
+    """SGLang's radix cache frees a tree node's FULL pages through full_attn_allocator
+    (its SWA side goes separately, a tombstone); the SWA handle answers queries and
+    refuses to take or free SWA slots alone."""
+    a = pool(ps=4)
+    row = extend(a, [0], [8], [-1])
+    a.free_swa_segment(row[:4], start_pos=0)            # the tombstone: SWA first
+    a.full_attn_allocator.free_segment(row[:4], start_pos=0)  # then the node's FULL
+    assert a.full_attn_allocator.available_size() == a.full_available_size() == 15 * 4
+    assert a.swa_attn_allocator.available_size() == a.swa_available_size() == 7 * 4
+    assert a.full_attn_allocator.page_size == 4 and a.swa_attn_allocator.size == 8 * 4
+    with pytest.raises(ContractError):
+        a.swa_attn_allocator.alloc(4)
+    with pytest.raises(ContractError):
+        a.swa_attn_allocator.free(torch.tensor([4]))
+    a.check()

@@ -5,7 +5,9 @@ iteration (``tools/engines/sglang_loop.py`` says which code is SGLang's).
 Compared at every iteration (equal or the workload is not identical): the scheduling
 decision (extend or decode, which requests, which finished, which were retracted), the
 free FULL and SWA tokens, and for every request holding KV its FULL pages, its SWA pages
-and its window frontier (SGLang's ``swa_evicted_seqlen``). Page ids are not compared
+and its window frontier (SGLang's ``swa_evicted_seqlen``); with SGLang's radix cache
+(``radix`` workloads, ``sglang_radix_loop.py``) also every admitted request's prefix hit,
+the tree's evictable FULL / SWA tokens and its protected tokens. Page ids are not compared
 (SGLang's free list is LIFO, graphalloc's ring FIFO); instead, on graphalloc's side, no
 FULL or SWA page is held by two requests and none is page 0, at every iteration, and the
 rings hold distinct pages at the end (``check()``).
@@ -28,6 +30,7 @@ sys.path.insert(0, str(HERE))
 
 import sglang_import  # noqa: E402
 from sglang_loop import Loop, Workload  # noqa: E402
+from sglang_radix_loop import RadixLoop  # noqa: E402
 
 WORKLOADS = [
     Workload("ps16-w128-i1", page_size=16, window=128, eviction_interval=1, seed=1),
@@ -46,11 +49,19 @@ WORKLOADS = [
              prompt_tokens=(16, 300)),
     Workload("small-chunks-ps16", page_size=16, window=256, eviction_interval=32, seed=8,
              chunk_tokens=96, n_requests=32),
+    Workload("radix-ps16-w64", page_size=16, window=64, radix=True, seed=9, n_requests=64,
+             full_pages=160, swa_pages=64, prompt_tokens=(16, 160), output_tokens=(4, 100)),
+    Workload("radix-ps64-w32-page-over-window", page_size=64, window=32, radix=True,
+             seed=10, n_requests=48, full_pages=60, swa_pages=24, system_tokens=256,
+             prompt_tokens=(16, 200), output_tokens=(4, 140)),
+    Workload("radix-tenants-small-chunks", page_size=16, window=128, radix=True, seed=11,
+             n_requests=64, tenants=3, system_prompts=1, chunk_tokens=128,
+             full_pages=200, swa_pages=80, prompt_tokens=(16, 120), output_tokens=(4, 80)),
 ]
 
 
 def run(sg, kind: str, w: Workload, limit: int = 20_000):
-    loop = Loop(sg, kind, w)
+    loop = (RadixLoop if w.radix else Loop)(sg, kind, w)
     records, disjoint = [], True
     while not loop.done() and loop.n_iter < limit:
         records.append(loop.iteration(observe=True))
@@ -81,6 +92,9 @@ def compare(w: Workload, sg) -> dict:
                             for rid, h in b.get("held", {}).items()
                             if rid in a.get("held", {}) and h[2] > a["held"][rid][2]),
         "owners_disjoint": disjoint,
+        "prefix_hit_tokens": sum(h for r in ref for h in r.get("hits", ())),
+        "cache_shrinks": sum(1 for a, b in zip(ref, ref[1:], strict=False)
+                             if "evictable" in a and b["evictable"][0] < a["evictable"][0]),
         "graphalloc_steps": ga_loop.alloc.n_steps,
         "graphalloc_host_reads": ga_loop.alloc.n_host_reads,
         "workload": {k: getattr(w, k) for k in w.__dataclass_fields__},
@@ -104,6 +118,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{w.name:28s} identical={row['identical']!s:5s} iterations={row['iterations']:5d} "
               f"retractions={row['retractions']:3d} window_moves={row['window_moves']:5d} "
+              f"hits={row['prefix_hit_tokens']} shrinks={row['cache_shrinks']} "
               f"steps={row['graphalloc_steps']} host_reads={row['graphalloc_host_reads']}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=HERE).stdout.strip()

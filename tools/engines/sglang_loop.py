@@ -43,6 +43,10 @@ class Workload:
     full_pages: int = 512
     swa_pages: int = 128
     seed: int = 0
+    radix: bool = False  # SGLang's radix cache (sglang_radix_loop.py) instead of none
+    system_prompts: int = 2  # radix: prompts share one of these ...
+    system_tokens: int = 192  # ... of this many tokens
+    tenants: int = 2  # radix: requests carry extra_key "tenant-<i>"
 
 
 @dataclasses.dataclass(eq=False)
