@@ -14,6 +14,8 @@
   SGLang's own ``token_to_kv_pool_allocator`` (its allocation path calls it unchanged;
   :func:`sglang_classes` subclasses SGLang's allocators with it when SGLang is
   importable); frees recorded on host-counted page rings, one step per allocation.
+* :mod:`graphalloc.integrations.sglang_mamba` -- :class:`GraphallocMambaSlotAllocator`:
+  SGLang's ``MambaSlotAllocator`` (recurrent-state slots) on a host-counted ring.
 * :mod:`graphalloc.integrations.iteration` -- :class:`IterationStep`, the layer below
   both: a thin accumulator of int64 arrays per :class:`~graphalloc.plan.step.Step` kind,
   handed to the allocator as ONE step per iteration; what recorded frees give back is the
@@ -31,6 +33,7 @@ it does not, and what an engine must still write itself.
 
 from .iteration import IterationStep
 from .sglang import SGLangAllocator, SGLangBatchAlloc
+from .sglang_mamba import GraphallocMambaSlotAllocator
 from .sglang_pool import GraphallocTokenToKVPoolAllocator
 from .sglang_subclass import sglang_classes
 from .vllm import (
@@ -43,5 +46,6 @@ from .vllm import (
 
 __all__ = ["IterationStep", "SGLangAllocator", "SGLangBatchAlloc",
            "GraphallocTokenToKVPoolAllocator", "sglang_classes",
+           "GraphallocMambaSlotAllocator",
            "GraphallocKVCacheManager", "GraphallocBlocks", "FULL_GROUP", "SWA_GROUP",
            "NULL_BLOCK_ID"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from graphalloc.integrations.sglang_mamba import GraphallocMambaSlotAllocator
 from graphalloc.integrations.sglang_pool import GraphallocTokenToKVPoolAllocator
 from graphalloc.integrations.sglang_subclass import sglang_classes
 
@@ -59,6 +60,14 @@ def test_every_method_sglang_calls_has_sglangs_parameters(kind):
                    for p in extra), (method, "extra parameters must be optional")
 
 
+def test_the_mamba_slot_allocator_has_sglangs_surface():
+    ref = (REFERENCE or COMMITTED)["mamba"]
+    for method, names in ref.items():
+        ours = getattr(GraphallocMambaSlotAllocator, method, None)
+        assert ours is not None, f"{method} is missing"
+        assert parameters(ours) == names, (method, parameters(ours), names)
+
+
 def test_the_core_constructor_takes_every_sglang_argument_by_name():
     ours = set(parameters(GraphallocTokenToKVPoolAllocator.__init__))
     for kind in KINDS:
@@ -69,7 +78,7 @@ def test_the_core_constructor_takes_every_sglang_argument_by_name():
 def test_the_committed_surface_is_the_installed_sglangs():
     import sglang
     assert COMMITTED["sglang"] == sglang.__version__
-    assert {k: COMMITTED[k] for k in KINDS} == REFERENCE
+    assert {k: COMMITTED[k] for k in (*KINDS, "mamba")} == REFERENCE
 
 
 @pytest.mark.skipif(REFERENCE is None, reason="SGLang is not installed")

@@ -25,9 +25,12 @@ METHODS = {
     "paged": ["__init__", "alloc_extend", "alloc_decode", "alloc", "free", "free_segment",
               "free_page_ids", "free_group_begin", "free_group_end", "available_size",
               "clear", "merge_and_sort_free", "get_all_free_pages"],
+    "mamba": ["__init__", "available_size", "schedulable_available_size",
+              "alloc_group_begin", "alloc_group_end", "alloc", "free", "clear"],
 }
 CLASSES = {"swa": ("sglang.srt.mem_cache.allocator.swa", "SWATokenToKVPoolAllocator"),
-           "paged": ("sglang.srt.mem_cache.allocator.paged", "PagedTokenToKVPoolAllocator")}
+           "paged": ("sglang.srt.mem_cache.allocator.paged", "PagedTokenToKVPoolAllocator"),
+           "mamba": ("sglang.srt.mem_cache.allocator.mamba", "MambaSlotAllocator")}
 
 
 def parameters(func) -> list[str]:
