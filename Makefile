@@ -51,5 +51,8 @@ ENGINE_ENVS ?= .engines
 SGLANG_VERSION ?= 0.5.23
 engines-sglang:
 	SGLANG_VERSION=$(SGLANG_VERSION) bash tools/engines/install_sglang.sh $(ENGINE_ENVS)/sglang
+	$(ENGINE_ENVS)/sglang/bin/python -m pytest -q -p no:cacheprovider \
+		tests/engines/test_sglang_engine.py tests/engines/test_sglang_signature.py \
+		tests/engines/test_sglang_mamba.py
 	$(ENGINE_ENVS)/sglang/bin/python tools/engines/conform_sglang.py \
 		--out results/engines/sglang-$(SGLANG_VERSION)

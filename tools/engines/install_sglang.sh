@@ -20,8 +20,10 @@ if [ ! -x "$ENV_DIR/bin/python" ]; then
     "$PY" -m venv "$ENV_DIR"
 fi
 PIP=("$ENV_DIR/bin/python" -m pip install --progress-bar off --disable-pip-version-check -q)
-if [ "${FULL:-0}" = "1" ]; then
-    "${PIP[@]}" "sglang==$SGLANG_VERSION"
+REPO="$(dirname "$0")/../.."
+if [ "${FULL:-0}" = "1" ]; then  # a GPU machine: SGLang as its index entry pins it
+    "${PIP[@]}" "sglang==$SGLANG_VERSION" pytest hypothesis
+    "${PIP[@]}" --no-deps -e "$REPO"
     exit 0
 fi
 "${PIP[@]}" "torch==$TORCH_VERSION"
@@ -40,7 +42,8 @@ echo "torch==$TORCH_VERSION" > "$HOLD"
 # two modules before importing SGLang, and nothing on the allocation path calls them.
 # graphalloc itself (the repository this script is in), without dependencies: the
 # environment already has torch and numpy.
-"${PIP[@]}" --no-deps -e "$(dirname "$0")/../.."
+"${PIP[@]}" --no-deps -e "$REPO"
+"${PIP[@]}" -c "$HOLD" pytest hypothesis  # the tests that need SGLang run here
 PYTHONPATH="$(dirname "$0")" "$ENV_DIR/bin/python" -c \
     "import sglang_import; sglang_import.import_sglang(); print('ok')" \
     && echo "sglang $SGLANG_VERSION installed in $ENV_DIR (CPU, partial: mem_cache + managers)"
