@@ -13,7 +13,7 @@ endif
 # CPU wheels, installed before (together with) the project so pip never pulls a CUDA torch.
 CPU_TORCH := torch==2.13.0 triton==3.7.1
 
-.PHONY: install test demo lint bench
+.PHONY: install test demo lint bench engines-sglang
 # pip prints one line per package it collects and installs (about 2.5 minutes on a fresh
 # 2-core machine, most of it torch): the progress of a first `make test`.
 PIP_PROGRESS := --progress-bar off --disable-pip-version-check
@@ -43,3 +43,16 @@ lint: install
 
 bench: install
 	$(PY) benchmarks/bench_frees.py
+
+# SGLang conformance: SGLang from the package index in an environment of its own
+# (.engines/sglang, never .venv; on a CPU machine a partial install, see the script), then
+# SGLang's allocation path run with its own allocator and with graphalloc's, step by step.
+ENGINE_ENVS ?= .engines
+SGLANG_VERSION ?= 0.5.23
+engines-sglang:
+	SGLANG_VERSION=$(SGLANG_VERSION) bash tools/engines/install_sglang.sh $(ENGINE_ENVS)/sglang
+	$(ENGINE_ENVS)/sglang/bin/python -m pytest -q -p no:cacheprovider \
+		tests/engines/test_sglang_engine.py tests/engines/test_sglang_signature.py \
+		tests/engines/test_sglang_mamba.py
+	$(ENGINE_ENVS)/sglang/bin/python tools/engines/conform_sglang.py \
+		--out results/engines/sglang-$(SGLANG_VERSION)

@@ -9,9 +9,11 @@ a model window of 4096 (``sliding_window = 4095``), pool mode; lengths start uni
 (one 256-token chunk; with the prefix cache its prompt is a cached 512-token system prompt
 plus those 256 tokens, admitted on the cache's pages), the other B - 1 decode one token.
 
-* SGLang: ``release_finished(running)`` + ``prepare_for_extend(new)`` +
-  ``prepare_for_decode(B - 1)`` (two steps: the extend, the decode), SWA eviction
-  interval 1, ``seq_lens_cpu`` a CPU tensor as SGLang keeps it;
+* SGLang: the finished request's ``release_kv_cache`` in a free group (the scheduler's
+  ``process_batch_result`` finds it in its own loop over the batch, untimed) +
+  ``prepare_for_extend(new)`` + ``prepare_for_decode(B - 1)`` (two steps: the extend, the
+  decode), SWA eviction interval 1, ``seq_lens_cpu`` and ``req_pool_indices_cpu`` CPU
+  tensors as SGLang's ScheduleBatch keeps them;
 * vLLM: ``free(done)`` + B ``allocate_slots`` + ``run_step()`` (one step).
 
 The same work written directly (``direct``): the Steps the seam ran -- copied, so both
@@ -131,11 +133,12 @@ class Req:
 
 
 class Batch:
-    __slots__ = ("reqs", "prefix_lens", "extend_lens", "seq_lens_cpu")
+    __slots__ = ("reqs", "prefix_lens", "extend_lens", "seq_lens_cpu", "req_pool_indices_cpu")
 
-    def __init__(self, reqs, prefix_lens=None, extend_lens=None, seq_lens_cpu=None):
+    def __init__(self, reqs, prefix_lens=None, extend_lens=None, seq_lens_cpu=None,
+                 req_pool_indices_cpu=None):
         self.reqs, self.prefix_lens, self.extend_lens = reqs, prefix_lens, extend_lens
-        self.seq_lens_cpu = seq_lens_cpu
+        self.seq_lens_cpu, self.req_pool_indices_cpu = seq_lens_cpu, req_pool_indices_cpu
 
 
 class Driver:
@@ -256,10 +259,16 @@ class Driver:
             d.prefix_cache.lock(hit)
         decode = [r for r in running if r is not done]
         ext = Batch([new], [p], [len(prompt) - p])
-        dec = Batch(decode, seq_lens_cpu=torch.tensor([r.kv_len for r in decode]))
-        # the seam: three timed calls
+        dec = Batch(decode, seq_lens_cpu=torch.tensor([r.kv_len for r in decode]),
+                    req_pool_indices_cpu=torch.tensor([r.req_pool_idx for r in decode]))
+        finished = [r for r in running if r.finished()]  # the scheduler's own loop
+        # the seam: SGLang's calls, timed (process_batch_result's free group, the two
+        # prepare_* of the next iteration)
         t0 = time.perf_counter_ns()
-        seam.release_finished(running)
+        seam.free_group_begin()
+        for req in finished:
+            seam.release_kv_cache(req)
+        seam.free_group_end()
         out_e = seam.prepare_for_extend(ext)
         t1 = time.perf_counter_ns()
         s1 = copy_step(seam.pending.last_step)
@@ -448,7 +457,7 @@ def plot(doc: dict, path: str) -> bool:
     handles, labels = top[0].get_legend_handles_labels()
     caption = (
         "One iteration: the longest request finishes, one is prefilled (256 tokens; with "
-        "the cache on a 512-token cached prefix), B - 1 decode. SGLang: release_finished + "
+        "the cache on a 512-token cached prefix), B - 1 decode. SGLang: release_kv_cache + "
         "prepare_for_extend + prepare_for_decode (two steps); vLLM: free + B allocate_slots "
         "+ run_step (one step). Direct (dotted, open markers): the same Steps through "
         "alloc.step on a second allocator, with the engine's free_row and the cache "
@@ -499,8 +508,9 @@ def run(args, argv, device, backend, note) -> int:
         f"Page size {PAGE_SIZE}, model window {MODEL_WINDOW}, pool mode, lengths uniform in "
         f"[W/2, 2W]. One iteration: the longest request finishes, one new request is "
         f"prefilled ({CHUNK} tokens; cache on: on a cached {SYSTEM}-token system prompt), "
-        "B - 1 decode one token. SGLang: `release_finished` + `prepare_for_extend` + "
-        "`prepare_for_decode` (two steps); vLLM: `free` + B `allocate_slots` + `run_step` "
+        "B - 1 decode one token. SGLang: `release_kv_cache` in a free group + "
+        "`prepare_for_extend` + `prepare_for_decode` (two steps); vLLM: `free` + B "
+        "`allocate_slots` + `run_step` "
         "(one step). `direct`: the same Steps (copied from the seam's) through `alloc.step` "
         "on a second allocator, plus `alloc.free_row()` and, with the cache, the insert's "
         "own work (`page_keys`, `lookup`, `add_entry`, `unlock`). Microseconds, p50 (p20 / "

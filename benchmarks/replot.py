@@ -28,6 +28,7 @@ import bench_seams  # noqa: E402
 import figures  # noqa: E402
 import frees_plots  # noqa: E402
 import sched_plots  # noqa: E402
+import sglang_path_plot  # noqa: E402
 
 __all__ = ["PLOTTERS", "replot", "main"]
 
@@ -45,6 +46,7 @@ PLOTTERS = {  # result JSON name: (the PNGs it makes, (result, out_dir) -> names
     "bench_decode_loop.json": (("bench_decode_loop.png",),
                                _one(figures.plot_decode_loop_bench, "bench_decode_loop.png")),
     "bench_seams.json": (("bench_seams.png",), _one(bench_seams.plot, "bench_seams.png")),
+    "sglang_path.json": (("sglang_path.png",), _one(sglang_path_plot.plot, "sglang_path.png")),
     "decode_loop.json": (("decode_loop.png",),
                          _one(figures.plot_decode_loop_example, "decode_loop.png")),
 }

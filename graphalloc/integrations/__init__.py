@@ -10,6 +10,12 @@
   ``KVCacheManager`` calls (``allocate_slots`` -> blocks | ``None``, ``free``,
   ``get_block_ids`` per KV-cache group, ``get_computed_blocks``, ``cache_blocks``),
   prefix caching included (``enable_caching=True``).
+* :mod:`graphalloc.integrations.sglang_pool` -- :class:`GraphallocTokenToKVPoolAllocator`:
+  SGLang's own ``token_to_kv_pool_allocator`` (its allocation path calls it unchanged;
+  :func:`sglang_classes` subclasses SGLang's allocators with it when SGLang is
+  importable); frees recorded on host-counted page rings, one step per allocation.
+* :mod:`graphalloc.integrations.sglang_mamba` -- :class:`GraphallocMambaSlotAllocator`:
+  SGLang's ``MambaSlotAllocator`` (recurrent-state slots) on a host-counted ring.
 * :mod:`graphalloc.integrations.iteration` -- :class:`IterationStep`, the layer below
   both: a thin accumulator of int64 arrays per :class:`~graphalloc.plan.step.Step` kind,
   handed to the allocator as ONE step per iteration; what recorded frees give back is the
@@ -27,6 +33,9 @@ it does not, and what an engine must still write itself.
 
 from .iteration import IterationStep
 from .sglang import SGLangAllocator, SGLangBatchAlloc
+from .sglang_mamba import GraphallocMambaSlotAllocator
+from .sglang_pool import GraphallocTokenToKVPoolAllocator
+from .sglang_subclass import sglang_classes
 from .vllm import (
     FULL_GROUP,
     NULL_BLOCK_ID,
@@ -36,5 +45,7 @@ from .vllm import (
 )
 
 __all__ = ["IterationStep", "SGLangAllocator", "SGLangBatchAlloc",
+           "GraphallocTokenToKVPoolAllocator", "sglang_classes",
+           "GraphallocMambaSlotAllocator",
            "GraphallocKVCacheManager", "GraphallocBlocks", "FULL_GROUP", "SWA_GROUP",
            "NULL_BLOCK_ID"]

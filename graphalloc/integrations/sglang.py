@@ -9,8 +9,10 @@ the batch as arrays once -- ``req_pool_idx`` of each request, ``prefix_lens``,
 ``extend_lens`` / ``seq_lens_cpu`` (host values) -- and run records plus batch as ONE Step:
 take, release, advance (SWA eviction), admit / admit_on (a hit shares its pages), extend /
 decode; the cache evicts inside it when pages are short. SWA eviction is SGLang's rule,
-vectorised: the SWA KV below ``floor_page(pre_len - W)`` goes, ``pre_len`` the prefix at an
-extend, the KV length at a decode (there once ``swa_eviction_interval`` tokens past).
+vectorised: the SWA KV below ``floor_page(pre_len - keep)`` goes, ``pre_len`` the prefix at
+an extend, the KV length at a decode (there once ``swa_eviction_interval`` tokens past);
+``keep`` is W, or ``max(W, page_size)`` in whole pages with a prefix cache (SGLang's
+boundary: a cached prefix keeps a full window of live SWA).
 
 Unknown ids, one policy with the vLLM seam: releasing a request that holds no KV here
 (``req_pool_idx is None``) is a no-op returning ``False``; any other call naming a request
@@ -31,12 +33,13 @@ where it synchronises. Recurrent-state slots (a config with ``num_state_slots``)
 Mamba pool's mapping is :attr:`SGLangAllocator.req_index_to_mamba_index_mapping`, its
 alloc / free ride in the admits and releases, snapshot copies in the steps; the engine
 still zeroes a new request's state before its prefill and runs its layers on the slot.
-Tenants: a request's ``extra_key`` (SGLang's cache namespace: LoRA id, cache salt) enters
-its page keys as their salt, so requests of two namespaces never share a page; a request
-without one shares the default namespace (docs/sharing.md). A request's page keys are
-computed once and kept on it (``req.graphalloc_page_keys``), extended as it grows.
+A request's page keys are computed once and kept on it (``req.graphalloc_page_keys``),
+extended as it grows.
 Not covered: the overlap scheduler's deferred eviction,
-speculative multi-token decode, HiCache, page_size-1 ``alloc(n)``, ring mode.
+speculative multi-token decode, HiCache, page_size-1 ``alloc(n)``, ring mode. Tenant
+isolation: a request's ``extra_key`` and ``cache_salt`` are its page keys' salt
+(:func:`cache_salt`), so two tenants' identical tokens share no page; a request with
+neither is keyed in the default namespace (SGLang's default).
 """
 
 from __future__ import annotations
@@ -63,9 +66,19 @@ from ..plan.step import EMPTY
 from ..sharing.page_keys import RequestKeys
 from .iteration import IterationStep
 
-__all__ = ["SGLangAllocator", "SGLangBatchAlloc"]
+__all__ = ["SGLangAllocator", "SGLangBatchAlloc", "cache_salt"]
 
 _MISSING = object()
+
+
+def cache_salt(req) -> bytes | None:
+    """What isolates ``req``'s cached KV from other tenants': SGLang's ``extra_key`` (a LoRA
+    id, a multimodal hash, a client's key) and ``cache_salt``, or ``None`` when it sends
+    neither (then every request with the same tokens shares them, SGLang's default)."""
+    extra, salt = getattr(req, "extra_key", None), getattr(req, "cache_salt", None)
+    if extra is None and salt is None:
+        return None
+    return repr((extra, salt)).encode()
 
 
 def batch_field(batch, name: str, n: int) -> np.ndarray:
@@ -148,6 +161,22 @@ def pool_indices(reqs, allow_new: bool, n_rows: int) -> np.ndarray:
     return out
 
 
+def batch_rows(batch, reqs, n_rows: int) -> np.ndarray:
+    """The decode batch's rows: SGLang's ``ScheduleBatch.req_pool_indices_cpu`` (a host
+    int64 tensor, one per request) when the batch carries it -- no per-request Python,
+    one range check -- else every request's ``req_pool_idx`` (:func:`pool_indices`)."""
+    host = getattr(batch, "req_pool_indices_cpu", None)
+    if type(host) is not torch.Tensor or host.dtype != torch.int64 or host.dim() != 1 \
+            or host.device.type != "cpu" or len(host) != len(reqs):
+        return pool_indices(reqs, False, n_rows)
+    rows = host.numpy()
+    if len(rows) and int(rows.view(np.uint64).max()) >= n_rows:  # (a negative is huge)
+        bad = int(rows[(rows < 0) | (rows >= n_rows)][0])
+        raise UnknownRequestError(f"req_pool_indices_cpu holds {bad}, outside [0, "
+                                  f"{n_rows}): not a row this seam gave out")
+    return rows
+
+
 @dataclasses.dataclass(eq=False)
 class SGLangBatchAlloc:
     """What ``prepare_for_extend`` / ``prepare_for_decode`` allocated.
@@ -212,9 +241,16 @@ class SGLangAllocator:
         self._max_reqs = alloc.config.max_reqs
         ps = self.page_size  # floor_page as one bitwise and when the page size is 2^k
         self._page_mask = -ps if ps & (ps - 1) == 0 else 0
-        self._due = self.sliding_window_size + max(swa_eviction_interval, ps)
         self.defer_frees = defer_frees
         self.tree_cache = alloc.prefix_cache  # None: SGLang's ChunkCache behaviour
+        # SGLang's eviction boundary: with a prefix cache the window keeps max(W, ps) tokens
+        # rounded up to whole pages (a cached key ending at floor_page(len) keeps a full
+        # window of live SWA); without one, W tokens. Due once pre_len - W >= frontier +
+        # interval, and the target floor_page(pre_len - keep) is past the frontier once
+        # pre_len - keep >= frontier + ps: one threshold past the frontier
+        w = self.sliding_window_size
+        self._keep = -(-max(w, ps) // ps) * ps if self.tree_cache is not None else w
+        self._due = max(w + swa_eviction_interval, self._keep + ps)
         self._immediate_cache_steps = 0  # inserts run at once (defer_frees=False)
         self._locks: dict[int, tuple] = {}  # id(req) -> (req, locked handle, hit tokens)
         self._group: contextlib.ExitStack | None = None
@@ -260,7 +296,7 @@ class SGLangAllocator:
             run_rows, run_pre = rows[run], prefix[run]
             if np.count_nonzero(self.ledger.seq_len[run_rows] != run_pre):
                 self._check_running(run_rows, run_pre, "prepare_for_extend")
-            moved = run_pre >= self.ledger.frontier[run_rows] + (self.sliding_window_size + ps)
+            moved = run_pre >= self.ledger.frontier[run_rows] + (self._keep + ps)
             if np.count_nonzero(moved):
                 advance = (run_rows[moved], self._floor(run_pre[moved]))
         admit = admit_on = None
@@ -299,7 +335,9 @@ class SGLangAllocator:
     def prepare_for_decode(self, batch) -> SGLangBatchAlloc | None:
         """One slot per request, with the SWA eviction of the requests due by the interval
         and the recorded frees: ONE step. ``seq_lens_cpu[i]`` must equal the request's
-        allocated length. Returns ``None`` (nothing changed) when short."""
+        allocated length. The rows come from ``batch.req_pool_indices_cpu`` when the batch
+        carries it (SGLang's ScheduleBatch does), else from each request's
+        ``req_pool_idx``. Returns ``None`` (nothing changed) when short."""
         if self._in_group:
             self._refuse_in_group("prepare_for_decode")
         reqs = batch_reqs(batch)
@@ -307,13 +345,11 @@ class SGLangAllocator:
         if not n:
             self._nonempty(n)
         lens = batch_field(batch, "seq_lens_cpu", n)
-        rows = pool_indices(reqs, False, self._max_reqs)
+        rows = batch_rows(batch, reqs, self._max_reqs)
         led = self.ledger
         if np.count_nonzero(led.seq_len[rows] != lens):
             self._check_running(rows, lens, "prepare_for_decode")
-        # SGLang's rule: due once pre_len - W >= frontier + interval, to floor_page(pre_len -
-        # W), which moves the (page-aligned) frontier once pre_len - W >= frontier + ps:
-        # one threshold, max(interval, ps), past the frontier
+        # SGLang's rule, to floor_page(pre_len - keep): one threshold past the frontier
         moved = lens >= led.frontier[rows] + self._due
         advance = None
         if np.count_nonzero(moved):
@@ -558,8 +594,9 @@ class SGLangAllocator:
                                 f"says {int(lens[i])}; pass the KV length before this step")
 
     def _floor(self, pre_len: np.ndarray) -> np.ndarray:
-        """floor_page(pre_len - W) (callers pass pre_len >= W + page_size)."""
-        past = pre_len - self.sliding_window_size
+        """floor_page(pre_len - keep); keep is W, or max(W, page_size) in whole pages with a
+        prefix cache (callers pass pre_len >= keep + page_size)."""
+        past = pre_len - self._keep
         return past & self._page_mask if self._page_mask else past // self.page_size * \
             self.page_size
 
@@ -601,7 +638,7 @@ class SGLangAllocator:
         """The request's page keys, kept on it (``req.graphalloc_page_keys``), made on first
         use with its ``extra_key`` as the salt; made anew when the request's ``extra_key``
         is not the one they were made with. O(1)."""
-        salt = getattr(req, "extra_key", None)
+        salt = cache_salt(req)
         keys = getattr(req, "graphalloc_page_keys", None)
         if type(keys) is RequestKeys and keys.same_namespace(salt, None):
             return keys

@@ -652,3 +652,76 @@ def test_example_with_a_shared_prompt_hits():
     assert s["finished"] == 10 and s["audit_findings"] == 0
     assert s["cache_hit_rate"] > 0.2
     assert s["steps"] == s["iterations_with_batch"] + s["cache_steps"]
+
+
+@pytest.mark.parametrize("ps,window", [(8, 3), (16, 5), (4, 4)])
+def test_a_cached_prefix_still_hits_when_the_page_is_longer_than_the_window(ps, window):
+    """SGLang's eviction boundary: with a prefix cache the decode eviction keeps
+    max(W, page_size) tokens (whole pages) behind the KV length. A request that finishes
+    W or more tokens into a page is cached up to that page's start; its last whole page
+    keeps its SWA, so a new request sharing the sequence hits all of it (with the
+    frontier at floor_page(len - W), that page's SWA was gone and the hit was 0)."""
+    alloc, seam = make(ps=ps, window=window, chunk=64, ctx=128, full=64, swa=32, cache=True,
+                       handles=8)
+    prompt = list(range(1, 3 * ps + 1))  # three whole pages
+    first = Req(0, 0, 2 * ps - 1, origin_input_ids=prompt)
+    assert seam.prepare_for_extend(Batch([first], [0], [len(prompt)])) is not None
+    kv_len = len(prompt)
+    while not first.finished():  # decode to ps - 1 tokens into the fifth page
+        first.sample()
+        assert seam.prepare_for_decode(Batch([first], seq_lens_cpu=[kv_len])) is not None
+        kv_len += 1
+    assert kv_len % ps == ps - 1 and alloc.frontier(first.req_pool_idx) > 0  # slid
+    tokens = first.fill_ids[:kv_len]
+    seam.cache_finished_req(first)
+    seam.flush()
+    second = Req(1, 0, 1, origin_input_ids=tokens + [999])
+    assert seam.match_prefix(second) == kv_len // ps * ps
+
+
+@pytest.mark.parametrize("field", ["extra_key", "cache_salt"])
+def test_two_tenants_with_identical_prompts_share_no_page(field):
+    """SGLang's extra_key / cache_salt enter every page key's chain: the same prompt from
+    another tenant misses (0 tokens, no page shared), from the same tenant it hits."""
+    alloc, seam = make(ps=4, window=64, chunk=64, ctx=128, full=64, swa=64, cache=True,
+                       handles=8)
+    prompt = list(range(1, 33))
+
+    def tenant_req(rid, salt):
+        req = Req(rid, 0, 1, origin_input_ids=prompt + [900 + rid])
+        setattr(req, field, salt)
+        return req
+
+    first = tenant_req(0, "tenant-a")
+    assert seam.prepare_for_extend(Batch([first], [0], [len(first.origin_input_ids)]))
+    first.sample()
+    seam.cache_finished_req(first)
+    seam.flush()
+    other, same, unsalted = tenant_req(1, "tenant-b"), tenant_req(2, "tenant-a"), \
+        tenant_req(3, None)
+    assert seam.match_prefix(other) == 0 and other.last_node is None
+    assert seam.match_prefix(unsalted) == 0  # no salt is a tenant of its own
+    assert seam.match_prefix(same) == 32
+    out = seam.prepare_for_extend(Batch([other], [0], [len(other.origin_input_ids)]))
+    shared = set(alloc.req_to_token[other.req_pool_idx, :32].tolist()) & set(
+        alloc.handle_to_token[same.last_node, :32].tolist())
+    assert out is not None and not shared
+
+
+def test_a_decode_batch_with_req_pool_indices_cpu_reads_its_rows_there():
+    """SGLang's ScheduleBatch keeps req_pool_indices_cpu: the seam takes the rows from it
+    (no per-request read), the same step as from each req_pool_idx; a row outside the
+    pool is refused with nothing changed."""
+    alloc, seam = make()
+    reqs = [Req(i, 8, 4) for i in range(3)]
+    assert seam.prepare_for_extend(Batch(reqs, [0] * 3, [8] * 3)) is not None
+    batch = Batch(reqs, seq_lens_cpu=torch.tensor([8, 8, 8]))
+    batch.req_pool_indices_cpu = torch.tensor([r.req_pool_idx for r in reqs])
+    out = seam.prepare_for_decode(batch)
+    assert out is not None and out.rows.tolist() == [r.req_pool_idx for r in reqs]
+    before = alloc.n_free("full"), alloc.steps_run
+    bad = Batch(reqs, seq_lens_cpu=torch.tensor([9, 9, 9]))
+    bad.req_pool_indices_cpu = torch.tensor([reqs[0].req_pool_idx, 10_000, 1])
+    with pytest.raises(ga.UnknownRequestError):
+        seam.prepare_for_decode(bad)
+    assert (alloc.n_free("full"), alloc.steps_run) == before

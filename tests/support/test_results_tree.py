@@ -13,7 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "results")
 INDEX = os.path.join(ROOT, "docs", "results.md")
-KINDS = ("gpu-suite", "bench", "examples")
+KINDS = ("gpu-suite", "bench", "examples", "engines")
 
 
 def run_folders() -> list[str]:
@@ -23,7 +23,7 @@ def run_folders() -> list[str]:
                   if os.path.isdir(os.path.join(RESULTS, kind, run)))
 
 
-def test_only_the_three_kinds_of_results():
+def test_only_the_four_kinds_of_results():
     assert sorted(e for e in os.listdir(RESULTS) if e != "README.md") == sorted(KINDS)
 
 
