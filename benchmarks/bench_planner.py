@@ -18,7 +18,7 @@ engine's round on the same workload: every decoding row drafts ``SPEC_K`` = 3 to
 (``1 + 3`` verify slots), and the next step commits each row's accepted count (uniform in
 [0, 4]: all rejected and all accepted included; the rejected tail's pages freed)::
 
-    plan(release=[done], commit=(rows, n_accepted), evict=rows, decode=rows, lookahead=3,
+    plan(release=[done], accept=(rows, n_accepted), evict=rows, decode=rows, lookahead=3,
          extend=([new], [256]))
 
 Timed per step with ``perf_counter_ns``, garbage collection off: ``plan`` (``alloc.plan``:
@@ -111,8 +111,8 @@ class Workload:
             return dict(release=release, evict_all=True, decode=rows, extend=extend)
         spec = alloc.ledger.spec_steps[rows, 0]  # the step drafted last round (0: none)
         pending = rows[spec > 0]
-        accepted = self.rng.integers(0, spec[spec > 0] + 1)
-        return dict(release=release, commit=(pending, accepted), evict=rows, decode=rows,
+        accepted = self.rng.integers(0, spec[spec > 0])  # drafts accepted: 0 .. k
+        return dict(release=release, accept=(pending, accepted), evict=rows, decode=rows,
                     lookahead=SPEC_K, extend=extend)
 
 
@@ -226,10 +226,10 @@ def run(args, argv, device, backend, note) -> int:
         f"extend=([new], [{CHUNK}]))`, page size {PAGE_SIZE}, model window {MODEL_WINDOW}, "
         f"pool mode; {n_steps} measured steps after {n_warmup} warm-up; microseconds, p50 "
         "(p20 / p80), GC off. Case `speculative`: the same step as a speculative round, "
-        f"`plan(release=[longest], commit=(rows, n_accepted), evict=rows, decode=rows, "
+        f"`plan(release=[longest], accept=(rows, n_accepted), evict=rows, decode=rows, "
         f"lookahead={SPEC_K}, extend=([new], [{CHUNK}]))`, n_accepted uniform in "
-        f"[0, {SPEC_K + 1}]. `plan` = `alloc.plan(...)` (normalise, plan, descriptor "
-        "written), `cancel` = `alloc.cancel` (the undo). The compiled plan's parts: "
+        f"[0, {SPEC_K}] (1 + n tokens kept). `plan` = `alloc.plan(...)` (normalise, plan, "
+        "descriptor written), `cancel` = `alloc.cancel` (the undo). The compiled plan's parts: "
         "`C` (inside the extension's call of that plan), `normalize` (Step -> StepArrays, "
         "shared by both planners); Python = plan - C. No kernel runs on the CPU. `old` = "
         "the previous compiled planner's `plan()` p50, its own benchmark (commit aab3f5b: "

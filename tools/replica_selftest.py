@@ -324,7 +324,7 @@ class OpsWorkload:
         if not len(rows):
             return False
         oldest = led.spec_steps[rows, 0]
-        api.step(commit=(rows, self.arg_rng.integers(0, oldest + 1)))
+        api.step(accept=(rows, self.arg_rng.integers(0, oldest)))  # drafts: 0 .. k
         return True
 
     def _trim(self, api, led) -> bool:

@@ -772,7 +772,7 @@ def _run_page_size(args, ctx: dict, ps: int, alloc_window: int, attention_window
     if result.sharing is not None:  # the cache still holds the prefix; then drop it
         sharing = {**result.sharing, "cache_hits": alloc.prefix_cache.hits,
                    "cache_misses": alloc.prefix_cache.misses,
-                   "cache_evicted_pages": alloc.prefix_cache.evicted_pages,
+                   "cache_dropped_pages": alloc.prefix_cache.dropped_pages,
                    "cache_tombstoned_pages": alloc.prefix_cache.tombstoned_pages,
                    "audit_with_cache": [str(f) for f in alloc.audit()]}
         alloc.prefix_cache.drop_all()

@@ -116,7 +116,7 @@ def build(mcfg: RecurrentConfig, *, page_size: int, max_batch: int, max_total: i
     cfg = ga.AllocatorConfig(
         page_size=ps, max_reqs=max_reqs, max_context_len=max_total, num_full_pages=n_pages,
         num_swa_pages=n_pages, model_window=max_total + 1, max_handles=handles,
-        num_state_slots=n_slots, max_spec_tokens=1 + lookahead, device=device,
+        num_state_slots=n_slots, num_lookahead_tokens=lookahead, device=device,
         backend=backend)
     alloc = ga.HybridAllocator(cfg, prefix_cache=bool(shared_prompt),
                                state_tensors=[(state.conv, 1), (state.ssm, 1)])

@@ -10,7 +10,7 @@ allocator, SGLang EAGLE's layout; ``spec_loop.py`` explains the round).
 
 Each round, for every running request (continuous batching: requests of different prompt
 and output lengths finish and are replaced mid-loop): ONE allocator step
-``step(release=finished, commit=(rows, n_accepted), evict=rows, decode=rows, lookahead=k)``,
+``step(release=finished, accept=(rows, n_accepted), evict=rows, decode=rows, lookahead=k)``,
 k + 1 draft steps, one verify forward of 1 + k tokens, greedy acceptance on the device; then
 the one documented read of the round (the accepted counts, pinned copy + event wait) gives
 the host the counts it commits in the next round's step. Every attention (the prefill, the
