@@ -190,7 +190,9 @@ class RecurrentLoop:
             raise ValueError(f"lookahead must be an int >= 0, got {lookahead!r}")
         if lookahead and lookahead > acfg.num_lookahead_tokens:
             raise ValueError(f"lookahead = {lookahead} exceeds the allocator's "
-                             f"num_lookahead_tokens {acfg.num_lookahead_tokens}")
+                             f"num_lookahead_tokens {acfg.num_lookahead_tokens} (its state "
+                             f"slots per speculative step, max_spec_tokens, are "
+                             f"{acfg.max_spec_tokens})")
         if max_batch * (1 + lookahead) > acfg.max_step_tokens or max_batch > acfg.max_alloc_rows:
             raise ValueError(f"{max_batch} lanes of {1 + lookahead} tokens exceed the "
                              f"allocator's max_alloc_rows {acfg.max_alloc_rows} / "
