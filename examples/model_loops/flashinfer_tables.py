@@ -144,6 +144,7 @@ if not torch.cuda.is_available():  # Triton kernels (if chosen) run in the inter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import timing  # noqa: E402
+from provenance import add_stamp_option, stamp_or_exit  # noqa: E402
 
 import graphalloc as ga  # noqa: E402
 from graphalloc.kernels import paged_decode_attention, paged_decode_attention_torch  # noqa: E402
@@ -1120,6 +1121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--out", default=str(RESULTS / "flashinfer-tables"),
                     help="directory for flashinfer_tables.{json,md}; '' writes nothing")
+    add_stamp_option(ap)
     args = ap.parse_args(argv)
     args.pdl_flag = {"auto": None, "on": True, "off": False}[args.pdl]
     return args
@@ -1127,6 +1129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    stamp_or_exit(args.out, __file__, argv, allow_dirty=args.allow_dirty)
     device = timing.pick_device(args.device)
     cfg = {"args": {k: v for k, v in vars(args).items()}, "device": str(device)}
     report = Report(args.out, cfg)

@@ -70,6 +70,7 @@ from hybrid_model import (  # noqa: E402
     allocator_window,
     random_weights,
 )
+from provenance import add_stamp_option, stamp_or_exit  # noqa: E402
 from spec_loop import SpecLoop, SpecResult, perturbed_weights, spec_tables_spec  # noqa: E402
 
 import graphalloc as ga  # noqa: E402
@@ -218,6 +219,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(RESULTS / "speculative-decode"),
                     help="directory for speculative_decode.{json,md}; '' writes nothing")
     ap.add_argument("--no-progress", action="store_true")
+    add_stamp_option(ap)
     args = ap.parse_args(argv)
     if args.graph and args.device != "cuda":
         ap.error("--graph needs --device cuda (on a CPU the loop runs eagerly)")
@@ -230,6 +232,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    stamp_or_exit(args.out, __file__, argv, allow_dirty=args.allow_dirty)
     with timing.cpu_threads(args.device):
         return _main(args)
 
