@@ -345,8 +345,9 @@ def headline_table(at: str | None = None) -> str:
     if engines:
         lines += [*head, *(line(r) for r in engines)]
     else:
-        lines.append("no run is committed yet (`results/engines/`); the rows above compare "
-                     "against the project's own re-implementations.")
+        lines.append("no such run is committed yet (they go into results/engines, "
+                     "results/README.md says how); the rows above compare against the "
+                     "project's own re-implementations.")
     return "\n".join([*lines, END])
 
 

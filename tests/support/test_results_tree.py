@@ -199,4 +199,4 @@ def test_engine_rows_are_picked_up_from_results_engines(tmp_path, monkeypatch):
     assert row["run"] == "engines/vllm-cpu" and row["against"].startswith("vLLM 0.33")
     monkeypatch.setattr(headlines, "ROWS", ())
     table = headlines.headline_table()
-    assert "vLLM 0.33's KVCacheManager 2 us" in table and "no run is committed yet" not in table
+    assert "vLLM 0.33's KVCacheManager 2 us" in table and "no such run" not in table
