@@ -44,7 +44,7 @@ import sys
 
 __all__ = ["STAMP", "DirtyTreeError", "results_stamp", "stamp_or_exit", "add_stamp_option",
            "command_line", "source_digest", "commit_digest", "resolve", "read_stamp", "age",
-           "output_value", "added_in",
+           "output_value", "added_in", "history_complete",
            "git", "REPO"]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -202,6 +202,12 @@ def _history(root: str) -> tuple[str, ...]:
     """HEAD's history, oldest first."""
     out = git("rev-list", "--reverse", "HEAD", root=root)
     return tuple(out.split()) if out else ()
+
+
+def history_complete(root: str = REPO) -> bool:
+    """Whether git and the whole history are here (not an exported tree, not a shallow
+    clone): what ages and commits found in the history need."""
+    return git("rev-parse", "--is-shallow-repository", root=root) == "false"
 
 
 def age(commit: str, at: str = "HEAD", root: str = REPO) -> int | None:
