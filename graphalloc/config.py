@@ -245,11 +245,12 @@ class AllocatorConfig:
         if not window.has_window:
             pass
         elif ring:
-            need = _ceil_div(window.rule.reach, ps) + 1
+            reach = min(window.rule.reach, self.max_context_len)  # a window past the context
+            need = _ceil_div(reach, ps) + 1
             if ring < need:
                 raise ConfigError(
                     f"{where}swa_ring_pages={ring} cannot hold a window of "
-                    f"{window.rule.reach} tokens at page_size {ps}: need >= {need} "
+                    f"{reach} tokens at page_size {ps}: need >= {need} "
                     "(ceil(sliding_window / page_size) + 1); raise swa_ring_pages or use pool "
                     "mode (0)")
             if ring > self.num_swa_pages:

@@ -167,9 +167,17 @@ def test_a_window_past_the_context_is_clamped_to_the_context():
     assert ga.AllocatorConfig(**BASE, model_window=ctx + 1).sliding_window == ctx
     assert ga.AllocatorConfig(**BASE, model_window=ctx).sliding_window == ctx - 1  # unclamped
     # a ring as large as the context now serves it (the unclamped window needed 1025 pages)
-    ring = ga.AllocatorConfig(**{**BASE, "num_swa_pages": 4 * 17}, model_window=4096,
-                              swa_ring_pages=ctx // 4 + 1)
+    ring = ga.AllocatorConfig(**{**BASE, "num_full_pages": 64, "num_swa_pages": 4 * 17},
+                              model_window=4096, swa_ring_pages=ctx // 4 + 1)
     assert ring.sliding_window == ctx
+    a = ga.HybridAllocator(ring)  # and serves four requests to the context, evicting nothing
+    rows = [a.admit() for _ in range(4)]
+    a.step(extend=(rows, [10] * 4))
+    while a.seq_len(rows[0]) < ctx:
+        a.step(evict_all=True, decode=rows)
+    assert [a.frontier(r) for r in rows] == [0] * 4 and a.audit() == []
+    a.step(release=rows)
+    assert (a.n_free("full"), a.n_free("swa")) == (64, 4 * 17)
 
 
 @pytest.mark.parametrize("ps", [1, 4])
