@@ -30,7 +30,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import provenance  # noqa: E402
 
-__all__ = ["headline_table", "provenance_table", "engine_rows", "rewrite", "ROWS", "BEGIN",
+__all__ = ["headline_table", "provenance_table", "engine_rows", "rewrite", "ROWS", "ENGINE_ROWS",
+           "BEGIN",
            "END", "PROV_BEGIN", "PROV_END"]
 
 REPO = provenance.REPO
@@ -289,6 +290,75 @@ def row_recurrent() -> dict:
         "machine": _machine(res["config"]["machine"]), "run": folder}
 
 
+# ---- against the engines' own code ---------------------------------------------------------
+def row_sglang_conformance() -> dict | None:
+    folder = "engines/sglang-0.5.23"
+    if not os.path.isfile(os.path.join(RESULTS, folder, "summary.json")):
+        return None
+    res = _load(folder, "summary.json")
+    runs = res["workloads"]
+    same = sum(w["identical"] for w in runs)
+    hits = [w["prefix_hit_tokens"] for w in runs if w.get("prefix_hit_tokens")]
+    reads = sum(w.get("graphalloc_host_reads", 0) for w in runs)
+    return {
+        "measured": f"SGLang {res['version']}'s own allocation path, window eviction, frees"
+                    + (" and radix cache" if hits else "") + f" on {len(runs)} seeded "
+                    "workloads, compared every iteration ("
+                    + ", ".join(c.replace("_", " ") for c in res["compared"]) + ")",
+        "graphalloc": f"graphalloc's allocator under SGLang's calls: {same} of {len(runs)} "
+                      f"workloads identical ({len(hits)} with prefix hits); {reads} host reads",
+        "against": f"SGLang {res['version']}'s own allocator, the package index's code",
+        "machine": "2-core CPU" if res.get("machine") == "x86_64" else res.get("machine", "?"),
+        "run": folder}
+
+
+def row_sglang_path() -> dict | None:
+    folder = "engines/sglang-path-cpu"
+    if not os.path.isfile(os.path.join(RESULTS, folder, "sglang_path.json")):
+        return None
+    rows = _load(folder, "sglang_path.json")["rows"]
+    bs = sorted({r["batch"] for r in rows})
+    ops = [r["sglang"]["allocator_ops_per_iter"] / r["graphalloc"]["allocator_ops_per_iter"]
+           for r in rows]
+    host = [r["allocator_ratio"] for r in rows]
+    return {
+        "measured": "ops and host time inside the allocator per SGLang iteration, B = "
+                    f"{bs[0]}-{bs[-1]}, {len(rows)} configurations (CPU: every op runs on the "
+                    "host inside the timer)",
+        "graphalloc": "graphalloc's subclass of SGLang's allocator (frees recorded, one step "
+                      "per iteration): "
+                      f"{_span([r['graphalloc']['allocator_ops_per_iter'] for r in rows])} ops",
+        "against": "SGLang 0.5.23's own allocator: "
+                   f"{_span([r['sglang']['allocator_ops_per_iter'] for r in rows])} ops; "
+                   f"SGLang / graphalloc: ops {_span(ops, 'x')}, host {_span(host, 'x')} "
+                   "(below 1x SGLang's is cheaper)",
+        "machine": "2-core CPU", "run": folder}
+
+
+def row_tokenspeed() -> dict | None:
+    folder = "bench/scheduler-tokenspeed-cpu"
+    if not os.path.isfile(os.path.join(RESULTS, folder, "bench_scheduler.json")):
+        return None
+    res = _load(folder, "bench_scheduler.json")
+    cs = [c for c in res["configs"] if (c.get("peers") or {}).get("tokenspeed")]
+    cs.sort(key=lambda c: c["b"])
+    ga = [c["impls"]["graphalloc_tables"]["host_us_no_device"]["p50"] for c in cs]
+    ts = [c["peers"]["tokenspeed"]["iteration_us"]["p50"] for c in cs]
+    version = res["peers"]["tokenspeed"]["version"]
+    return {
+        "measured": "host time per scheduler iteration, steady decode, B = "
+                    + " / ".join(str(c["b"]) for c in cs) + ", p50",
+        "graphalloc": "`alloc.step` with block tables (its eager device part on this CPU "
+                      "left out): " + " / ".join(_num(x) for x in ga) + " us",
+        "against": f"TokenSpeed's real scheduler (tokenspeed-scheduler {version}) planning the "
+                   "same trace's work by its own policy (its batch with block tables): "
+                   + " / ".join(_num(x) for x in ts) + " us; TokenSpeed / graphalloc "
+                   + " / ".join(_num(t / g) + "x" for t, g in zip(ts, ga, strict=True)),
+        "machine": _machine(res["machine"]), "run": folder}
+
+
+ENGINE_ROWS = (row_sglang_conformance, row_sglang_path, row_tokenspeed)
+
 ROWS = (row_scheduler_tables, row_scheduler_plain, row_prefix_step, row_prefix_tables,
         row_prefix_seam, row_tables_in_step, row_planner, row_decode_loop, row_speculative,
         row_recurrent)
@@ -341,7 +411,7 @@ def headline_table(at: str | None = None) -> str:
     lines = [BEGIN.format(at=at[:12]), *head, *(line(f()) for f in ROWS), "",
              "**Against the real engines** (their own code from the package index: vLLM, "
              "SGLang, TokenSpeed's scheduler):", ""]
-    engines = engine_rows()
+    engines = [r for r in (f() for f in ENGINE_ROWS) if r is not None] + engine_rows()
     if engines:
         lines += [*head, *(line(r) for r in engines)]
     else:
