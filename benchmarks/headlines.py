@@ -147,7 +147,8 @@ def row_prefix_step() -> dict:
     low, big = [b for b in (16, 64, 256) if b in g], [1024]
     return {
         "measured": "host time per step with prefix caching on (shared system prompts), p50, "
-                    "B = 16-256 / 1024",
+                    "B = 16-256 / 1024 (page keys hashed in Python then, in C since: "
+                    "bench/page-keys-cpu)",
         "graphalloc": "`alloc.step` alone with graphalloc's prefix cache, called directly (no "
                       f"engine seam), no tables: {_span(_times(g, 'graphalloc', low))} / "
                       f"{_span(_times(g, 'graphalloc', big))} us",
