@@ -44,6 +44,7 @@ from decode_loop import build_allocator, make_requests  # noqa: E402
 from figures import plot_decode_loop_bench  # noqa: E402
 from hybrid_model import ModelConfig, TinyHybridLM, allocator_window, random_weights  # noqa: E402
 from paged_decode import DecodeLoop  # noqa: E402
+from provenance import add_stamp_option, stamp_or_exit  # noqa: E402
 from timing import (  # noqa: E402
     Sampler,
     cpu_threads,
@@ -90,6 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "bench"
                                           / "decode-loop"),
                     help="directory for bench_decode_loop.{json,md,png}; '' writes nothing")
+    add_stamp_option(ap)
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but torch sees no GPU")
@@ -214,6 +216,7 @@ def markdown(out: dict) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    stamp_or_exit(args.out, __file__, argv, allow_dirty=args.allow_dirty)
     t0 = time.perf_counter()
     with cpu_threads(args.device):
         out = run_bench(args)

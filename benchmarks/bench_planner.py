@@ -15,10 +15,11 @@ new one (``admit()``, untimed) and plans ONE step::
 pages) and one 256-token prefill chunk -- with the rows passed as int64 numpy arrays, as an
 engine's scheduler holds them. The speculative case (B in {16, 256}) is a speculative
 engine's round on the same workload: every decoding row drafts ``SPEC_K`` = 3 tokens
-(``1 + 3`` verify slots), and the next step commits each row's accepted count (uniform in
-[0, 4]: all rejected and all accepted included; the rejected tail's pages freed)::
+(``1 + 3`` verify slots), and the next step accepts each row's drafts (uniform in [0, 3]:
+all rejected and all accepted included; the step keeps the verified token and the accepted
+drafts, the rejected tail's pages freed)::
 
-    plan(release=[done], commit=(rows, n_accepted), evict=rows, decode=rows, lookahead=3,
+    plan(release=[done], accept=(rows, n_accepted), evict=rows, decode=rows, lookahead=3,
          extend=([new], [256]))
 
 Timed per step with ``perf_counter_ns``, garbage collection off: ``plan`` (``alloc.plan``:
@@ -32,7 +33,10 @@ steps from the same seed; the first 200 steps' descriptor buffers are compared
 (``identical``), and the twin must have planned every step (``compiled planned``).
 
 Writes ``bench_planner.json`` and ``bench_planner.md`` into ``--out``: p50 with p20 / p80
-over the measured steps (after warm-up), in microseconds.
+over the measured steps (after warm-up), in microseconds. ``--before RUN/bench_planner.json``
+(an earlier run of this script, on the same machine) adds its compiled ``plan`` p50 per case
+as the "before" column, named by the commit that run measured (its folder's ``stamp.json``):
+read from that run's data, never typed here.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+import provenance  # noqa: E402
 from timing import bench_main, bench_parser, machine_info, progress, say, summarize  # noqa: E402
 
 import graphalloc as ga  # noqa: E402
@@ -111,8 +116,8 @@ class Workload:
             return dict(release=release, evict_all=True, decode=rows, extend=extend)
         spec = alloc.ledger.spec_steps[rows, 0]  # the step drafted last round (0: none)
         pending = rows[spec > 0]
-        accepted = self.rng.integers(0, spec[spec > 0] + 1)
-        return dict(release=release, commit=(pending, accepted), evict=rows, decode=rows,
+        accepted = self.rng.integers(0, spec[spec > 0])  # drafts accepted: 0 .. k
+        return dict(release=release, accept=(pending, accepted), evict=rows, decode=rows,
                     lookahead=SPEC_K, extend=extend)
 
 
@@ -167,17 +172,28 @@ def _q(stats: dict) -> str:
     return f"{stats['p50']:.1f} ({stats['p20']:.1f} / {stats['p80']:.1f})"
 
 
-# The previous compiled planner's plan() p50 (us): its own benchmark (commit aab3f5b, the old
-# argument interface, no normaliser) run on this machine, by case and B.
-OLD_COMPILED_P50 = {("decode", 16): 4.5, ("decode", 64): 5.6, ("decode", 256): 9.8,
-                    ("decode", 1024): 39.9, ("speculative", 16): 5.1,
-                    ("speculative", 256): 22.6}
+def before_run(path: str | None) -> dict | None:
+    """An earlier run's compiled ``plan`` p50 by (case, B), and the commit it measured (its
+    folder's stamp, else the commit its machine record names): the "before" column."""
+    if not path:
+        return None
+    with open(path) as f:
+        doc = json.load(f)
+    folder = os.path.dirname(os.path.abspath(path))
+    stamp = provenance.read_stamp(folder)
+    commit = (provenance.resolve(stamp, folder)["short"] if stamp else None) or (
+        doc.get("machine") or {}).get("graphalloc_commit")
+    return {"from": os.path.relpath(os.path.abspath(path), REPO), "commit": commit,
+            "plan_p50_us": {f"{r['case']} {r['batch']}": r["compiled"]["plan"]["p50"]
+                            for r in doc["results"]}}
 
 
 def run(args, argv, device, backend, note) -> int:
     if not twin.AVAILABLE:
         print(f"compiled planner unavailable: {twin.UNAVAILABLE_REASON}", file=sys.stderr)
         return 1
+    before = before_run(args.before)
+    before_commit = before and before["commit"]
     cases = [("decode", b) for b in ((16, 64) if args.quick else BATCHES)] + [
         ("speculative", b) for b in ((16,) if args.quick else SPEC_BATCHES)]
     n_warmup, n_steps = (5, 30) if args.quick else (50, 1000)
@@ -213,8 +229,7 @@ def run(args, argv, device, backend, note) -> int:
     doc = {"benchmark": "bench_planner", "command": "python benchmarks/bench_planner.py "
            + " ".join(argv), "device": str(device), "page_size": PAGE_SIZE,
            "model_window": MODEL_WINDOW, "chunk": CHUNK, "spec_k": SPEC_K,
-           "warmup_steps": n_warmup,
-           "old_compiled_plan_p50_us": {f"{c} {b}": v for (c, b), v in OLD_COMPILED_P50.items()},
+           "warmup_steps": n_warmup, "before": before,
            "machine": info, "results": results}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_planner.json"), "w") as f:
@@ -226,25 +241,26 @@ def run(args, argv, device, backend, note) -> int:
         f"extend=([new], [{CHUNK}]))`, page size {PAGE_SIZE}, model window {MODEL_WINDOW}, "
         f"pool mode; {n_steps} measured steps after {n_warmup} warm-up; microseconds, p50 "
         "(p20 / p80), GC off. Case `speculative`: the same step as a speculative round, "
-        f"`plan(release=[longest], commit=(rows, n_accepted), evict=rows, decode=rows, "
+        f"`plan(release=[longest], accept=(rows, n_accepted), evict=rows, decode=rows, "
         f"lookahead={SPEC_K}, extend=([new], [{CHUNK}]))`, n_accepted uniform in "
-        f"[0, {SPEC_K + 1}]. `plan` = `alloc.plan(...)` (normalise, plan, descriptor "
-        "written), `cancel` = `alloc.cancel` (the undo). The compiled plan's parts: "
+        f"[0, {SPEC_K}] (1 + n tokens kept). `plan` = `alloc.plan(...)` (normalise, plan, "
+        "descriptor written), `cancel` = `alloc.cancel` (the undo). The compiled plan's parts: "
         "`C` (inside the extension's call of that plan), `normalize` (Step -> StepArrays, "
-        "shared by both planners); Python = plan - C. No kernel runs on the CPU. `old` = "
-        "the previous compiled planner's `plan()` p50, its own benchmark (commit aab3f5b: "
-        "Python objects parsed in C, no normaliser) run on the same machine.", "",
+        "shared by both planners); Python = plan - C. No kernel runs on the CPU. "
+        + (f"`before` = the compiled `plan()` p50 of `{before['from']}` (commit "
+           f"{before['commit']}), read from that run." if before else
+           "No `--before` run given."), "",
         "| case | B | numpy plan | compiled plan | of which C | normalize | Python (plan - C) "
-        "| cancel | speedup | old | identical |",
+        f"| cancel | speedup | before{f' ({before_commit})' if before else ''} | identical |",
         "|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for row in results:
         n, c = row["numpy"], row["compiled"]
-        old = OLD_COMPILED_P50.get((row["case"], row["batch"]))
+        old = (before or {}).get("plan_p50_us", {}).get(f"{row['case']} {row['batch']}")
         lines.append(
             f"| {row['case']} | {row['batch']} | {_q(n['plan'])} | {_q(c['plan'])} | "
             f"{_q(c['C'])} | {c['normalize']['p50']:.1f} | "
             f"{c['plan']['p50'] - c['C']['p50']:.1f} | {c['cancel']['p50']:.1f} | "
-            f"{row['speedup']:.0f}x | {'' if old is None else old} | "
+            f"{row['speedup']:.0f}x | {'' if old is None else f'{old:.1f}'} | "
             f"{row['identical'] and row['all_compiled']} |")
     with open(os.path.join(args.out, "bench_planner.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -257,6 +273,9 @@ def main(argv=None) -> int:
     parser = bench_parser(__doc__, os.path.join(REPO, "results", "bench", "planner"),
                           "kernels for the GPU run (the CPU run launches none)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--before", default=None, metavar="JSON",
+                        help="an earlier bench_planner.json: its compiled plan p50 becomes "
+                             "the 'before' column, named by its commit")
     return bench_main(argv, parser.parse_args, run)
 
 

@@ -98,7 +98,7 @@ def engine_config(trace, device, backend: str, *, pools=None, cache: bool = Fals
     cfg = AllocatorConfig.for_engine(
         max_running_requests=spec.n_running, chunked_prefill_size=spec.chunk_tokens,
         max_context_len=spec.max_context_len, page_size=spec.page_size,
-        model_sliding_window=spec.window, num_full_pages=n_full, num_swa_pages=n_swa,
+        model_window=spec.window, num_full_pages=n_full, num_swa_pages=n_swa,
         max_reqs=spec.n_running + max(1, trace.max_releases), max_handles=n_handles,
         device=device, backend=backend)
     notes = {}
@@ -203,7 +203,7 @@ class AllocatorDriver:
     def evicted_pages(self) -> tuple[int, int]:
         """FULL and SWA pages the cache's evictions (tombstones included) freed, all steps."""
         c = self.cache
-        return (0, 0) if c is None else (c.evicted_pages, c.tombstoned_pages)
+        return (0, 0) if c is None else (c.dropped_pages, c.tombstoned_pages)
 
     def state(self) -> tuple:
         """(free, used, cached) of the FULL pool, then of the SWA pool, from the host

@@ -35,6 +35,7 @@ import collections
 import contextlib
 import ctypes
 import gc
+import inspect
 import os
 import platform
 import subprocess
@@ -44,6 +45,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from provenance import add_stamp_option, stamp_or_exit  # noqa: E402
 
 __all__ = ["Sampler", "StepEvents", "summarize", "format_quantiles", "replayable",
            "empty_graph", "measure_floor", "count_launches", "graph_nodes",
@@ -440,17 +444,21 @@ def bench_parser(doc: str, default_out: str, backend_help: str) -> argparse.Argu
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                    help=backend_help)
+    add_stamp_option(p)
     return p
 
 
 def bench_main(argv, parse_args, run) -> int:
     """A benchmark's entry point: parse, pick the device and backend (the backend first: it
     may set ``TRITON_INTERPRET``), then ``run(args, argv, device, backend, note)`` with one
-    intra-op thread on a CPU."""
+    intra-op thread on a CPU. The output folder gets its ``stamp.json`` first
+    (:mod:`provenance`: refused from uncommitted source into ``results/``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     device = pick_device(args.device)
     backend, note = pick_backend(args.backend, device)
+    stamp_or_exit(args.out, inspect.getfile(run), argv,
+                  allow_dirty=getattr(args, "allow_dirty", False), machine=machine_info(device))
     with cpu_threads(device):
         return run(args, argv, device, backend, note)
 

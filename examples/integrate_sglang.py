@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
     ps, cached = args.page_size, not args.no_cache
     cfg = ga.AllocatorConfig.for_engine(
         max_running_requests=args.max_running, chunked_prefill_size=args.chunk,
-        max_context_len=256, page_size=ps, model_sliding_window=args.window,
+        max_context_len=256, page_size=ps, model_window=args.window,
         num_full_pages=args.full_pages, num_swa_pages=args.swa_pages,
         max_reqs=2 * args.max_running)  # running + one iteration's releases
     if cached:  # one handle per cache entry, one prefix-copy row per hit admitted
@@ -211,7 +211,7 @@ def main(argv=None) -> dict:
     s["cache_entries_at_end"] = len(cache) if cache is not None else 0
     if cache is not None:
         s.update(cache_tombstoned_pages=cache.tombstoned_pages,
-                 cache_evicted_pages=cache.evicted_pages)
+                 cache_dropped_pages=cache.dropped_pages)
         cache.drop_all()
     alloc.check_integrity()
     seconds = time.perf_counter() - t0

@@ -42,6 +42,7 @@ import graphalloc as ga  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import timing  # noqa: E402
+from provenance import add_stamp_option, stamp_or_exit  # noqa: E402
 
 __all__ = ["main", "Workload"]
 
@@ -189,6 +190,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="", help="also write the summary to this JSON file")
     ap.add_argument("--no-progress", action="store_true")
+    add_stamp_option(ap)
     args = ap.parse_args(argv)
     args.backend, _ = timing.pick_backend(args.backend, args.device)
     return args
@@ -196,6 +198,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    out_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else ""
+    stamp_or_exit(out_dir, __file__, argv, allow_dirty=args.allow_dirty)
     with timing.cpu_threads(args.device):
         return _run(args)
 

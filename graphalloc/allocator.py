@@ -163,8 +163,8 @@ class HybridAllocator:
     @property
     def spec_state(self) -> torch.Tensor:
         """``[max_reqs, max_spec_tokens]``: where the model writes the state after each token
-        of a request's newest speculative step (a decode with lookahead); ``commit`` keeps
-        the accepted one as the request's slot."""
+        of a request's newest speculative step (a decode with lookahead); ``accept`` keeps
+        the last kept token's as the request's slot."""
         return self.state.spec_state
 
     @property
@@ -257,10 +257,18 @@ class HybridAllocator:
         ops.given(rows, "alloc_decode", UnknownRequestError)
         return self.step(decode=rows, lookahead=lookahead)
 
-    def commit(self, rows, n_accepted) -> None:
-        """Keep ``n_accepted`` of each row's oldest speculative step (``Step(commit=)``)."""
+    def accept(self, rows, n_accepted) -> None:
+        """Keep ``1 + n_accepted`` tokens of each row's oldest speculative step: the verified
+        token and the ``n_accepted`` draft tokens the verifier accepted (vLLM's count;
+        ``Step(accept=)``)."""
+        ops.no_group(self, "accept")
+        self.step(accept=(rows, n_accepted))
+
+    def commit(self, rows, n_kept) -> None:
+        """Deprecated (warns): keep ``n_kept`` tokens, the verified one included; use
+        :meth:`accept` with ``n_kept - 1``."""
         ops.no_group(self, "commit")
-        self.step(commit=(rows, n_accepted))
+        self.step(commit=(rows, n_kept))
 
     def trim(self, rows, new_len) -> None:
         """Cut requests to ``new_len`` (``Step(trim=)``; refused below f + W and inside a

@@ -22,8 +22,10 @@ from .config_inputs import (
     _as_device,
     _as_int,
     _ceil_div,
+    _lookahead,
     _release_need,
     _remember_origins,
+    _window_rule,
     _windows,
 )
 from .engine_sizing import for_engine as _for_engine
@@ -67,11 +69,15 @@ class AllocatorConfig:
     page_size 1) free key 5905 while it is read (``tests/examples/test_examples.py`` checks that it
     changes the model's output). :meth:`for_engine` and the constructor take W_model.
 
-    A window at or past ``max_context_len`` is accepted and means what it says: no request
-    ever grows past its window, so nothing is ever evicted and SWA layers keep every
-    position (they read like full attention). Engines derive the window from the model and
-    the context from the deployment, so this is a real configuration (a 4096-token window
-    served at 2048 tokens), not a mistake; it costs SWA pages for every position.
+    **A window past the context** (``model_window > max_context_len``) is accepted and
+    clamped: ``sliding_window = min(W - 1, max_context_len)``, ``model_window`` kept as given
+    (``describe()`` names the rule). No request ever grows past its window, so nothing is
+    ever evicted and SWA layers keep every position (they read like full attention), as
+    with the unclamped window; the clamp makes the sizes that follow from the window (the
+    SWA pages one request needs, a ring's pages, :meth:`for_engine`'s SWA pool) those of
+    the context. Engines derive the window from the model and the context from the
+    deployment, so this is a real configuration (a 4096-token window served at 2048
+    tokens), not a mistake; it costs SWA pages for every position.
 
     **Pools that can serve one request.** In pool mode an SWA pool smaller than one
     request's window, ``num_swa_pages < min(ceil(sliding_window / page_size) + 1, P)``, is
@@ -142,10 +148,15 @@ class AllocatorConfig:
         max_handles: prefix-sharing handles (pool mode); 0 turns sharing off.
         num_state_slots: recurrent-state slots (Mamba, linear attention): a slot per request,
             one per prefix-cache snapshot, ``1 + k`` per speculative step in flight; 0: none.
-        max_spec_tokens: tokens of one speculative step that get a state slot each (1 + k);
-            0 picks 8.
+        max_spec_tokens: deprecated input (1 + k); always set after construction to
+            ``1 + num_lookahead_tokens``: the tokens of one speculative step (the verified
+            one and k drafts), each of which gets a state slot.
         model_window: the model's sliding window W in tokens, as Hugging Face's
             ``config.sliding_window`` (a keyword; the convention above).
+        num_lookahead_tokens: k, the most draft tokens one speculative decode row carries
+            (``step(decode=, lookahead=k)``; vLLM's ``num_speculative_tokens``); it sizes the
+            state slots of a speculative step (``1 + k``). ``None``: the state layer's
+            (``RecurrentState.max_spec_tokens - 1``), else 7; always set after construction.
 
     Every field is checked when the config is built: counts must be ints (numpy
     integers are accepted and stored as ``int``; bools are refused), ``validate`` a
@@ -172,9 +183,10 @@ class AllocatorConfig:
     validate: bool = False
     max_handles: int = 0  # prefix-sharing handles (pool mode); 0: sharing off
     num_state_slots: int | None = None  # deprecated input (layers=); 0: no state slots
-    max_spec_tokens: int | None = None  # state slots of one speculative step (1 + k); 0: 8
+    max_spec_tokens: int | None = None  # deprecated input (1 + k); always 1 + num_lookahead_tokens
     model_window: int | None = None  # the model's window W (Hugging Face); sets sliding_window
     layers: tuple | None = None  # the model's layer kinds (graphalloc.pools.layers)
+    num_lookahead_tokens: int | None = None  # k draft tokens per speculative step (1 + k slots)
 
     def __post_init__(self) -> None:
         def fix(name: str, value) -> None:
@@ -188,6 +200,7 @@ class AllocatorConfig:
             fix(name, _as_int(where, name, getattr(self, name), 1))
         fix("max_handles", _as_int(where, "max_handles", self.max_handles, 0,
                                    "0 turns prefix sharing off"))
+        fix("max_spec_tokens", _lookahead(where, self.num_lookahead_tokens, self.max_spec_tokens))
         layers = _resolve_layers(self, where)
         fix("layers", layers)
         pools = build_pools(layers)
@@ -197,10 +210,14 @@ class AllocatorConfig:
         fix("num_swa_pages", window.num_pages)
         fix("swa_ring_pages", window.ring_pages)
         fix("model_window", window.rule.model_window if window.has_window else None)
-        fix("sliding_window", window.rule.tokens if window.has_window else None)
+        tokens = window.rule.tokens if window.has_window else None
+        if tokens is not None and window.rule.kind == "window":  # a window past the context:
+            tokens = min(tokens, self.max_context_len)  # clamped (the class docstring)
+        fix("sliding_window", tokens)
         fix("num_state_slots", state.num_slots)
         fix("max_spec_tokens", state.max_spec_tokens if state.has_states else
             (_as_int(where, "max_spec_tokens", self.max_spec_tokens or 0, 0, "0 picks 8") or 8))
+        fix("num_lookahead_tokens", self.max_spec_tokens - 1)
         if self.max_handles and self.swa_ring_pages:
             raise ConfigError(f"{where}max_handles={self.max_handles} with swa_ring_pages="
                               f"{self.swa_ring_pages}: prefix sharing needs pool mode (a ring "
@@ -228,11 +245,12 @@ class AllocatorConfig:
         if not window.has_window:
             pass
         elif ring:
-            need = _ceil_div(window.rule.reach, ps) + 1
+            reach = min(window.rule.reach, self.max_context_len)  # a window past the context
+            need = _ceil_div(reach, ps) + 1
             if ring < need:
                 raise ConfigError(
                     f"{where}swa_ring_pages={ring} cannot hold a window of "
-                    f"{window.rule.reach} tokens at page_size {ps}: need >= {need} "
+                    f"{reach} tokens at page_size {ps}: need >= {need} "
                     "(ceil(sliding_window / page_size) + 1); raise swa_ring_pages or use pool "
                     "mode (0)")
             if ring > self.num_swa_pages:
@@ -275,6 +293,8 @@ class AllocatorConfig:
                 object.__setattr__(self, name, value)
                 origin[name] = f"default: {rule}"
 
+        if self.model_window is not None and self.sliding_window != self.model_window:
+            origin["sliding_window"] = _window_rule(self.model_window, self.max_context_len)
         given_tokens = self.max_step_tokens
         default("max_pages_per_row", self.pages_per_request, "ceil(max_context_len / page_size)")
         need_rows, need_pages = self.min_release_rows, self.min_step_pages
@@ -392,6 +412,7 @@ class AllocatorConfig:
             rows.append(("max_handles", self.max_handles))
         if self.num_state_slots:
             rows += [("num_state_slots", self.num_state_slots),
+                     ("num_lookahead_tokens", self.num_lookahead_tokens),
                      ("max_spec_tokens", self.max_spec_tokens),
                      ("max_state_rows", self.max_state_rows)]
         window = self.pools.window
@@ -437,6 +458,7 @@ def _resolve_layers(cfg: AllocatorConfig, where: str) -> tuple:
     names one of them (``dataclasses.replace`` passes them back) applied on top; or, from
     the keyword form alone (deprecated), built from it."""
     given = {name: getattr(cfg, name) for name in _KEYWORDS}
+    given["max_context_len"] = cfg.max_context_len  # the window's clamp
     if cfg.layers is None:
         if given["num_full_pages"] is None:
             raise ConfigError(f"{where}give the model's layers: layers=[FullAttention("
@@ -479,7 +501,8 @@ def _apply_keywords(where: str, layers: tuple, given: dict) -> tuple:
     if isinstance(window, SlidingWindow):
         model_w, _ = _windows(where, given["model_window"] if given["model_window"] is not None
                               else window.window, given["sliding_window"]
-                              if given["model_window"] is not None else None)
+                              if given["model_window"] is not None else None,
+                              given["max_context_len"])
         pages = window.num_pages if given["num_swa_pages"] is None else given["num_swa_pages"]
         ring = window.ring_pages if given["swa_ring_pages"] is None else given["swa_ring_pages"]
         new = SlidingWindow(model_w, pages, ring)
@@ -487,6 +510,11 @@ def _apply_keywords(where: str, layers: tuple, given: dict) -> tuple:
             swap(window, new)
     elif window is not None and given["num_swa_pages"] not in (None, window.num_pages):
         swap(window, dataclasses.replace(window, num_pages=given["num_swa_pages"]))
+    spec = given["max_spec_tokens"]
+    if state is not None and spec and spec != state.max_spec_tokens:  # num_lookahead_tokens
+        new = RecurrentState(state.num_slots, spec)
+        swap(state, new)
+        state = new
     if state is not None and given["num_state_slots"] not in (None, state.num_slots):
         n = _as_int(where, "num_state_slots", given["num_state_slots"], 0)
         if n:
@@ -513,7 +541,8 @@ def _layers_from_keywords(where: str, given: dict) -> tuple:
     if swa_pages is None:
         raise ConfigError(f"{where}num_swa_pages is required with num_full_pages (or give "
                           "layers=[FullAttention(...), ...])")
-    model_w, _ = _windows(where, given["model_window"], given["sliding_window"])
+    model_w, _ = _windows(where, given["model_window"], given["sliding_window"],
+                          given["max_context_len"])
     ring = _as_int(where, "swa_ring_pages", given["swa_ring_pages"] or 0, 0, "0 is pool mode")
     layers.append(SlidingWindow(model_w, _as_int(where, "num_swa_pages", swa_pages, 1), ring))
     n_slots = _as_int(where, "num_state_slots", given["num_state_slots"] or 0, 0,

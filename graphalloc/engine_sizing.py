@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config_inputs import _ORIGINS, _as_int, _ceil_div, _release_need
+from .config_inputs import (
+    _ORIGINS,
+    _allocator_window,
+    _as_int,
+    _ceil_div,
+    _release_need,
+    _window_rule,
+)
+from .deprecations import warn_renamed
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -28,7 +36,7 @@ __all__ = ["for_engine"]
 
 
 def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
-               max_context_len: int, page_size: int, model_sliding_window: int,
+               max_context_len: int, page_size: int, model_window: int | None = None,
                num_full_pages: int | None = None, num_swa_pages: int | None = None,
                kv_bytes: int | None = None, full_bytes_per_token: int | None = None,
                swa_bytes_per_token: int | None = None, num_lookahead_tokens: int = 0,
@@ -38,7 +46,8 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
                backend: str = "torch", validate: bool = False, max_handles: int = 0,
                max_prefix_hits_per_step: int | None = None,
                num_state_slots: int | None = None, state_bytes_per_slot: int | None = None,
-               state_bytes: int | None = None) -> AllocatorConfig:
+               state_bytes: int | None = None,
+               model_sliding_window: int | None = None) -> AllocatorConfig:
     """A config derived from what a serving engine knows; every shape from a budget.
 
     Example (a 4096-token window model, 256 running requests, 8192 prefill tokens
@@ -46,7 +55,7 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
 
         cfg = AllocatorConfig.for_engine(
             max_running_requests=256, chunked_prefill_size=8192, max_context_len=131072,
-            page_size=16, model_sliding_window=4096, kv_bytes=40 << 30,
+            page_size=16, model_window=4096, kv_bytes=40 << 30,
             full_bytes_per_token=2 * 8 * 8 * 128 * 2,   # K+V, 8 full layers, 8 heads x 128
             swa_bytes_per_token=2 * 24 * 8 * 128 * 2,   # K+V, 24 SWA layers, bf16
             device="cuda", backend="triton")
@@ -60,8 +69,10 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
       (SGLang: ``min(--chunked-prefill-size, --max-prefill-tokens)``; vLLM:
       ``max_num_batched_tokens``, an over-estimate). Without chunking: the longest prompt.
     * ``max_context_len``, ``page_size``: as in the constructor.
-    * ``model_sliding_window``: the model's W_model (HF ``config.sliding_window``);
-      ``sliding_window = max(W_model - 1, 1)`` (the class docstring's convention).
+    * ``model_window``: the model's W (HF ``config.sliding_window``), the constructor's
+      keyword; ``sliding_window = min(max(W - 1, 1), max_context_len)`` (the class
+      docstring's convention). ``model_sliding_window=``, its old name, still works for
+      one release, with a ``DeprecationWarning``.
     * memory, either ``num_full_pages`` and ``num_swa_pages``, or ``kv_bytes`` (the KV
       memory of all layers, both pools) with ``full_bytes_per_token`` and
       ``swa_bytes_per_token`` (K and V bytes of one token over all full / all SWA
@@ -76,7 +87,8 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
       + 1) x ps x swa_bytes_per_token) / (ps x full_bytes_per_token)) - 1``; when
       memory cannot give FULL more than S pages, both pools get
       ``floor(kv_bytes / (ps x (full + swa bytes per token))) - 1`` pages.
-    * ``num_lookahead_tokens``: speculative tokens per decode row (default 0).
+    * ``num_lookahead_tokens``: k, the draft tokens of a speculative decode row (vLLM's
+      ``num_speculative_tokens``; default 0), as the constructor's keyword.
     * ``max_releases_per_step`` (F, default N): requests released in one step.
       Fewer gives a smaller grid; an engine then splits bursts (``free_group()``
       splits its flush into several steps by itself).
@@ -96,7 +108,7 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
       ``state_bytes`` the pool is ``floor(state_bytes / state_bytes_per_slot) - 1`` slots
       (slot 0 the sink), refused below ``max_reqs``; fewer than the need means a step may be
       refused for slots (a shortage: ``try_step`` returns None), the prefix cache's snapshots
-      reclaimed first. ``max_spec_tokens = 1 + k``.
+      reclaimed first. ``num_lookahead_tokens = k`` (``max_spec_tokens = 1 + k``).
     * ``swa_ring_pages``, ``index_dtype``, ``device``, ``backend``, ``validate``: as in
       the constructor. A ring must hold the window plus one row's allocation:
       ``R >= ceil((max(W, ps) + max_tokens_per_alloc_row - 1) / ps) + 1``.
@@ -129,7 +141,7 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
     prefill = _as_int(where, "chunked_prefill_size", chunked_prefill_size, 1)
     ctx = _as_int(where, "max_context_len", max_context_len, 1)
     ps = _as_int(where, "page_size", page_size, 1)
-    w_model = _as_int(where, "model_sliding_window", model_sliding_window, 1)
+    w_model = _model_window(where, model_window, model_sliding_window)
     k = _as_int(where, "num_lookahead_tokens", num_lookahead_tokens, 0)
     n_handles = _as_int(where, "max_handles", max_handles, 0)
     hits = (n_run if n_handles else 0) if max_prefix_hits_per_step is None else _as_int(
@@ -141,7 +153,7 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
         where, "max_releases_per_step", max_releases_per_step, 1)
     c = (_ceil_div(ctx, ps) if max_pages_per_row is None
          else _as_int(where, "max_pages_per_row", max_pages_per_row, 1))
-    window = max(w_model - 1, 1)
+    window = _allocator_window(w_model, ctx)
     row_tokens = min(ctx, max(prefill, 1 + k))
     step_tokens = prefill + n_run * (1 + k)
     if ring:
@@ -179,8 +191,8 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
     ring_pages = " + min(F x R, num_swa_pages)" if ring else ""
     _ORIGINS[id(cfg)].update({
         "num_full_pages": pool_rule[0], "num_swa_pages": pool_rule[1],
-        "model_window": "model_sliding_window",
-        "sliding_window": f"max(model window - 1, 1) = max({w_model} - 1, 1)",
+        "model_window": "given" if model_sliding_window is None else "model_sliding_window",
+        "sliding_window": _window_rule(w_model, ctx),
         "max_reqs": "max_running_requests" if max_reqs is None else "given",
         "max_pages_per_row": ("ceil(max_context_len / page_size)" if max_pages_per_row
                               is None else "given"),
@@ -188,7 +200,8 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
                            f"{hits}"),
         "max_handles": "given" if n_handles else "default",
         "num_state_slots": slot_rule,
-        "max_spec_tokens": "1 + lookahead",
+        "num_lookahead_tokens": "num_lookahead_tokens" if n_slots else "default",
+        "max_spec_tokens": "1 + num_lookahead_tokens",
         "max_state_rows": ("2 x (max_reqs + max_handles) + max_reqs x ceil("
                            "max_spec_tokens / 6)"),
         "max_tokens_per_alloc_row": (f"min(max_context_len, max(chunked_prefill_size, "
@@ -203,6 +216,22 @@ def for_engine(cls, *, max_running_requests: int, chunked_prefill_size: int,
                            f"{step_pages - evict_pages} + {evict_pages}"),
     })
     return cfg
+
+
+def _model_window(where: str, model_window, model_sliding_window) -> int:
+    """W from ``model_window=`` (or its deprecated old name, with a warning). O(1)."""
+    if model_sliding_window is not None:
+        if model_window is not None:
+            raise ConfigError(f"{where}model_window and model_sliding_window name the same "
+                              "window; give model_window only")
+        warn_renamed("AllocatorConfig.for_engine(model_sliding_window=...) is deprecated: pass "
+                     "model_window=W (the same value: Hugging Face's config.sliding_window), "
+                     "the keyword the constructor takes")
+        return _as_int(where, "model_sliding_window", model_sliding_window, 1)
+    if model_window is None:
+        raise ConfigError(f"{where}give the model's window: model_window=W (Hugging Face's "
+                          "config.sliding_window)")
+    return _as_int(where, "model_window", model_window, 1)
 
 
 # Called as AllocatorConfig.for_engine: Python's own TypeErrors (a wrong keyword) name it so.

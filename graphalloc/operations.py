@@ -46,7 +46,7 @@ from .state.queries import HandleInfo
 
 __all__ = ["HandleInfo"]
 
-_FREE_KINDS = ("release", "commit", "trim", "evict", "advance", "drop", "drop_swa")
+_FREE_KINDS = ("release", "accept", "commit", "trim", "evict", "advance", "drop", "drop_swa")
 
 
 def check_arguments(config, n_descriptor_bufs, fused_step, prefix_cache, page_tables) -> None:

@@ -70,6 +70,8 @@ from graphalloc.replicas.digest import ledger_digest
 from graphalloc.state.ledger import Ledger
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from provenance import add_stamp_option, stamp_or_exit  # noqa: E402
 
 __all__ = ["RandomWorkload", "Scenario", "SelftestWorkerError", "default_scenarios",
            "selftest_config", "plan_trace", "spawn_selftest", "summarize", "main"]
@@ -324,7 +326,7 @@ class OpsWorkload:
         if not len(rows):
             return False
         oldest = led.spec_steps[rows, 0]
-        api.step(commit=(rows, self.arg_rng.integers(0, oldest + 1)))
+        api.step(accept=(rows, self.arg_rng.integers(0, oldest)))  # drafts: 0 .. k
         return True
 
     def _trim(self, api, led) -> bool:
@@ -903,6 +905,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-sync-debug", action="store_true")
     ap.add_argument("--plan-trace", metavar="FILE", help="write a planning trace and exit")
     ap.add_argument("--seed", type=int, default=0)
+    add_stamp_option(ap)
     args = ap.parse_args(argv)
     if args.plan_trace:
         n = plan_trace(args.plan_trace, args.seed, args.steps)
@@ -911,6 +914,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.backend == "nccl" and torch.cuda.device_count() < args.world_size:
         sys.exit(f"--backend nccl needs {args.world_size} GPUs, this machine has "
                  f"{torch.cuda.device_count()}")
+    stamp_or_exit(args.out, __file__, argv, allow_dirty=args.allow_dirty)
     summary = spawn_selftest(args.world_size, args.backend, args.out,
                              default_scenarios(args.steps, args.check_every),
                              sync_debug=not args.no_sync_debug)

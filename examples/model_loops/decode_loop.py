@@ -119,6 +119,7 @@ from paged_decode import (  # noqa: E402
     Request,
     decode_tables_spec,
 )
+from provenance import add_stamp_option, stamp_or_exit  # noqa: E402
 
 import graphalloc as ga  # noqa: E402
 
@@ -563,6 +564,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(RESULTS / "decode-loop"),
                     help="directory for decode_loop.{json,md,png}; '' writes nothing")
     ap.add_argument("--no-progress", action="store_true")
+    add_stamp_option(ap)
     args = ap.parse_args(argv)
     resolve_model_args(args)
     args.flashinfer_module = None
@@ -577,6 +579,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    stamp_or_exit(args.out, __file__, argv, allow_dirty=args.allow_dirty)
     with timing.cpu_threads(args.device):
         return _main(args)
 
@@ -772,7 +775,7 @@ def _run_page_size(args, ctx: dict, ps: int, alloc_window: int, attention_window
     if result.sharing is not None:  # the cache still holds the prefix; then drop it
         sharing = {**result.sharing, "cache_hits": alloc.prefix_cache.hits,
                    "cache_misses": alloc.prefix_cache.misses,
-                   "cache_evicted_pages": alloc.prefix_cache.evicted_pages,
+                   "cache_dropped_pages": alloc.prefix_cache.dropped_pages,
                    "cache_tombstoned_pages": alloc.prefix_cache.tombstoned_pages,
                    "audit_with_cache": [str(f) for f in alloc.audit()]}
         alloc.prefix_cache.drop_all()

@@ -66,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import timing  # noqa: E402
 from decode_loop import _json_default, _progress  # noqa: E402
 from paged_decode import Request  # noqa: E402
+from provenance import add_stamp_option, stamp_or_exit  # noqa: E402
 from recurrent_loop import STALE_STATE, RecurrentLoop, state_slots_needed  # noqa: E402
 from recurrent_model import (  # noqa: E402
     RecurrentConfig,
@@ -116,7 +117,7 @@ def build(mcfg: RecurrentConfig, *, page_size: int, max_batch: int, max_total: i
     cfg = ga.AllocatorConfig(
         page_size=ps, max_reqs=max_reqs, max_context_len=max_total, num_full_pages=n_pages,
         num_swa_pages=n_pages, model_window=max_total + 1, max_handles=handles,
-        num_state_slots=n_slots, max_spec_tokens=1 + lookahead, device=device,
+        num_state_slots=n_slots, num_lookahead_tokens=lookahead, device=device,
         backend=backend)
     alloc = ga.HybridAllocator(cfg, prefix_cache=bool(shared_prompt),
                                state_tensors=[(state.conv, 1), (state.ssm, 1)])
@@ -370,6 +371,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "recurrent-decode"),
                     help="folder for recurrent_decode.json / .md ('' : none)")
+    add_stamp_option(ap)
     args = ap.parse_args(argv)
     if args.graph and args.device != "cuda":
         ap.error("--graph needs --device cuda")
@@ -384,6 +386,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    stamp_or_exit(args.out, __file__, argv, allow_dirty=args.allow_dirty)
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 (the reference's)
     mcfg = RecurrentConfig(vocab_size=args.vocab)
     weights = random_weights(mcfg, args.seed)

@@ -153,7 +153,7 @@ class RecurrentLoop:
         model: the hybrid (float32).
         alloc: a fresh :class:`graphalloc.HybridAllocator` (no live requests) with
             ``num_state_slots`` S > 0 and ``state_tensors=[(state.conv, 1), (state.ssm, 1)]``;
-            ``prefix_cache=True`` for ``shared_prefix``; ``max_spec_tokens >= 1 + lookahead``.
+            ``prefix_cache=True`` for ``shared_prefix``; ``num_lookahead_tokens >= lookahead``.
         state: the model's :class:`RecurrentState` with S slots, the registered one.
         max_batch: lanes of the fixed-shape step.
         n_serials: requests over the whole run (rows of the history buffers).
@@ -188,9 +188,11 @@ class RecurrentLoop:
             raise ValueError("graph=True needs an allocator on a CUDA device")
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
             raise ValueError(f"lookahead must be an int >= 0, got {lookahead!r}")
-        if lookahead and 1 + lookahead > acfg.max_spec_tokens:
-            raise ValueError(f"1 + lookahead = {1 + lookahead} exceeds the allocator's "
-                             f"max_spec_tokens {acfg.max_spec_tokens}")
+        if lookahead and lookahead > acfg.num_lookahead_tokens:
+            raise ValueError(f"lookahead = {lookahead} exceeds the allocator's "
+                             f"num_lookahead_tokens {acfg.num_lookahead_tokens} (its state "
+                             f"slots per speculative step, max_spec_tokens, are "
+                             f"{acfg.max_spec_tokens})")
         if max_batch * (1 + lookahead) > acfg.max_step_tokens or max_batch > acfg.max_alloc_rows:
             raise ValueError(f"{max_batch} lanes of {1 + lookahead} tokens exceed the "
                              f"allocator's max_alloc_rows {acfg.max_alloc_rows} / "
@@ -420,7 +422,7 @@ class RecurrentLoop:
                 sh["requests_sharing"] += 1
                 sh["prefill_tokens_saved"] += cached
         lanes_state[lane] = {"row": row, "pos": n, "serial": req.serial, "n_gen": 1,
-                             "n_out": req.n_out, "n_accepted": None}
+                             "n_out": req.n_out, "n_kept": None}
 
     def run(self, requests: list[Request], *, drafts: dict | None = None, progress=None,
             sync_debug: bool = False) -> LoopResult:
@@ -488,10 +490,10 @@ class RecurrentLoop:
             rows = [st["row"] for st in reqs]
             t0 = time.perf_counter()
             if k:
-                spec = [st for st in reqs if st["n_accepted"] is not None]
-                commit = ([st["row"] for st in spec], [st["n_accepted"] for st in spec]
-                          ) if spec else None
-                p = alloc.plan(release=to_release, commit=commit, decode=rows,
+                spec = [st for st in reqs if st["n_kept"] is not None]
+                accept = ([st["row"] for st in spec], [st["n_kept"] - 1 for st in spec]
+                          ) if spec else None  # the drafts accepted: kept - 1
+                p = alloc.plan(release=to_release, accept=accept, decode=rows,
                                lookahead=k if rows else None, **self._admit_kinds(picks))
             else:
                 spec = []
@@ -521,7 +523,7 @@ class RecurrentLoop:
                     raise RuntimeError(f"row {st['row']}: {n_acc} tokens kept of 1 + {k}")
                 st["pos"] += n_acc
                 st["n_gen"] += n_acc
-                st["n_accepted"] = n_acc if k else None
+                st["n_kept"] = n_acc if k else None
             # 4. the admitted requests' prefills (eager): they decode from the next step
             if picks:
                 t0 = time.perf_counter()

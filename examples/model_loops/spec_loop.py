@@ -22,9 +22,10 @@ through ``req_to_token`` / ``full_to_swa``.
 One round per iteration, for every decoding request row r with committed length C and its
 pending token x (sampled by the target, not yet in any cache)::
 
-    allocator step  step(release=finished, commit=(rows, n_accepted of the last round),
+    allocator step  step(release=finished, accept=(rows, n of the last round),
                          evict=rows, decode=rows, lookahead=k)
-                    commit: C += n_accepted, pages wholly past C given back;
+                    accept: C += 1 + n (x and the n accepted drafts), pages wholly
+                    past C given back;
                     evict:  SWA pages below floor_page(C - W_alloc) freed (W_alloc = W - 1);
                     decode: 1 + k slots at positions [C, C + 1 + k), lanes FIRST[b] + j
     draft           k + 1 steps of one token: step j reads the token at C + j (x, then its
@@ -37,13 +38,13 @@ pending token x (sampled by the target, not yet in any cache)::
                     (q - W, q], so the SWA keys of the batch are the W + k positions
                     (C - W, C + k]); y_j = argmax at C + j
     acceptance      n = longest prefix with d_{j+1} == y_j; the round's tokens are
-                    y_0 .. y_n (n drafts + the target's bonus token y_n), n_accepted = n + 1;
+                    y_0 .. y_n (n drafts + the target's bonus token y_n): n_kept = n + 1;
                     the next pending token is y_n; history[serial, gen + j] <- y_j, j <= n
     poison          (``poison=True``) the K/V of the rejected positions [C + n + 1, C + k]
                     are overwritten with a large finite value in both models' caches: a
                     later read of one would change the logits (masked keys still get an
                     exact 0 weight, so finite poison never leaks into a masked read)
-    the ONE read    n_accepted of every lane (``[max_batch]`` int64) copied into pinned host
+    the ONE read    n_kept of every lane (``[max_batch]`` int64) copied into pinned host
                     memory, then an event waited on, inside ``graphalloc.diagnostics.sync_points.
                     sync_allowed()``: the round's single host/device synchronisation
 
@@ -179,8 +180,8 @@ class SpecLoop:
         graph: capture each round into a CUDA graph (needs a CUDA allocator).
         keep_logits: record the target's logits of every accepted token (for comparison).
         poison: overwrite rejected positions' K/V after the verify (see the module doc).
-        commit_extra: NEGATIVE CONTROL, 0 in real use: commit ``n_accepted + commit_extra``
-            (at most ``1 + k``) to the allocator while the model's positions follow the true
+        commit_extra: NEGATIVE CONTROL, 0 in real use: keep ``n_kept + commit_extra`` tokens
+            (at most ``1 + k``) in the allocator while the model's positions follow the true
             count, so the allocator's lengths run ahead of the K/V: tokens must differ.
 
     Cost per round: one allocator plan (O(rows) numpy), one replay (or the eager body:
@@ -238,7 +239,7 @@ class SpecLoop:
         # *_buf(s): allocated once, updated in place only (a captured graph holds their addresses)
         self.tokens_buf = torch.zeros(max_batch, dtype=torch.int64, device=dev)  # pending token
         self.lane_buf = torch.zeros(N_LANE_FIELDS, max_batch, dtype=torch.int64, device=dev)
-        self.counts_buf = torch.zeros(max_batch, dtype=torch.int64, device=dev)  # n_accepted
+        self.counts_buf = torch.zeros(max_batch, dtype=torch.int64, device=dev)  # n_kept
         pin = dev.type == "cuda"
         self.lane_host_bufs = [  # one per descriptor buffer, guarded by the same event
             torch.zeros(N_LANE_FIELDS, max_batch, dtype=torch.int64, pin_memory=pin)
@@ -383,7 +384,7 @@ class SpecLoop:
             if self.logits_buf is not None:
                 self.logits_buf[req.serial, 0] = logits
             state[lane] = {"row": row, "pos": n, "serial": req.serial, "n_gen": 1,
-                           "n_out": req.n_out, "n_accepted": None}
+                           "n_out": req.n_out, "n_kept": None}
 
     def _pages_ok(self, prompts: list[int], n_active: int) -> bool:
         """Whether both pools hold the new prompts and one round of every active row."""
@@ -454,13 +455,13 @@ class SpecLoop:
             lanes = sorted(state)
             reqs = [state[b] for b in lanes]
             rows = [st["row"] for st in reqs]
-            spec = [st for st in reqs if st["n_accepted"] is not None]
-            commit = None
+            spec = [st for st in reqs if st["n_kept"] is not None]
+            accept = None
             if spec:  # last round's counts (a newly admitted row has no speculative step)
-                n_commit = [min(st["n_accepted"] + self.commit_extra, 1 + k) for st in spec]
-                commit = ([st["row"] for st in spec], n_commit)
+                n_kept = [min(st["n_kept"] + self.commit_extra, 1 + k) for st in spec]
+                accept = ([st["row"] for st in spec], [n - 1 for n in n_kept])  # drafts
             t0 = time.perf_counter()
-            p = alloc.plan(release=to_release, commit=commit, evict=rows,
+            p = alloc.plan(release=to_release, accept=accept, evict=rows,
                            decode=rows, lookahead=k if rows else None)
             if rows and self.commit_extra == 0:  # the allocator's lengths are the host's
                 lens = p.tables.seq_lens_host  # the step's tables: lane m, L = C + 1 + k
@@ -500,7 +501,7 @@ class SpecLoop:
                     raise RuntimeError(f"row {st['row']}: {n_acc} tokens accepted of 1 + {k}")
                 st["pos"] += n_acc
                 st["n_gen"] += n_acc
-                st["n_accepted"] = n_acc
+                st["n_kept"] = n_acc
             if audit_every and len(rounds) % audit_every == 0:
                 audits.append({"round": len(rounds), "live_requests": st_now["live_requests"],
                                "findings": [str(f) for f in alloc.audit()]})

@@ -10,7 +10,7 @@ allocator, SGLang EAGLE's layout; ``spec_loop.py`` explains the round).
 
 Each round, for every running request (continuous batching: requests of different prompt
 and output lengths finish and are replaced mid-loop): ONE allocator step
-``step(release=finished, commit=(rows, n_accepted), evict=rows, decode=rows, lookahead=k)``,
+``step(release=finished, accept=(rows, n_accepted), evict=rows, decode=rows, lookahead=k)``,
 k + 1 draft steps, one verify forward of 1 + k tokens, greedy acceptance on the device; then
 the one documented read of the round (the accepted counts, pinned copy + event wait) gives
 the host the counts it commits in the next round's step. Every attention (the prefill, the
@@ -70,6 +70,7 @@ from hybrid_model import (  # noqa: E402
     allocator_window,
     random_weights,
 )
+from provenance import add_stamp_option, stamp_or_exit  # noqa: E402
 from spec_loop import SpecLoop, SpecResult, perturbed_weights, spec_tables_spec  # noqa: E402
 
 import graphalloc as ga  # noqa: E402
@@ -218,6 +219,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(RESULTS / "speculative-decode"),
                     help="directory for speculative_decode.{json,md}; '' writes nothing")
     ap.add_argument("--no-progress", action="store_true")
+    add_stamp_option(ap)
     args = ap.parse_args(argv)
     if args.graph and args.device != "cuda":
         ap.error("--graph needs --device cuda (on a CPU the loop runs eagerly)")
@@ -230,6 +232,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    stamp_or_exit(args.out, __file__, argv, allow_dirty=args.allow_dirty)
     with timing.cpu_threads(args.device):
         return _main(args)
 

@@ -6,7 +6,7 @@ prefix), decode and extend rows -- as growable int64 arrays, one per field of
 :class:`~graphalloc.plan.step.Step`, and hands them to the allocator as ONE step
 (:meth:`IterationStep.run`: ``alloc.plan`` + ``alloc.run``) in the Step's own order: the
 takes first (a finished request is inserted and released in one step), then the frees, the
-admits, the allocations; the prefix cache's eviction happens inside that step when an
+admits, the allocations; the prefix cache's reclaiming happens inside that step when an
 allocation is short (:mod:`graphalloc.plan.pipeline` replans with ``cache.offer()``).
 A step refused for pages or rows returns ``None`` with nothing changed and the records
 kept; any other refusal raises its typed error, records kept.
@@ -206,7 +206,7 @@ class IterationStep:
         handle = self._free_handle()
         if handle < 0:
             before = self.alloc.steps_run
-            cache.evict(n_full=1)  # the LRU unlocked leaf: its handle becomes free
+            cache.reclaim(n_full=1)  # the LRU unlocked leaf: its handle becomes free
             self.cache_steps += self.alloc.steps_run - before
             handle = self._free_handle()
             if handle < 0:

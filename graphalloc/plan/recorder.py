@@ -171,8 +171,13 @@ class StepRecorder:
     def release(self, rows) -> None:
         self._record("release", (rows,))
 
-    def commit(self, rows, n_accepted) -> None:
-        self._record("commit", (rows, n_accepted))
+    def accept(self, rows, n_accepted) -> None:
+        """Keep 1 + n_accepted tokens of each row's oldest speculative step (``accept=``)."""
+        self._record("accept", (rows, n_accepted))
+
+    def commit(self, rows, n_kept) -> None:
+        """Deprecated: :meth:`accept` with ``n_kept - 1`` (warns when the step is built)."""
+        self._record("commit", (rows, n_kept))
 
     def trim(self, rows, new_len) -> None:
         self._record("trim", (rows, new_len))
@@ -301,7 +306,8 @@ def _decode_kind(kw, kind, calls):
 
 
 _BUILD = {"release": _rows_kind, "evict": _rows_kind, "admit": _rows_kind,
-          "drop": _handles_kind, "drop_swa": _handles_kind, "commit": _pair_kind,
+          "drop": _handles_kind, "drop_swa": _handles_kind, "accept": _pair_kind,
+          "commit": _pair_kind,
           "trim": _pair_kind, "advance": _pair_kind, "extend": _pair_kind,
           "load_back": _pair_kind, "take": _take_kind, "admit_on": _admit_on_kind,
           "decode": _decode_kind}

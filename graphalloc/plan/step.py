@@ -12,7 +12,11 @@ order  kind            value                           effect
                                                        first n tokens (a cache insert), as
                                                        the step begins
 2      ``release``     rows                            free everything; the rows are free
-3      ``commit``      (rows, n_accepted)              speculative: keep n of the oldest step
+3      ``accept``      (rows, n_accepted)              speculative: keep 1 + n tokens of the
+                                                       oldest step (the verified token and n
+                                                       accepted drafts, vLLM's count)
+       ``commit``      (rows, n_kept)                  deprecated: keep n tokens (``accept``
+                                                       with n - 1; the only way to keep 0)
 4      ``trim``        (rows, new_len)                 cut requests back to new_len
 5      ``evict``       rows (or ``evict_all=True``)    frontier by the window rule
 6      ``advance``     (rows, new_frontier_pos)        explicit page-aligned frontier moves
@@ -56,6 +60,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..deprecations import warn_renamed
 from ..errors import ContractError, PositionError, SpeculativeStateError, UnknownHandleError
 from ..inputs import as_counts, as_int64, as_positions, as_rows, is_empty
 
@@ -64,7 +69,7 @@ __all__ = ["Step", "StepArrays", "normalize", "EMPTY", "KINDS"]
 EMPTY = np.zeros(0, dtype=np.int64)
 EMPTY.flags.writeable = False
 
-KINDS = ("take", "release", "commit", "trim", "evict", "evict_all", "advance", "drop",
+KINDS = ("take", "release", "accept", "commit", "trim", "evict", "evict_all", "advance", "drop",
          "drop_swa", "admit", "admit_on", "decode", "lookahead", "extend", "load_back")
 
 
@@ -78,10 +83,17 @@ class Step:
 
     __slots__ = KINDS
 
-    def __init__(self, *, take=None, release=None, commit=None, trim=None, evict=None,
-                 evict_all: bool = False, advance=None, drop=None, drop_swa=None, admit=None,
-                 admit_on=None, decode=None, lookahead=None, extend=None, load_back=None):
-        self.take, self.release, self.commit, self.trim = take, release, commit, trim
+    def __init__(self, *, take=None, release=None, accept=None, commit=None, trim=None,
+                 evict=None, evict_all: bool = False, advance=None, drop=None, drop_swa=None,
+                 admit=None, admit_on=None, decode=None, lookahead=None, extend=None,
+                 load_back=None):
+        if commit is not None:
+            warn_renamed("Step(commit=(rows, n)) counts the tokens kept, the verified one "
+                         "included, and is deprecated: pass accept=(rows, n - 1), the draft "
+                         "tokens accepted (vLLM's num_accepted_tokens); alloc.commit / "
+                         "it.commit become alloc.accept / it.accept")
+        self.take, self.release, self.accept, self.commit = take, release, accept, commit
+        self.trim = trim
         self.evict, self.evict_all, self.advance = evict, evict_all, advance
         self.drop, self.drop_swa, self.admit, self.admit_on = drop, drop_swa, admit, admit_on
         self.decode, self.lookahead, self.extend, self.load_back = (decode, lookahead, extend,
@@ -110,7 +122,7 @@ class StepArrays(NamedTuple):
     take_tokens: np.ndarray
     release: np.ndarray
     commit_row: np.ndarray
-    commit_n: np.ndarray
+    commit_n: np.ndarray  # tokens kept of the oldest speculative step (accept: 1 + accepted)
     trim_row: np.ndarray
     trim_len: np.ndarray
     evict: np.ndarray
@@ -198,11 +210,18 @@ def normalize(step: Step, config) -> StepArrays:
             raise ContractError(f"take: {len(take_h)} handles for {len(take_r)} rows")
         take_n = as_counts(k, len(take_r), "take_handle n_tokens")
     release = _rows(step.release, n, "release")
-    com_r = com_n = EMPTY
-    if step.commit is not None:
-        r, k = _pair(step.commit, "commit", "n_accepted")
+    com_r = com_n = EMPTY  # commit_n: tokens kept (accept: 1 + the accepted drafts)
+    if step.accept is not None:
+        if step.commit is not None:
+            raise ContractError("accept= and commit= both given: they are one kind (commit= "
+                                "is its deprecated form); pass accept=(rows, n_accepted)")
+        r, k = _pair(step.accept, "accept", "n_accepted")
+        com_r = _rows(r, n, "accept")
+        com_n = as_counts(k, len(com_r), "accepted draft counts") + 1
+    elif step.commit is not None:
+        r, k = _pair(step.commit, "commit", "n_kept")
         com_r = _rows(r, n, "commit")
-        com_n = as_counts(k, len(com_r), "commit accepted counts")
+        com_n = as_counts(k, len(com_r), "commit kept counts")
     trim_r = trim_l = EMPTY
     if step.trim is not None:
         r, k = _pair(step.trim, "trim", "new_len")

@@ -71,7 +71,7 @@ class ReplicatedAllocator(ReplicaOps):
         for batch in scheduler_steps:                  # every rank, the same calls
             with rep.scheduler_step() as it:           # one device step on every rank
                 if it is not None:                     # the planner records the step
-                    it.release(batch.finished); it.commit(batch.spec_rows, batch.accepted)
+                    it.release(batch.finished); it.accept(batch.spec_rows, batch.accepted)
                     it.decode(batch.decoding, lookahead=3)
             h = rep.take_handle(row, 64)               # planner: the handle; followers: None
 

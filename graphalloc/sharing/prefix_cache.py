@@ -18,14 +18,16 @@ snapshot exists, at an entry's end: ``cached_tokens`` is then the longest entry 
 window) along the prompt, and ``state_recompute_tokens`` the matched tokens past it that the
 recurrent layers must recompute. :meth:`insert` caches a request at its committed length only
 (where its state is), when that is page-aligned (vLLM's "align" mode: chunk boundaries on
-pages); otherwise it caches nothing. Eviction under slot pressure drops whole entries (their
-snapshots come back), inside the step, like pages.
+pages); otherwise it caches nothing. Reclaiming under slot pressure drops whole entries
+(their snapshots come back), inside the step, like pages.
 
-Eviction (LRU, leaf first: an entry no other entry extends): when an allocation would be
-refused, the allocator plans the step again with :meth:`offer` -- the unlocked entries in
-eviction order -- and the planner drops as many as the step needs, inside the same step:
-SWA by tombstoning first (FULL kept: it still serves as a full-attention prefix), then
-FULL by evicting. An entry frees only the pages nobody else references. The cache forgets
+Reclaiming (what engines call evicting a cache entry; graphalloc keeps "evict" for the
+window, ``docs/glossary.md``), LRU, leaf first (an entry no other entry extends): when an
+allocation would be refused, the allocator plans the step again with :meth:`offer` -- the
+unlocked entries in reclaim order -- and the planner reclaims as many as the step needs,
+inside the same step: SWA by tombstoning first (FULL kept: it still serves as a
+full-attention prefix), then FULL by dropping the entry. An entry frees only the pages
+nobody else references. The cache forgets
 an entry once the step that dropped its handle was submitted (:meth:`on_reclaimed`); a
 refused, dry-run or cancelled step keeps it. Locks (SGLang's ``inc_lock_ref``) keep an
 entry from both until :meth:`unlock`.
@@ -53,6 +55,7 @@ import weakref
 
 import numpy as np
 
+from ..deprecations import warn_renamed
 from ..errors import ContractError, UnknownHandleError
 from .page_keys import check_key_hash, page_keys
 
@@ -95,8 +98,10 @@ class PrefixCache:
     cryptographic) or ``"blake2b"`` (multi-tenant deployments whose users choose tokens);
     fixed for the cache's life (``HybridAllocator(cfg, prefix_cache="blake2b")``).
     ``hits`` / ``misses`` count :meth:`match` calls; ``hit_tokens`` the tokens reused;
-    ``evicted_pages`` / ``tombstoned_pages`` what eviction returned (FULL / SWA pages, steps
-    submitted); ``version`` changes whenever entries, locks or handles may have changed."""
+    ``dropped_pages`` / ``tombstoned_pages`` what reclaiming returned (FULL pages of dropped
+    entries / SWA pages of tombstoned ones, steps submitted; ``evicted_pages`` is the
+    deprecated name of ``dropped_pages``); ``version`` changes whenever entries, locks or
+    handles may have changed."""
 
     def __init__(self, alloc, key_hash: str = "siphash"):
         self.key_hash = check_key_hash(key_hash)
@@ -107,13 +112,13 @@ class PrefixCache:
         self._holders: dict[bytes, dict[int, _Entry]] = {}  # page key -> handle -> entry
         self._ends: dict[bytes, _Entry] = {}  # an entry's last page key -> the entry
         self._entries: dict[int, _Entry] = {}  # handle -> entry
-        # Unlocked entries in eviction order, least recently used first: leaves (no entry
+        # Unlocked entries in reclaim order, least recently used first: leaves (no entry
         # extends them), then the others. Moving an entry is O(1).
         self._leaves: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
         self._inner: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
         self.version = 0
         self.hits = self.misses = self.hit_tokens = 0
-        self.evicted_pages = self.tombstoned_pages = 0
+        self.dropped_pages = self.tombstoned_pages = 0
 
     @property
     def alloc(self):
@@ -125,7 +130,8 @@ class PrefixCache:
     def stats(self) -> dict:
         return {"cache_entries": len(self), "cache_hits": self.hits,
                 "cache_misses": self.misses, "cache_hit_tokens": self.hit_tokens,
-                "cache_evicted_pages": self.evicted_pages,
+                "cache_dropped_pages": self.dropped_pages,
+                "cache_evicted_pages": self.dropped_pages,  # deprecated key: dropped_pages
                 "cache_tombstoned_pages": self.tombstoned_pages}
 
     # ---- keys ----------------------------------------------------------------------------
@@ -208,7 +214,7 @@ class PrefixCache:
 
     # ---- locks ---------------------------------------------------------------------------
     def lock(self, handle) -> None:
-        """Keep the entry on ``handle`` from eviction and tombstoning until :meth:`unlock`
+        """Keep the entry on ``handle`` from being dropped or tombstoned until :meth:`unlock`
         (locks count). O(1). ``UnknownHandleError`` if it is not a cache entry's handle."""
         entry = self._entry(handle, "lock")
         self._unlist(entry)
@@ -230,7 +236,7 @@ class PrefixCache:
         self._inner.pop(entry.handle, None)
 
     def _list(self, entry: _Entry) -> None:
-        """Put an unlocked entry at the recent end of its eviction list."""
+        """Put an unlocked entry at the recent end of its reclaim list."""
         if entry.lock_ref:
             return
         self._unlist(entry)
@@ -245,7 +251,7 @@ class PrefixCache:
             entry = self._entries.get(int(handle))
         if entry is None:
             raise UnknownHandleError(f"{what}: {handle!r} is not the handle of a prefix-cache "
-                                     "entry (never cached, or evicted)")
+                                     "entry (never cached, or dropped)")
         return entry
 
     # ---- insertion -----------------------------------------------------------------------
@@ -322,18 +328,18 @@ class PrefixCache:
 
     # ---- what the cache could give back --------------------------------------------------
     def reclaimable_handles(self) -> list[int]:
-        """Handles of the unlocked entries: the ones eviction may drop. O(entries)."""
+        """Handles of the unlocked entries: the ones reclaiming may drop. O(entries)."""
         return [h for h, e in self._entries.items() if not e.lock_ref]
 
     def reclaimable_pages(self) -> tuple[int, int]:
-        """``(FULL, SWA)`` pages evicting every unlocked entry would free now (SGLang's
+        """``(FULL, SWA)`` pages dropping every unlocked entry would free now (SGLang's
         ``evictable_size`` in pages): a dry run of those drops. Cost: one plan."""
         return self.alloc.pages_released(handles=self.reclaimable_handles())
 
-    # ---- eviction ------------------------------------------------------------------------
+    # ---- reclaiming ----------------------------------------------------------------------
     def offer(self, limit: int) -> tuple[np.ndarray, np.ndarray]:
         """Up to ``limit`` entries the planner may drop, in the order it should: ``(tombstone
-        order, evict order)`` -- unlocked entries, leaves first, least recently used first
+        order, drop order)`` -- unlocked entries, leaves first, least recently used first
         (the planner skips tombstoned ones when tombstoning). O(limit)."""
         order = list(itertools.islice(itertools.chain(self._leaves, self._inner), limit))
         arr = np.array(order, dtype=np.int64)
@@ -341,22 +347,36 @@ class PrefixCache:
 
     @property
     def n_unlocked(self) -> int:
-        """Entries eviction may drop. O(1)."""
+        """Entries reclaiming may drop. O(1)."""
         return len(self._leaves) + len(self._inner)
 
     def on_reclaimed(self, reclaimed: list) -> None:
         """A submitted step dropped these ``(handle, tombstone, FULL freed, SWA freed)``
-        entries: forget the evicted ones, count the pages. O(pages of the entries)."""
+        entries: forget the dropped ones, count the pages. O(pages of the entries)."""
         for handle, tombstone, n_full, n_swa in reclaimed:
-            self.evicted_pages += n_full
+            self.dropped_pages += n_full
             self.tombstoned_pages += n_swa
             entry = self._entries.get(handle)
             if entry is not None:
                 self._forget(entry, tombstone)
 
+    @property
+    def evicted_pages(self) -> int:
+        """Deprecated name of :attr:`dropped_pages` (warns)."""
+        warn_renamed("PrefixCache.evicted_pages is deprecated: read dropped_pages (graphalloc's "
+                     "'evict' is the window's; a cache entry is dropped or tombstoned)")
+        return self.dropped_pages
+
     def evict(self, n_full: int = 0, n_swa: int = 0) -> None:
+        """Deprecated name of :meth:`reclaim` (warns)."""
+        warn_renamed("PrefixCache.evict(n_full, n_swa) is deprecated: call reclaim(n_full, "
+                     "n_swa) (graphalloc's 'evict' is the window's)")
+        self.reclaim(n_full, n_swa)
+
+    def reclaim(self, n_full: int = 0, n_swa: int = 0) -> None:
         """Free at least ``n_full`` FULL and ``n_swa`` SWA pages now if the cache can: one
-        step of drops in eviction order (tombstones first)."""
+        step of drops in reclaim order (tombstones first). Cost: O(entries looked at) and
+        one step."""
         led, ps = self.alloc.ledger, self.page_size
         tomb, drop, need_swa, need_full = [], [], n_swa, n_full
         for h, e in itertools.chain(list(self._leaves.items()), list(self._inner.items())):
@@ -376,7 +396,7 @@ class PrefixCache:
                     self.alloc.drop_handle(h)
                 for h in tomb:
                     self.alloc.drop_handle_swa(h)
-            self.evicted_pages += led.full.n_free - full0
+            self.dropped_pages += led.full.n_free - full0
             self.tombstoned_pages += led.swa.n_free - swa0
             for h in drop:
                 self._forget(self._entries[h], tombstone=False)
@@ -403,7 +423,7 @@ class PrefixCache:
 
     def _forget(self, entry: _Entry, tombstone: bool) -> None:
         """The step dropping ``entry`` (whole, or only its SWA part) was submitted: forget
-        an evicted entry (its children now extend its parent). O(its pages + children)."""
+        a dropped entry (its children now extend its parent). O(its pages + children)."""
         self.version += 1
         if tombstone or self._entries.get(entry.handle) is not entry:
             return
@@ -427,10 +447,10 @@ class PrefixCache:
 
     def digest_state(self) -> dict:
         """What the replicas' digest covers (:func:`graphalloc.replicas.digest.cache_digest`):
-        the entries in handle order, the eviction order, the counters. O(entries)."""
+        the entries in handle order, the reclaim order, the counters. O(entries)."""
         return {"entries": [self._entries[h] for h in sorted(self._entries)],
                 "order": list(self._leaves) + [-1] + list(self._inner),
-                "counters": [self.hits, self.misses, self.hit_tokens, self.evicted_pages,
+                "counters": [self.hits, self.misses, self.hit_tokens, self.dropped_pages,
                              self.tombstoned_pages]}
 
     def check(self) -> None:

@@ -665,6 +665,7 @@ ENTRY_POINTS = {
     "step_extend": lambda a, x: a.step(extend=x),
     "step_extend_n": lambda a, x: a.step(extend=([0], x)),
     "step_commit": lambda a, x: a.step(commit=x),
+    "step_accept": lambda a, x: a.step(accept=x),
     "step_trim": lambda a, x: a.step(trim=x),
     "step_take": lambda a, x: a.step(take=x),
     "step_drop": lambda a, x: a.step(drop=x),
@@ -699,6 +700,8 @@ ENTRY_POINTS = {
     "alloc_decode_lookahead": lambda a, x: a.alloc_decode([0], lookahead=x),
     "commit_rows": lambda a, x: a.commit(x, [1]),
     "commit_n": lambda a, x: a.commit([1], x),
+    "accept_rows": lambda a, x: a.accept(x, [0]),
+    "accept_n": lambda a, x: a.accept([1], x),
     "trim_rows": lambda a, x: a.trim(x, [8]),
     "trim_len": lambda a, x: a.trim([0], x),
     "release": lambda a, x: a.release(x),
@@ -715,6 +718,7 @@ ENTRY_POINTS = {
     # the blocks
     "rec_release": lambda a, x: _rec(a, lambda it: it.release(x)),
     "rec_commit": lambda a, x: _rec(a, lambda it: it.commit([1], x)),
+    "rec_accept": lambda a, x: _rec(a, lambda it: it.accept([1], x)),
     "rec_trim": lambda a, x: _rec(a, lambda it: it.trim([0], x)),
     "rec_evict": lambda a, x: _rec(a, lambda it: it.evict(x)),
     "rec_advance": lambda a, x: _rec(a, lambda it: it.advance(x, 4)),
@@ -753,7 +757,7 @@ NO_ARGUMENTS = {"audit", "check_integrity", "committed_lens", "frontiers", "live
                 "live_rows", "reset_faults", "seq_lens", "snapshot", "state_dict", "stats",
                 "scheduler_step", "free_group"}
 COVERED_AS = {"pages_needed": "pages_needed_rows", "trim": "trim_rows",
-              "commit": "commit_rows", "take_handle": "take_handle_row",
+              "commit": "commit_rows", "accept": "accept_rows", "take_handle": "take_handle_row",
               "advance_frontier": "advance_frontier_rows", "alloc_extend": "alloc_extend_rows",
               "load_back": "load_back_row", "admit": "admit_handle"}
 
@@ -770,6 +774,7 @@ BOOL_OK = {"step_evict_all", "dry_run_use_group", "launch_fusable", "check"}
 EXTRA = {
     "step_advance": [([0],), ([0], [4], [1])], "step_extend": [([0],), ([0], [1], [1])],
     "step_commit": [([1],), ([1], [1], [1])], "step_trim": [([0],), ([0], [8], [0])],
+    "step_accept": [([1],), ([1], [0], [0])], "accept_n": [[-1]],
     "step_take": [([0], [0]), ([0], [0], [4], [4])], "step_admit_on": [([2], [0])],
     "step_load_back": [([0],), ([0], [0], [0])], "step_extend_n": [[-1], -1],
     "alloc_extend_n": [[-5], -5], "pages_needed_n": [[-1]], "take_handle_n": [-4],
@@ -783,7 +788,8 @@ EXTRA = {
 ACCEPTS_NONE = {"admit_handle", "admit_n_tokens", "admit_n_tokens_alone",
                 "alloc_decode_lookahead", "step_lookahead", "evict_window", "group_evict",
                 "step_evict", "step_release", "step_advance", "step_decode", "step_extend",
-                "step_commit", "step_trim", "step_take", "step_drop", "step_drop_swa",
+                "step_commit", "step_accept", "step_trim", "step_take", "step_drop",
+                "step_drop_swa",
                 "step_admit", "step_admit_on", "step_load_back", "step_and_keywords", "step",
                 "try_step", "fits", "plan", "fits_decode", "pages_released",
                 "pages_released_advance", "pages_released_handles", "rec_admit",

@@ -52,6 +52,7 @@ def test_decode_loop_matches_transformers(transformers_available, tmp_path):
         assert s["pages_allocated"] == s["pages_freed"]  # every request released
         assert s["memory_saved_at_peak"] > 0.1
     assert {p.name for p in tmp_path.iterdir()} <= {"decode_loop.json", "decode_loop.md",
+                                                     "stamp.json",
                                                      "decode_loop.png"}
 
 

@@ -49,7 +49,7 @@ def test_shared_prompt_from_prefix_cache_matches_transformers(tmp_path):
         assert sh["requests_carrying"] == 10 and sh["requests_sharing"] == 9
         assert sh["prefill_tokens_saved"] == 9 * cached > 0
         assert sh["pages_saved"]["full"] == sh["pages_saved"]["swa"] == 9 * (cached // ps) > 0
-        assert sh["cache_evicted_pages"] == sh["cache_tombstoned_pages"] == 0
+        assert sh["cache_dropped_pages"] == sh["cache_tombstoned_pages"] == 0
         assert sh["audit_with_cache"] == [] and sh["audit_after_drop"] == []
         assert sh["pages_used_after_drop"] == {"full": 0, "swa": 0}
         # the window is smaller than every prompt: SWA pages of the shared prefix evicted

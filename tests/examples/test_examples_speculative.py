@@ -72,7 +72,7 @@ def test_speculative_decode_matches_transformers(tmp_path):
         assert run["audit_findings"] == [] and run["pages_back"]
         assert s["pages_allocated"] == s["pages_freed"]  # prefill + rounds, all given back
     assert {p.name for p in tmp_path.iterdir()} == {"speculative_decode.json",
-                                                     "speculative_decode.md"}
+                                                     "speculative_decode.md", "stamp.json"}
 
 
 def test_lookahead_zero_is_plain_decoding():

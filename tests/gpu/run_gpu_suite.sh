@@ -56,6 +56,10 @@ case "$mode" in
 esac
 mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2  # the repository root
+# the folder's stamp.json (commit, source digest, machine, command): benchmarks/provenance.py;
+# ALLOW_DIRTY=1 lets a run into results/ from uncommitted source
+python3 benchmarks/provenance.py stamp "$out" --command "bash tests/gpu/run_gpu_suite.sh OUTDIR ${2:-}" \
+  ${ALLOW_DIRTY:+--allow-dirty} > /dev/null || exit 2
 rm -f "$out/phases.tsv" "$out"/*.outcomes.jsonl "$out/summary.md" "$out/summary.json"
 : > "$out/phases.tsv"
 

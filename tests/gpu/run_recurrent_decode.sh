@@ -31,6 +31,10 @@ usage="usage: bash tests/gpu/run_recurrent_decode.sh OUTDIR"
 out=${1:?$usage}
 mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2  # the repository root
+# the folder's stamp.json: benchmarks/provenance.py (ALLOW_DIRTY=1: uncommitted source allowed)
+python3 benchmarks/provenance.py stamp "$out" \
+  --command "PHASES='${PHASES:-}' bash tests/gpu/run_recurrent_decode.sh OUTDIR" \
+  ${ALLOW_DIRTY:+--allow-dirty} > /dev/null || exit 2
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 phases=${PHASES:-graph eager eager_torch larger cpu_test}

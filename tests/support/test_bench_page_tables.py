@@ -30,7 +30,8 @@ def test_quick_run_writes_every_output(tmp_path):
     bench = _load("bench_page_tables")
     out = tmp_path / "bench"
     assert bench.main(["--quick", "--device", "cpu", "--no-progress", "--out", str(out)]) == 0
-    assert set(os.listdir(out)) == {"bench_page_tables.json", "bench_page_tables.md"}
+    assert set(os.listdir(out)) == {"bench_page_tables.json", "bench_page_tables.md",
+                                    "stamp.json"}
     res = json.loads((out / "bench_page_tables.json").read_text())
     assert res["errors"] == [] and res["device_clock"] == "cpu-wall"
     assert res["machine"]["torch"] == torch.__version__

@@ -37,7 +37,7 @@ IMPLS = ("graphalloc", "graphalloc_tables", "graphalloc_sglang", "graphalloc_vll
 def test_quick_run_writes_every_output(tmp_path):
     out = tmp_path / "bench"
     assert bench.main(["--quick", "--device", "cpu", "--out", str(out), "--no-progress"]) == 0
-    expected = {"bench_scheduler.json", "bench_scheduler.md"}
+    expected = {"bench_scheduler.json", "bench_scheduler.md", "stamp.json"}
     if importlib.util.find_spec("matplotlib") is not None:
         expected |= {"host_us_vs_b.png", "gpu_us_vs_b.png"}
     assert set(os.listdir(out)) == expected

@@ -33,7 +33,7 @@ def test_quick_run_writes_every_output(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     expected = ["bench_frees.json", "bench_frees.md", "trace_eager_8frees.json",
-                "trace_graphalloc_8frees.json"]
+                "trace_graphalloc_8frees.json", "stamp.json"]  # stamp: benchmarks/provenance.py
     if importlib.util.find_spec("matplotlib") is not None:  # the [bench] extra
         expected += ["single_free.png", "step_frees.png", "step_frees_decode.png"]
     assert sorted(os.listdir(out)) == sorted(expected)

@@ -276,7 +276,9 @@ def test_for_engine_shapes_are_budget_sized_not_pool_sized():
     assert cfg.max_step_tokens == 64 + 8 < cfg.max_reqs + cfg.max_context_len
 
 
-@pytest.mark.parametrize("model_window,alloc_window", [(4096, 4095), (2, 1), (1, 1), (33, 32)])
+# 4096 past the 256-token context: clamped to the context (tests/support/test_naming.py)
+@pytest.mark.parametrize("model_window,alloc_window", [(4096, 256), (257, 256), (256, 255),
+                                                       (2, 1), (1, 1), (33, 32)])
 def test_for_engine_converts_the_model_window(model_window, alloc_window):
     assert engine(model_sliding_window=model_window).sliding_window == alloc_window
 
