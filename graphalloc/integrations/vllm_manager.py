@@ -1,0 +1,580 @@
+"""graphalloc as vLLM's ``KVCacheManager``: vLLM's calls, vLLM's counts, ONE step per schedule().
+
+Contract. :class:`GraphallocKVCacheManager` takes vLLM 0.33's ``KVCacheManager``
+constructor arguments and answers every call its v1 ``Scheduler`` makes, with vLLM's
+argument names and return shapes (``get_computed_blocks`` -> ``(blocks, n_tokens,
+shared_prefix_boundary)``, ``allocate_slots`` -> blocks or ``None``, ...); vLLM's
+``Request`` comes in, :class:`~graphalloc.integrations.vllm_blocks.LazyBlocks` go out.
+A per-request call only RECORDS (Python ints into lists: about 1-2 us) and answers
+feasibility from host counts kept with vLLM's rule: blocks a request needs per group are
+``cdiv(tokens, block_size)`` less the blocks it holds (a sliding-window group: less the
+blocks below ``computed - W + 1`` too, which vLLM frees first, and capped at admission),
+summed over the groups, against ONE budget of ``num_blocks - 1`` blocks shared by the groups
+as vLLM's pool is, less ``reserved_blocks`` and the watermark; ``full_sequence_must_fit``
+checks the whole prompt first. ``None`` means short, nothing recorded.
+
+The first block id read in an iteration (vLLM reads them after its scheduling loop)
+runs :meth:`flush`: the recorded takes, releases, window moves, admits and extends as ONE
+``alloc.plan`` + ``alloc.run``; ids then come from the host's page mirror, the pages the
+step writes. graphalloc's pools: FULL and SWA ``num_blocks - 1`` pages each, so any split
+of the shared budget fits both (the budget, not the pools, decides admission).
+
+Prefix caching keys graphalloc's :class:`~graphalloc.sharing.prefix_cache.PrefixCache`
+with vLLM's own ``request.block_hashes`` (cache salt, LoRA and multimodal extra keys are
+in them: tenants never share KV; nothing is hashed again). A request's blocks filled in one
+iteration become a cache entry (a ``take``) in the next iteration's step; a hit is admitted
+on the entry (``admit_on``). Unlike vLLM, blocks are not hittable within the step that
+fills them (docs/vllm.md says what that changes). Budget with caching: pages held only by
+the cache count as free (vLLM's evictable blocks); the planner evicts them when a step is
+short. Not supported (``ConfigError`` at construction): Mamba / cross-attention / chunked
+local groups, unequal block sizes, KV connectors' async loads (``delay_cache_blocks``),
+DCP/PCP, KV events. Cost: see each method; :meth:`flush` is one plan, O(rows) numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..allocator import HybridAllocator
+from ..config import AllocatorConfig
+from ..errors import ConfigError, ContractError
+from .vllm_blocks import LazyBlocks
+
+__all__ = ["GraphallocKVCacheManager"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _CoordinatorView:
+    """The two coordinator attributes vLLM's scheduler reads directly."""
+
+    enable_partial_hash_hits = False
+    single_type_managers = ()
+
+    def __init__(self, manager):
+        self._manager = manager
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks=(),
+                                   **_ignored) -> int:
+        return self._manager.blocks_to_allocate(request_id, num_tokens)
+
+
+class GraphallocKVCacheManager:
+    """vLLM's ``KVCacheManager`` over a pool-mode :class:`HybridAllocator` (see module).
+
+    Beyond vLLM's constructor arguments: ``max_num_seqs`` (request rows: twice it, so an
+    iteration's new requests never wait on its releases), ``max_num_batched_tokens`` and
+    ``num_lookahead_tokens`` (the step shape). ``alloc`` is the allocator built here."""
+
+    def __init__(self, kv_cache_config, max_model_len: int, scheduler_block_size: int,
+                 hash_block_size: int, max_in_flight_tokens: int | None = None,
+                 enable_caching: bool = True, use_eagle: bool = False,
+                 num_hash_lookahead_tokens: int = 0, num_prefill_lookahead: int = 0,
+                 log_stats: bool = False, enable_kv_cache_events: bool = False,
+                 dcp_world_size: int = 1, pcp_world_size: int = 1, metrics_collector=None,
+                 watermark: float = 0.0, enable_mamba_shared_prefix_checkpoint: bool = False,
+                 *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 num_lookahead_tokens: int = 0):
+        from vllm.v1.request import RequestStatus  # vLLM is there when vLLM builds us
+
+        groups = kv_cache_config.kv_cache_groups
+        windows = []
+        for group in groups:
+            spec = group.kv_cache_spec
+            kind = type(spec).__name__
+            if kind not in ("FullAttentionSpec", "SlidingWindowSpec"):
+                raise ConfigError(f"GraphallocKVCacheManager: KV-cache group of {kind} is not "
+                                  "supported (full attention and sliding window are)")
+            if spec.block_size != scheduler_block_size:
+                raise ConfigError("GraphallocKVCacheManager: every group's block_size must "
+                                  f"be the scheduler's {scheduler_block_size}")
+            windows.append(getattr(spec, "sliding_window", None) if kind != "FullAttentionSpec"
+                           else None)
+        swa = [w for w in windows if w is not None]
+        if len(set(swa)) > 1 or windows.count(None) > 1 or (swa and windows[0] is not None):
+            raise ConfigError("GraphallocKVCacheManager: groups must be [full] or [full, "
+                              f"sliding window] (one window), got windows {windows}")
+        if dcp_world_size != 1 or pcp_world_size != 1 or enable_kv_cache_events:
+            raise ConfigError("GraphallocKVCacheManager: DCP/PCP and KV events are not "
+                              "supported")
+        if hash_block_size != scheduler_block_size:
+            raise ConfigError("GraphallocKVCacheManager: hash_block_size must equal the "
+                              "block size")
+        self.kv_cache_config = kv_cache_config
+        self.num_kv_cache_groups = len(groups)
+        self.swa_group = 1 if swa else -1
+        self.window = swa[0] if swa else 0
+        bs = self.block_size = scheduler_block_size
+        self.max_model_len = max_model_len
+        self.enable_caching, self.log_stats = enable_caching, log_stats
+        self.enable_kv_cache_events = False
+        self.use_eagle = use_eagle
+        self.mamba_shared_prefix_checkpoint = False
+        self.coordinator = _CoordinatorView(self)
+        self.block_pool = None  # vLLM's pool: connectors' deferred frees only (unsupported)
+        self._waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        n_blocks = kv_cache_config.num_blocks - 1  # block 0 is vLLM's null block
+        self.total_blocks = n_blocks
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        in_flight = max_in_flight_tokens if max_in_flight_tokens is not None else max_model_len
+        self._swa_cap = None
+        if swa:
+            self._swa_cap = groups[1].kv_cache_spec.max_admission_blocks_per_request(
+                in_flight, max_model_len)
+        rows = 2 * max_num_seqs
+        step_tokens = max(max_num_batched_tokens + rows * (num_lookahead_tokens + bs),
+                          max_model_len)
+        cfg = AllocatorConfig(
+            page_size=bs, num_full_pages=n_blocks, num_swa_pages=n_blocks, max_reqs=rows,
+            max_context_len=max_model_len, model_window=self.window or max_model_len,
+            max_handles=(4 * rows if enable_caching else 0), max_alloc_rows=2 * rows,
+            max_tokens_per_alloc_row=max_model_len, max_step_tokens=step_tokens)
+        self.alloc = HybridAllocator(cfg, prefix_cache=enable_caching)
+        self.cache = self.alloc.prefix_cache
+        self._refs = self.alloc.ledger.refs
+        self._handle_base = cfg.max_reqs
+        self.empty_kv_cache_blocks = LazyBlocks(self, None, 0, 0)
+        self._free_rows = list(range(rows - 1, -1, -1))  # a stack: row 0 first
+        self._row: dict[str, int] = {}  # request id -> row (live or admitted by the step)
+        self._req: list = [None] * rows  # row -> the vLLM Request (caching: its hashes)
+        self._len = [0] * rows  # tokens allocated once the recorded step ran
+        self._skip = [0] * rows  # SWA blocks below the window (vLLM's null blocks)
+        self._shared = [0] * rows  # caching: leading blocks shared with a live holder
+        self._cache_to = [0] * rows  # caching: tokens vLLM caches (cache_blocks' count)
+        self._cached = [0] * rows  # caching: blocks of the row's newest cache entry
+        self._used = 0  # blocks held, all groups (vLLM's pool: total - free)
+        self._recs()
+        self._row_refs = np.zeros(n_blocks + 1, dtype=np.int32) if enable_caching else None
+        self.steps = 0  # graphalloc steps run
+        self._stats = None
+        if log_stats:
+            from vllm.v1.metrics.stats import PrefixCacheStats
+            self._stats_cls = PrefixCacheStats
+            self._stats = PrefixCacheStats()
+
+    def _recs(self) -> None:
+        self._admit, self._on, self._rel = [], [], []
+        self._ext: dict[int, int] = {}  # row -> tokens to extend by
+        self._adv: dict[int, int] = {}  # row -> new SWA frontier (tokens)
+        self._hits: dict[str, int] = {}  # request id -> locked handle, until the step
+        self._new_rows: set[int] = set()  # rows admitted by the recorded step
+        self._dirty = False  # something is recorded: the next id read plans the step
+
+    # ---- counts --------------------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        """vLLM's usage: blocks in use over ``num_blocks - 1``. O(1)."""
+        return self._used / self.total_blocks if self.total_blocks else 0.0
+
+    def get_num_free_blocks(self) -> int:
+        return self.total_blocks - self._used
+
+    def blocks_to_allocate(self, request_id, num_tokens: int) -> int:
+        """Blocks ``request_id`` needs to hold ``num_tokens`` (all groups). O(1)."""
+        row = self._row.get(request_id)
+        held = 0 if row is None else _cdiv(self._len[row], self.block_size)
+        return max(_cdiv(num_tokens, self.block_size) - held, 0) * self.num_kv_cache_groups
+
+    def _need_new(self, n_tokens: int, n_hit_blocks: int, total: int, cap: bool) -> int:
+        """Blocks a request not held here needs for ``n_tokens`` after a hit of
+        ``n_hit_blocks`` whole blocks, ``total`` tokens computed (vLLM's rule)."""
+        req = _cdiv(n_tokens, self.block_size)
+        need = max(req - n_hit_blocks, 0)
+        if self.swa_group > 0:
+            skipped = max(0, total - self.window + 1) // self.block_size
+            r = min(req, self._swa_cap) if cap else req
+            need += max(r - max(skipped, n_hit_blocks), 0)
+        return need
+
+    # ---- the scheduler's calls -------------------------------------------------------------
+    def new_step_starts(self) -> None:
+        """vLLM calls this at the head of ``schedule()``: nothing to do. O(1)."""
+
+    def prefix_cache_lookup_enabled(self, request) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def get_computed_blocks(self, request, max_cache_hit_length: int | None = None):
+        """``(blocks, n_hit_tokens, 0)``: the longest cached whole-block prefix of the
+        request's ``block_hashes`` (at most ``num_tokens - 1`` tokens) whose window is
+        cached; its entry is locked until the step. O(hit blocks) dict lookups."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        keys = request.block_hashes[:max_cache_hit_length // self.block_size]
+        if not keys:
+            return self.empty_kv_cache_blocks, 0, 0
+        hit = self.cache.match(keys=list(keys))
+        n = hit.cached_tokens
+        if not n:
+            return self.empty_kv_cache_blocks, 0, 0
+        rid = request.request_id
+        old = self._hits.pop(rid, None)
+        if old is not None:
+            self.cache.unlock(old)
+        self.cache.lock(hit.handle)
+        self._hits[rid] = hit.handle
+        return LazyBlocks(self, rid, 0, n // self.block_size, hit.handle), n, 0
+
+    def get_computed_blocks_for_connector(self, request, max_cache_hit_length=None):
+        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+
+    def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks=None, num_lookahead_tokens: int = 0,
+                       num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
+                       num_encoder_tokens: int = 0, full_sequence_must_fit: bool = False,
+                       reserved_blocks: int = 0, has_scheduled_reqs: bool = True,
+                       skip_zeroing_group_ids=()):
+        """Record that ``request`` holds ``min(computed + new + lookahead,
+        max_model_len)`` tokens after a hit of ``num_new_computed_tokens`` (vLLM's
+        arguments and rule); the new blocks, or ``None`` when the shared budget (less
+        ``reserved_blocks`` and, for a waiting request, the watermark) is short. O(1)
+        for a running request; a new one also takes a row."""
+        bs, rid = self.block_size, request.request_id
+        row = self._row.get(rid)
+        if num_new_tokens == 0 and not num_external_computed_tokens and \
+                not num_new_computed_tokens:
+            raise ValueError("num_new_tokens must be greater than 0 when there are no "
+                             "computed tokens to adopt")
+        if delay_cache_blocks or num_encoder_tokens:
+            raise ContractError("GraphallocKVCacheManager: delayed caching (async KV loads) "
+                                "and encoder tokens are not supported")
+        local = request.num_computed_tokens + num_new_computed_tokens
+        total = min(local + num_external_computed_tokens, self.max_model_len)
+        free = self.total_blocks - self._used
+        wm = self.watermark_blocks if (has_scheduled_reqs and request.status in
+                                       self._waiting) else 0
+        mml = self.max_model_len
+        target = min(total + num_new_tokens + num_lookahead_tokens, mml)
+        if row is not None:  # running: vLLM's fast path
+            old = self._len[row]
+            need = 0
+            if target > old:
+                need = (_cdiv(target, bs) - _cdiv(old, bs)) * self.num_kv_cache_groups
+            if self.swa_group > 0:  # vLLM frees the window's skipped blocks first
+                skip = min(max(0, total - request.num_in_flight_tokens - self.window + 1)
+                           // bs, _cdiv(old, bs))
+                if skip > self._skip[row]:
+                    self._used -= skip - self._skip[row]
+                    free += skip - self._skip[row]
+                    self._skip[row] = skip
+                    self._adv[row] = skip * bs
+                    self._dirty = True
+            if need + wm > free - reserved_blocks:
+                return None
+            if target > old:
+                self._ext[row] = self._ext.get(row, 0) + target - old
+                self._len[row] = target
+                self._used += need
+                self._dirty = True
+            if self.enable_caching:
+                self._cache_to[row] = min(total + num_new_tokens, request.num_tokens)
+            return LazyBlocks(self, rid, _cdiv(old, bs), _cdiv(max(target, old), bs))
+        n_hit = num_new_computed_tokens // bs
+        handle = -1
+        if num_new_computed_tokens:
+            handle = self._hits.get(rid, -1)
+            if handle < 0 or new_computed_blocks is None or \
+                    getattr(new_computed_blocks, "handle", -2) != handle:
+                raise ContractError(f"allocate_slots({rid!r}): a hit must be the one "
+                                    "get_computed_blocks() returned in this iteration")
+        evictable = self._evictable(handle, n_hit) if handle >= 0 else 0
+        if full_sequence_must_fit:
+            whole = min(request.num_tokens, mml)
+            if self._need_new(whole, n_hit, total, True) + evictable + wm > free:
+                return None
+        need = self._need_new(target, n_hit, total, False) + evictable
+        if need + wm > free - reserved_blocks:
+            return None
+        if not self._free_rows:
+            return None
+        row = self._free_rows.pop()
+        self._row[rid] = row
+        self._req[row] = request
+        self._new_rows.add(row)
+        self._dirty = True
+        if handle >= 0:
+            self._on.append((row, handle, n_hit * bs))
+        else:
+            self._admit.append(row)
+        base = n_hit * bs
+        if target > base:
+            self._ext[row] = target - base
+        self._len[row] = max(target, base)
+        self._used += need
+        skip = 0
+        if self.swa_group > 0:
+            skip = min(max(0, total - self.window + 1) // bs, _cdiv(self._len[row], bs))
+            if skip:
+                self._adv[row] = skip * bs
+        self._skip[row] = skip
+        self._cached[row] = n_hit
+        self._shared[row] = n_hit
+        self._cache_to[row] = min(total + num_new_tokens, request.num_tokens) \
+            if self.enable_caching else 0
+        return LazyBlocks(self, rid, 0, _cdiv(self._len[row], bs))
+
+    def _evictable(self, handle: int, n_blocks: int) -> int:
+        """Blocks of a hit that no live request holds (vLLM's evictable blocks: admitting
+        on them takes them from the free count), all groups. O(hit blocks) numpy."""
+        pages = self._refs.page_of[self._handle_base + handle, :n_blocks]
+        return int(np.count_nonzero(self._row_refs[pages] == 0)) * self.num_kv_cache_groups
+
+    def free(self, request) -> None:
+        """Free everything ``request`` holds (finished, aborted or preempted): recorded
+        for the next step; its blocks count as free at once (those only the cache keeps
+        too: vLLM's evictable blocks). Unknown ids: nothing. O(1) (caching: O(blocks))."""
+        rid = request.request_id
+        handle = self._hits.pop(rid, None)
+        if handle is not None:
+            self.cache.unlock(handle)
+        row = self._row.pop(rid, None)
+        if row is None:
+            return
+        n_blocks = _cdiv(self._len[row], self.block_size)
+        held = n_blocks * self.num_kv_cache_groups - (self._skip[row] if self.swa_group > 0
+                                                      else 0)
+        if self.enable_caching and row not in self._new_rows:  # blocks others hold too
+            n_done = _cdiv(int(self.alloc.ledger.seq_len[row]), self.block_size)
+            pages = self._refs.page_of[row, :n_done]
+            held -= int(np.count_nonzero(self._row_refs[pages] > 1)) * \
+                self.num_kv_cache_groups
+        elif self.enable_caching:
+            held -= (self._shared[row] - self._evictable_row(row)) * self.num_kv_cache_groups
+        self._used -= held
+        self._dirty = True
+        if row in self._new_rows:  # admitted by the recorded step: undo the admission
+            self._drop_new(row)
+        else:
+            self._ext.pop(row, None)
+            self._adv.pop(row, None)
+            self._rel.append(row)
+
+    def _evictable_row(self, row: int) -> int:
+        """Hit blocks of a row admitted by the recorded step that no live row held."""
+        for r, handle, n in self._on:
+            if r == row:
+                return self._evictable(handle, n // self.block_size) // \
+                    self.num_kv_cache_groups
+        return 0
+
+    def _drop_new(self, row: int) -> None:
+        self._new_rows.discard(row)
+        self._admit = [r for r in self._admit if r != row]
+        self._on = [t for t in self._on if t[0] != row]
+        self._ext.pop(row, None)
+        self._adv.pop(row, None)
+        self._req[row] = None
+        self._free_rows.append(row)
+
+    def remove_skipped_blocks(self, request_id, total_computed_tokens: int,
+                              num_prompt_tokens=None) -> None:
+        """Free the request's sliding-window blocks below ``computed - W + 1``. O(1)."""
+        row = self._row.get(request_id)
+        if row is None or self.swa_group < 0:
+            return
+        bs = self.block_size
+        skip = min(max(0, total_computed_tokens - self.window + 1) // bs,
+                   _cdiv(self._len[row], bs))
+        if skip > self._skip[row]:
+            self._used -= skip - self._skip[row]
+            self._skip[row] = skip
+            self._adv[row] = skip * bs
+            self._dirty = True
+
+    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        """The request's first ``num_computed_tokens`` are cacheable (their whole blocks
+        become a cache entry in the next step). O(1)."""
+        row = self._row.get(request.request_id)
+        if row is not None and self.enable_caching:
+            self._cache_to[row] = max(self._cache_to[row], min(num_computed_tokens,
+                                                               request.num_tokens))
+
+    # ---- block ids: the step ----------------------------------------------------------------
+    def get_blocks(self, request_id) -> LazyBlocks:
+        row = self._row.get(request_id)
+        if row is None:
+            return self.empty_kv_cache_blocks
+        return LazyBlocks(self, request_id, 0, _cdiv(self._len[row], self.block_size))
+
+    def get_block_ids(self, request_id) -> tuple[list[int], ...]:
+        return self.get_blocks(request_id).get_block_ids()
+
+    def resolve_block_ids(self, blocks: LazyBlocks) -> tuple[list[int], ...]:
+        """Ids of ``blocks`` from the page mirror (the step planned first if records are
+        pending). O(blocks) numpy."""
+        if self._pending():
+            self.flush()
+        row = self._row.get(blocks.request_id)
+        if row is None:
+            raise ContractError(f"block ids of {blocks.request_id!r}: the request holds "
+                                "no blocks here")
+        full = self._refs.page_of[row, blocks.first_block:blocks.end_block]
+        out = [full.tolist()]
+        if self.swa_group > 0:
+            swa = self._refs.swa_of[full]
+            skip = self._skip[row] - blocks.first_block
+            if skip > 0:
+                swa = swa.copy()
+                swa[:skip] = 0
+            out.append(swa.tolist())
+        return tuple(out)
+
+    def _pending(self) -> bool:
+        return self._dirty
+
+    def flush(self):
+        """Run everything recorded as ONE graphalloc step (``alloc.plan`` +
+        ``alloc.run``): cache entries of blocks filled since the last step (takes),
+        releases, window moves, admits (plain or on a hit), extends. O(rows) numpy + one
+        plan. Returns the step's ``AllocResult`` (``None``: nothing to run)."""
+        from ..plan.step import Step
+
+        kw, inserts = {}, []
+        if self.enable_caching:
+            inserts = self._takes()
+            if inserts:
+                kw["take"] = tuple(np.array(c, dtype=np.int64) for c in zip(*[
+                    (h, r, n) for h, r, n, _ in inserts]))
+        if self._rel:
+            kw["release"] = np.array(self._rel, dtype=np.int64)
+        if self._adv:
+            kw["advance"] = (np.fromiter(self._adv.keys(), np.int64, len(self._adv)),
+                             np.fromiter(self._adv.values(), np.int64, len(self._adv)))
+        if self._admit:
+            kw["admit"] = np.array(self._admit, dtype=np.int64)
+        if self._on:
+            kw["admit_on"] = tuple(np.array(c, dtype=np.int64) for c in zip(*self._on))
+        if self._ext:
+            kw["extend"] = (np.fromiter(self._ext.keys(), np.int64, len(self._ext)),
+                            np.fromiter(self._ext.values(), np.int64, len(self._ext)))
+        if not kw:
+            self._dirty = False
+            return None
+        alloc = self.alloc
+        refs = self._row_refs
+        if refs is not None and self._rel:  # the released rows' pages lose a holder
+            for row in self._rel:
+                n = _cdiv(int(alloc.ledger.seq_len[row]), self.block_size)
+                np.subtract.at(refs, self._refs.page_of[row, :n], 1)
+        before = {row: _cdiv(int(alloc.ledger.seq_len[row]), self.block_size)
+                  for row in self._ext} if refs is not None else None
+        result = alloc.run(alloc.plan(Step(**kw)))
+        self.steps += 1
+        if refs is not None:  # the new pages (and the hits) gain a holder
+            for row in self._ext:
+                n0 = 0 if row in self._new_rows else before[row]
+                n1 = _cdiv(int(alloc.ledger.seq_len[row]), self.block_size)
+                np.add.at(refs, self._refs.page_of[row, n0:n1], 1)
+            for row, _, n in self._on:
+                if row not in self._ext:
+                    np.add.at(refs, self._refs.page_of[row, :n // self.block_size], 1)
+            for handle, row, n, keys in inserts:
+                self.cache.add_entry(handle, keys)
+                self._cached[row] = n // self.block_size
+        for handle in self._hits.values():
+            self.cache.unlock(handle)
+        for row in self._rel:
+            self._req[row] = None
+            self._free_rows.append(row)
+        self._recs()
+        return result
+
+    def _takes(self) -> list:
+        """(handle, row, tokens, keys) of the cache entries due: a live row's blocks
+        cached since its newest entry. O(rows) + O(free handles) numpy."""
+        due = [r for r in self._row.values() if r not in self._new_rows
+               and self._cache_to[r] // self.block_size > self._cached[r]]
+        if not due:
+            return []
+        led = self.alloc.ledger
+        free_h = np.flatnonzero(~led.h_live).tolist()
+        out = []
+        for row in due:
+            n_blocks = min(self._cache_to[row], int(led.seq_len[row])) // self.block_size
+            keys = list(self._req[row].block_hashes[:n_blocks])
+            if len(keys) < n_blocks or not keys:
+                continue
+            if self.cache.lookup(keys) >= 0:
+                self._cached[row] = n_blocks
+                continue
+            if not free_h:
+                break
+            out.append((free_h.pop(0), row, n_blocks * self.block_size, keys))
+        return out
+
+    # ---- stats, resets and the rest of vLLM's surface ------------------------------------------
+    def make_prefix_cache_stats(self):
+        if not self.log_stats:
+            return None
+        stats, self._stats = self._stats, self._stats_cls()
+        return stats
+
+    def record_prefix_cache_stats(self, request, num_hits: int) -> None:
+        if self.log_stats and self.prefix_cache_lookup_enabled(request):
+            self._stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
+                               preempted=request.num_preemptions > 0)
+
+    def estimate_cached_tokens(self, request) -> int:
+        row = self._row.get(request.request_id)
+        if row is None or not self.enable_caching:
+            return 0
+        return self._cache_to[row] // self.block_size * self.block_size
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cache entry; ``False`` (nothing changed) while requests hold
+        blocks, as vLLM."""
+        if self._row or self._pending():
+            return False
+        if self.cache is not None:
+            self.cache.drop_all()
+            if self._row_refs is not None:
+                self._row_refs[:] = 0
+        if self.log_stats:
+            self._stats.reset = True
+        return True
+
+    def take_events(self) -> list:
+        return []
+
+    def take_new_block_ids(self) -> list[int]:
+        return []
+
+    def take_kv_cache_block_copies(self):
+        """``(copies, retained blocks)``: no copy-on-write here, both empty."""
+        return [], []
+
+    def take_boundary_state_offloads(self):
+        """Mamba "align" boundary states: none (no Mamba groups)."""
+        return {}
+
+    def record_blocks_for_zeroing(self, request_id, start_token: int) -> None:
+        return None
+
+    def get_num_common_prefix_blocks(self, running_request_id) -> list[int]:
+        return [0] * self.num_kv_cache_groups
+
+    def create_kv_cache_blocks(self, blocks):
+        return blocks
+
+    def truncate_computed_blocks(self, blocks, num_tokens: int):
+        return LazyBlocks(self, blocks.request_id, 0, num_tokens // self.block_size,
+                          blocks.handle)
+
+    def get_block_ids_for_computed_tokens(self, request_id, num_computed_tokens: int):
+        ids = self.get_block_ids(request_id)
+        n = _cdiv(num_computed_tokens, self.block_size)
+        return tuple(group[:n] for group in ids)
+
+    def pop_blocks_for_free(self, request):
+        raise ContractError("GraphallocKVCacheManager: deferred frees (KV connectors) are "
+                            "not supported")
+
+    def evict_blocks(self, block_ids) -> None:
+        raise ContractError("GraphallocKVCacheManager: evicting blocks by id (KV connector "
+                            "load failures) is not supported")
+
+    def finalize_partial_tail_offloads(self, request):
+        return []
