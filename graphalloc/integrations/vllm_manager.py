@@ -145,6 +145,8 @@ class GraphallocKVCacheManager:
         self._cache_to = [0] * rows  # caching: tokens vLLM caches (cache_blocks' count)
         self._cached = [0] * rows  # caching: blocks of the row's newest cache entry
         self._used = 0  # blocks held, all groups (vLLM's pool: total - free)
+        self._filling: dict = {}  # caching: block hash -> row, cacheable, not an entry yet
+        self.extra_steps = 0  # steps run for hits on blocks filled in the same schedule()
         self._recs()
         self._row_refs = np.zeros(n_blocks + 1, dtype=np.int32) if enable_caching else None
         self.steps = 0  # graphalloc steps run
@@ -206,8 +208,17 @@ class GraphallocKVCacheManager:
         keys = request.block_hashes[:max_cache_hit_length // self.block_size]
         if not keys:
             return self.empty_kv_cache_blocks, 0, 0
-        hit = self.cache.match(keys=list(keys))
+        keys = list(keys)
+        hit = self.cache.match(keys=keys)
         n = hit.cached_tokens
+        if n // self.block_size < len(keys) and keys[n // self.block_size] in self._filling:
+            # vLLM: blocks are hittable in the step that fills them. Plan what is recorded
+            # (their pages), make them a cache entry, then look again: two more steps.
+            self.flush()
+            if self._flush_takes():
+                self.extra_steps += 1
+                hit = self.cache.match(keys=keys)
+                n = hit.cached_tokens
         if not n:
             return self.empty_kv_cache_blocks, 0, 0
         rid = request.request_id
@@ -270,7 +281,7 @@ class GraphallocKVCacheManager:
                 self._used += need
                 self._dirty = True
             if self.enable_caching:
-                self._cache_to[row] = min(total + num_new_tokens, request.num_tokens)
+                self._cacheable(row, request, min(total + num_new_tokens, request.num_tokens))
             return LazyBlocks(self, rid, _cdiv(old, bs), _cdiv(max(target, old), bs))
         n_hit = num_new_computed_tokens // bs
         handle = -1
@@ -312,9 +323,19 @@ class GraphallocKVCacheManager:
         self._skip[row] = skip
         self._cached[row] = n_hit
         self._shared[row] = n_hit
-        self._cache_to[row] = min(total + num_new_tokens, request.num_tokens) \
-            if self.enable_caching else 0
+        self._cache_to[row] = 0
+        if self.enable_caching:
+            self._cacheable(row, request, min(total + num_new_tokens, request.num_tokens))
         return LazyBlocks(self, rid, 0, _cdiv(self._len[row], bs))
+
+    def _cacheable(self, row: int, request, n_tokens: int) -> None:
+        """vLLM caches the request's whole blocks of ``n_tokens``: note the new ones
+        (their hashes) for the next entry. O(new blocks)."""
+        old = max(self._cache_to[row] // self.block_size, self._cached[row])
+        self._cache_to[row] = n_tokens
+        hashes = request.block_hashes
+        for j in range(old, min(n_tokens // self.block_size, len(hashes))):
+            self._filling[hashes[j]] = row
 
     def _evictable(self, handle: int, n_blocks: int) -> int:
         """Blocks of a hit that no live request holds (vLLM's evictable blocks: admitting
@@ -367,6 +388,9 @@ class GraphallocKVCacheManager:
         self._ext.pop(row, None)
         self._adv.pop(row, None)
         self._req[row] = None
+        self._cached[row] = self._cache_to[row] = 0
+        if self._filling:
+            self._filling = {k: r for k, r in self._filling.items() if r != row}
         self._free_rows.append(row)
 
     def remove_skipped_blocks(self, request_id, total_computed_tokens: int,
@@ -389,8 +413,9 @@ class GraphallocKVCacheManager:
         become a cache entry in the next step). O(1)."""
         row = self._row.get(request.request_id)
         if row is not None and self.enable_caching:
-            self._cache_to[row] = max(self._cache_to[row], min(num_computed_tokens,
-                                                               request.num_tokens))
+            n = min(num_computed_tokens, request.num_tokens)
+            if n > self._cache_to[row]:
+                self._cacheable(row, request, n)
 
     # ---- block ids: the step ----------------------------------------------------------------
     def get_blocks(self, request_id) -> LazyBlocks:
@@ -471,21 +496,49 @@ class GraphallocKVCacheManager:
             for row, _, n in self._on:
                 if row not in self._ext:
                     np.add.at(refs, self._refs.page_of[row, :n // self.block_size], 1)
-            for handle, row, n, keys in inserts:
-                self.cache.add_entry(handle, keys)
-                self._cached[row] = n // self.block_size
+            self._register(inserts)
         for handle in self._hits.values():
             self.cache.unlock(handle)
         for row in self._rel:
             self._req[row] = None
+            self._cached[row] = self._cache_to[row] = 0
             self._free_rows.append(row)
+        if self._rel and self._filling:  # blocks of released rows never taken: forgotten
+            released = set(self._rel)
+            self._filling = {k: r for k, r in self._filling.items() if r not in released}
         self._recs()
         return result
 
+    def _flush_takes(self) -> bool:
+        """A step of the cache entries due alone (their pages exist); whether it ran."""
+        from ..plan.step import Step
+
+        inserts = self._takes()
+        if not inserts:
+            return False
+        take = tuple(np.array(c, dtype=np.int64) for c in zip(*[(h, r, n) for h, r, n, _
+                                                               in inserts]))
+        self.alloc.run(self.alloc.plan(Step(take=take)))
+        self.steps += 1
+        self._register(inserts)
+        return True
+
+    def _register(self, inserts) -> None:
+        filling = self._filling
+        for handle, row, n, keys in inserts:
+            self.cache.add_entry(handle, keys)
+            self._cached[row] = n // self.block_size
+            for key in keys:
+                filling.pop(key, None)
+
     def _takes(self) -> list:
-        """(handle, row, tokens, keys) of the cache entries due: a live row's blocks
-        cached since its newest entry. O(rows) + O(free handles) numpy."""
-        due = [r for r in self._row.values() if r not in self._new_rows
+        """(handle, row, tokens, keys) of the cache entries due: a row's blocks cached
+        since its newest entry, whose pages exist (rows released by the step too: takes
+        run first). O(rows) + O(free handles) numpy."""
+        if not self._filling:
+            return []
+        rows = list(self._row.values()) + self._rel
+        due = [r for r in rows if r not in self._new_rows
                and self._cache_to[r] // self.block_size > self._cached[r]]
         if not due:
             return []
