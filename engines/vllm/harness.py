@@ -45,7 +45,7 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-__all__ = ["build", "run", "make_requests", "GRAPHALLOC_CLS"]
+__all__ = ["build", "run", "make_requests", "fake_output", "GRAPHALLOC_CLS"]
 
 GRAPHALLOC_CLS = "graphalloc.integrations.vllm_scheduler.GraphallocAsyncScheduler"
 _MODEL_DIR = None
@@ -116,6 +116,28 @@ def make_requests(w: dict) -> list[tuple[int, Request]]:
     return out
 
 
+def fake_output(s, so, k: int = 0, drafts: list | None = None) -> ModelRunnerOutput:
+    """The fake runner's output for ``so``: a request whose scheduled tokens reach its end
+    samples ``1 + accepted`` tokens (deterministic); ``drafts`` (when ``k``) gets the
+    next drafts of ``k`` tokens."""
+    ids = list(so.num_scheduled_tokens)
+    sampled = []
+    for rid in ids:
+        req = s.requests[rid]
+        n = so.num_scheduled_tokens[rid]
+        spec = so.scheduled_spec_decode_tokens.get(rid, ())
+        if req.num_computed_tokens + n < req.num_tokens + len(spec):
+            sampled.append([])
+            continue
+        pos = req.num_tokens
+        accept = (_token(rid, pos + 7) % (len(spec) + 1)) if spec else 0
+        sampled.append([_token(rid, pos + j) for j in range(accept + 1)])
+        if k and drafts is not None:
+            drafts.append((rid, [_token(rid, pos + 100 + j) for j in range(k)]))
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
+                             sampled_token_ids=sampled)
+
+
 def run(w: dict, manager: str, *, max_steps: int = 2000, timed: bool = False) -> dict:
     """Drive workload ``w``; the per-step records, the outputs and (``timed``) the
     seconds of each ``schedule()`` + ``update_from_output()``."""
@@ -140,22 +162,8 @@ def run(w: dict, manager: str, *, max_steps: int = 2000, timed: bool = False) ->
         so = s.schedule()
         t1 = time.perf_counter()
         ids = list(so.num_scheduled_tokens)
-        sampled, drafts = [], []
-        for rid in ids:
-            req = s.requests[rid]
-            n = so.num_scheduled_tokens[rid]
-            spec = so.scheduled_spec_decode_tokens.get(rid, ())
-            done = req.num_computed_tokens + n >= req.num_tokens + len(spec)
-            if not done:
-                sampled.append([])
-                continue
-            pos = req.num_tokens
-            accept = (_token(rid, pos + 7) % (len(spec) + 1)) if spec else 0
-            sampled.append([_token(rid, pos + j) for j in range(accept + 1)])
-            if k:
-                drafts.append((rid, [_token(rid, pos + 100 + j) for j in range(k)]))
-        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
-                                sampled_token_ids=sampled)
+        drafts = []
+        out = fake_output(s, so, k, drafts)
         t2 = time.perf_counter()
         s.update_from_output(so, out)
         t3 = time.perf_counter()

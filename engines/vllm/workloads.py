@@ -38,7 +38,7 @@ def _mixed(seed: int, n: int, lo: int = 20, hi: int = 200, max_tokens=(8, 60)) -
 def workload(name: str) -> dict:
     """The workload called ``name`` (see :data:`WORKLOADS`)."""
     if name == "shared_prefix":  # chunked prefill + prefix caching + preemption
-        return _base(requests=_shared_prefix(1))
+        return _base(requests=_shared_prefix(1, max_tokens=120), num_blocks=41)
     if name == "no_caching":  # the same requests, caching off
         return _base(requests=_shared_prefix(1), caching=False)
     if name == "mixed_no_caching":  # ragged prompts and outputs, arrivals over 20 steps

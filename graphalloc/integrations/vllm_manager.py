@@ -37,7 +37,7 @@ import numpy as np
 
 from ..allocator import HybridAllocator
 from ..config import AllocatorConfig
-from ..errors import ConfigError, ContractError
+from ..errors import CapacityError, ConfigError, ContractError
 from .vllm_blocks import LazyBlocks
 
 __all__ = ["GraphallocKVCacheManager"]
@@ -362,6 +362,7 @@ class GraphallocKVCacheManager:
             pages = self._refs.page_of[row, :n_done]
             held -= int(np.count_nonzero(self._row_refs[pages] > 1)) * \
                 self.num_kv_cache_groups
+            np.subtract.at(self._row_refs, pages, 1)  # at once: later hits see it free
         elif self.enable_caching:
             held -= (self._shared[row] - self._evictable_row(row)) * self.num_kv_cache_groups
         self._used -= held
@@ -480,13 +481,23 @@ class GraphallocKVCacheManager:
             return None
         alloc = self.alloc
         refs = self._row_refs
-        if refs is not None and self._rel:  # the released rows' pages lose a holder
-            for row in self._rel:
-                n = _cdiv(int(alloc.ledger.seq_len[row]), self.block_size)
-                np.subtract.at(refs, self._refs.page_of[row, :n], 1)
         before = {row: _cdiv(int(alloc.ledger.seq_len[row]), self.block_size)
                   for row in self._ext} if refs is not None else None
-        result = alloc.run(alloc.plan(Step(**kw)))
+        try:
+            planned = alloc.plan(Step(**kw))
+        except CapacityError:
+            # A released row's new entry pins pages the step needs (vLLM would count
+            # them as evictable): plan again without the released rows' takes.
+            keep = [t for t in inserts if t[1] not in self._rel]
+            if len(keep) == len(inserts):
+                raise
+            inserts = keep
+            kw.pop("take")
+            if keep:
+                kw["take"] = tuple(np.array(c, dtype=np.int64) for c in zip(*[
+                    (h, r, n) for h, r, n, _ in keep]))
+            planned = alloc.plan(Step(**kw))
+        result = alloc.run(planned)
         self.steps += 1
         if refs is not None:  # the new pages (and the hits) gain a holder
             for row in self._ext:

@@ -1,0 +1,156 @@
+"""Cost inside vLLM's real scheduler: schedule() + update_from_output() per decode step.
+
+Run in the engine environment::
+
+    python engines/vllm/bench_cost.py [--batches 16 64 256 1024] [--steps 40] \
+        [--out results/engines/vllm-0.33.0-cost]
+
+For each batch size B and prefix caching off / on, B requests (128-token prompts, seeded,
+all distinct) are prefilled, then ``--steps`` steady decode steps are timed with vLLM's own
+KV-cache manager and with graphalloc's (the same scheduler, the same fake runner, one
+after the other in one process). Per step: the whole ``schedule()`` +
+``update_from_output()`` (median), and in a second pass the time spent inside the KV-cache
+manager (every method the scheduler calls wrapped with a timer; graphalloc's includes its
+step, planned at the first block-id read). Writes ``cost.json`` and ``cost.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+
+_MANAGER_CALLS = ("get_computed_blocks", "allocate_slots", "free", "cache_blocks",
+                  "remove_skipped_blocks", "get_blocks", "get_block_ids", "new_step_starts",
+                  "make_prefix_cache_stats", "record_prefix_cache_stats", "take_events",
+                  "take_new_block_ids", "take_kv_cache_block_copies",
+                  "take_boundary_state_offloads", "estimate_cached_tokens",
+                  "resolve_block_ids")
+
+
+def _workload(batch: int, caching: bool) -> dict:
+    import random
+    rng = random.Random(batch)
+    n_blocks = batch * (128 + 200) // 16 + 64
+    return {"block_size": 16, "max_model_len": 2048, "max_num_seqs": batch,
+            "max_num_batched_tokens": max(8192, batch), "num_blocks": n_blocks,
+            "caching": caching,
+            "requests": [{"id": f"r{i}", "prompt": [rng.randrange(3, 900) for _ in range(128)],
+                          "max_tokens": 10_000, "arrive": 0} for i in range(batch)]}
+
+
+def _wrap(manager, acc: list) -> None:
+    for name in _MANAGER_CALLS:
+        fn = getattr(manager, name, None)
+        if fn is None:
+            continue
+
+        def timed(*a, _fn=fn, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[0] += time.perf_counter() - t0
+        setattr(manager, name, timed)
+
+
+def measure(batch: int, caching: bool, manager: str, steps: int, wrap: bool) -> list[float]:
+    w = _workload(batch, caching)
+    s = harness.build(w, manager)
+    for _, req in harness.make_requests(w):
+        s.add_request(req)
+    acc = [0.0]
+    times = []
+    decoding = False
+    i = 0
+    while len(times) < steps and i < steps + 200:
+        i += 1
+        if decoding and wrap and acc[0] == 0.0 and not times:
+            pass
+        acc[0] = 0.0
+        t0 = time.perf_counter()
+        so = s.schedule()
+        t1 = time.perf_counter()
+        out = harness.fake_output(s, so)
+        t2 = time.perf_counter()
+        s.update_from_output(so, out)
+        t3 = time.perf_counter()
+        total = (t1 - t0) + (t3 - t2)
+        if decoding:
+            times.append(acc[0] if wrap else total)
+        elif all(n == 1 for n in so.num_scheduled_tokens.values()) and \
+                len(so.num_scheduled_tokens) == batch:
+            decoding = True
+            if wrap:
+                _wrap(s.kv_cache_manager, acc)
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="*", default=[16, 64, 256, 1024])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--out", default="results/engines/vllm-0.33.0-cost")
+    args = ap.parse_args()
+    rows = []
+    for caching in (False, True):
+        for batch in args.batches:
+            row = {"batch": batch, "caching": caching}
+            for manager in ("vllm", "graphalloc"):
+                step = statistics.median(measure(batch, caching, manager, args.steps, False))
+                mgr = statistics.median(measure(batch, caching, manager, args.steps, True))
+                row[manager] = {"step_us": step * 1e6, "manager_us": mgr * 1e6}
+            row["manager_ratio"] = row["vllm"]["manager_us"] / row["graphalloc"]["manager_us"]
+            row["step_ratio"] = row["vllm"]["step_us"] / row["graphalloc"]["step_us"]
+            row["vllm_manager_share"] = row["vllm"]["manager_us"] / row["vllm"]["step_us"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "cost.json"), "w") as f:
+        json.dump({"commit": commit, "machine": platform.platform(),
+                   "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
+    _plot(rows, os.path.join(args.out, "cost.png"))
+    return 0
+
+
+def _plot(rows: list, path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib absent: no plot", flush=True)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, caching in zip(axes, (False, True), strict=True):
+        sel = [r for r in rows if r["caching"] == caching]
+        bs = [r["batch"] for r in sel]
+        for manager, style in (("vllm", "o-"), ("graphalloc", "s-")):
+            ax.plot(bs, [r[manager]["step_us"] for r in sel], style,
+                    label=f"{manager}: schedule()+update")
+            ax.plot(bs, [r[manager]["manager_us"] for r in sel], style.replace("-", "--"),
+                    label=f"{manager}: KV manager")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch (decoding requests)")
+        ax.set_title(f"vLLM 0.33 scheduler, prefix caching {'on' if caching else 'off'}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("us per step (median)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
