@@ -394,14 +394,14 @@ class GraphallocKVCacheManager:
             self._filling = {k: r for k, r in self._filling.items() if r != row}
         self._free_rows.append(row)
 
-    def remove_skipped_blocks(self, request_id, total_computed_tokens: int,
+    def remove_skipped_blocks(self, request_id, processed_computed_tokens: int,
                               num_prompt_tokens=None) -> None:
         """Free the request's sliding-window blocks below ``computed - W + 1``. O(1)."""
         row = self._row.get(request_id)
         if row is None or self.swa_group < 0:
             return
         bs = self.block_size
-        skip = min(max(0, total_computed_tokens - self.window + 1) // bs,
+        skip = min(max(0, processed_computed_tokens - self.window + 1) // bs,
                    _cdiv(self._len[row], bs))
         if skip > self._skip[row]:
             self._used -= skip - self._skip[row]
@@ -623,8 +623,8 @@ class GraphallocKVCacheManager:
     def create_kv_cache_blocks(self, blocks):
         return blocks
 
-    def truncate_computed_blocks(self, blocks, num_tokens: int):
-        return LazyBlocks(self, blocks.request_id, 0, num_tokens // self.block_size,
+    def truncate_computed_blocks(self, blocks, num_computed_tokens: int):
+        return LazyBlocks(self, blocks.request_id, 0, num_computed_tokens // self.block_size,
                           blocks.handle)
 
     def get_block_ids_for_computed_tokens(self, request_id, num_computed_tokens: int):
