@@ -217,8 +217,8 @@ class GraphallocKVCacheManager:
             self.flush()
             if self._flush_takes():
                 self.extra_steps += 1
-                hit = self.cache.match(keys=keys)
-                n = hit.cached_tokens
+            hit = self.cache.match(keys=keys)
+            n = hit.cached_tokens
         if not n:
             return self.empty_kv_cache_blocks, 0, 0
         rid = request.request_id
@@ -590,8 +590,11 @@ class GraphallocKVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Drop every cache entry; ``False`` (nothing changed) while requests hold
         blocks, as vLLM."""
-        if self._row or self._pending():
+        if self._row:
             return False
+        if self._pending():  # the recorded releases (and takes) first
+            self.flush()
+        self._filling.clear()
         if self.cache is not None:
             self.cache.drop_all()
             if self._row_refs is not None:
