@@ -14,7 +14,7 @@ manager (every method the scheduler calls wrapped with a timer; graphalloc's inc
 step, planned at the first block-id read). graphalloc's executor is replaced by one that
 enqueues nothing: the host path alone, as the project's host benchmarks measure it (on a
 GPU the step is one asynchronous graph replay; on this CPU the eager executor would run the
-device work itself). Writes ``cost.json`` and ``cost.png``.
+device work itself). Writes ``vllm_cost.json`` and ``vllm_cost.png``.
 """
 
 from __future__ import annotations
@@ -129,39 +129,23 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "cost.json"), "w") as f:
-        json.dump({"commit": commit, "machine": platform.platform(),
-                   "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
-    _plot(rows, os.path.join(args.out, "cost.png"))
+    res = {"commit": commit, "machine": platform.platform(), "cpus": os.cpu_count(),
+           "rows": rows}
+    with open(os.path.join(args.out, "vllm_cost.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    _plot(res, os.path.join(args.out, "vllm_cost.png"))
     return 0
 
 
-def _plot(rows: list, path: str) -> None:
+def _plot(res: dict, path: str) -> None:
+    """The figure, drawn by benchmarks/figures.py (replot.py redraws it from the JSON)."""
     try:
-        import matplotlib
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+        import figures
     except ImportError:
         print("matplotlib absent: no plot", flush=True)
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, caching in zip(axes, (False, True), strict=True):
-        sel = [r for r in rows if r["caching"] == caching]
-        bs = [r["batch"] for r in sel]
-        for manager, style in (("vllm", "o-"), ("graphalloc", "s-")):
-            ax.plot(bs, [r[manager]["step_us"] for r in sel], style,
-                    label=f"{manager}: schedule()+update")
-            ax.plot(bs, [r[manager]["manager_us"] for r in sel], style.replace("-", "--"),
-                    label=f"{manager}: KV manager")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch (decoding requests)")
-        ax.set_title(f"vLLM 0.33 scheduler, prefix caching {'on' if caching else 'off'}")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("us per step (median)")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    figures.plot_vllm_cost(res, path)
 
 
 if __name__ == "__main__":

@@ -463,7 +463,7 @@ class GraphallocKVCacheManager:
             inserts = self._takes()
             if inserts:
                 kw["take"] = tuple(np.array(c, dtype=np.int64) for c in zip(*[
-                    (h, r, n) for h, r, n, _ in inserts]))
+                    (h, r, n) for h, r, n, _ in inserts], strict=False))
         if self._rel:
             kw["release"] = np.array(self._rel, dtype=np.int64)
         if self._adv:
@@ -472,7 +472,8 @@ class GraphallocKVCacheManager:
         if self._admit:
             kw["admit"] = np.array(self._admit, dtype=np.int64)
         if self._on:
-            kw["admit_on"] = tuple(np.array(c, dtype=np.int64) for c in zip(*self._on))
+            kw["admit_on"] = tuple(np.array(c, dtype=np.int64)
+                                   for c in zip(*self._on, strict=False))
         if self._ext:
             kw["extend"] = (np.fromiter(self._ext.keys(), np.int64, len(self._ext)),
                             np.fromiter(self._ext.values(), np.int64, len(self._ext)))
@@ -495,7 +496,7 @@ class GraphallocKVCacheManager:
             kw.pop("take")
             if keep:
                 kw["take"] = tuple(np.array(c, dtype=np.int64) for c in zip(*[
-                    (h, r, n) for h, r, n, _ in keep]))
+                    (h, r, n) for h, r, n, _ in keep], strict=False))
             planned = alloc.plan(Step(**kw))
         result = alloc.run(planned)
         self.steps += 1
@@ -528,7 +529,7 @@ class GraphallocKVCacheManager:
         if not inserts:
             return False
         take = tuple(np.array(c, dtype=np.int64) for c in zip(*[(h, r, n) for h, r, n, _
-                                                               in inserts]))
+                                                               in inserts], strict=False))
         self.alloc.run(self.alloc.plan(Step(take=take)))
         self.steps += 1
         self._register(inserts)

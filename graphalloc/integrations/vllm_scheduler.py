@@ -20,7 +20,7 @@ per step, vLLM's scheduler calls the plug-in as it calls its own manager.
 
 from __future__ import annotations
 
-__all__ = ["GraphallocScheduler", "GraphallocAsyncScheduler", "build_scheduler_class"]
+__all__ = ["GraphallocScheduler", "GraphallocAsyncScheduler", "build_scheduler_class"]  # noqa: F822 (built on first access)
 
 _CLASSES: dict[str, type] = {}
 
