@@ -147,6 +147,7 @@ class GraphallocKVCacheManager:
         self._used = 0  # blocks held, all groups (vLLM's pool: total - free)
         self._filling: dict = {}  # caching: block hash -> row, cacheable, not an entry yet
         self.extra_steps = 0  # steps run for hits on blocks filled in the same schedule()
+        self.takes_dropped = 0  # released rows' entries not made: they pinned needed pages
         self._recs()
         self._row_refs = np.zeros(n_blocks + 1, dtype=np.int32) if enable_caching else None
         self.steps = 0  # graphalloc steps run
@@ -160,7 +161,8 @@ class GraphallocKVCacheManager:
         self._admit, self._on, self._rel = [], [], []
         self._ext: dict[int, int] = {}  # row -> tokens to extend by
         self._adv: dict[int, int] = {}  # row -> new SWA frontier (tokens)
-        self._hits: dict[str, int] = {}  # request id -> locked handle, until the step
+        self._hits: dict[str, int] = {}  # request id -> its looked-up hit's handle
+        self._locked: list[int] = []  # handles admitted on by the recorded step
         self._new_rows: set[int] = set()  # rows admitted by the recorded step
         self._dirty = False  # something is recorded: the next id read plans the step
 
@@ -222,11 +224,8 @@ class GraphallocKVCacheManager:
         if not n:
             return self.empty_kv_cache_blocks, 0, 0
         rid = request.request_id
-        old = self._hits.pop(rid, None)
-        if old is not None:
-            self.cache.unlock(old)
-        self.cache.lock(hit.handle)
-        self._hits[rid] = hit.handle
+        self._hits[rid] = hit.handle  # locked only when admitted on (vLLM: a lookup
+        # holds nothing)
         return LazyBlocks(self, rid, 0, n // self.block_size, hit.handle), n, 0
 
     def get_computed_blocks_for_connector(self, request, max_cache_hit_length=None):
@@ -308,6 +307,9 @@ class GraphallocKVCacheManager:
         self._dirty = True
         if handle >= 0:
             self._on.append((row, handle, n_hit * bs))
+            self.cache.lock(handle)  # kept from eviction until the step admits on it
+            self._locked.append(handle)
+            del self._hits[rid]
         else:
             self._admit.append(row)
         base = n_hit * bs
@@ -348,9 +350,7 @@ class GraphallocKVCacheManager:
         for the next step; its blocks count as free at once (those only the cache keeps
         too: vLLM's evictable blocks). Unknown ids: nothing. O(1) (caching: O(blocks))."""
         rid = request.request_id
-        handle = self._hits.pop(rid, None)
-        if handle is not None:
-            self.cache.unlock(handle)
+        self._hits.pop(rid, None)
         row = self._row.pop(rid, None)
         if row is None:
             return
@@ -385,6 +385,10 @@ class GraphallocKVCacheManager:
     def _drop_new(self, row: int) -> None:
         self._new_rows.discard(row)
         self._admit = [r for r in self._admit if r != row]
+        for r, handle, _ in self._on:
+            if r == row:
+                self.cache.unlock(handle)
+                self._locked.remove(handle)
         self._on = [t for t in self._on if t[0] != row]
         self._ext.pop(row, None)
         self._adv.pop(row, None)
@@ -492,6 +496,7 @@ class GraphallocKVCacheManager:
             keep = [t for t in inserts if t[1] not in self._rel]
             if len(keep) == len(inserts):
                 raise
+            self.takes_dropped += len(inserts) - len(keep)
             inserts = keep
             kw.pop("take")
             if keep:
@@ -509,7 +514,7 @@ class GraphallocKVCacheManager:
                 if row not in self._ext:
                     np.add.at(refs, self._refs.page_of[row, :n // self.block_size], 1)
             self._register(inserts)
-        for handle in self._hits.values():
+        for handle in self._locked:
             self.cache.unlock(handle)
         for row in self._rel:
             self._req[row] = None
