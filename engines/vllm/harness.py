@@ -39,6 +39,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
@@ -89,6 +90,9 @@ def build(w: dict, manager: str):
         groups.append(KVCacheGroupSpec(["swa"], SlidingWindowSpec(
             block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float32,
             sliding_window=w["sliding_window"])))
+    if w.get("mamba"):  # one state block per request, vLLM's "none" cache mode
+        groups.append(KVCacheGroupSpec(["mamba"], MambaSpec(
+            block_size=bs, shapes=((4, 4),), dtypes=(torch.float32,))))
     kv = KVCacheConfig(num_blocks=w["num_blocks"], kv_cache_tensors=[], kv_cache_groups=groups)
     cls = cfg.scheduler_config.get_scheduler_cls()
     return cls(vllm_config=cfg, kv_cache_config=kv,

@@ -48,6 +48,8 @@ def workload(name: str) -> dict:
                      num_blocks=81)
     if name == "spec_decode":  # ngram drafts of 3, seeded acceptance
         return _base(requests=_mixed(4, 16), caching=False, spec_tokens=3, num_blocks=81)
+    if name == "mamba_hybrid":  # full attention + a Mamba group (a state block a request)
+        return _base(requests=_mixed(8, 20), caching=False, mamba=True, num_blocks=45)
     if name == "tenants":  # the same prompts under two cache salts
         return _base(requests=_shared_prefix(5, n=8, salt="tenant-a")
                      + _shared_prefix(5, n=8, salt="tenant-b", first_id=8), num_blocks=121)
@@ -61,4 +63,5 @@ def workload(name: str) -> dict:
 
 
 WORKLOADS = ("no_caching", "mixed_no_caching", "sliding_window", "spec_decode", "aborts",
+             "mamba_hybrid",
              "shared_prefix", "shared_prefix_roomy", "tenants")

@@ -80,22 +80,28 @@ class GraphallocKVCacheManager:
         from vllm.v1.request import RequestStatus  # vLLM is there when vLLM builds us
 
         groups = kv_cache_config.kv_cache_groups
-        windows = []
-        for group in groups:
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        for group, kind in zip(groups, kinds, strict=True):
             spec = group.kv_cache_spec
-            kind = type(spec).__name__
-            if kind not in ("FullAttentionSpec", "SlidingWindowSpec"):
+            if kind not in ("FullAttentionSpec", "SlidingWindowSpec", "MambaSpec"):
                 raise ConfigError(f"GraphallocKVCacheManager: KV-cache group of {kind} is not "
-                                  "supported (full attention and sliding window are)")
+                                  "supported (full attention, sliding window, Mamba are)")
             if spec.block_size != scheduler_block_size:
                 raise ConfigError("GraphallocKVCacheManager: every group's block_size must "
                                   f"be the scheduler's {scheduler_block_size}")
-            windows.append(getattr(spec, "sliding_window", None) if kind != "FullAttentionSpec"
-                           else None)
-        swa = [w for w in windows if w is not None]
-        if len(set(swa)) > 1 or windows.count(None) > 1 or (swa and windows[0] is not None):
-            raise ConfigError("GraphallocKVCacheManager: groups must be [full] or [full, "
-                              f"sliding window] (one window), got windows {windows}")
+            if kind == "MambaSpec" and (spec.mamba_cache_mode != "none"
+                                        or spec.num_speculative_blocks):
+                raise ConfigError("GraphallocKVCacheManager: a Mamba group needs "
+                                  "mamba_cache_mode='none' and no speculative blocks")
+        if kinds[0] != "FullAttentionSpec" or len(kinds) > 2 or (
+                len(kinds) == 2 and kinds[1] == "FullAttentionSpec"):
+            raise ConfigError("GraphallocKVCacheManager: groups must be [full], [full, sliding "
+                              f"window] or [full, Mamba], got {kinds}")
+        # The second group frees its blocks below ``computed - W + 1``: a sliding window W,
+        # or Mamba, which keeps only the last token's state (vLLM skips computed - 1: W = 2)
+        second = kinds[1] if len(kinds) == 2 else None
+        swa = [groups[1].kv_cache_spec.sliding_window] if second == "SlidingWindowSpec" else []
+        self.mamba = second == "MambaSpec"
         if dcp_world_size != 1 or pcp_world_size != 1 or enable_kv_cache_events:
             raise ConfigError("GraphallocKVCacheManager: DCP/PCP and KV events are not "
                               "supported")
@@ -104,8 +110,8 @@ class GraphallocKVCacheManager:
                               "block size")
         self.kv_cache_config = kv_cache_config
         self.num_kv_cache_groups = len(groups)
-        self.swa_group = 1 if swa else -1
-        self.window = swa[0] if swa else 0
+        self.swa_group = 1 if second else -1  # the windowed group (its blocks go null)
+        self.window = swa[0] if swa else (2 if self.mamba else 0)
         bs = self.block_size = scheduler_block_size
         self.max_model_len = max_model_len
         self.enable_caching, self.log_stats = enable_caching, log_stats
@@ -120,7 +126,7 @@ class GraphallocKVCacheManager:
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         in_flight = max_in_flight_tokens if max_in_flight_tokens is not None else max_model_len
         self._swa_cap = None
-        if swa:
+        if swa:  # vLLM caps only recycling attention groups at admission, not Mamba
             self._swa_cap = groups[1].kv_cache_spec.max_admission_blocks_per_request(
                 in_flight, max_model_len)
         rows = 2 * max_num_seqs
@@ -128,7 +134,8 @@ class GraphallocKVCacheManager:
                           max_model_len)
         cfg = AllocatorConfig(
             page_size=bs, num_full_pages=n_blocks, num_swa_pages=n_blocks, max_reqs=rows,
-            max_context_len=max_model_len, model_window=self.window or max_model_len,
+            max_context_len=max_model_len, model_window=swa[0] if swa else max_model_len,
+            num_state_slots=rows if self.mamba else 0,
             max_handles=(4 * rows if enable_caching else 0), max_alloc_rows=2 * rows,
             max_tokens_per_alloc_row=max_model_len, max_step_tokens=step_tokens)
         self.alloc = HybridAllocator(cfg, prefix_cache=enable_caching)
@@ -188,7 +195,7 @@ class GraphallocKVCacheManager:
         need = max(req - n_hit_blocks, 0)
         if self.swa_group > 0:
             skipped = max(0, total - self.window + 1) // self.block_size
-            r = min(req, self._swa_cap) if cap else req
+            r = min(req, self._swa_cap) if cap and self._swa_cap is not None else req
             need += max(r - max(skipped, n_hit_blocks), 0)
         return need
 
@@ -270,7 +277,8 @@ class GraphallocKVCacheManager:
                     self._used -= skip - self._skip[row]
                     free += skip - self._skip[row]
                     self._skip[row] = skip
-                    self._adv[row] = skip * bs
+                    if not self.mamba:  # graphalloc's SWA pool: move the row's frontier
+                        self._adv[row] = skip * bs
                     self._dirty = True
             if need + wm > free - reserved_blocks:
                 return None
@@ -321,7 +329,8 @@ class GraphallocKVCacheManager:
         if self.swa_group > 0:
             skip = min(max(0, total - self.window + 1) // bs, _cdiv(self._len[row], bs))
             if skip:
-                self._adv[row] = skip * bs
+                if not self.mamba:  # graphalloc's SWA pool: move the row's frontier
+                    self._adv[row] = skip * bs
         self._skip[row] = skip
         self._cached[row] = n_hit
         self._shared[row] = n_hit
@@ -410,7 +419,8 @@ class GraphallocKVCacheManager:
         if skip > self._skip[row]:
             self._used -= skip - self._skip[row]
             self._skip[row] = skip
-            self._adv[row] = skip * bs
+            if not self.mamba:  # graphalloc's SWA pool: move the row's frontier
+                self._adv[row] = skip * bs
             self._dirty = True
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
@@ -444,8 +454,14 @@ class GraphallocKVCacheManager:
         full = self._refs.page_of[row, blocks.first_block:blocks.end_block]
         out = [full.tolist()]
         if self.swa_group > 0:
-            swa = self._refs.swa_of[full]
             skip = self._skip[row] - blocks.first_block
+            if self.mamba:  # one state slot per request: the live blocks name it
+                n = blocks.end_block - blocks.first_block
+                slot = int(self.alloc.ledger.state_slot[row])
+                k = min(max(skip, 0), n)
+                out.append([0] * k + [slot] * (n - k))
+                return tuple(out)
+            swa = self._refs.swa_of[full]
             if skip > 0:
                 swa = swa.copy()
                 swa[:skip] = 0

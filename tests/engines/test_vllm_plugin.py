@@ -4,7 +4,8 @@ Skipped without vLLM (``make engines`` installs it in an environment of its own)
 our own words from what vLLM's tests/v1/core checks for its manager: prefix-cache hits stop
 one token short of the prompt and at whole blocks; cache salts isolate tenants; a reset is
 refused while requests hold blocks and forgets every entry after; a sliding-window group
-drops (null-block) the blocks below the window; the free-block count (usage) follows vLLM's
+drops (null-block) the blocks below the window; a Mamba group holds one live block a
+request and names its state slot; the free-block count (usage) follows vLLM's
 at every step; a short pool answers ``None`` and changes nothing. Each runs the same
 requests through vLLM's own manager and compares.
 """
@@ -101,7 +102,8 @@ def test_sliding_window_blocks_below_the_window_are_null():
 def test_usage_follows_vllms_at_every_step():
     reqs = [{"id": f"r{i}", "prompt": [(i * 31 + j) % 800 + 3 for j in range(30 + 17 * i)],
              "max_tokens": 20 + i, "arrive": i} for i in range(10)]
-    for extra in ({"caching": False}, {"caching": False, "sliding_window": 32}):
+    for extra in ({"caching": False}, {"caching": False, "sliding_window": 32},
+                  {"caching": False, "mamba": True}):
         w = _w(reqs, num_blocks=41, **extra)
         a, b = harness.build(w, "vllm"), harness.build(w, "graphalloc")
         arrivals = harness.make_requests(w)
@@ -135,3 +137,23 @@ def test_short_pool_answers_none_and_changes_nothing():
     assert blocks is not None and len(blocks) == 4
     ids = blocks.get_block_ids()
     assert ids[0] == m.alloc.ledger.refs.page_of[m._row["a"], :4].tolist()  # noqa: SLF001
+
+
+def test_mamba_group_names_one_state_slot_per_request():
+    reqs = [{"id": f"r{i}", "prompt": [(5 * i + j) % 800 + 3 for j in range(70)],
+             "max_tokens": 5, "arrive": 0} for i in range(3)]
+    w = _w(reqs, caching=False, mamba=True)
+    s = harness.build(w, "graphalloc")
+    for _, r in harness.make_requests(w):
+        s.add_request(r)
+    _drive(s, 4)
+    m = s.kv_cache_manager
+    slots = []
+    for rid in ("r0", "r1", "r2"):
+        full, mamba = m.get_block_ids(rid)
+        live = [b for b in mamba if b]
+        assert len(full) == len(mamba) and live and len(set(live)) == 1, (full, mamba)
+        slots.append(live[0])
+    assert len(set(slots)) == 3  # a slot per request, no two requests share one
+    m.alloc.check_integrity()
+
