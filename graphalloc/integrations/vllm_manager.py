@@ -132,8 +132,12 @@ class GraphallocKVCacheManager:
         rows = 2 * max_num_seqs
         step_tokens = max(max_num_batched_tokens + rows * (num_lookahead_tokens + bs),
                           max_model_len)
+        # Without a sliding-window group graphalloc's SWA pool is bookkeeping only (no layer
+        # reads it): twice the FULL pool, so it is never the short one and a short step
+        # evicts cache entries whole instead of tombstoning their SWA pages first.
+        n_swa = n_blocks if swa else 2 * n_blocks
         cfg = AllocatorConfig(
-            page_size=bs, num_full_pages=n_blocks, num_swa_pages=n_blocks, max_reqs=rows,
+            page_size=bs, num_full_pages=n_blocks, num_swa_pages=n_swa, max_reqs=rows,
             max_context_len=max_model_len, model_window=swa[0] if swa else max_model_len,
             num_state_slots=rows if self.mamba else 0,
             max_handles=(4 * rows if enable_caching else 0), max_alloc_rows=2 * rows,
@@ -151,10 +155,13 @@ class GraphallocKVCacheManager:
         self._shared = [0] * rows  # caching: leading blocks shared with a live holder
         self._cache_to = [0] * rows  # caching: tokens vLLM caches (cache_blocks' count)
         self._cached = [0] * rows  # caching: blocks of the row's newest cache entry
+        self._entry_of = [-1] * rows  # caching: the row's newest cache entry's handle
+        self._due: set[int] = set()  # caching: rows with cacheable blocks not in an entry
         self._used = 0  # blocks held, all groups (vLLM's pool: total - free)
         self._filling: dict = {}  # caching: block hash -> row, cacheable, not an entry yet
         self.extra_steps = 0  # steps run for hits on blocks filled in the same schedule()
         self.takes_dropped = 0  # released rows' entries not made: they pinned needed pages
+        self.split_steps = 0  # steps split in two: an admitted-on entry pinned its tail
         self._recs()
         self._row_refs = np.zeros(n_blocks + 1, dtype=np.int32) if enable_caching else None
         self.steps = 0  # graphalloc steps run
@@ -344,6 +351,8 @@ class GraphallocKVCacheManager:
         (their hashes) for the next entry. O(new blocks)."""
         old = max(self._cache_to[row] // self.block_size, self._cached[row])
         self._cache_to[row] = n_tokens
+        if n_tokens // self.block_size > self._cached[row]:
+            self._due.add(row)
         hashes = request.block_hashes
         for j in range(old, min(n_tokens // self.block_size, len(hashes))):
             self._filling[hashes[j]] = row
@@ -403,6 +412,8 @@ class GraphallocKVCacheManager:
         self._adv.pop(row, None)
         self._req[row] = None
         self._cached[row] = self._cache_to[row] = 0
+        self._entry_of[row] = -1
+        self._due.discard(row)
         if self._filling:
             self._filling = {k: r for k, r in self._filling.items() if r != row}
         self._free_rows.append(row)
@@ -482,8 +493,7 @@ class GraphallocKVCacheManager:
         if self.enable_caching:
             inserts = self._takes()
             if inserts:
-                kw["take"] = tuple(np.array(c, dtype=np.int64) for c in zip(*[
-                    (h, r, n) for h, r, n, _ in inserts], strict=False))
+                kw.update(self._take_kw(inserts))
         if self._rel:
             kw["release"] = np.array(self._rel, dtype=np.int64)
         if self._adv:
@@ -505,21 +515,9 @@ class GraphallocKVCacheManager:
         before = {row: _cdiv(int(alloc.ledger.seq_len[row]), self.block_size)
                   for row in self._ext} if refs is not None else None
         try:
-            planned = alloc.plan(Step(**kw))
+            result = alloc.run(alloc.plan(Step(**kw)))
         except CapacityError:
-            # A released row's new entry pins pages the step needs (vLLM would count
-            # them as evictable): plan again without the released rows' takes.
-            keep = [t for t in inserts if t[1] not in self._rel]
-            if len(keep) == len(inserts):
-                raise
-            self.takes_dropped += len(inserts) - len(keep)
-            inserts = keep
-            kw.pop("take")
-            if keep:
-                kw["take"] = tuple(np.array(c, dtype=np.int64) for c in zip(*[
-                    (h, r, n) for h, r, n, _ in keep], strict=False))
-            planned = alloc.plan(Step(**kw))
-        result = alloc.run(planned)
+            result, inserts = self._run_short(kw, inserts)
         self.steps += 1
         if refs is not None:  # the new pages (and the hits) gain a holder
             for row in self._ext:
@@ -535,12 +533,47 @@ class GraphallocKVCacheManager:
         for row in self._rel:
             self._req[row] = None
             self._cached[row] = self._cache_to[row] = 0
+            self._entry_of[row] = -1
+            self._due.discard(row)
             self._free_rows.append(row)
         if self._rel and self._filling:  # blocks of released rows never taken: forgotten
             released = set(self._rel)
             self._filling = {k: r for k, r in self._filling.items() if r not in released}
         self._recs()
         return result
+
+    def _run_short(self, kw: dict, inserts: list):
+        """The step was refused for pages that vLLM's count calls free: cache pages an
+        entry made in the step pins (a released row's), or the tail of an entry a request
+        is admitted on (graphalloc keeps the whole entry until the admit ran; vLLM holds
+        only the hit's blocks). Plan without the released rows' takes; if still short,
+        run the admits first and the allocations as a second step, when the entries
+        admitted on can be evicted. Returns ``(result, inserts run)``."""
+        from ..plan.step import Step
+
+        alloc = self.alloc
+        keep = [t for t in inserts if t[1] not in self._rel]
+        if len(keep) < len(inserts):
+            self.takes_dropped += len(inserts) - len(keep)
+            inserts = keep
+            kw.pop("take")
+            kw.pop("drop", None)
+            if keep:
+                kw.update(self._take_kw(keep))
+            try:
+                return alloc.run(alloc.plan(Step(**kw))), inserts
+            except CapacityError:
+                if "admit_on" not in kw:
+                    raise
+        elif "admit_on" not in kw or "extend" not in kw:
+            raise
+        extend = kw.pop("extend")
+        alloc.run(alloc.plan(Step(**kw)))  # frees, takes, admits: nothing allocated
+        for handle in self._locked:
+            self.cache.unlock(handle)
+        self._locked = []
+        self.split_steps += 1
+        return alloc.run(alloc.plan(Step(extend=extend))), inserts
 
     def _flush_takes(self) -> bool:
         """A step of the cache entries due alone (their pages exist); whether it ran."""
@@ -549,46 +582,68 @@ class GraphallocKVCacheManager:
         inserts = self._takes()
         if not inserts:
             return False
-        take = tuple(np.array(c, dtype=np.int64) for c in zip(*[(h, r, n) for h, r, n, _
-                                                               in inserts], strict=False))
-        self.alloc.run(self.alloc.plan(Step(take=take)))
+        self.alloc.run(self.alloc.plan(Step(**self._take_kw(inserts))))
         self.steps += 1
         self._register(inserts)
         return True
 
+    @staticmethod
+    def _take_kw(inserts) -> dict:
+        """The takes of ``inserts`` and the drops of the entries they supersede."""
+        kw = {"take": tuple(np.array(c, dtype=np.int64) for c in zip(
+            *[(h, r, n) for h, r, n, _, _ in inserts], strict=True))}
+        old = [o for *_, o in inserts if o >= 0]
+        if old:
+            kw["drop"] = np.array(old, dtype=np.int64)
+        return kw
+
     def _register(self, inserts) -> None:
-        filling = self._filling
-        for handle, row, n, keys in inserts:
-            self.cache.add_entry(handle, keys)
+        """The step ran: superseded entries forgotten, the new ones registered."""
+        cache, filling = self.cache, self._filling
+        old = [(o, False, 0, 0) for *_, o in inserts if o >= 0]
+        if old:
+            cache.on_reclaimed(old)
+        for handle, row, n, keys, _ in inserts:
+            cache.add_entry(handle, keys)
             self._cached[row] = n // self.block_size
+            self._entry_of[row] = handle
             for key in keys:
                 filling.pop(key, None)
 
     def _takes(self) -> list:
-        """(handle, row, tokens, keys) of the cache entries due: a row's blocks cached
-        since its newest entry, whose pages exist (rows released by the step too: takes
-        run first). O(rows) + O(free handles) numpy."""
-        if not self._filling:
-            return []
-        rows = list(self._row.values()) + self._rel
-        due = [r for r in rows if r not in self._new_rows
-               and self._cache_to[r] // self.block_size > self._cached[r]]
+        """``(handle, row, tokens, keys, superseded handle)`` of the cache entries due: a
+        row's blocks cached since its newest entry, whose pages exist (rows released by
+        the step too: takes run first). The row's previous entry, a prefix of the new one,
+        is dropped in the same step when nothing locks it (its pages stay: the new entry
+        holds them), so a request keeps one entry. O(due rows) + O(handles) numpy."""
+        due = self._due
         if not due:
             return []
-        led = self.alloc.ledger
-        free_h = np.flatnonzero(~led.h_live).tolist()
+        led, cache, bs = self.alloc.ledger, self.cache, self.block_size
+        free_h = np.flatnonzero(~led.h_live)[::-1].tolist()
         out = []
-        for row in due:
-            n_blocks = min(self._cache_to[row], int(led.seq_len[row])) // self.block_size
-            keys = list(self._req[row].block_hashes[:n_blocks])
-            if len(keys) < n_blocks or not keys:
+        for row in list(due):
+            if row in self._new_rows:
                 continue
-            if self.cache.lookup(keys) >= 0:
+            due.discard(row)
+            n_blocks = min(self._cache_to[row], int(led.seq_len[row])) // bs
+            if n_blocks < self._cache_to[row] // bs:  # the rest after this step's extend
+                due.add(row)
+            if n_blocks <= self._cached[row]:
+                continue
+            keys = list(self._req[row].block_hashes[:n_blocks])
+            if len(keys) < n_blocks:
+                continue
+            if cache.lookup(keys) >= 0:
                 self._cached[row] = n_blocks
                 continue
             if not free_h:
+                due.add(row)
                 break
-            out.append((free_h.pop(0), row, n_blocks * self.block_size, keys))
+            old = self._entry_of[row]
+            if old >= 0 and (cache.is_locked(old) if old in cache._entries else True):  # noqa: SLF001
+                old = -1
+            out.append((free_h.pop(), row, n_blocks * bs, keys, old))
         return out
 
     # ---- stats, resets and the rest of vLLM's surface ------------------------------------------
@@ -617,6 +672,8 @@ class GraphallocKVCacheManager:
         if self._pending():  # the recorded releases (and takes) first
             self.flush()
         self._filling.clear()
+        self._due.clear()
+        self._entry_of = [-1] * len(self._entry_of)
         if self.cache is not None:
             self.cache.drop_all()
             if self._row_refs is not None:
