@@ -147,6 +147,8 @@ class GraphallocKVCacheManager:
         self._refs = self.alloc.ledger.refs
         self._handle_base = cfg.max_reqs
         self.empty_kv_cache_blocks = LazyBlocks(self, None, 0, 0)
+        self._no_blocks = self.empty_kv_cache_blocks  # a running request's "no new blocks"
+        self._plain = self.num_kv_cache_groups == 1  # full attention only: the inline path
         self._free_rows = list(range(rows - 1, -1, -1))  # a stack: row 0 first
         self._row: dict[str, int] = {}  # request id -> row (live or admitted by the step)
         self._req: list = [None] * rows  # row -> the vLLM Request (caching: its hashes)
@@ -256,8 +258,38 @@ class GraphallocKVCacheManager:
         arguments and rule); the new blocks, or ``None`` when the shared budget (less
         ``reserved_blocks`` and, for a waiting request, the watermark) is short. O(1)
         for a running request; a new one also takes a row."""
-        bs, rid = self.block_size, request.request_id
+        rid = request.request_id
         row = self._row.get(rid)
+        if row is not None and self._plain and num_new_tokens and not (
+                num_new_computed_tokens or num_external_computed_tokens or delay_cache_blocks
+                or num_encoder_tokens or self.watermark_blocks):
+            # the common call -- a running request, full attention only -- inline
+            done = request.num_computed_tokens + num_new_tokens
+            target = done + num_lookahead_tokens
+            if target > self.max_model_len:
+                target = self.max_model_len
+            old = self._len[row]
+            if self.enable_caching:
+                n_cache = request.num_tokens
+                if done < n_cache:
+                    n_cache = done
+                if n_cache // self.block_size > self._cache_to[row] // self.block_size:
+                    self._cacheable(row, request, n_cache)
+                else:
+                    self._cache_to[row] = n_cache
+            if target <= old:
+                return self._no_blocks
+            bs = self.block_size
+            first, end = (old + bs - 1) // bs, (target + bs - 1) // bs
+            if end > first and end - first > self.total_blocks - self._used - reserved_blocks:
+                return None
+            self._used += end - first
+            ext = self._ext
+            ext[row] = ext.get(row, 0) + target - old
+            self._len[row] = target
+            self._dirty = True
+            return LazyBlocks(self, rid, first, end) if end > first else self._no_blocks
+        bs = self.block_size
         if num_new_tokens == 0 and not num_external_computed_tokens and \
                 not num_new_computed_tokens:
             raise ValueError("num_new_tokens must be greater than 0 when there are no "
