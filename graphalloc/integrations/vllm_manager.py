@@ -16,19 +16,25 @@ checks the whole prompt first. ``None`` means short, nothing recorded.
 The first block id read in an iteration (vLLM reads them after its scheduling loop)
 runs :meth:`flush`: the recorded takes, releases, window moves, admits and extends as ONE
 ``alloc.plan`` + ``alloc.run``; ids then come from the host's page mirror, the pages the
-step writes. graphalloc's pools: FULL and SWA ``num_blocks - 1`` pages each, so any split
-of the shared budget fits both (the budget, not the pools, decides admission).
+step writes. graphalloc's pools: FULL ``num_blocks - 1`` pages, SWA as many with a
+sliding-window group (twice as many, bookkeeping only, without one), so any split of the
+shared budget fits both (the budget, not the pools, decides admission). A Mamba group
+("none" mode) is budgeted as vLLM does and realised by graphalloc's state slots.
 
 Prefix caching keys graphalloc's :class:`~graphalloc.sharing.prefix_cache.PrefixCache`
 with vLLM's own ``request.block_hashes`` (cache salt, LoRA and multimodal extra keys are
-in them: tenants never share KV; nothing is hashed again). A request's blocks filled in one
-iteration become a cache entry (a ``take``) in the next iteration's step; a hit is admitted
-on the entry (``admit_on``). Unlike vLLM, blocks are not hittable within the step that
-fills them (docs/vllm.md says what that changes). Budget with caching: pages held only by
-the cache count as free (vLLM's evictable blocks); the planner evicts them when a step is
-short. Not supported (``ConfigError`` at construction): Mamba / cross-attention / chunked
-local groups, unequal block sizes, KV connectors' async loads (``delay_cache_blocks``),
-DCP/PCP, KV events. Cost: see each method; :meth:`flush` is one plan, O(rows) numpy.
+in them: tenants never share KV; nothing is hashed again). A request's cached blocks
+become its cache entry (a ``take``) in the first step where their pages exist; a hit is
+admitted on the entry (``admit_on``). A lookup reaching blocks filled in the current
+``schedule()`` plans the iteration and a take step first, so they are hittable in the
+step that fills them, as in vLLM (two more steps in that iteration). Budget with caching:
+pages held only by the cache count as free (vLLM's evictable blocks); the planner evicts
+whole entries when a step is short, where vLLM evicts single blocks (docs/vllm.md).
+Not supported (``ConfigError`` at construction): Mamba "align" mode, cross-attention,
+chunked local groups, unequal block sizes, DCP/PCP, KV events; KV connectors' async loads
+(``delay_cache_blocks``) raise. Cost: see each method; :meth:`flush` is one plan, O(rows).
+The step and block ids are :mod:`~graphalloc.integrations.vllm_iteration`, the cache
+entries :mod:`~graphalloc.integrations.vllm_cache_entries` (mixins over this state).
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ import numpy as np
 
 from ..allocator import HybridAllocator
 from ..config import AllocatorConfig
-from ..errors import CapacityError, ConfigError, ContractError
+from ..errors import ConfigError, ContractError
 from .vllm_blocks import LazyBlocks
+from .vllm_cache_entries import CacheEntries
+from .vllm_iteration import IterationPlan
 
 __all__ = ["GraphallocKVCacheManager"]
 
@@ -61,7 +69,7 @@ class _CoordinatorView:
         return self._manager.blocks_to_allocate(request_id, num_tokens)
 
 
-class GraphallocKVCacheManager:
+class GraphallocKVCacheManager(IterationPlan, CacheEntries):
     """vLLM's ``KVCacheManager`` over a pool-mode :class:`HybridAllocator` (see module).
 
     Beyond vLLM's constructor arguments: ``max_num_seqs`` (request rows: twice it, so an
@@ -378,23 +386,6 @@ class GraphallocKVCacheManager:
             self._cacheable(row, request, min(total + num_new_tokens, request.num_tokens))
         return LazyBlocks(self, rid, 0, _cdiv(self._len[row], bs))
 
-    def _cacheable(self, row: int, request, n_tokens: int) -> None:
-        """vLLM caches the request's whole blocks of ``n_tokens``: note the new ones
-        (their hashes) for the next entry. O(new blocks)."""
-        old = max(self._cache_to[row] // self.block_size, self._cached[row])
-        self._cache_to[row] = n_tokens
-        if n_tokens // self.block_size > self._cached[row]:
-            self._due.add(row)
-        hashes = request.block_hashes
-        for j in range(old, min(n_tokens // self.block_size, len(hashes))):
-            self._filling[hashes[j]] = row
-
-    def _evictable(self, handle: int, n_blocks: int) -> int:
-        """Blocks of a hit that no live request holds (vLLM's evictable blocks: admitting
-        on them takes them from the free count), all groups. O(hit blocks) numpy."""
-        pages = self._refs.page_of[self._handle_base + handle, :n_blocks]
-        return int(np.count_nonzero(self._row_refs[pages] == 0)) * self.num_kv_cache_groups
-
     def free(self, request) -> None:
         """Free everything ``request`` holds (finished, aborted or preempted): recorded
         for the next step; its blocks count as free at once (those only the cache keeps
@@ -423,14 +414,6 @@ class GraphallocKVCacheManager:
             self._ext.pop(row, None)
             self._adv.pop(row, None)
             self._rel.append(row)
-
-    def _evictable_row(self, row: int) -> int:
-        """Hit blocks of a row admitted by the recorded step that no live row held."""
-        for r, handle, n in self._on:
-            if r == row:
-                return self._evictable(handle, n // self.block_size) // \
-                    self.num_kv_cache_groups
-        return 0
 
     def _drop_new(self, row: int) -> None:
         self._new_rows.discard(row)
@@ -474,209 +457,6 @@ class GraphallocKVCacheManager:
             n = min(num_computed_tokens, request.num_tokens)
             if n > self._cache_to[row]:
                 self._cacheable(row, request, n)
-
-    # ---- block ids: the step ----------------------------------------------------------------
-    def get_blocks(self, request_id) -> LazyBlocks:
-        row = self._row.get(request_id)
-        if row is None:
-            return self.empty_kv_cache_blocks
-        return LazyBlocks(self, request_id, 0, _cdiv(self._len[row], self.block_size))
-
-    def get_block_ids(self, request_id) -> tuple[list[int], ...]:
-        return self.get_blocks(request_id).get_block_ids()
-
-    def resolve_block_ids(self, blocks: LazyBlocks) -> tuple[list[int], ...]:
-        """Ids of ``blocks`` from the page mirror (the step planned first if records are
-        pending). O(blocks) numpy."""
-        if self._pending():
-            self.flush()
-        row = self._row.get(blocks.request_id)
-        if row is None:
-            raise ContractError(f"block ids of {blocks.request_id!r}: the request holds "
-                                "no blocks here")
-        full = self._refs.page_of[row, blocks.first_block:blocks.end_block]
-        out = [full.tolist()]
-        if self.swa_group > 0:
-            skip = self._skip[row] - blocks.first_block
-            if self.mamba:  # one state slot per request: the live blocks name it
-                n = blocks.end_block - blocks.first_block
-                slot = int(self.alloc.ledger.state_slot[row])
-                k = min(max(skip, 0), n)
-                out.append([0] * k + [slot] * (n - k))
-                return tuple(out)
-            swa = self._refs.swa_of[full]
-            if skip > 0:
-                swa = swa.copy()
-                swa[:skip] = 0
-            out.append(swa.tolist())
-        return tuple(out)
-
-    def _pending(self) -> bool:
-        return self._dirty
-
-    def flush(self):
-        """Run everything recorded as ONE graphalloc step (``alloc.plan`` +
-        ``alloc.run``): cache entries of blocks filled since the last step (takes),
-        releases, window moves, admits (plain or on a hit), extends. O(rows) numpy + one
-        plan. Returns the step's ``AllocResult`` (``None``: nothing to run)."""
-        from ..plan.step import Step
-
-        kw, inserts = {}, []
-        if self.enable_caching:
-            inserts = self._takes()
-            if inserts:
-                kw.update(self._take_kw(inserts))
-        if self._rel:
-            kw["release"] = np.array(self._rel, dtype=np.int64)
-        if self._adv:
-            kw["advance"] = (np.fromiter(self._adv.keys(), np.int64, len(self._adv)),
-                             np.fromiter(self._adv.values(), np.int64, len(self._adv)))
-        if self._admit:
-            kw["admit"] = np.array(self._admit, dtype=np.int64)
-        if self._on:
-            kw["admit_on"] = tuple(np.array(c, dtype=np.int64)
-                                   for c in zip(*self._on, strict=False))
-        if self._ext:
-            kw["extend"] = (np.fromiter(self._ext.keys(), np.int64, len(self._ext)),
-                            np.fromiter(self._ext.values(), np.int64, len(self._ext)))
-        if not kw:
-            self._dirty = False
-            return None
-        alloc = self.alloc
-        refs = self._row_refs
-        before = {row: _cdiv(int(alloc.ledger.seq_len[row]), self.block_size)
-                  for row in self._ext} if refs is not None else None
-        try:
-            result = alloc.run(alloc.plan(Step(**kw)))
-        except CapacityError:
-            result, inserts = self._run_short(kw, inserts)
-        self.steps += 1
-        if refs is not None:  # the new pages (and the hits) gain a holder
-            for row in self._ext:
-                n0 = 0 if row in self._new_rows else before[row]
-                n1 = _cdiv(int(alloc.ledger.seq_len[row]), self.block_size)
-                np.add.at(refs, self._refs.page_of[row, n0:n1], 1)
-            for row, _, n in self._on:
-                if row not in self._ext:
-                    np.add.at(refs, self._refs.page_of[row, :n // self.block_size], 1)
-            self._register(inserts)
-        for handle in self._locked:
-            self.cache.unlock(handle)
-        for row in self._rel:
-            self._req[row] = None
-            self._cached[row] = self._cache_to[row] = 0
-            self._entry_of[row] = -1
-            self._due.discard(row)
-            self._free_rows.append(row)
-        if self._rel and self._filling:  # blocks of released rows never taken: forgotten
-            released = set(self._rel)
-            self._filling = {k: r for k, r in self._filling.items() if r not in released}
-        self._recs()
-        return result
-
-    def _run_short(self, kw: dict, inserts: list):
-        """The step was refused for pages that vLLM's count calls free: cache pages an
-        entry made in the step pins (a released row's), or the tail of an entry a request
-        is admitted on (graphalloc keeps the whole entry until the admit ran; vLLM holds
-        only the hit's blocks). Plan without the released rows' takes; if still short,
-        run the admits first and the allocations as a second step, when the entries
-        admitted on can be evicted. Returns ``(result, inserts run)``."""
-        from ..plan.step import Step
-
-        alloc = self.alloc
-        keep = [t for t in inserts if t[1] not in self._rel]
-        if len(keep) < len(inserts):
-            self.takes_dropped += len(inserts) - len(keep)
-            inserts = keep
-            kw.pop("take")
-            kw.pop("drop", None)
-            if keep:
-                kw.update(self._take_kw(keep))
-            try:
-                return alloc.run(alloc.plan(Step(**kw))), inserts
-            except CapacityError:
-                if "admit_on" not in kw:
-                    raise
-        elif "admit_on" not in kw or "extend" not in kw:
-            raise
-        extend = kw.pop("extend")
-        alloc.run(alloc.plan(Step(**kw)))  # frees, takes, admits: nothing allocated
-        for handle in self._locked:
-            self.cache.unlock(handle)
-        self._locked = []
-        self.split_steps += 1
-        return alloc.run(alloc.plan(Step(extend=extend))), inserts
-
-    def _flush_takes(self) -> bool:
-        """A step of the cache entries due alone (their pages exist); whether it ran."""
-        from ..plan.step import Step
-
-        inserts = self._takes()
-        if not inserts:
-            return False
-        self.alloc.run(self.alloc.plan(Step(**self._take_kw(inserts))))
-        self.steps += 1
-        self._register(inserts)
-        return True
-
-    @staticmethod
-    def _take_kw(inserts) -> dict:
-        """The takes of ``inserts`` and the drops of the entries they supersede."""
-        kw = {"take": tuple(np.array(c, dtype=np.int64) for c in zip(
-            *[(h, r, n) for h, r, n, _, _ in inserts], strict=True))}
-        old = [o for *_, o in inserts if o >= 0]
-        if old:
-            kw["drop"] = np.array(old, dtype=np.int64)
-        return kw
-
-    def _register(self, inserts) -> None:
-        """The step ran: superseded entries forgotten, the new ones registered."""
-        cache, filling = self.cache, self._filling
-        old = [(o, False, 0, 0) for *_, o in inserts if o >= 0]
-        if old:
-            cache.on_reclaimed(old)
-        for handle, row, n, keys, _ in inserts:
-            cache.add_entry(handle, keys)
-            self._cached[row] = n // self.block_size
-            self._entry_of[row] = handle
-            for key in keys:
-                filling.pop(key, None)
-
-    def _takes(self) -> list:
-        """``(handle, row, tokens, keys, superseded handle)`` of the cache entries due: a
-        row's blocks cached since its newest entry, whose pages exist (rows released by
-        the step too: takes run first). The row's previous entry, a prefix of the new one,
-        is dropped in the same step when nothing locks it (its pages stay: the new entry
-        holds them), so a request keeps one entry. O(due rows) + O(handles) numpy."""
-        due = self._due
-        if not due:
-            return []
-        led, cache, bs = self.alloc.ledger, self.cache, self.block_size
-        free_h = np.flatnonzero(~led.h_live)[::-1].tolist()
-        out = []
-        for row in list(due):
-            if row in self._new_rows:
-                continue
-            due.discard(row)
-            n_blocks = min(self._cache_to[row], int(led.seq_len[row])) // bs
-            if n_blocks < self._cache_to[row] // bs:  # the rest after this step's extend
-                due.add(row)
-            if n_blocks <= self._cached[row]:
-                continue
-            keys = list(self._req[row].block_hashes[:n_blocks])
-            if len(keys) < n_blocks:
-                continue
-            if cache.lookup(keys) >= 0:
-                self._cached[row] = n_blocks
-                continue
-            if not free_h:
-                due.add(row)
-                break
-            old = self._entry_of[row]
-            if old >= 0 and (cache.is_locked(old) if old in cache._entries else True):  # noqa: SLF001
-                old = -1
-            out.append((free_h.pop(), row, n_blocks * bs, keys, old))
-        return out
 
     # ---- stats, resets and the rest of vLLM's surface ------------------------------------------
     def make_prefix_cache_stats(self):
