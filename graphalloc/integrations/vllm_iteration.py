@@ -100,18 +100,26 @@ class IterationPlan:
             return None
         alloc = self.alloc
         refs = self._row_refs
-        before = {row: _cdiv(int(alloc.ledger.seq_len[row]), self.block_size)
-                  for row in self._ext} if refs is not None else None
+        if refs is not None:  # the extended rows' pages before the step (new rows: none)
+            ext_rows = kw["extend"][0] if "extend" in kw else np.zeros(0, np.int64)
+            bs = self.block_size
+            before = (alloc.ledger.seq_len[ext_rows] + bs - 1) // bs
+            if self._new_rows:
+                before[np.isin(ext_rows, list(self._new_rows))] = 0
         try:
             result = alloc.run(alloc.plan(Step(**kw)))
         except CapacityError:
             result, inserts = self._run_short(kw, inserts)
         self.steps += 1
         if refs is not None:  # the new pages (and the hits) gain a holder
-            for row in self._ext:
-                n0 = 0 if row in self._new_rows else before[row]
-                n1 = _cdiv(int(alloc.ledger.seq_len[row]), self.block_size)
-                np.add.at(refs, self._refs.page_of[row, n0:n1], 1)
+            after = (alloc.ledger.seq_len[ext_rows] + bs - 1) // bs
+            grown = np.flatnonzero(after > before)  # rows with new pages: one add for all
+            if len(grown):
+                page_of = self._refs.page_of
+                pages = [page_of[r, b:a] for r, b, a in zip(
+                    ext_rows[grown].tolist(), before[grown].tolist(), after[grown].tolist(),
+                    strict=True)]
+                np.add.at(refs, np.concatenate(pages), 1)
             for row, _, n in self._on:
                 if row not in self._ext:
                     np.add.at(refs, self._refs.page_of[row, :n // self.block_size], 1)
