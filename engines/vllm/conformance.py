@@ -1,6 +1,6 @@
 """Conformance: vLLM 0.33's real Scheduler with its own KV-cache manager and with graphalloc's.
 
-Run in the engine environment (``make engines`` installs it and runs this)::
+Run in the engine environment (``make engines-vllm`` installs it and runs this)::
 
     python engines/vllm/conformance.py [--out results/engines/vllm-0.33.0] [--only NAME ...]
 

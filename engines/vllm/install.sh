@@ -8,7 +8,8 @@
 # missing), again without dependencies so nothing else comes along. graphalloc goes in
 # editable, without dependencies (torch and numpy are there already).
 #
-#   VLLM_ENV   where the environment goes (default: ~/.cache/graphalloc/engines/vllm-0.33.0)
+#   VLLM_ENV   where the environment goes (default: ~/.cache/graphalloc/engines/vllm-0.33.0;
+#              make engines-vllm passes .engines/vllm, ignored by git)
 #   PY_SYS     the python that creates it (default: python3, 3.10-3.12)
 #   TORCH_SPEC the torch requirement (default: torch==2.13.0; on a machine whose pip finds
 #              only CUDA builds, point it at a CPU wheel)
