@@ -13,7 +13,7 @@ endif
 # CPU wheels, installed before (together with) the project so pip never pulls a CUDA torch.
 CPU_TORCH := torch==2.13.0 triton==3.7.1
 
-.PHONY: install reinstall test demo lint bench engines-sglang
+.PHONY: install reinstall test demo lint bench engines engines-sglang engines-vllm
 # pip prints one line per package it collects and installs (about 2.5 minutes on a fresh
 # 2-core machine, most of it torch): the progress of a first `make test`.
 PIP_PROGRESS := --progress-bar off --disable-pip-version-check
@@ -66,3 +66,15 @@ engines-sglang:
 		tests/engines/test_sglang_mamba.py
 	$(ENGINE_ENVS)/sglang/bin/python tools/engines/conform_sglang.py \
 		--out results/engines/sglang-$(SGLANG_VERSION)
+
+# vLLM conformance: vLLM 0.33.0 without its CUDA dependencies in an environment of its own
+# (VLLM_ENV, default .engines/vllm, never .venv; see engines/vllm/install.sh), then vLLM's
+# real scheduler run with its own KV-cache manager and with graphalloc's, step by step;
+# writes results/engines/vllm-0.33.0/summary.json (exit 1 when a workload differs).
+VLLM_ENV ?= $(ENGINE_ENVS)/vllm
+engines-vllm:
+	VLLM_ENV=$(VLLM_ENV) bash engines/vllm/install.sh
+	$(VLLM_ENV)/bin/python engines/vllm/conformance.py --out results/engines/vllm-0.33.0
+
+# Both engines' conformance.
+engines: engines-sglang engines-vllm

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import textwrap
 
-__all__ = ["pyplot", "finish", "stat", "machine_name", "set_b_axis", "set_log_y",
+__all__ = ["plot_vllm_cost", "pyplot", "finish", "stat", "machine_name", "set_b_axis", "set_log_y",
            "plot_page_tables",
            "plot_decode_loop_bench", "plot_decode_loop_example"]
 
@@ -330,3 +330,32 @@ if __name__ == "__main__":  # a module, not a script: --help says what it is and
             "redraws committed plots from their JSON) instead (each takes --help)."))
     _ap.parse_args()
     _ap.error("nothing to run here: see --help")
+
+
+def plot_vllm_cost(res: dict, path: str) -> bool:
+    """engines/vllm/bench_cost.py: vLLM 0.33's schedule() + update_from_output() per decode
+    step and its KV-cache manager's share, vLLM's manager against graphalloc's, cache off
+    and on. Returns False when there is nothing to draw."""
+    rows = res.get("rows") or []
+    if not rows:
+        return False
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, caching in zip(axes, (False, True), strict=True):
+        sel = [r for r in rows if r["caching"] == caching]
+        bs = [r["batch"] for r in sel]
+        for manager, mark in (("vllm", "o"), ("graphalloc", "s")):
+            ax.plot(bs, [r[manager]["step_us"] for r in sel], mark + "-",
+                    label=f"{manager}: schedule() + update_from_output()")
+            ax.plot(bs, [r[manager]["manager_us"] for r in sel], mark + "--",
+                    label=f"{manager}: inside the KV-cache manager")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("B (decoding requests)")
+        ax.set_title(f"prefix caching {'on' if caching else 'off'}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("us per step (median)")
+    finish(fig, path, title="vLLM 0.33 scheduler on a CPU: its own KV-cache manager "
+           "against graphalloc's plug-in", legend=axes[0].get_legend_handles_labels())
+    return True
+

@@ -47,6 +47,7 @@ PLOTTERS = {  # result JSON name: (the PNGs it makes, (result, out_dir) -> names
                                _one(figures.plot_decode_loop_bench, "bench_decode_loop.png")),
     "bench_seams.json": (("bench_seams.png",), _one(bench_seams.plot, "bench_seams.png")),
     "sglang_path.json": (("sglang_path.png",), _one(sglang_path_plot.plot, "sglang_path.png")),
+    "vllm_cost.json": (("vllm_cost.png",), _one(figures.plot_vllm_cost, "vllm_cost.png")),
     "decode_loop.json": (("decode_loop.png",),
                          _one(figures.plot_decode_loop_example, "decode_loop.png")),
 }

@@ -1,5 +1,9 @@
 """vLLM v1's ``KVCacheManager`` calls over graphalloc: ONE Step per ``schedule()``.
 
+Deprecated: the plug-in that runs inside vLLM's real scheduler is
+:mod:`graphalloc.integrations.vllm_manager` (docs/vllm.md); this facade takes request ids
+and an explicit ``run_step()`` and stays for its tests and examples until it is removed.
+
 Contract. :class:`GraphallocKVCacheManager` answers vLLM's per-request calls and only
 RECORDS them: ``allocate_slots(request_id, n, num_lookahead_tokens)`` writes one slot of
 preallocated int64 arrays (row, tokens, window floor, trim target; a new request's row from
