@@ -38,7 +38,6 @@ from .errors import (
     UnknownRequestError,
 )
 from .inputs import as_index, as_rows
-from .plan.frees import split_release_rows
 from .plan.refusals import Kind, Refusal, RefusalCode, to_error
 from .plan.step import KINDS, Step
 from .sharing.page_keys import KEY_HASHES
@@ -180,8 +179,8 @@ def grouping(alloc):
 
 def run_frees(alloc, step: Step) -> None:
     """Run a step of frees; when its release rows exceed the frozen shape, plan it past the
-    shape and run the rows as consecutive steps (every row carries absolute push
-    positions, so the parts push what one step would)."""
+    shape and run it as one transaction over consecutive launches
+    (:meth:`~graphalloc.plan.pipeline.StepPipeline.run_split`)."""
     try:
         alloc.pipeline.run(alloc.pipeline.plan(step))
         return
@@ -189,12 +188,7 @@ def run_frees(alloc, step: Step) -> None:
         refusal = getattr(exc, "refusal", None)
         if refusal is None or refusal[0] != 35 or refusal[2] not in (0, 1):
             raise
-    cfg, pipeline = alloc.config, alloc.pipeline
-    pipeline.refuse_planning()
-    out = pipeline.outcome(step, oversize=True)
-    parts = split_release_rows(out.release_rows, cfg.max_release_rows, cfg.max_step_pages)
-    for i, part in enumerate(parts):
-        pipeline.run(pipeline.plan_rows(part, out, first=i == 0))
+    alloc.pipeline.run_split(step)
 
 
 def given(value, what: str, error: type[ContractError]) -> None:
