@@ -116,7 +116,7 @@ class HybridAllocator:
         self.queries = HostQueries(config, self.ledger)
         self.group: FreeGroup | None = None  # the open free_group() block
         self.recorder: StepRecorder | None = None  # the open scheduler_step() block
-        self.faulted = False  # a device fault reported by check(), until reset_faults()
+        self.faulted = False  # a fault reported by check(), until reset_faults() / recover()
         self.prefix_cache = (PrefixCache(self, ops.key_hash_of(prefix_cache)) if prefix_cache
                              else None)
         self.pipeline = StepPipeline(self, CompiledPlanner.for_allocator(self, planner))
@@ -381,9 +381,21 @@ class HybridAllocator:
         ops.check(self, sync)
 
     def reset_faults(self) -> None:
-        """Clear the error word and the step count, and accept steps again (call it with no
-        step in flight)."""
+        """Clear a fault reported by ``check()`` and accept steps again -- only when the
+        device tables agree with the host ledger (it audits: reads the device). When they
+        do not, nothing changes, steps stay refused and ``IntegrityError`` says so: call
+        :meth:`recover`. Refused with a step pending or inside a block."""
         ops.reset_faults(self)
+
+    def recover(self) -> None:
+        """The way back after ``DeviceFaultError`` or ``SubmissionError``: wait for the
+        device, write every device table again from the host ledger (the truth: req_to_token,
+        handle rows, full_to_swa, the free rings, the state table; ring mode keeps its
+        req_to_token and ring pages, which the host has no copy of), clear the error word
+        and the step count, then audit. Clean: steps are accepted again (results of earlier
+        steps are stale). Not clean: ``IntegrityError``, steps stay refused. Synchronises;
+        O(tables). Refused with a step pending or inside a block."""
+        ops.recover(self)
 
     def stats(self) -> dict:
         """Host-side counts for humans (no device read)."""

@@ -20,7 +20,8 @@ The step named is exact when its stamp lies above the largest stamp the device s
 usual case: the latest steps were not replayed); otherwise the error names the range of
 steps since the last clean check. After a :class:`~graphalloc.errors.SubmissionError` the
 host ledger and the device tables disagree: the allocator refuses steps until
-``reset_faults()`` (then ``audit()`` shows the damage; rebuild it or load a state dict).
+``recover()``, which rebuilds the device tables from the host ledger (``reset_faults()``
+alone is refused while ``audit()`` shows the damage).
 
 Invariants: stamps only grow; ``n_expected`` counts steps since the last reset; the
 unchecked list holds at most ``max_unchecked`` entries (the oldest are dropped: naming
@@ -65,7 +66,8 @@ class SubmissionLedger:
         self.unchecked.append((step_number, stamp, buffer_index))
 
     def reset(self) -> None:
-        """The device word was zeroed (``reset_faults()``): count from here."""
+        """The device word was zeroed (``reset_faults()``, ``recover()``): count from
+        here."""
         self.n_expected = 0
         self.unchecked.clear()
 
@@ -82,8 +84,8 @@ class SubmissionLedger:
                 f"never submitted (the host submitted {expected} since the last reset, the "
                 f"device counted {count}): a cancelled step's buffer was replayed, or a launch "
                 "enqueued work and then raised. The device tables have changed behind the "
-                "host ledger; the allocator refuses steps until reset_faults(): run audit(), "
-                "then rebuild it or load a state dict", expected, count, None, None)
+                "host ledger; the allocator refuses steps until recover() (it rebuilds the "
+                "device tables from the host ledger)", expected, count, None, None)
         self.unchecked.clear()
         return None
 
@@ -107,5 +109,5 @@ class SubmissionLedger:
             f"{count}): {which}. mark_submitted(p) was called without replaying the graph "
             "over p's descriptor buffer (or alloc.launch(p.buffer_index)); the host ledger is "
             "now ahead of the device tables. The allocator refuses steps until "
-            "reset_faults(): run audit(), then rebuild it or load a state dict", expected,
+            "recover() (it rebuilds the device tables from the host ledger)", expected,
             count, step, index)

@@ -115,4 +115,6 @@ def load_state_dict(alloc, sd: dict) -> None:
     for k, t in current.items():
         t.copy_(device[k].to(t.dtype))
     alloc.ledger.assign(ledger.arrays())
-    alloc.reset_faults()
+    from ..operations import clear_faults  # (operations imports this module)
+
+    clear_faults(alloc)

@@ -10,7 +10,11 @@ to a submitted step. Lifecycle of one step, as facts about state::
                       and raises the documented typed error: nothing changed. Otherwise the
                       step is *pending*: its writes stay journaled.
     run(p)            the executor enqueues the device work, then submit(p). If the launch
-                      raises, the step is cancelled first and LaunchError raised from it.
+                      raises (at any of its kernels), the step is undone: the journal rolled
+                      back, every device table it may have written written again from the
+                      ledger behind it (graphalloc.device.restore), LaunchError raised.
+    run_split(step)   a free past the frozen release shape: planned once, launched in parts,
+                      one transaction (committed after the last part, undone whole).
     submit(p)         (mark_submitted: an engine replayed its own graph) the buffer's event
                       is recorded, the journal forgotten: the step is final. A step with
                       rows is counted for ``check()``: its kernels must have counted its
@@ -91,7 +95,8 @@ class StepPipeline:
                                    "or cancel it")
         if alloc.faulted:
             raise PendingStepError("a device fault was reported by check(); the allocator "
-                                   "refuses steps until reset_faults() (or rebuild it)")
+                                   "refuses steps until recover() (or reset_faults(), "
+                                   "which needs audit() clean)")
         if not alloc.executor.plans_locally:
             raise ContractError(f"this allocator's executor ({alloc.executor.name}) only "
                                 "replays steps planned elsewhere; call the replica layer "
