@@ -8,7 +8,7 @@ stay: :func:`keep_damage` clears the reported fault and nothing else. Never in a
 
 from __future__ import annotations
 
-from graphalloc.operations import clear_faults
+from graphalloc.diagnostics.recovery import clear_faults
 
 __all__ = ["keep_damage"]
 
