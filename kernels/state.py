@@ -35,7 +35,8 @@ from .errors import ConfigError, TensorSpecError
 from .rows import check_rows, load_row, row_col
 
 __all__ = ["write_state_rows", "write_state_rows_torch", "copy_state_rows",
-           "copy_state_rows_torch", "state_tensor_spec", "check_state_tensors", "copyable_as"]
+           "copy_state_rows_torch", "state_tensor_spec", "check_state_tensors", "copyable_as",
+           "bit_views"]
 
 _KIND, _A, _B = tl.constexpr(ST_KIND), tl.constexpr(ST_A), tl.constexpr(ST_B)
 _SET, _SPEC = tl.constexpr(ST_SET), tl.constexpr(ST_SPEC)
@@ -166,9 +167,8 @@ def check_state_tensors(state_tensors, n_slots: int, device, backend: str = "tor
     """The registered state tensors as ``(tensor, slot_dim)`` pairs, checked before anything
     is built: a sequence, only with state slots (``n_slots > 0``), each a contiguous tensor
     on ``device`` with ``n_slots + 1`` slots, not requiring grad (the allocator writes it in
-    place), of a dtype ``backend`` can copy (:func:`copyable_as`). Returned as same-width
-    integer views of the caller's tensors (the same memory: copies move bits). Raises
-    :class:`ConfigError`."""
+    place), of a dtype ``backend`` can copy (:func:`copyable_as`; the kernels then move it
+    as :func:`bit_views` of it). Raises :class:`ConfigError`."""
     if isinstance(state_tensors, torch.Tensor) or not isinstance(state_tensors, (list, tuple)):
         raise ConfigError("state_tensors takes a list of tensors or (tensor, slot_dim) pairs, "
                           f"got {type(state_tensors).__name__}")
@@ -193,12 +193,22 @@ def check_state_tensors(state_tensors, n_slots: int, device, backend: str = "tor
             raise ConfigError(f"state_tensors[{i}] requires grad; the allocator copies slots in "
                               "place, outside autograd: register the state buffer itself "
                               "(detached, requires_grad=False)")
-        words = copyable_as(t, backend)
-        if words is None:
+        if copyable_as(t, backend) is None:
             raise ConfigError(f"state_tensors[{i}] has dtype {t.dtype}, which the {backend} "
                               "backend cannot copy (it moves elements of 1, 2, 4 or 8 bytes; "
                               "no quantized dtypes). Register torch.view_as_real(t) for a "
                               "complex128 state, or build the allocator with backend='torch'")
+        out.append((t, dim))
+    return tuple(out)
+
+
+def bit_views(pairs, backend: str) -> tuple:
+    """The checked ``(tensor, slot_dim)`` pairs as the copies move them: each tensor viewed as
+    the same-width integer (the same memory; a float8, a bool or a complex64 slot is copied
+    bit for bit by kernels and twins that know only plain dtypes)."""
+    out = []
+    for t, dim in pairs:
+        words = copyable_as(t, backend)
         out.append((t if words == t.dtype else t.view(words), dim))
     return tuple(out)
 

@@ -61,6 +61,9 @@ class StepKernels:
         self.config = config
         self.ring = ring  # the DescriptorRing whose buffers carry step stamps (or None)
         self.state_tensors = tuple(state_tensors)  # copied by ST_COPY rows (fixed: graphs)
+        from ..kernels.state import bit_views
+
+        self.copy_tensors = bit_views(self.state_tensors, config.backend)  # what copies move
         self.tables = tables  # the step's attention tables (AttentionTables), or None
         self.state = state
         self.fused = bool(fused)
@@ -145,8 +148,8 @@ class StepKernels:
             n_copy, n_table = counts
         if n_table:
             self._write_states(state_rows, self.state.state_table_buf, n_table)
-        if n_copy and self.state_tensors:
-            self._copy_states(state_rows, self.state_tensors, n_copy)
+        if n_copy and self.copy_tensors:
+            self._copy_states(state_rows, self.copy_tensors, n_copy)
 
     def _warps(self) -> dict:
         # Passed only when set, so a launcher (or a test's stand-in) without the option works.

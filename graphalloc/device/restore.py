@@ -215,7 +215,7 @@ def save_held_destinations(alloc, copies, ring_before) -> list | None:
     ``(head, n_free)`` before the plan. The slots popped past the ring's free window are
     exactly the ones the step pushed first, at ``[head + n_free, head + pops)``. Cost: O(1)
     unless a destination was held; then one gather per state tensor."""
-    tensors = alloc.kernels.state_tensors
+    tensors = alloc.kernels.copy_tensors
     if copies is None or not len(copies) or not tensors:
         return None
     led = alloc.ledger
