@@ -12,8 +12,9 @@ compares the two counts after waiting for the submitted steps::
     device count <  host count            a submitted step never ran (mark_submitted
                                           without a replay): SubmissionError naming it
     device count >  host count (+1 while  a step ran that was never submitted (a cancelled
-                   a step with rows is    step's buffer replayed, or a launch that raised
-                   pending)               after part of its work was enqueued)
+                   a step with rows is    step's buffer replayed; a launch that raises
+                   pending)               takes its own stamp off the count when it undoes
+                                          the step, graphalloc.device.restore)
     otherwise                             clean; the steps checked are forgotten
 
 The step named is exact when its stamp lies above the largest stamp the device saw (the
@@ -82,10 +83,9 @@ class SubmissionLedger:
             return SubmissionError(
                 f"the device ran {count - expected - pending_rows} step(s) with rows that were "
                 f"never submitted (the host submitted {expected} since the last reset, the "
-                f"device counted {count}): a cancelled step's buffer was replayed, or a launch "
-                "enqueued work and then raised. The device tables have changed behind the "
-                "host ledger; the allocator refuses steps until recover() (it rebuilds the "
-                "device tables from the host ledger)", expected, count, None, None)
+                f"device counted {count}): a cancelled step's buffer was replayed. The device "
+                "tables have changed behind the host ledger; the allocator refuses steps until "
+                "recover() (it rebuilds the device tables from the host ledger)", expected, count, None, None)
         self.unchecked.clear()
         return None
 
