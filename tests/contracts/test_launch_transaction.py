@@ -131,18 +131,24 @@ def test_ring_mode_launch_failures_take_the_step_back(planner, monkeypatch):
                                         fused=False)
     assert {"release", "allocate", "page_tables"} <= set(fired), fired
     assert states["split_failures"] > 0, states
+    print(f"ring mode, planner={planner}: {alloc.steps_run} steps run, {states['failures']} "
+          f"launch failures ({dict(fired)}), {states['split_failures']} in split frees")
 
 
 def test_graph_executor_launch_failures_take_the_step_back(monkeypatch):
     """The graph executor's eager fallback (a CPU device) goes through the same path."""
-    fired, states, _ = run_workload(150, 3, monkeypatch, executor="graph")
+    fired, states, alloc = run_workload(150, 3, monkeypatch, executor="graph")
     assert states["failures"] > 0
+    print(f"graph executor: {alloc.steps_run} steps run, {states['failures']} launch failures "
+          f"({dict(fired)})")
 
 
 def test_triton_backend_launch_failures_take_the_step_back(monkeypatch):
     """The Triton kernels (interpreter on a CPU): a short workload."""
-    fired, states, _ = run_workload(40, 5, monkeypatch, backend="triton")
+    fired, states, alloc = run_workload(40, 5, monkeypatch, backend="triton")
     assert states["failures"] > 0, states
+    print(f"triton: {alloc.steps_run} steps run, {states['failures']} launch failures "
+          f"({dict(fired)})")
 
 
 # ---- the regressions of issue 35, item 1 ---------------------------------------------------
