@@ -85,7 +85,8 @@ class SubmissionLedger:
                 f"never submitted (the host submitted {expected} since the last reset, the "
                 f"device counted {count}): a cancelled step's buffer was replayed. The device "
                 "tables have changed behind the host ledger; the allocator refuses steps until "
-                "recover() (it rebuilds the device tables from the host ledger)", expected, count, None, None)
+                "recover() (it rebuilds the device tables from the host ledger)", expected,
+                count, None, None)
         self.unchecked.clear()
         return None
 
