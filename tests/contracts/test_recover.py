@@ -23,15 +23,20 @@ from workload import random_step
 import graphalloc as ga
 from graphalloc import errors as E
 from graphalloc.kernels.abi import ERR_CODES, ERR_COUNT
+from graphalloc.pools.layers import ChunkedLocal, FullAttention, RecurrentState
 
 BACKENDS = ["torch", "triton"]
 
 
-def build(backend="torch", ring=False, **kw):
+def build(backend="torch", ring=False, chunked=False, **kw):
     args = dict(page_size=3, num_full_pages=48, num_swa_pages=30, max_reqs=4,
                 max_context_len=30, sliding_window=7, backend=backend,
                 swa_ring_pages=4 if ring else 0, max_handles=0 if ring else 2,
                 num_state_slots=0 if ring else 12, max_spec_tokens=4)
+    if chunked:  # a chunked-local window pool (graphalloc.pools) instead of the window
+        for name in ("num_full_pages", "num_swa_pages", "sliding_window", "num_state_slots"):
+            del args[name]
+        args["layers"] = (FullAttention(48), ChunkedLocal(9, 30), RecurrentState(12, 4))
     args.update(kw)
     return ga.HybridAllocator(ga.AllocatorConfig(**args))
 
@@ -90,8 +95,9 @@ def corrupt(alloc, rng) -> str:
 @pytest.mark.parametrize("seed", range(6))
 def test_recover_rebuilds_hand_corrupted_tables(seed):
     """Random workload, random damage, a fault word set: reset_faults is refused, recover
-    gives back exactly the allocator that was never damaged, and both go on alike."""
-    a, b = twins(60 + 10 * seed, seed)
+    gives back exactly the allocator that was never damaged, and both go on alike (seeds
+    4 and 5: a chunked-local window pool)."""
+    a, b = twins(60 + 10 * seed, seed, chunked=seed >= 4)
     rng = np.random.default_rng(100 + seed)
     damaged = {corrupt(a, rng) for _ in range(3)} - {"nothing"}
     a.state.err_buf[ERR_CODES], a.state.err_buf[ERR_COUNT] = 1, 1  # as a kernel records
