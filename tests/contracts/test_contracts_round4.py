@@ -88,11 +88,14 @@ def test_malformed_state_tensor_entries_are_config_errors(entry):
         ga.HybridAllocator(config(num_state_slots=3), state_tensors=entry)
 
 
+def _config(backend):
+    return config(num_state_slots=3, max_spec_tokens=2, backend=backend)
+
+
 def _build(backend, t):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return ga.HybridAllocator(config(num_state_slots=3, max_spec_tokens=2, backend=backend),
-                                  state_tensors=[t])
+        return ga.HybridAllocator(_config(backend), state_tensors=[t])
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8,
@@ -106,7 +109,7 @@ def test_state_dtypes_are_checked_at_the_constructor_and_copied_bit_for_bit(back
     """Rule: the constructor refuses (ConfigError) a state tensor the backend cannot copy;
     every dtype it accepts is copied exactly by a snapshot and its restore (complex64 with
     the Triton backend failed at every state copy mid-serving: LaunchError(KeyError))."""
-    t = torch.zeros(4, 3, dtype=dtype)
+    t = torch.zeros(4, 3, dtype=dtype, device=_config(backend).device)
     wide = t.element_size() > 8
     if backend == "triton" and wide:
         with pytest.raises(E.ConfigError, match="cannot copy"):
@@ -116,7 +119,7 @@ def test_state_dtypes_are_checked_at_the_constructor_and_copied_bit_for_bit(back
     r = a.admit()
     a.alloc_extend([r], [4])
     src = int(a.req_to_state[r])
-    pattern = torch.arange(1, 3 * t.element_size() + 1, dtype=torch.uint8) * 37
+    pattern = (torch.arange(1, 3 * t.element_size() + 1, dtype=torch.uint8) * 37).to(t.device)
     t.view(torch.uint8)[src] = pattern if dtype != torch.bool else pattern % 2
     h = a.take_handle(r, 4)
     r2 = a.admit(handle=h)
@@ -141,9 +144,9 @@ def test_quantized_and_grad_state_tensors_are_refused(backend):
 def test_an_admit_on_a_handle_taken_in_the_same_step_is_refused(planner):
     """Rule (state_slots.md, sharing.md): a handle taken in a step is used from the next
     step on; an admit on it in the same step is an OverlapError, nothing changed."""
-    slots = torch.zeros(9, 2)
-    a = ga.HybridAllocator(config(num_state_slots=8, max_spec_tokens=2), planner=planner,
-                           state_tensors=[slots])
+    cfg = config(num_state_slots=8, max_spec_tokens=2)
+    a = ga.HybridAllocator(cfg, planner=planner,
+                           state_tensors=[torch.zeros(9, 2, device=cfg.device)])
     r = a.admit()
     a.alloc_extend([r], [8])
     refused_unchanged(a, lambda: a.step(take=([0], [r], [8]), admit_on=([1], [0], [-1])),

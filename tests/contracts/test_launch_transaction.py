@@ -51,8 +51,9 @@ def build(backend="torch", planner="numpy", fused=True, ring=False, executor="ea
         max_spec_tokens=4, **pools)
     kw = {}
     if not ring:
-        slots = cfg.num_state_slots + 1
-        kw["state_tensors"] = [torch.zeros(slots, 3), (torch.zeros(2, slots, 2), 1)]
+        slots, dev = cfg.num_state_slots + 1, cfg.device
+        kw["state_tensors"] = [torch.zeros(slots, 3, device=dev),
+                               (torch.zeros(2, slots, 2, device=dev), 1)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the graph executor on a CPU
         return ga.HybridAllocator(cfg, planner=planner, fused_step=fused, executor=executor,
@@ -254,7 +255,7 @@ def test_a_copy_into_a_slot_the_step_freed_is_undone(planner):
     snapshot: the copy's destination is A's slot, freed by the same step. The second state
     tensor's copy fails: A is live again, and its state in the first tensor is its own."""
     cfg = _pool(num_state_slots=3, max_spec_tokens=2)
-    t0, t1 = torch.zeros(4, 2), torch.zeros(2, 4)
+    t0, t1 = torch.zeros(4, 2, device=cfg.device), torch.zeros(2, 4, device=cfg.device)
     a = ga.HybridAllocator(cfg, planner=planner, state_tensors=[t0, (t1, 1)])
     faults = LaunchFaults(a)
     r_a, r_b = a.admit(), a.admit()
