@@ -389,13 +389,12 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     rows = rows.to(device, non_blocking=True)
     n_ring = ring_pages.shape[1]
     scratch_row = req_to_token.shape[0] - 1
-    swa_mod = max(n_swa_cap, 1)  # a model without window layers has no SWA pool (no pops)
 
     # --- ring admissions: pop n_pages SWA pages into the request's ring ---------------
     admit = (rows[:, AL_FLAGS] & AL_RING_ADMIT) != 0
     q = torch.arange(n_ring, device=device)
     admit_lane = admit[:, None] & (q[None, :] < rows[:, AL_N_PAGES, None])
-    popped = swa_free[(rows[:, AL_SWA_POP, None] + q) % swa_mod].to(torch.int64)
+    popped = swa_free[(rows[:, AL_SWA_POP, None] + q) % n_swa_cap].to(torch.int64)
     admit_bits = torch.where(admit_lane & (popped == 0), FaultCode.SINK_POP, 0)
     if validate:
         admit_oor = admit_lane & ((popped < 0) | (popped > n_swa_cap))
@@ -440,7 +439,7 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     k = torch.where(is_new, page_no - first_new, 0)
 
     new_full = full_free[(rows[row_of, AL_FULL_POP] + k) % n_full_cap].to(torch.int64)
-    new_swa_pool = swa_free[(rows[row_of, AL_SWA_POP] + k) % swa_mod].to(torch.int64)
+    new_swa_pool = swa_free[(rows[row_of, AL_SWA_POP] + k) % n_swa_cap].to(torch.int64)
     ring_swa = ring_pages[torch.where(ring & valid, r, 0), page_no % n_ring].to(torch.int64)
     old_col = torch.where(valid & ~is_new, page_no * ps, 0)
     old_full = req_to_token[r, old_col].to(torch.int64) // ps
@@ -467,7 +466,7 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     # Load-back lanes: FULL page k of the row exists; its SWA page is popped at pop + k.
     k_back = torch.where(swa_only, i // ps, 0)
     back_full = req_to_token[r, torch.where(swa_only, s + k_back * ps, 0)].to(torch.int64) // ps
-    back_swa = swa_free[(rows[row_of, AL_SWA_POP] + k_back) % swa_mod].to(torch.int64)
+    back_swa = swa_free[(rows[row_of, AL_SWA_POP] + k_back) % n_swa_cap].to(torch.int64)
     back_bad = swa_only & ((back_swa <= 0) | (back_swa > n_swa_cap))
     bits = torch.where(swa_only, torch.where(swa_only & (back_swa == 0), FaultCode.SINK_POP, 0)
                        | torch.where(back_bad & (back_swa != 0), FaultCode.OUT_OF_RANGE, 0),

@@ -441,7 +441,7 @@ def release_pages_torch(rows, req_to_token, full_to_swa, full_free, swa_free, ri
 
     swa_value = torch.where(ring_return, ring_page, swa_page)
     swa_pos = torch.where(do_swa | ring_return,
-                          (rows[row_of, REL_SWA_PUSH] + j) % max(n_swa_cap, 1), n_swa_cap)
+                          (rows[row_of, REL_SWA_PUSH] + j) % n_swa_cap, n_swa_cap)
 
     # The gathers above are materialised before the clear below: the twin's barrier.
     do_clear = read_ok & ((flags & REL_CLEAR) != 0)

@@ -146,7 +146,7 @@ def test_ring_mode_launch_failures_take_the_step_back(planner, monkeypatch):
           f"launch failures ({dict(fired)}), {states['split_failures']} in split frees")
 
 
-@pytest.mark.parametrize("layers", ["chunked"])
+@pytest.mark.parametrize("layers", ["full_only", "chunked"])
 @pytest.mark.parametrize("planner", PLANNERS)
 def test_other_layer_pools_launch_failures_take_the_step_back(planner, layers, monkeypatch):
     """A model with chunked local attention (a window pool of graphalloc.pools). (A model
