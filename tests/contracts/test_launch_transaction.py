@@ -26,10 +26,10 @@ import workload
 from launch_faults import LaunchFaults, defined_state, same_state
 
 import graphalloc as ga
+from graphalloc import ChunkedLocal, FullAttention, RecurrentState
 from graphalloc import errors as E
 from graphalloc.attention.spec import PageTableSpec
 from graphalloc.plan import compiled
-from graphalloc.pools.layers import ChunkedLocal, FullAttention, RecurrentState
 
 PLANNERS = ["numpy", pytest.param("compiled", marks=pytest.mark.skipif(
     not compiled.AVAILABLE, reason="the compiled planner is not built"))]

@@ -21,9 +21,9 @@ from launch_faults import defined_state, same_state
 from workload import random_step
 
 import graphalloc as ga
+from graphalloc import ChunkedLocal, FullAttention, RecurrentState
 from graphalloc import errors as E
 from graphalloc.kernels.abi import ERR_CODES, ERR_COUNT
-from graphalloc.pools.layers import ChunkedLocal, FullAttention, RecurrentState
 
 BACKENDS = ["torch", "triton"]
 
