@@ -171,9 +171,8 @@ class StepPipeline:
         """Plan ``step`` into the next descriptor buffer; it becomes the pending step."""
         self.refuse_planning()
         self._mark = self.mark()
-        if self.config.num_state_slots:
-            states = self.ledger.states
-            self._state_ring = (states.head, states.n_free)
+        states = self.ledger.states  # (head, n_free) of the state slots' free ring, for
+        self._state_ring = (states.head, states.n_free)  # a copy into a slot the step frees
         index = self.ring.acquire()
         out = self.outcome(step, index=index)
         self.n_planned += 1
