@@ -245,7 +245,7 @@ def test_spec_state_names_the_newest_in_flight_steps_slots(planner):
     a.alloc_decode([r], lookahead=[1])  # a second step in flight: the newest shows
     second = led.spec_state[r, 1, :2].tolist()
     assert a.spec_state[r, :2].tolist() == second and set(first).isdisjoint(second)
-    a.commit([r], [1])  # the oldest resolved; the second, now the only one, still shows
+    a.accept([r], [0])  # the oldest resolved; the second, now the only one, still shows
     assert a.spec_state[r, :2].tolist() == second == led.spec_state[r, 0, :2].tolist()
     assert a.audit() == []
 
