@@ -43,6 +43,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from . import footprint
 from . import operations as ops
 from .attention.tables import AttentionTables
 from .config import AllocatorConfig
@@ -50,6 +51,7 @@ from .device.backend import StepKernels
 from .device.descriptor import DescriptorRing
 from .device.executor import make_executor
 from .device.tables import DeviceState
+from .diagnostics import recovery
 from .errors import UnknownRequestError
 from .kernels.state import check_state_tensors
 from .plan.compiled import CompiledPlanner
@@ -99,10 +101,13 @@ class HybridAllocator:
                  prefix_cache: bool | str = False, planner: str = "auto", page_tables=None,
                  state_tensors=()):
         ops.check_arguments(config, n_descriptor_bufs, fused_step, prefix_cache, page_tables)
-        state_tensors = check_state_tensors(state_tensors, config.num_state_slots, config.device)
+        state_tensors = check_state_tensors(state_tensors, config.num_state_slots, config.device,
+                                            config.backend)
+        footprint.check_fits(config, n_descriptor_bufs, page_tables.max_batch if page_tables else 0)
         self.config = config
-        self.ledger = Ledger(config)
-        self.state = DeviceState(config)
+        with footprint.building(config):
+            self.ledger = Ledger(config)
+            self.state = DeviceState(config)
         self.tables = (None if page_tables is None else
                        AttentionTables(page_tables, config, self.state, n_descriptor_bufs))
         self.ring = DescriptorRing(config.max_release_rows, config.max_alloc_rows, config.device,
@@ -116,7 +121,7 @@ class HybridAllocator:
         self.queries = HostQueries(config, self.ledger)
         self.group: FreeGroup | None = None  # the open free_group() block
         self.recorder: StepRecorder | None = None  # the open scheduler_step() block
-        self.faulted = False  # a device fault reported by check(), until reset_faults()
+        self.faulted = False  # a fault reported by check(), until reset_faults() / recover()
         self.prefix_cache = (PrefixCache(self, ops.key_hash_of(prefix_cache)) if prefix_cache
                              else None)
         self.pipeline = StepPipeline(self, CompiledPlanner.for_allocator(self, planner))
@@ -162,9 +167,10 @@ class HybridAllocator:
 
     @property
     def spec_state(self) -> torch.Tensor:
-        """``[max_reqs, max_spec_tokens]``: where the model writes the state after each token
-        of a request's newest speculative step (a decode with lookahead); ``accept`` keeps
-        the last kept token's as the request's slot."""
+        """``[max_reqs, max_spec_tokens]``: the state slot after each token of a request's
+        newest speculative step, ``[r, :1 + k]`` while it is in flight (other entries are
+        unspecified: they may name slots freed since); ``accept`` keeps the last kept
+        token's as the request's slot."""
         return self.state.spec_state
 
     @property
@@ -183,7 +189,7 @@ class HybridAllocator:
 
     def try_step(self, step: Step | None = None, **kinds) -> AllocResult | None:
         """:meth:`step`, but ``None`` (nothing changed) when refused for lack of room (pages,
-        ring space, the frozen step shape): the scheduler's back-pressure signal."""
+        slots, ring space, any frozen-shape limit): the scheduler's back-pressure signal."""
         return ops.try_step(self, ops.step_of(self, step, kinds, "try_step", free_ok=False))
 
     def fits(self, step: Step | None = None, **kinds) -> bool:
@@ -301,7 +307,7 @@ class HybridAllocator:
         return ops.take_handle(self, row, n_tokens)
 
     def drop_handle(self, handle) -> None:
-        """Drop every reference ``handle`` holds (deferred inside a free group)."""
+        """Drop every reference ``handle`` (one id) holds (deferred in a free group)."""
         ops.free(self, "drop", handle)
 
     def drop_handle_swa(self, handle) -> None:
@@ -369,7 +375,8 @@ class HybridAllocator:
         return self.queries.live_handles()
 
     def handle_info(self, handle):
-        """What ``handle`` holds and what dropping it would free now. Cost: one dry run."""
+        """:class:`~graphalloc.state.queries.HandleInfo`: what ``handle`` holds, what dropping
+        it frees (in an open free group: adds to the block's). Cost: one dry run."""
         return ops.handle_info(self, handle)
 
     # ---- diagnostics: the sanctioned sync points ---------------------------------------------
@@ -378,12 +385,18 @@ class HybridAllocator:
         a submitted step never ran on the device (a ``mark_submitted`` without a replay) or
         a step ran unsubmitted. Waits for the submitted steps and reads the error word and
         the step count (one 80-byte read): call it where the engine synchronises anyway."""
-        ops.check(self, sync)
+        recovery.check(self, sync)
 
     def reset_faults(self) -> None:
-        """Clear the error word and the step count, and accept steps again (call it with no
-        step in flight)."""
-        ops.reset_faults(self)
+        """Clear a fault reported by ``check()`` -- only while ``audit()`` is clean; else
+        nothing changes and ``IntegrityError`` points to :meth:`recover`. Reads the device."""
+        recovery.reset_faults(self)
+
+    def recover(self) -> None:
+        """After ``DeviceFaultError`` / ``SubmissionError``: every device table written again
+        from the host ledger, the fault cleared, then audited (``IntegrityError`` when not
+        clean). Synchronises; O(tables) (:mod:`graphalloc.diagnostics.recovery`)."""
+        recovery.recover(self)
 
     def stats(self) -> dict:
         """Host-side counts for humans (no device read)."""

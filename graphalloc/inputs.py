@@ -38,9 +38,16 @@ import numbers
 import numpy as np
 import torch
 
-from .errors import ContractError, PositionError, TensorSpecError, UnknownRequestError
+from .errors import (
+    ContractError,
+    PositionError,
+    TensorSpecError,
+    UnknownHandleError,
+    UnknownRequestError,
+)
 
-__all__ = ["as_rows", "as_counts", "as_positions", "as_index", "as_int64", "is_empty"]
+__all__ = ["as_rows", "as_counts", "as_positions", "as_index", "as_int64", "is_empty",
+           "one_handle"]
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -151,6 +158,16 @@ def as_index(value, what: str, limit: int) -> int:
     if not 0 <= value < limit:
         raise PositionError(f"{what} {value} is outside [0, {limit})")
     return value
+
+
+def one_handle(value, what: str) -> None:
+    """A single operation on a handle names ONE handle id (an int), as ``admit(handle=)``
+    and ``take_handle`` do: a list is refused (``UnknownHandleError``; several handles go in
+    one step with ``step(drop=[...])``). The planner checks its range and liveness."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise UnknownHandleError(f"{what} takes one handle id (an int), got {value!r} "
+                                 f"({type(value).__name__}); drop several handles in one "
+                                 "step with step(drop=[...]) / step(drop_swa=[...])")
 
 
 def is_empty(rows) -> bool:

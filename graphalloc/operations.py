@@ -23,7 +23,6 @@ from .config import AllocatorConfig
 from .device.buckets import grid_of
 from .device.executor import lanes_of, states_of
 from .diagnostics import checkpoint, integrity
-from .diagnostics.inspection import first_error
 from .diagnostics.sync_points import sync_allowed
 from .errors import (
     BatchTooLargeError,
@@ -37,8 +36,7 @@ from .errors import (
     UnknownHandleError,
     UnknownRequestError,
 )
-from .inputs import as_index, as_rows
-from .plan.frees import split_release_rows
+from .inputs import as_index, as_rows, one_handle
 from .plan.refusals import Kind, Refusal, RefusalCode, to_error
 from .plan.step import KINDS, Step
 from .sharing.page_keys import KEY_HASHES
@@ -180,8 +178,8 @@ def grouping(alloc):
 
 def run_frees(alloc, step: Step) -> None:
     """Run a step of frees; when its release rows exceed the frozen shape, plan it past the
-    shape and run the rows as consecutive steps (every row carries absolute push
-    positions, so the parts push what one step would)."""
+    shape and run it as one transaction over consecutive launches
+    (:meth:`~graphalloc.plan.pipeline.StepPipeline.run_split`)."""
     try:
         alloc.pipeline.run(alloc.pipeline.plan(step))
         return
@@ -189,12 +187,7 @@ def run_frees(alloc, step: Step) -> None:
         refusal = getattr(exc, "refusal", None)
         if refusal is None or refusal[0] != 35 or refusal[2] not in (0, 1):
             raise
-    cfg, pipeline = alloc.config, alloc.pipeline
-    pipeline.refuse_planning()
-    out = pipeline.outcome(step, oversize=True)
-    parts = split_release_rows(out.release_rows, cfg.max_release_rows, cfg.max_step_pages)
-    for i, part in enumerate(parts):
-        pipeline.run(pipeline.plan_rows(part, out, first=i == 0))
+    alloc.pipeline.run_split(step)
 
 
 def given(value, what: str, error: type[ContractError]) -> None:
@@ -213,6 +206,8 @@ def free(alloc, kind: str, value) -> None:
     guard(alloc, what)
     if kind in ("release", "drop", "drop_swa"):
         given(value, what, UnknownRequestError if kind == "release" else UnknownHandleError)
+    if kind in ("drop", "drop_swa"):
+        one_handle(value, what)
     group = alloc.group
     if group is not None:
         if kind == "release":
@@ -355,22 +350,6 @@ def handle_info(alloc, handle) -> HandleInfo:
 
 
 # ---- diagnostics ----------------------------------------------------------------------------
-def check(alloc, sync: bool) -> None:
-    if not isinstance(sync, bool):
-        raise ContractError(f"check(sync=...) takes a bool, got {sync!r}")
-    error = first_error(alloc, sync)
-    if error is not None:
-        alloc.faulted = True
-        raise error
-
-
-def reset_faults(alloc) -> None:
-    alloc.state.err_buf.zero_()
-    alloc.state.seen_buf.zero_()
-    alloc.pipeline.submissions.reset()
-    alloc.faulted = False
-
-
 def stats(alloc) -> dict:
     out = alloc.queries.stats()
     out["steps_run"] = alloc.steps_run

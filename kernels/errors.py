@@ -167,8 +167,8 @@ class SubmissionError(GraphallocError, RuntimeError):
     ran differ (a ``mark_submitted(p)`` without a replay of p's buffer, or a replay of a step
     never submitted). Attributes: ``expected`` (steps with rows submitted since the last
     reset), ``seen`` (steps the device counted), ``step`` and ``buffer_index`` (the step
-    named, when one can be; else None). The allocator refuses steps until
-    ``reset_faults()``."""
+    named, when one can be; else None). The allocator refuses steps until ``recover()``
+    (``reset_faults()`` only once ``audit()`` is clean)."""
 
     def __init__(self, message: str, expected: int, seen: int, step: int | None,
                  buffer_index: int | None):
@@ -187,8 +187,9 @@ class DeviceFaultError(GraphallocError, RuntimeError):
     Attributes mirror the first-error record: ``codes`` (all bits seen),
     ``count`` (faulting lanes), and the first fault's ``code``, ``stage``
     (``"release"`` or ``"alloc"``), descriptor ``row``, request ``req`` and
-    ``page``. After a fault the allocator refuses further steps until
-    ``reset_faults()`` is called (or the allocator is rebuilt).
+    ``page``. After a fault the allocator refuses further steps until ``recover()``
+    rebuilds the device tables from the host ledger (``reset_faults()`` clears the report
+    only when ``audit()`` is clean).
     """
 
     def __init__(self, codes: int, count: int, code: int, stage: str, row: int, req: int,
@@ -197,8 +198,8 @@ class DeviceFaultError(GraphallocError, RuntimeError):
         super().__init__(
             f"device fault: {FAULT_NAMES.get(code, f'code {code}')} at {stage} row {row}, "
             f"request {req}, page {page}; {count} faulting lane(s) in all, kinds: "
-            f"{'; '.join(names)}. The allocator refuses further steps until reset_faults(); "
-            "run audit() to see the damage."
+            f"{'; '.join(names)}. The allocator refuses further steps until recover() (it "
+            "rebuilds the device tables from the host ledger); audit() shows the damage."
         )
         self.codes, self.count, self.code = codes, count, code
         self.stage, self.row, self.req, self.page = stage, row, req, page

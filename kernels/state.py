@@ -35,7 +35,8 @@ from .errors import ConfigError, TensorSpecError
 from .rows import check_rows, load_row, row_col
 
 __all__ = ["write_state_rows", "write_state_rows_torch", "copy_state_rows",
-           "copy_state_rows_torch", "state_tensor_spec", "check_state_tensors"]
+           "copy_state_rows_torch", "state_tensor_spec", "check_state_tensors", "copyable_as",
+           "bit_views"]
 
 _KIND, _A, _B = tl.constexpr(ST_KIND), tl.constexpr(ST_A), tl.constexpr(ST_B)
 _SET, _SPEC = tl.constexpr(ST_SET), tl.constexpr(ST_SPEC)
@@ -121,10 +122,15 @@ def state_tensor_spec(entry) -> tuple[torch.Tensor, int]:
     """``(tensor, slot_dim)`` from a registered state tensor: a tensor (slots on dimension
     0) or a ``(tensor, slot_dim)`` pair. The tensor must be contiguous (copies move whole
     slots as flat blocks)."""
-    t, dim = (entry, 0) if isinstance(entry, torch.Tensor) else entry
+    if isinstance(entry, torch.Tensor):
+        t, dim = entry, 0
+    elif isinstance(entry, (tuple, list)) and len(entry) == 2:
+        t, dim = entry
+    else:
+        t, dim = None, 0
     if not isinstance(t, torch.Tensor) or isinstance(dim, bool) or not isinstance(dim, int):
         raise TensorSpecError(f"a state tensor is a tensor or a (tensor, slot_dim) pair, got "
-                              f"{type(entry).__name__}")
+                              f"{_describe(entry)}")
     if not -t.dim() <= dim < t.dim():
         raise TensorSpecError(f"slot_dim {dim} out of range for a {t.dim()}-d state tensor")
     if not t.is_contiguous():
@@ -132,10 +138,37 @@ def state_tensor_spec(entry) -> tuple[torch.Tensor, int]:
     return t, dim % t.dim()
 
 
-def check_state_tensors(state_tensors, n_slots: int, device) -> tuple:
+def _describe(entry) -> str:
+    if isinstance(entry, (tuple, list)):
+        inner = ", ".join(type(x).__name__ for x in entry)
+        return f"a {type(entry).__name__} of {len(entry)} ({inner})"
+    return type(entry).__name__
+
+
+# Bit-for-bit copies: a slot is copied as raw words of its element width, so the kernels and
+# the twin take every dtype of a width they move (Triton and index_copy_ do not know every
+# dtype; a float8 or a complex64 is moved as the integer of its width).
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copyable_as(t: torch.Tensor, backend: str) -> torch.dtype | None:
+    """The dtype ``backend`` moves state tensor ``t`` as (a same-width integer), or None when
+    it cannot copy it: quantized tensors (no raw view), and elements wider than 8 bytes with
+    the Triton backend (complex128: register ``torch.view_as_real`` of it)."""
+    if t.is_quantized:
+        return None
+    width = t.element_size()
+    if width in _WORDS:
+        return _WORDS[width]
+    return t.dtype if backend == "torch" else None
+
+
+def check_state_tensors(state_tensors, n_slots: int, device, backend: str = "torch") -> tuple:
     """The registered state tensors as ``(tensor, slot_dim)`` pairs, checked before anything
-    is built: a sequence, only with state slots (``n_slots > 0``), each on ``device`` with
-    ``n_slots + 1`` slots. Raises :class:`ConfigError`."""
+    is built: a sequence, only with state slots (``n_slots > 0``), each a contiguous tensor
+    on ``device`` with ``n_slots + 1`` slots, not requiring grad (the allocator writes it in
+    place), of a dtype ``backend`` can copy (:func:`copyable_as`; the kernels then move it
+    as :func:`bit_views` of it). Raises :class:`ConfigError`."""
     if isinstance(state_tensors, torch.Tensor) or not isinstance(state_tensors, (list, tuple)):
         raise ConfigError("state_tensors takes a list of tensors or (tensor, slot_dim) pairs, "
                           f"got {type(state_tensors).__name__}")
@@ -156,7 +189,27 @@ def check_state_tensors(state_tensors, n_slots: int, device) -> tuple:
         if t.device.type != want.type or (want.index is not None
                                            and t.device.index != want.index):
             raise ConfigError(f"state_tensors[{i}] is on {t.device}, the allocator on {device}")
+        if t.requires_grad:
+            raise ConfigError(f"state_tensors[{i}] requires grad; the allocator copies slots in "
+                              "place, outside autograd: register the state buffer itself "
+                              "(detached, requires_grad=False)")
+        if copyable_as(t, backend) is None:
+            raise ConfigError(f"state_tensors[{i}] has dtype {t.dtype}, which the {backend} "
+                              "backend cannot copy (it moves elements of 1, 2, 4 or 8 bytes; "
+                              "no quantized dtypes). Register torch.view_as_real(t) for a "
+                              "complex128 state, or build the allocator with backend='torch'")
         out.append((t, dim))
+    return tuple(out)
+
+
+def bit_views(pairs, backend: str) -> tuple:
+    """The checked ``(tensor, slot_dim)`` pairs as the copies move them: each tensor viewed as
+    the same-width integer (the same memory; a float8, a bool or a complex64 slot is copied
+    bit for bit by kernels and twins that know only plain dtypes)."""
+    out = []
+    for t, dim in pairs:
+        words = copyable_as(t, backend)
+        out.append((t if words == t.dtype else t.view(words), dim))
     return tuple(out)
 
 

@@ -7,7 +7,8 @@ static device buffers for the forms and layers listed (FlashInfer's CSR -- ``kv_
 ``seq_lens``; FULL and SWA layers), written inside the step's replay, after its
 allocations, from lane rows the planner writes into the same descriptor buffer. The batch
 is the step's: lane i is the i-th decode row, then the extend rows, in the order given; a
-lane's query is its new tokens (1 + k for a speculative verify, the chunk for a prefill).
+lane's query is its new tokens (1 + k for a speculative verify, the chunk for a prefill),
+so an extend row of 0 tokens has no lane (the lanes after it move up).
 
 The SWA range of a lane serves every query of it: the first query, at position
 ``L - q``, reads keys ``>= L - q - W + 1`` (W the model's window), so the range starts at

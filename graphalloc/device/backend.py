@@ -61,11 +61,17 @@ class StepKernels:
         self.config = config
         self.ring = ring  # the DescriptorRing whose buffers carry step stamps (or None)
         self.state_tensors = tuple(state_tensors)  # copied by ST_COPY rows (fixed: graphs)
+        from ..kernels.state import bit_views
+
+        self.copy_tensors = bit_views(self.state_tensors, config.backend)  # what copies move
         self.tables = tables  # the step's attention tables (AttentionTables), or None
         self.state = state
         self.fused = bool(fused)
         self.grids = GridPolicy(config)
         self.num_warps: int | None = None  # warps per program (None: Triton's default)
+        # Whether the latest step's release (or fused) launch returned: the pipeline clears
+        # it before a step and reads it when a launch raises (graphalloc.device.restore).
+        self.released = False
         # Per-call constants, built once (a launch is on every step's path).
         self._common = dict(page_size=config.page_size, n_full_cap=config.num_full_pages,
                             # (no window layers: a ring of capacity 1 that no row reads)
@@ -117,10 +123,12 @@ class StepKernels:
                        n_release_rows=n_rel, n_alloc_rows=n_al, n_release_chunks=rel_chunks,
                        n_alloc_chunks=al_chunks, stamp=stamp, seen=seen, **common,
                        **self._warps())
+            self.released = True
         elif n_rel is None or n_rel or n_al:
             self._release(release_rows, *self._tables, st.err_buf, n_lanes=cfg.max_step_pages,
                           epochs=self._epochs, n_rows=n_rel, n_chunks=rel_chunks, stamp=stamp,
                           seen=seen, **common, **self._warps())
+            self.released = True
             self._allocate(alloc_rows, *self._tables, st.out_full_buf, st.out_swa_buf,
                            st.err_buf, n_lanes=cfg.max_step_tokens, n_rows=n_al,
                            n_chunks=al_chunks, stamp=stamp, seen=seen, **common,
@@ -140,8 +148,8 @@ class StepKernels:
             n_copy, n_table = counts
         if n_table:
             self._write_states(state_rows, self.state.state_table_buf, n_table)
-        if n_copy and self.state_tensors:
-            self._copy_states(state_rows, self.state_tensors, n_copy)
+        if n_copy and self.copy_tensors:
+            self._copy_states(state_rows, self.copy_tensors, n_copy)
 
     def _warps(self) -> dict:
         # Passed only when set, so a launcher (or a test's stand-in) without the option works.

@@ -12,15 +12,17 @@ compares the two counts after waiting for the submitted steps::
     device count <  host count            a submitted step never ran (mark_submitted
                                           without a replay): SubmissionError naming it
     device count >  host count (+1 while  a step ran that was never submitted (a cancelled
-                   a step with rows is    step's buffer replayed, or a launch that raised
-                   pending)               after part of its work was enqueued)
+                   a step with rows is    step's buffer replayed; a launch that raises
+                   pending)               takes its own stamp off the count when it undoes
+                                          the step, graphalloc.device.restore)
     otherwise                             clean; the steps checked are forgotten
 
 The step named is exact when its stamp lies above the largest stamp the device saw (the
 usual case: the latest steps were not replayed); otherwise the error names the range of
 steps since the last clean check. After a :class:`~graphalloc.errors.SubmissionError` the
 host ledger and the device tables disagree: the allocator refuses steps until
-``reset_faults()`` (then ``audit()`` shows the damage; rebuild it or load a state dict).
+``recover()``, which rebuilds the device tables from the host ledger (``reset_faults()``
+alone is refused while ``audit()`` shows the damage).
 
 Invariants: stamps only grow; ``n_expected`` counts steps since the last reset; the
 unchecked list holds at most ``max_unchecked`` entries (the oldest are dropped: naming
@@ -65,7 +67,8 @@ class SubmissionLedger:
         self.unchecked.append((step_number, stamp, buffer_index))
 
     def reset(self) -> None:
-        """The device word was zeroed (``reset_faults()``): count from here."""
+        """The device word was zeroed (``reset_faults()``, ``recover()``): count from
+        here."""
         self.n_expected = 0
         self.unchecked.clear()
 
@@ -80,10 +83,10 @@ class SubmissionLedger:
             return SubmissionError(
                 f"the device ran {count - expected - pending_rows} step(s) with rows that were "
                 f"never submitted (the host submitted {expected} since the last reset, the "
-                f"device counted {count}): a cancelled step's buffer was replayed, or a launch "
-                "enqueued work and then raised. The device tables have changed behind the "
-                "host ledger; the allocator refuses steps until reset_faults(): run audit(), "
-                "then rebuild it or load a state dict", expected, count, None, None)
+                f"device counted {count}): a cancelled step's buffer was replayed. The device "
+                "tables have changed behind the host ledger; the allocator refuses steps until "
+                "recover() (it rebuilds the device tables from the host ledger)", expected,
+                count, None, None)
         self.unchecked.clear()
         return None
 
@@ -107,5 +110,5 @@ class SubmissionLedger:
             f"{count}): {which}. mark_submitted(p) was called without replaying the graph "
             "over p's descriptor buffer (or alloc.launch(p.buffer_index)); the host ledger is "
             "now ahead of the device tables. The allocator refuses steps until "
-            "reset_faults(): run audit(), then rebuild it or load a state dict", expected,
+            "recover() (it rebuilds the device tables from the host ledger)", expected,
             count, step, index)

@@ -124,7 +124,7 @@ class DeviceState:
     @property
     def spec_state(self) -> torch.Tensor:
         """``[max_reqs, max_spec_tokens]``: the state slot after each token of a request's
-        newest speculative step."""
+        newest speculative step (defined while one is in flight, for its tokens only)."""
         cfg = self.config
         base = cfg.max_reqs + cfg.max_handles
         n = cfg.max_reqs * cfg.max_spec_tokens if cfg.num_state_slots else 0

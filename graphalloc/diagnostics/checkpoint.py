@@ -115,4 +115,6 @@ def load_state_dict(alloc, sd: dict) -> None:
     for k, t in current.items():
         t.copy_(device[k].to(t.dtype))
     alloc.ledger.assign(ledger.arrays())
-    alloc.reset_faults()
+    from .recovery import clear_faults
+
+    clear_faults(alloc)

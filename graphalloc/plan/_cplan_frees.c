@@ -156,19 +156,19 @@ int plan_advance(Planner *P, Plan *S, const int64_t *rows, const int64_t *pos, P
 }
 
 /* frees.evict + frees.window_frontier (the window pool's rule on the lengths when the step
- * began, win_target): rows, or every live row not in an open free group. */
+ * began, win_target): rows, or every live row not in an open free group (rows named with
+ * evict_all are checked as without it). */
 int plan_evict(Planner *P, Plan *S) {
     const int64_t *rows = S->a[A_EVICT];
     Py_ssize_t n = S->n[A_EVICT];
     if (!S->evict_all && !n) return 0;
     int64_t *own = P->t_e;  /* t_rows .. t_d are advance's */
+    if (n) TRY(live_rows(P, S, rows, n, K_EVICT, 0));
     if (S->evict_all) {
         n = 0;
         for (int64_t r = 0; r < P->max_reqs; r++)
             if (P->live[r] && !(S->excl_rows && S->excl_rows[r])) own[n++] = r;
         rows = own;
-    } else {
-        TRY(live_rows(P, S, rows, n, K_EVICT, 0));
     }
     int64_t *target = P->spare;
     for (Py_ssize_t i = 0; i < n; i++) target[i] = win_target(P, rows[i]);

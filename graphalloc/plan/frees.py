@@ -177,14 +177,15 @@ def advance(ctx: PlanContext, rows: np.ndarray, new_pos: np.ndarray, kind: str =
 
 def evict(ctx: PlanContext, rows: np.ndarray, evict_all: bool) -> None:
     """Advance frontiers by the window rule: ``rows``, or every live row (``evict_all``:
-    not released in this step, not in an open free group)."""
+    not released in this step, not in an open free group). Rows named with ``evict_all``
+    are checked as without it (codes 1, 2), then evicted with every other."""
+    if len(rows):
+        rows = ctx.live_rows(rows, "evict")
     if evict_all:
         live = ctx.ledger.live.copy()
         if ctx.excluded_rows is not None:
             live &= ~ctx.excluded_rows
         rows = np.flatnonzero(live)
-    else:
-        rows = ctx.live_rows(rows, "evict")
     advance(ctx, rows, window_frontier(ctx, rows), "evict", checked=True)
 
 

@@ -10,7 +10,11 @@ to a submitted step. Lifecycle of one step, as facts about state::
                       and raises the documented typed error: nothing changed. Otherwise the
                       step is *pending*: its writes stay journaled.
     run(p)            the executor enqueues the device work, then submit(p). If the launch
-                      raises, the step is cancelled first and LaunchError raised from it.
+                      raises (at any of its kernels), the step is undone: the journal rolled
+                      back, every device table it may have written written again from the
+                      ledger behind it (graphalloc.device.restore), LaunchError raised.
+    run_split(step)   a free past the frozen release shape: planned once, launched in parts,
+                      one transaction (committed after the last part, undone whole).
     submit(p)         (mark_submitted: an engine replayed its own graph) the buffer's event
                       is recorded, the journal forgotten: the step is final. A step with
                       rows is counted for ``check()``: its kernels must have counted its
@@ -37,6 +41,7 @@ import weakref
 
 import numpy as np
 
+from ..device.restore import save_held_destinations, undo_launch
 from ..device.stamps import SubmissionLedger
 from ..errors import ContractError, LaunchError, PendingStepError
 from ..kernels.abi import REL_EPOCH, REL_N_PAGES, ROW_WIDTH, ST_N_COPY, ST_N_TABLE
@@ -72,6 +77,7 @@ class StepPipeline:
         self._mark = (0, 0)
         self.submissions = SubmissionLedger(self.ring)
         self._stamp = 0  # the pending step's stamp
+        self._state_ring = (0, 0)  # the state free ring's (head, n_free) before the plan
         cfg = self.config
         self._scratch = np.zeros((cfg.max_release_rows + cfg.max_alloc_rows, ROW_WIDTH),
                                  dtype=np.int64)
@@ -89,7 +95,8 @@ class StepPipeline:
                                    "or cancel it")
         if alloc.faulted:
             raise PendingStepError("a device fault was reported by check(); the allocator "
-                                   "refuses steps until reset_faults() (or rebuild it)")
+                                   "refuses steps until recover() (or reset_faults(), "
+                                   "which needs audit() clean)")
         if not alloc.executor.plans_locally:
             raise ContractError(f"this allocator's executor ({alloc.executor.name}) only "
                                 "replays steps planned elsewhere; call the replica layer "
@@ -164,6 +171,8 @@ class StepPipeline:
         """Plan ``step`` into the next descriptor buffer; it becomes the pending step."""
         self.refuse_planning()
         self._mark = self.mark()
+        states = self.ledger.states  # (head, n_free) of the state slots' free ring, for
+        self._state_ring = (states.head, states.n_free)  # a copy into a slot the step frees
         index = self.ring.acquire()
         out = self.outcome(step, index=index)
         self.n_planned += 1
@@ -193,15 +202,12 @@ class StepPipeline:
             return tables.planned(index, lanes.n_lanes, lanes.n_full_pages, lanes.n_swa_pages)
         return tables.write_host(index, lanes)
 
-    def plan_rows(self, release_rows: np.ndarray, whole: PlanOutcome,
-                  first: bool) -> PlannedStep:
-        """A step of release rows planned already (a part of the split free ``whole``;
-        ``first``: its first part): written as they are into the next buffer (with this
-        step's epoch); the ledger already holds their effect (journaled). The first part
-        carries the whole free's state rows (slot-table writes); every part writes its lane
-        and state sections, so nothing a buffer held before runs again."""
-        self.refuse_planning()
-        self._mark = self.mark()
+    def _part(self, release_rows: np.ndarray, whole: PlanOutcome, first: bool) -> PlannedStep:
+        """A part of the split free ``whole`` (its release rows planned already; ``first``:
+        its first part), written as it is into the next buffer with this step's epoch; the
+        ledger already holds the whole free's effect (journaled). The first part carries the
+        whole free's state rows (slot-table writes); every part writes its lane and state
+        sections, so nothing a buffer held before runs again."""
         index = self.ring.acquire()
         empty = np.zeros((0, ROW_WIDTH), dtype=np.int64)
         release_rows[:, REL_EPOCH] = self.steps_run + 1
@@ -235,30 +241,107 @@ class StepPipeline:
 
     def run(self, planned: PlannedStep) -> AllocResult:
         self.check_planned(planned, "run")
+        kernels = self.alloc.kernels
+        kernels.released = False
+        saved = None
         try:
+            if planned.state_copies is not None:  # slots a copy overwrites, held before
+                saved = save_held_destinations(self.alloc, planned.state_copies,
+                                               self._state_ring)
             self.alloc.executor.execute(planned)
         except BaseException as exc:
-            self.cancel(planned)
-            raise LaunchError(f"launching the planned step raised {type(exc).__name__}: "
-                              f"{exc}; the step was cancelled and the allocator is as before "
-                              "it was planned") from exc
+            self.undo([planned], exc, kernels.released, self._stamp, "the step", saved=saved)
         self.submit(planned, launched=bool(planned.n_release_rows or planned.n_alloc_rows
                                            or planned.state_counts),
                     stamped=self.alloc.executor.stamps_steps)
         return planned.result
+
+    def run_split(self, step: Step | StepArrays) -> None:
+        """A free past the frozen release shape, as ONE transaction over consecutive launches:
+        planned once past the shape (numpy), its release rows cut into parts
+        (:func:`~graphalloc.plan.release_rows.split_release_rows`: absolute push positions, so the
+        parts push what one step would), each part launched from its own descriptor buffer
+        and submitted (its own stamp and epoch), the ledger's writes kept journaled until the
+        last part is submitted. A launch that raises undoes every part: the host rolled back,
+        the device tables restored behind the launched parts, their stamps uncounted and
+        the step counters as before. Cost: one plan, one launch per part."""
+        from .release_rows import split_release_rows
+
+        self.refuse_planning()
+        cfg = self.config
+        self._mark = self.mark()
+        out = self.outcome(step, oversize=True)
+        parts = split_release_rows(out.release_rows, cfg.max_release_rows, cfg.max_step_pages)
+        kernels, executor = self.alloc.kernels, self.alloc.executor
+        counters = (self.steps_run, self.submissions.n_expected,
+                    len(self.submissions.unchecked))
+        buffers, first_stamp = [], 0
+        for i, part in enumerate(parts):
+            planned = self._part(part, out, first=i == 0)
+            buffers.append(planned.buffer_index)
+            first_stamp = first_stamp or self._stamp
+            kernels.released = False
+            try:
+                executor.execute(planned)
+            except BaseException as exc:
+                self.steps_run, self.submissions.n_expected = counters[:2]
+                while len(self.submissions.unchecked) > counters[2]:
+                    self.submissions.unchecked.pop()
+                self.undo([planned], exc, kernels.released, first_stamp,
+                          f"part {i + 1} of the {len(parts)} launches of a free",
+                          buffers=buffers)
+            self.submit(planned, stamped=executor.stamps_steps, final=i == len(parts) - 1)
+
+    def undo(self, planned: list, exc: BaseException, released: bool, first_stamp: int,
+             what: str, buffers: list | None = None, saved=None) -> None:
+        """A launch raised: take the step back on the host (the journal rolled back to
+        before its plan) and on the device (:func:`~graphalloc.device.restore.undo_launch`,
+        enqueued behind whatever was launched), fence its buffers, make earlier results
+        stale, and raise :class:`LaunchError` saying what is true. If the device tables
+        cannot be restored, the allocator refuses steps until ``recover()``."""
+        alloc, step = self.alloc, planned[-1]
+        buffers = buffers or [step.buffer_index]
+        self.rollback(self._mark)
+        step.cancelled = True
+        self.pending = None
+        cause = f"{type(exc).__name__}: {exc}"
+        try:
+            undo_launch(alloc, buffers, first_stamp, released, saved)
+        except BaseException as undo_exc:
+            alloc.faulted = True
+            raise LaunchError(
+                f"launching {what} raised {cause}; the host ledger was rolled back to before "
+                f"the step, but restoring the device tables it may have written raised "
+                f"{type(undo_exc).__name__}: {undo_exc}. The device may disagree with the "
+                "host: the allocator refuses steps until recover()") from exc
+        for index in buffers:  # the launched work reads them: not rewritten before it ran
+            self.ring.submitted(index)
+        self.output_epoch += 1  # its outputs may have been written: earlier results stale
+        step.result.step_index = -1
+        raise LaunchError(
+            f"launching {what} raised {cause}; nothing of it took effect: the host ledger was "
+            "rolled back to before the step and every device table it may have written "
+            "(req_to_token, full_to_swa, free rings, ring pages, state table, state slots it "
+            "copied into, step count) was "
+            "restored from it, on the stream behind the work already launched; the allocator "
+            "is as before the step was planned. Its output slots and page tables are not "
+            "valid, and results of earlier steps are stale") from exc
 
     def mark_submitted(self, planned: PlannedStep) -> None:
         """An engine replayed its own graph over ``planned``'s buffer: submit it."""
         self.check_planned(planned, "mark_submitted")
         self.submit(planned)
 
-    def submit(self, planned: PlannedStep, launched: bool = True, stamped: bool = True) -> None:
+    def submit(self, planned: PlannedStep, launched: bool = True, stamped: bool = True,
+               final: bool = True) -> None:
         """The step is enqueued (``launched=False``: it had no device work and nothing read
         its buffer, so the buffer is not fenced and is used again next; ``stamped=False``:
-        its executor launches kernels that count no stamp, so ``check()`` expects none)."""
+        its executor launches kernels that count no stamp, so ``check()`` expects none;
+        ``final=False``: a part of a split free, its writes stay journaled)."""
         if launched:
             self.ring.submitted(planned.buffer_index)
-        self.commit()
+        if final:
+            self.commit()
         planned.submitted = True
         self.pending = None
         self.steps_run += 1

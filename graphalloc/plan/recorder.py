@@ -45,7 +45,7 @@ from ..errors import (
     UnknownHandleError,
     UnknownRequestError,
 )
-from ..inputs import as_int64
+from ..inputs import as_int64, one_handle
 from .step import Step
 
 __all__ = ["StepRecorder", "StepSlots"]
@@ -195,10 +195,12 @@ class StepRecorder:
 
     def drop_handle(self, handle) -> None:
         self._given("drop_handle", handle, UnknownHandleError)
+        one_handle(handle, "scheduler_step(): drop_handle")
         self._add("drop", handle)
 
     def drop_handle_swa(self, handle) -> None:
         self._given("drop_handle_swa", handle, UnknownHandleError)
+        one_handle(handle, "scheduler_step(): drop_handle_swa")
         self._add("drop_swa", handle)
 
     def take_handle(self, row, n_tokens) -> int:

@@ -240,7 +240,7 @@ class RefusalCode(enum.IntEnum):
     STATE_SLOTS_SHORT = (43, CapacityError, True,
         "{kind}: the step needs {value} recurrent-state slots; {limit} are "
         "free. Nothing was allocated: release requests or drop snapshots")
-    STATE_SPEC_OVER_SHAPE = (44, BatchTooLargeError, False,
+    STATE_SPEC_OVER_SHAPE = (44, BatchTooLargeError, True,  # a frozen-shape limit
         "{kind}: request {row}'s speculative step of {value} tokens "
         "needs a state slot per token; max_spec_tokens is {limit}")
     STATE_COPY_SOURCE_BUSY = (45, CapacityError, True,

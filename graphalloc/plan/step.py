@@ -78,15 +78,20 @@ class Step:
 
     Every field is optional; ``Step()`` is an empty step. Rows are request rows, handles
     handle ids; a count or position is one int (broadcast to the rows) or one per row.
-    Build it with keywords: ``Step(release=done, evict_all=True, decode=running)``. A Step
-    is a plain value: planning never writes it."""
+    Build it with keywords: ``Step(release=done, evict_all=True, decode=running)``; a
+    positional argument or a keyword that is not a kind raises ``ContractError`` (as
+    ``alloc.step(...)`` does). A Step is a plain value: planning never writes it."""
 
     __slots__ = KINDS
 
-    def __init__(self, *, take=None, release=None, accept=None, commit=None, trim=None,
-                 evict=None, evict_all: bool = False, advance=None, drop=None, drop_swa=None,
-                 admit=None, admit_on=None, decode=None, lookahead=None, extend=None,
-                 load_back=None):
+    def __init__(self, *positional, take=None, release=None, accept=None, commit=None,
+                 trim=None, evict=None, evict_all: bool = False, advance=None, drop=None,
+                 drop_swa=None, admit=None, admit_on=None, decode=None, lookahead=None,
+                 extend=None, load_back=None, **unknown):
+        if positional or unknown:
+            what = (f"{sorted(unknown)} is not a kind of Step" if unknown else
+                    f"Step takes keywords only, got {len(positional)} positional argument(s)")
+            raise ContractError(f"Step(): {what}; the kinds are {', '.join(KINDS)}")
         if commit is not None:
             warn_renamed("Step(commit=(rows, n)) counts the tokens kept, the verified one "
                          "included, and is deprecated: pass accept=(rows, n - 1), the draft "

@@ -27,11 +27,12 @@ committed length C (code 41), an admit on all of a handle (40); a trim never goe
 tokens (44).
 
 The device runs a step's copies in parallel, each reading the state as it was when the step
-began: an admit on a handle taken in the same step copies from the take's source (the same
-state), and a slot that a copy reads is never a copy's destination in that step (45, a
-shortage: only when the pool's every other slot is taken; the slot is free next step). The
-table writes are one row per index, the last write of the step (a row released and
-admitted again in one step ends with its new slot). :func:`finish` builds the section.
+began (a handle taken in a step is used from the next step on: an admit on it in the same
+step is refused before the states are planned, HANDLE_WRITTEN_THIS_STEP), and a slot that a
+copy reads is never a copy's destination in that step (45, a shortage: only when the pool's
+every other slot is taken; the slot is free next step). The table writes are one row per
+index, the last write of the step (a row released and admitted again in one step ends with
+its new slot). :func:`finish` builds the section.
 Cost: O(rows + slots moved) numpy.
 """
 

@@ -23,7 +23,13 @@ __all__ = ["HostQueries", "HandleInfo"]
 class HandleInfo:
     """What a handle holds: ``n_tokens`` (FULL ``[0, n)``), ``swa_start`` (SWA held for
     ``[swa_start, n)``; equal to ``n_tokens`` after a tombstone), page counts, and the pages
-    dropping it would free now (those it is the last holder of)."""
+    dropping it would free (``frees_*``: those it is the last holder of).
+
+    Inside an open ``free_group()`` the holdings are the committed ones (the block has not
+    run) and ``frees_*`` count what dropping the handle would ADD to the block's recorded
+    frees when it closes (the rule of ``pages_released``): a page the block's releases
+    leave to this handle alone counts. A handle dropped in the open block is refused
+    (``UnknownHandleError``)."""
 
     handle: int
     n_tokens: int

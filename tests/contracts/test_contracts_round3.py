@@ -150,8 +150,8 @@ BACKENDS = ["torch", "triton"]
 def test_mark_submitted_without_a_launch_is_caught_by_check(backend, fused, device):
     """Rule: a submitted step with rows must have run on the device. plan + mark_submitted
     without alloc.launch (or a replay) leaves the host ahead of the device: check() raises
-    SubmissionError naming that step and its buffer, the allocator refuses steps until
-    reset_faults()."""
+    SubmissionError naming that step and its buffer, the allocator refuses steps (and
+    reset_faults()) until recover() rebuilds the device tables."""
     a = two_rows(cfg=dict(backend=backend, device=device), fused_step=fused)
     a.check()  # the set-up's steps all ran
     p = a.plan(extend=([0], [3]))
@@ -163,8 +163,13 @@ def test_mark_submitted_without_a_launch_is_caught_by_check(backend, fused, devi
     assert info.value.seen == info.value.expected - 1
     with pytest.raises(E.PendingStepError):
         a.step(decode=[0])
-    a.reset_faults()
     assert any(f.kind in ("missing_mapping", "req_to_token") for f in a.audit())
+    with pytest.raises(E.IntegrityError, match="recover"):  # not while the tables are wrong
+        a.reset_faults()
+    a.recover()  # the device tables from the host ledger: the step took effect
+    assert a.audit() == []
+    a.step(decode=[0])
+    a.check()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -754,7 +759,8 @@ ENTRY_POINTS = {
 # Public methods that take no argument (garbage cannot reach them) or whose arguments are
 # covered under another name above.
 NO_ARGUMENTS = {"audit", "check_integrity", "committed_lens", "frontiers", "live_handles",
-                "live_rows", "reset_faults", "seq_lens", "snapshot", "state_dict", "stats",
+                "live_rows", "reset_faults", "recover", "seq_lens", "snapshot", "state_dict",
+                "stats",
                 "scheduler_step", "free_group"}
 COVERED_AS = {"pages_needed": "pages_needed_rows", "trim": "trim_rows",
               "commit": "commit_rows", "accept": "accept_rows", "take_handle": "take_handle_row",

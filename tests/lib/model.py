@@ -672,8 +672,9 @@ class Model:
         if trim is not None:
             rel_rows += work._trim(work._rows(trim[0]), list(trim[1]))
         if evict_all or evict is not None:
-            rows = sorted(r for r in work.reqs if r not in work.pending) if evict_all \
-                else work._rows(evict)
+            rows = work._rows(evict) if evict is not None else []  # checked either way
+            if evict_all:
+                rows = sorted(r for r in work.reqs if r not in work.pending)
             rel_rows += work._advance(rows, [work.window_frontier(r) for r in rows])
         if advance is not None:
             rel_rows += work._advance(work._rows(advance[0]), [int(p) for p in advance[1]])

@@ -60,8 +60,9 @@ STATE_CODES = {STATE_ADMIT: RefusalCode.STATE_SHARE_NOT_AT_SNAPSHOT,
                STATE_SPEC: RefusalCode.STATE_SPEC_OVER_SHAPE,
                STATE_READ: RefusalCode.STATE_COPY_SOURCE_BUSY}
 # Kinds a step's refusal can have for lack of room (try_step -> None, fits -> False): in a
-# Step, the model's CAPACITY is a page shortage and BATCH the frozen shape.
-SHORTAGE = frozenset({CAPACITY, BATCH, STATE_SHORT, STATE_READ})
+# Step, the model's CAPACITY is a page shortage, BATCH the frozen shape and STATE_SPEC the
+# frozen max_spec_tokens.
+SHORTAGE = frozenset({CAPACITY, BATCH, STATE_SHORT, STATE_SPEC, STATE_READ})
 
 # Pool mode with handles, small pages, few slots (the queue runs short often), K small
 # enough that the base machine's lookaheads (k <= 3) cross it. max_release_rows exceeds
@@ -639,7 +640,7 @@ def test_state_refusals_change_nothing(case):
     assert info.value.refusal[0] == code
     assert_same_snapshot(before, a.snapshot())
     assert all(torch.equal(t, b) for t, b in zip(tensors, t_before, strict=True))
-    if code.shortage:  # a shortage: back-pressure
+    if code.shortage:  # a shortage (a pool, the frozen max_spec_tokens): back-pressure
         assert a.try_step(**step) is None and a.fits(**step) is False
     else:
         with pytest.raises(type(info.value)):
