@@ -10,9 +10,11 @@ Lifecycle of the :class:`StepGraph` executor (``HybridAllocator(cfg, executor="g
     alloc.step(...)               plan() on the host writes buffer i, run() replays the
                                   graph of buffer i for the smallest bucket that covers
                                   the step's rows (none for a step with no rows)
-    ...                           the graph reads buffer i from pinned memory when it runs;
-                                  buffer i is rewritten only after the event recorded
-                                  behind that replay completed (DescriptorRing)
+    ...                           the graph's first kernel copies the step's rows of buffer
+                                  i from pinned memory into its device mirror and the
+                                  step's kernels read the mirror (kernels.stage); buffer i
+                                  is rewritten only after the event recorded behind that
+                                  replay completed (DescriptorRing)
 
 The host's only launch per step is one ``cudaGraphLaunch``. A replay launches programs
 for the step's row bucket, not for the frozen maximum: rows are packed at the front of
@@ -222,7 +224,8 @@ class StepGraph(Executor):
                         graph = capture_graph(
                             lambda rel=rel, al=al, grid=grid, fused=fused, lanes=lanes,
                             states=states: kernels(rel, al, fusable=fused, grid=grid,
-                                                   lane_rows=lanes, state_rows=states),
+                                                   lane_rows=lanes, state_rows=states,
+                                                   staged=True),
                             pool=pool, keep_graph=grid == full, collect=False)
                         pool = graph.pool() if pool is None else pool
                         self._all.append(graph)
