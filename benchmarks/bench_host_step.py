@@ -94,7 +94,7 @@ def _null_executor(ga):
     return Null()
 
 
-def make_config(ga, batch: int):
+def make_config(ga, batch: int, device: str = "cpu", backend: str = "torch"):
     import torch
     w = MODEL_WINDOW - 1
     max_ctx = 2 * MODEL_WINDOW + 2048
@@ -103,7 +103,7 @@ def make_config(ga, batch: int):
     kw = dict(page_size=PAGE_SIZE, num_full_pages=(batch + 2) * per_req_full + 64,
               num_swa_pages=(batch + 2) * (per_req_swa + 2) + MODEL_WINDOW // PAGE_SIZE + 64,
               max_reqs=batch + 2,
-              max_context_len=max_ctx, index_dtype=torch.int32, device="cpu", backend="torch",
+              max_context_len=max_ctx, index_dtype=torch.int32, device=device, backend=backend,
               max_tokens_per_alloc_row=MODEL_WINDOW, max_step_tokens=MODEL_WINDOW + 4 * batch + 8)
     try:
         return ga.AllocatorConfig(model_window=w + 1, **kw)
@@ -111,12 +111,15 @@ def make_config(ga, batch: int):
         return ga.AllocatorConfig(sliding_window=w, **kw)
 
 
-def warm_allocator(ga, batch: int, seed: int, executor=None):
+def warm_allocator(ga, batch: int, seed: int, executor=None, device: str = "cpu",
+                   backend: str = "torch", **alloc_kw):
     """An allocator with ``batch`` requests prefilled to lengths uniform in [W/2, 2W), each
-    past one decode step (its window evicted); returns (alloc, rows)."""
+    past one decode step (its window evicted); returns (alloc, rows). ``alloc_kw``: more
+    HybridAllocator arguments (page tables)."""
     import numpy as np
-    alloc = ga.HybridAllocator(make_config(ga, batch),
-                               executor=_null_executor(ga) if executor is None else executor)
+    alloc = ga.HybridAllocator(make_config(ga, batch, device, backend),
+                               executor=_null_executor(ga) if executor is None else executor,
+                               **alloc_kw)
     rng = np.random.default_rng(seed)
     lengths = rng.integers(MODEL_WINDOW // 2, 2 * MODEL_WINDOW, batch)
     rows = []

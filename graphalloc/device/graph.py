@@ -145,6 +145,11 @@ class StepGraph(Executor):
         warmup: warm-up launches before capture (an int >= 1).
         buckets: capture row buckets (default) or the full grid only.
         growth: ratio between row buckets (an int >= 2).
+        staged: each graph first copies the step's rows into the buffer's device mirror and
+            its kernels read the mirror (default; :mod:`graphalloc.kernels.stage`); False:
+            every kernel reads the pinned buffer (the earlier form, kept for comparison).
+        long_programs: programs a long allocation row (a prefill) is spread over
+            (:class:`~graphalloc.device.buckets.GridPolicy`).
 
     ``replays`` counts graph launches, ``fused_replays`` those of fused graphs,
     ``empty_steps`` the steps that had nothing to replay. Capture synchronises (once,
@@ -159,7 +164,8 @@ class StepGraph(Executor):
 
     name = "graph"
 
-    def __init__(self, alloc=None, *, warmup: int = 2, buckets: bool = True, growth: int = 4):
+    def __init__(self, alloc=None, *, warmup: int = 2, buckets: bool = True, growth: int = 4,
+                 staged: bool = True, long_programs: int = 64):
         if alloc is not None:
             raise ConfigError("StepGraph is an executor chosen when the allocator is built: "
                               "HybridAllocator(cfg, executor='graph') (or "
@@ -170,7 +176,11 @@ class StepGraph(Executor):
             raise ConfigError(f"buckets must be a bool, got {buckets!r}")
         if isinstance(growth, bool) or not isinstance(growth, int) or growth < 2:
             raise ConfigError(f"growth must be an int >= 2, got {growth!r}")
+        if not isinstance(staged, bool):
+            raise ConfigError(f"staged must be a bool, got {staged!r}")
         super().__init__()
+        self.staged = staged
+        self.long_programs = long_programs
         self.warmup = warmup
         self.buckets = buckets
         self.growth = growth
@@ -197,7 +207,8 @@ class StepGraph(Executor):
     def bind(self, alloc) -> None:
         super().bind(alloc)
         cfg = alloc.config
-        self.policy = GridPolicy(cfg, growth=self.growth if self.buckets else None)
+        self.policy = GridPolicy(cfg, growth=self.growth if self.buckets else None,
+                                 long_programs=self.long_programs)
         self._fused = alloc.kernels.fused
         if self.buckets:
             self._choose = self.policy.bucket
@@ -225,7 +236,7 @@ class StepGraph(Executor):
                             lambda rel=rel, al=al, grid=grid, fused=fused, lanes=lanes,
                             states=states: kernels(rel, al, fusable=fused, grid=grid,
                                                    lane_rows=lanes, state_rows=states,
-                                                   staged=True),
+                                                   staged=self.staged),
                             pool=pool, keep_graph=grid == full, collect=False)
                         pool = graph.pool() if pool is None else pool
                         self._all.append(graph)

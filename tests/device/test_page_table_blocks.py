@@ -8,7 +8,8 @@ to 16 columns), empty lanes between full ones, padded lanes at the end, empty SW
 lanes that change request or shrink from one launch to the next, entries past a buffer's
 capacity -- over every combination of forms and layers, starting from stale buffers, and
 every output (and ``bt_ranges``) must be equal after every launch. The Triton kernel runs in
-the interpreter (TRITON_INTERPRET=1, set by the suite's conftest).
+the interpreter on a CPU (TRITON_INTERPRET=1, set by the suite's conftest) and compiled on a
+GPU (the ``device`` fixture: the GPU run's on_device phase).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def random_rows(rng, n_lanes: int, swa_only: bool) -> torch.Tensor:
     return torch.from_numpy(rows)
 
 
-def outputs(forms, layers, n_lanes: int, cap: int) -> dict:
+def outputs(forms, layers, n_lanes: int, cap: int, device) -> dict:
     out = {}
     for layer in layers:
         if "csr" in forms:
@@ -65,7 +66,8 @@ def outputs(forms, layers, n_lanes: int, cap: int) -> dict:
     if "block_table" in forms:
         out["seq_lens"] = torch.full((n_lanes,), -7, dtype=torch.int32)
         out["bt_ranges"] = torch.tensor([[WIDTH, 0, WIDTH]] * n_lanes, dtype=torch.int64)
-    return out
+    return {k: tuple(t.to(device) for t in v) if isinstance(v, tuple) else v.to(device)
+            for k, v in out.items()}
 
 
 def flat(out: dict) -> dict:
@@ -79,18 +81,20 @@ COMBOS = [(forms, layers) for forms in (("csr",), ("block_table",), ("csr", "blo
 
 @pytest.mark.parametrize("forms,layers", COMBOS, ids=["+".join(f) + "-" + "+".join(la)
                                                       for f, la in COMBOS])
-def test_page_blocks_equal_the_twin_launch_after_launch(forms, layers, monkeypatch):
+def test_page_blocks_equal_the_twin_launch_after_launch(forms, layers, monkeypatch, device):
     monkeypatch.setattr(page_table, "BLOCK_COLS_MAX", 16)  # lanes of up to 3 blocks
     rng = np.random.default_rng(len(forms) * 7 + len(layers) * 3 + ("swa" in layers))
     n_lanes = 7
     r2t = torch.from_numpy(rng.integers(0, 50 * PS, (N_REQS, WIDTH * PS))).to(torch.int32)
     f2s = torch.from_numpy(rng.integers(0, 30 * PS, 50 * PS)).to(torch.int32)
-    f2s[rng.random(50 * PS) < 0.1] = 0  # unmapped: the sink
+    f2s[torch.from_numpy(rng.random(50 * PS) < 0.1)] = 0  # unmapped: the sink
+    r2t, f2s = r2t.to(device), f2s.to(device)
     cap = int(n_lanes * WIDTH * 0.6)  # some launches overflow kv_indices: not written
-    kernel, twin = outputs(forms, layers, n_lanes, cap), outputs(forms, layers, n_lanes, cap)
+    kernel = outputs(forms, layers, n_lanes, cap, device)
+    twin = outputs(forms, layers, n_lanes, cap, device)
     blocks_seen = 0
     for launch in range(6):
-        rows = random_rows(rng, n_lanes, "full" not in layers)
+        rows = random_rows(rng, n_lanes, "full" not in layers).to(device)
         for fn, out in ((page_table.write_page_tables, kernel),
                         (page_table.write_page_tables_torch, twin)):
             fn(rows, r2t, f2s, page_size=PS, **out)
@@ -100,7 +104,7 @@ def test_page_blocks_equal_the_twin_launch_after_launch(forms, layers, monkeypat
     assert blocks_seen >= 1  # some lane spanned more than one block
 
 
-def test_without_bt_ranges_every_row_is_written_whole(monkeypatch):
+def test_without_bt_ranges_every_row_is_written_whole(monkeypatch, device):
     """A launch with no ranges (tables of unknown contents) zeroes whole rows; with ranges
     that say a row is clean, a stale entry outside the range stays -- the ranges are what
     the kernel trusts."""
@@ -108,15 +112,15 @@ def test_without_bt_ranges_every_row_is_written_whole(monkeypatch):
     rng = np.random.default_rng(5)
     r2t = torch.from_numpy(rng.integers(1, 50 * PS, (N_REQS, WIDTH * PS))).to(torch.int32)
     f2s = torch.from_numpy(rng.integers(1, 30 * PS, 50 * PS)).to(torch.int32)
+    r2t, f2s = r2t.to(device), f2s.to(device)
     rows = random_rows(np.random.default_rng(1), 4, False)
     rows[0, PT_SEQ_LEN], rows[0, PT_END_PAGE], rows[0, PT_LAST_LEN] = 2 * PS, 2, PS
-    bt = torch.full((4, WIDTH), -7, dtype=torch.int32)
-    page_table.write_page_tables(rows, r2t, f2s, page_size=PS, full_block_table=bt.clone())
-    whole = torch.full((4, WIDTH), -7, dtype=torch.int32)
+    rows = rows.to(device)
+    whole = torch.full((4, WIDTH), -7, dtype=torch.int32, device=device)
     page_table.write_page_tables(rows, r2t, f2s, page_size=PS, full_block_table=whole)
     assert (whole[0, 2:] == 0).all()
-    clean = torch.zeros(4, 3, dtype=torch.int64)  # "nothing held ids": zero nothing
-    trusted = torch.full((4, WIDTH), -7, dtype=torch.int32)
+    clean = torch.zeros(4, 3, dtype=torch.int64, device=device)  # "nothing held ids"
+    trusted = torch.full((4, WIDTH), -7, dtype=torch.int32, device=device)
     page_table.write_page_tables(rows, r2t, f2s, page_size=PS, full_block_table=trusted,
                                  bt_ranges=clean)
     assert (trusted[0, 2:] == -7).all() and torch.equal(trusted[0, :2], whole[0, :2])

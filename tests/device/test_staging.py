@@ -9,6 +9,8 @@ handles, speculative rounds, recurrent-state snapshots) drives two allocators th
 only in staging, with page tables and state slots, on the Torch twins and on the Triton
 interpreter, and every device tensor, page table, state tensor and the step counts must be
 equal after every operation. A launch that staged nothing would read zero rows and differ.
+On a GPU (the ``device`` fixture) the same runs with pinned buffers and device mirrors, the
+Triton kernels compiled.
 """
 
 from __future__ import annotations
@@ -56,12 +58,13 @@ class Bucketed(Executor):
         self.count(planned.fusable and alloc.kernels.fused)
 
 
-def build(backend: str, staged: bool):
+def build(backend: str, staged: bool, device: str):
     cfg = ga.AllocatorConfig(page_size=2, num_full_pages=40, num_swa_pages=24, max_reqs=5,
                              max_context_len=24, sliding_window=3, max_handles=3,
-                             num_state_slots=6, backend=backend, device="cpu")
+                             num_state_slots=6, backend=backend, device=device)
     n = cfg.num_state_slots + 1
-    states = [torch.zeros(n, 2), (torch.zeros(3, n, dtype=torch.int64), 1)]
+    states = [torch.zeros(n, 2, device=device),
+              (torch.zeros(3, n, dtype=torch.int64, device=device), 1)]
     alloc = ga.HybridAllocator(cfg, executor=Bucketed(staged), page_tables=ga.PageTableSpec(
         max_batch=6), state_tensors=states)
     alloc.kernels.stage_anywhere = True
@@ -79,8 +82,9 @@ def state_of(alloc, states) -> dict:
 
 
 @pytest.mark.parametrize("backend,n_ops", [("torch", 300), ("triton", 60)])
-def test_staged_steps_equal_unstaged_ones(backend, n_ops):
-    (plain, s_plain), (staged, s_staged) = build(backend, False), build(backend, True)
+def test_staged_steps_equal_unstaged_ones(backend, n_ops, device):
+    (plain, s_plain) = build(backend, False, device)
+    (staged, s_staged) = build(backend, True, device)
     rng = np.random.default_rng(34)
     kinds: dict = {}
     for op in range(n_ops):
@@ -96,17 +100,20 @@ def test_staged_steps_equal_unstaged_ones(backend, n_ops):
 
 
 @pytest.mark.parametrize("fn", [stage_rows, stage_rows_torch])
-def test_stage_copies_exactly_its_sections(fn):
+def test_stage_copies_exactly_its_sections(fn, device):
+    pin = device == "cuda"
     src = torch.arange(100 * 8, dtype=torch.int64).reshape(100, 8)
-    dst = torch.full((100, 8), -1, dtype=torch.int64)
-    s_src, s_dst = torch.tensor([77]), torch.tensor([-1])
+    src = src.pin_memory() if pin else src
+    dst = torch.full((100, 8), -1, dtype=torch.int64, device=device)
+    s_src = torch.tensor([77]).pin_memory() if pin else torch.tensor([77])
+    s_dst = torch.tensor([-1], device=device)
     sections = ((0, 3), (10, 2 * BLOCK_ROWS + 1), (50, 0), (90, 10))
     fn(src, dst, sections, s_src, s_dst)
     want = torch.full((100, 8), -1, dtype=torch.int64)
     for a, n in sections:
         want[a:a + n] = src[a:a + n]
-    assert torch.equal(dst, want) and s_dst.item() == 77
+    assert torch.equal(dst.cpu(), want) and s_dst.item() == 77
     fn(src, dst, ((5, 1),))  # no stamp given: none copied
-    assert torch.equal(dst[5], src[5]) and s_dst.item() == 77
+    assert torch.equal(dst[5].cpu(), src[5]) and s_dst.item() == 77
     with pytest.raises(ga.TensorSpecError):
         fn(src, dst, ((95, 10),))
