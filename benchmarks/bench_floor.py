@@ -55,9 +55,12 @@ if HERE not in sys.path:
 from timing import bench_main, bench_parser, empty_graph, machine_info, summarize  # noqa: E402
 
 FULL = dict(batch=256, prefill=8192, steps=40, rounds=7, warm_steps=10, busy_steps=30,
-            span_samples=30, long_programs=(64, 128, 256))
+            span_samples=30, long_programs=(64, 128, 256), tables_context=131072,
+            tables_median=16384, tables_samples=30,
+            tables_sweep=((512, 8), (1024, 8), (256, 8), (512, 4), (512, 16), (1024, 4)))
 QUICK = dict(batch=8, prefill=512, steps=6, rounds=2, warm_steps=2, busy_steps=3,
-             span_samples=3, long_programs=(64,))
+             span_samples=3, long_programs=(64,), tables_context=2048, tables_median=512,
+             tables_samples=3, tables_sweep=((512, 8), (16, 8)))
 DECODE_TARGET = 1.5  # interval / floor
 PREFILL_TARGET_US = 10.0
 
@@ -271,6 +274,103 @@ def prefill_case(p: dict, device, backend: str, errors: list) -> list[dict]:
     return out
 
 
+# ---- the page-table kernel alone --------------------------------------------------------------
+def tables_case(p: dict, device, backend: str, errors: list) -> list[dict]:
+    """The page-table kernel alone at engine scale (B lanes, a 128k context, page size 16,
+    lengths lognormal around 16k, window 4096; CSR and block tables, FULL and SWA), its lane
+    rows in device memory (staged) or pinned host memory, over a sweep of the page block
+    (``BLOCK_COLS_MAX``) and the programs per SM: GPU us per launch, cold (256 MiB L2 flush
+    before each, a graph replay) and warm (back to back). One launch of each is checked
+    against the Torch twin."""
+    from timing import Sampler
+
+    from graphalloc.kernels import page_table as pt
+    from graphalloc.kernels.abi import (
+        PT_END_PAGE,
+        PT_FULL_OFF,
+        PT_LAST_LEN,
+        PT_REQ,
+        PT_SEQ_LEN,
+        PT_SWA_FIRST,
+        PT_SWA_OFF,
+        PT_WINDOW_START,
+        ROW_WIDTH,
+    )
+    is_cuda = device.type == "cuda"
+    B, ps, ctx, window = p["batch"], 16, p["tables_context"], 4096
+    width = ctx // ps
+    rng = np.random.default_rng(7)
+    L = np.clip(rng.lognormal(np.log(p["tables_median"]), 1.0, B), 1, ctx).astype(np.int64)
+    end = -(-L // ps)
+    first = np.maximum(L - window, 0) // ps
+    rows = np.zeros((B, ROW_WIDTH), dtype=np.int64)
+    rows[:, PT_REQ], rows[:, PT_SEQ_LEN], rows[:, PT_END_PAGE] = np.arange(B), L, end
+    rows[:, PT_SWA_FIRST], rows[:, PT_LAST_LEN] = first, L - (end - 1) * ps
+    rows[:, PT_FULL_OFF] = np.cumsum(end) - end
+    rows[:, PT_SWA_OFF] = np.cumsum(end - first) - (end - first)
+    rows[:, PT_WINDOW_START] = first * ps
+    n_pages = int(end.sum()) + 1
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    r2t = (torch.randint(1, n_pages, (B, ctx), generator=gen, dtype=torch.int32) * ps).to(device)
+    f2s = torch.randint(1, n_pages, ((n_pages + 1) * ps,), generator=gen,
+                        dtype=torch.int32).to(device)
+    dev_rows = torch.from_numpy(rows).to(device)
+    host_rows = torch.from_numpy(rows).pin_memory() if is_cuda else torch.from_numpy(rows)
+
+    def outputs():
+        z = dict(dtype=torch.int32, device=device)
+        return dict(full_csr=(torch.zeros(B + 1, **z), torch.zeros(B * width, **z),
+                              torch.zeros(B, **z)),
+                    swa_csr=(torch.zeros(B + 1, **z), torch.zeros(B * width, **z),
+                             torch.zeros(B, **z)),
+                    full_block_table=torch.zeros(B, width, **z),
+                    swa_block_table=torch.zeros(B, width, **z), seq_lens=torch.zeros(B, **z),
+                    bt_ranges=torch.tensor([[width, 0, width]] * B, dtype=torch.int64,
+                                           device=device))
+    fn = pt.write_page_tables if backend == "triton" else pt.write_page_tables_torch
+    twin = outputs()
+    pt.write_page_tables_torch(dev_rows, r2t, f2s, page_size=ps, **twin)
+    sampler = Sampler(device, n_samples=p["tables_samples"], n_warmup=3,
+                      flush_mib=256 if is_cuda else 0)
+    saved = (pt.BLOCK_COLS_MAX, pt.PROGRAMS_PER_SM)
+    out = []
+    sweep = [(blk, pps, "device") for blk, pps in p["tables_sweep"]] + [
+        (p["tables_sweep"][0][0], p["tables_sweep"][0][1], "pinned")]
+    try:
+        for blk, pps, where in sweep:
+            pt.BLOCK_COLS_MAX, pt.PROGRAMS_PER_SM = blk, pps
+            bufs = outputs()
+            table = dev_rows if where == "device" else host_rows
+            call = lambda t=table, b=bufs: fn(t, r2t, f2s, page_size=ps, **b)  # noqa: E731
+            try:
+                call()  # compile; the first launch writes whole rows (ranges were the width)
+                if is_cuda:
+                    torch.cuda.synchronize()
+                same = all(torch.equal(x, y) for k in twin for x, y in zip(
+                    *(v if isinstance(v, tuple) else (v,) for v in (bufs[k], twin[k])),
+                    strict=True))
+                if is_cuda:
+                    from graphalloc import capture_graph
+                    graph = capture_graph(call)
+                    replay = graph.replay
+                else:
+                    replay = call
+                cold = summarize(sampler.device_us(replay))
+                warm, _ = loop_us(replay, 50 if is_cuda else 2, is_cuda)
+            except Exception as exc:
+                errors.append({"case": f"tables block={blk} per_sm={pps} {where}",
+                               "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            out.append({"case": "tables", "variant": f"rows in {where} memory", "batch": B,
+                        "context": ctx, "block_cols": blk, "programs_per_sm": pps,
+                        "programs": pt.page_table_programs(device, B, width),
+                        "cold_us": cold, "warm_us": warm, "equal_to_twin": same,
+                        "pages": {"full": int(end.sum()), "swa": int((end - first).sum())}})
+    finally:
+        pt.BLOCK_COLS_MAX, pt.PROGRAMS_PER_SM = saved
+    return out
+
+
 # ---- report ---------------------------------------------------------------------------------
 def verdicts(rows: list[dict], is_cuda: bool) -> list[dict]:
     out = []
@@ -287,6 +387,15 @@ def verdicts(rows: list[dict], is_cuda: bool) -> list[dict]:
                             f"long_programs={best['long_programs']}), us", "measured":
                     round(best["span_us"]["p50"], 2), "limit": PREFILL_TARGET_US,
                     "ok": best["span_us"]["p50"] <= PREFILL_TARGET_US if is_cuda else None})
+    tab = [r for r in rows if r["case"] == "tables" and r["variant"].endswith("device memory")
+           and r["equal_to_twin"]]
+    if tab:
+        best = min(tab, key=lambda r: r["cold_us"]["p50"])
+        out.append({"what": f"page-table kernel alone, B = {best['batch']}, "
+                            f"{best['context']:,}-token context, cold (best: block "
+                            f"{best['block_cols']}, {best['programs_per_sm']} programs / SM), us",
+                    "measured": round(best["cold_us"]["p50"], 2), "limit": 5.0,
+                    "ok": best["cold_us"]["p50"] <= 5.0 if is_cuda else None})
     return out
 
 
@@ -314,6 +423,17 @@ def markdown(doc: dict) -> str:
         busy = r["busy_us_per_release_and_prefill"]
         lines.append(f"| {r['variant']} | {r['long_programs']} | {_q(r['span_us'])} | "
                      f"{_q(r['host_us'])} | {'-' if busy is None else f'{busy:.1f}'} |")
+    tab = [r for r in doc["results"] if r["case"] == "tables"]
+    if tab:
+        lines += ["", f"## The page-table kernel alone, B = {doc['params']['batch']}, "
+                  f"{doc['params']['tables_context']:,}-token context ({tab[0]['pages']['full']:,}"
+                  f" FULL, {tab[0]['pages']['swa']:,} SWA pages; us per launch)", "",
+                  "| lane rows | block | programs / SM | programs | cold p50 (p20 / p80) | "
+                  "warm | equal to twin |", "|:---|---:|---:|---:|---:|---:|:---:|"]
+        for r in tab:
+            lines.append(f"| {r['variant']} | {r['block_cols']} | {r['programs_per_sm']} | "
+                         f"{r['programs']} | {_q(r['cold_us'])} | {r['warm_us']:.1f} | "
+                         f"{r['equal_to_twin']} |")
     lines += ["", "## Targets", "", "| what | measured | limit | result |", "|:---|---:|---:|:---|"]
     for v in doc["verdicts"]:
         res = "no verdict (no GPU)" if v["ok"] is None else ("PASS" if v["ok"] else "FAIL")
@@ -344,6 +464,12 @@ def run(args, argv, device, backend, note) -> int:
         print(f"prefill {r['variant']} long_programs={r['long_programs']}: span "
               f"{_q(r['span_us'])}  host {_q(r['host_us'])}", flush=True)
     rows += pre
+    tab = tables_case(p, device, backend, errors)
+    for r in tab:
+        print(f"tables {r['variant']} block={r['block_cols']} per_sm={r['programs_per_sm']}: "
+              f"cold {_q(r['cold_us'])}  warm {r['warm_us']:.1f}  equal {r['equal_to_twin']}",
+              flush=True)
+    rows += tab
     doc = {"benchmark": "bench_floor", "command": "python benchmarks/bench_floor.py "
            + " ".join(argv), "params": p, "machine": machine_info(device),
            "device_clock": "cuda-events" if is_cuda else "cpu-wall", "backend": backend,

@@ -86,7 +86,7 @@ from .errors import TensorSpecError
 from .rows import check_rows, load_row, row_col
 
 __all__ = ["write_page_tables", "write_page_tables_torch", "page_table_meta",
-           "page_table_programs", "RANGE_COLS", "BLOCK_COLS_MAX"]
+           "page_table_programs", "RANGE_COLS", "BLOCK_COLS_MAX", "PROGRAMS_PER_SM"]
 
 RANGE_COLS = 3  # bt_ranges columns: FULL end, SWA first, SWA end (int64)
 
@@ -325,19 +325,21 @@ def page_table_meta(page_size: int, n_cols: int, n_lanes: int = 1) -> dict:
 
 
 _SM_COUNT: dict = {}  # device index -> multiprocessors
+PROGRAMS_PER_SM = 8  # the grid on a GPU (benchmarks/bench_floor.py sweeps it)
 
 
 def page_table_programs(device: torch.device, n_lanes: int, n_cols: int) -> int:
-    """The launch's programs: on a GPU 8 per SM (every page block of a large batch in one
-    wave), never more than the units a launch can have (``n_lanes`` owners plus a block per
-    lane and ``n_lanes * n_cols / BLOCK_COLS`` more); on a CPU (the interpreter) 4."""
+    """The launch's programs: on a GPU ``PROGRAMS_PER_SM`` per SM (every page block of a
+    large batch in one wave), never more than the units a launch can have (``n_lanes``
+    owners plus a block per lane and ``n_lanes * n_cols / BLOCK_COLS`` more); on a CPU (the
+    interpreter) 4."""
     bound = 2 * n_lanes + n_lanes * n_cols // page_table_meta(1, n_cols)["BLOCK_COLS"] + 1
     if device.type != "cuda":
         return max(1, min(4, bound))
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(8 * _SM_COUNT[index], bound))
+    return max(1, min(PROGRAMS_PER_SM * _SM_COUNT[index], bound))
 
 
 def write_page_tables(table, req_to_token, full_to_swa, *, page_size: int, full_csr=None,
