@@ -176,6 +176,10 @@ def worker(tree: str, batch: int, n_warmup: int, n_samples: int, seed: int) -> d
     arr = np.array(rows, dtype=np.int64)
     lst = list(rows)
     times = {"ndarray": [], "list": []}
+    c_ns: list = []  # the compiled planner's own clock per step, where it keeps one
+    pipeline = getattr(alloc, "pipeline", None)
+    twin = getattr(getattr(pipeline, "compiled", None), "_c", None)
+    clock = twin if twin is not None and hasattr(twin, "last_ns") else None
     step = alloc.step
     gc.collect()
     gc.disable()
@@ -188,6 +192,8 @@ def worker(tree: str, batch: int, n_warmup: int, n_samples: int, seed: int) -> d
             dt = (time.perf_counter_ns() - t) / 1e3
             if i >= 2 * n_warmup:
                 times[kind].append(dt)
+                if clock is not None and kind == "ndarray":
+                    c_ns.append(clock.last_ns / 1e3)
         calls = {kind: count_calls(lambda r=r: step(evict_all=True, decode=r))
                  for kind, r in (("ndarray", arr), ("list", lst))}
     finally:
@@ -196,7 +202,8 @@ def worker(tree: str, batch: int, n_warmup: int, n_samples: int, seed: int) -> d
         alloc.pipeline, "compiled", None) is not None else (
         "compiled" if getattr(alloc, "_fast", None) is not None else "numpy")
     return {"tree": tree, "batch": batch, "samples_us": times, "calls": calls,
-            "planner": planner, "warm_s": round(warm_s, 2), "steps_run": int(alloc.steps_run)}
+            "planner": planner, "warm_s": round(warm_s, 2), "steps_run": int(alloc.steps_run),
+            "c_plan_us": c_ns}
 
 
 # ---- this tree's front doors ------------------------------------------------------------
@@ -429,11 +436,15 @@ def _markdown(doc: dict) -> str:
              "ndarray and as a list, alternating per step; each tree built with its own "
              "compiled planner and run in the same sweep, interleaved per B.", "",
              "Trees: " + "; ".join(f"`{t['name']}` = {t['label']}" for t in doc["trees"]), "",
-             "| B | tree | planner | ndarray us | list us | calls ndarray | calls list |",
-             "|---:|:---|:---|---:|---:|---:|---:|"]
+             "`C plan`: the compiled planner's own clock inside the step (ndarray steps; trees "
+             "whose planner keeps one), so the rest of a step is the Python around it.", "",
+             "| B | tree | planner | ndarray us | list us | C plan us | calls ndarray | "
+             "calls list |", "|---:|:---|:---|---:|---:|---:|---:|---:|"]
     for r in sorted(doc["timing"], key=lambda r: (r["batch"], doc["tree_order"].index(r["tree"]))):
+        c_plan = _q(r["c_plan_us"]) if r.get("c_plan_us") else "-"
         lines.append(f"| {r['batch']} | {r['tree']} | {r['planner']} | {_q(r['us']['ndarray'])} "
-                     f"| {_q(r['us']['list'])} | {r['calls']['ndarray']} | {r['calls']['list']} |")
+                     f"| {_q(r['us']['list'])} | {c_plan} | {r['calls']['ndarray']} | "
+                     f"{r['calls']['list']} |")
     lines += ["", f"## Python-level calls per decode + eviction step, this tree (target <= "
               f"{TARGET_CALLS})", "",
               "`sys.setprofile` `call` events during one step: every Python frame entered "
@@ -504,6 +515,7 @@ def main(argv=None) -> int:
                     else:
                         for kind in ("ndarray", "list"):
                             pooled[key]["samples_us"][kind] += res["samples_us"][kind]
+                        pooled[key]["c_plan_us"] += res["c_plan_us"]
                     print(f"  round {rnd} B={b:5d} {t['name']:8s} {res['planner']:8s} ndarray "
                           f"{_q(_quantiles(res['samples_us']['ndarray']))}  list "
                           f"{_q(_quantiles(res['samples_us']['list']))}  calls "
@@ -518,6 +530,7 @@ def main(argv=None) -> int:
     for (name, b), res in pooled.items():
         timing.append({"tree": name, "batch": b, "planner": res["planner"],
                        "us": {k: _quantiles(v) for k, v in res["samples_us"].items()},
+                       "c_plan_us": _quantiles(res["c_plan_us"]) if res["c_plan_us"] else None,
                        "calls": res["calls"]})
     doc = {"benchmark": "bench_host_step", "command": "python benchmarks/bench_host_step.py "
            + " ".join(sys.argv[1:] if argv is None else argv), "page_size": PAGE_SIZE,
