@@ -476,11 +476,17 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    sys.path.insert(0, HERE)
+    from provenance import add_stamp_option, stamp_or_exit
+    sys.path.pop(0)
+    add_stamp_option(p)
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker, args.batch, args.n_warmup, args.n_samples,
                                 args.seed)))
         return 0
+    stamp_or_exit(args.out, os.path.abspath(__file__), argv, allow_dirty=args.allow_dirty)
     batches = [int(b) for b in args.batches.split(",") if b]
     n_samples, n_warmup, rounds = args.n_samples, args.n_warmup, args.rounds
     if args.quick:
@@ -533,7 +539,7 @@ def main(argv=None) -> int:
                        "c_plan_us": _quantiles(res["c_plan_us"]) if res["c_plan_us"] else None,
                        "calls": res["calls"]})
     doc = {"benchmark": "bench_host_step", "command": "python benchmarks/bench_host_step.py "
-           + " ".join(sys.argv[1:] if argv is None else argv), "page_size": PAGE_SIZE,
+           + " ".join(argv), "page_size": PAGE_SIZE,
            "model_window": MODEL_WINDOW, "rounds": rounds, "n_samples": n_samples,
            "n_warmup": n_warmup, "target_calls": TARGET_CALLS, "machine": machine_info("cpu"),
            "trees": [{k: t[k] for k in ("name", "label")} for t in trees],

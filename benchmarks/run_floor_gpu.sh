@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU at its floor (issue 34 item 4), in one call on one GPU: < 8 minutes, 7 files.
+# The GPU at its floor (issue 34 item 4), in one call on one GPU: < 8 minutes, 8 files.
 #
 #   bash benchmarks/run_floor_gpu.sh OUTDIR        # then: tar czf floor.tgz -C OUTDIR .
 #
@@ -22,8 +22,8 @@
 #                 B = 256 / 1024, 128k context, against eager torch ops
 #                 -> bench_page_tables.json, bench_page_tables.md
 # Files in OUTDIR: run.log (every phase's output but the tests'), tests.log, the four
-# benchmark files, summary.md (phase status and the targets' verdicts). Exit status: 0 when
-# every phase passed.
+# benchmark files, stamp.json (the source that ran: benchmarks/provenance.py), summary.md
+# (phase status and the targets' verdicts). Exit status: 0 when every phase passed.
 set -uo pipefail
 out=${1:?usage: bash benchmarks/run_floor_gpu.sh OUTDIR}
 mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
