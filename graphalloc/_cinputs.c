@@ -9,7 +9,8 @@
  *                            int64 array; None when an element is anything else (a bool, a
  *                            float, None, a nested sequence, an int past int64)
  *   normalize(step, n_reqs)  a Step (or the dict of a step's keywords) as its StepArrays, as
- *                            plan/step.py's normalize gives it; None when any field is not a
+ *                            plan/step.py's normalize gives it (commit= is left to Python:
+ *                            its deprecated form warns); None when any field is not a
  *                            plain form (None, a Python int or numpy integer, a list, tuple or
  *                            range of them, a 1-D int64 ndarray; pairs as a tuple or list),
  *                            or breaks a rule the normaliser checks (a row outside
@@ -30,11 +31,11 @@
 static PyObject *ndarray_type, *np_integer, *np_empty, *int64_dtype;
 static PyObject *step_type, *arrays_type, *EMPTY, *filled;  /* filled: value -> base array */
 
-enum { N_KINDS = 15, N_OUT = 25 };
+enum { N_KINDS = 16, N_OUT = 25 };
 static const char *KINDS[N_KINDS] = {
-    "take", "release", "commit", "trim", "evict", "evict_all", "advance", "drop", "drop_swa",
-    "admit", "admit_on", "decode", "lookahead", "extend", "load_back"};
-enum { K_TAKE, K_RELEASE, K_COMMIT, K_TRIM, K_EVICT, K_EVICT_ALL, K_ADVANCE, K_DROP,
+    "take", "release", "accept", "commit", "trim", "evict", "evict_all", "advance", "drop",
+    "drop_swa", "admit", "admit_on", "decode", "lookahead", "extend", "load_back"};
+enum { K_TAKE, K_RELEASE, K_ACCEPT, K_COMMIT, K_TRIM, K_EVICT, K_EVICT_ALL, K_ADVANCE, K_DROP,
        K_DROP_SWA, K_ADMIT, K_ADMIT_ON, K_DECODE, K_LOOKAHEAD, K_EXTEND, K_LOAD_BACK };
 static const char *FIELDS[N_OUT] = {
     "take_handle", "take_row", "take_tokens", "release", "commit_row", "commit_n", "trim_row",
@@ -236,6 +237,22 @@ static PyObject **items_of(PyObject *obj, Py_ssize_t n) {
 
 static Py_ssize_t len_of(PyObject *arr) { return PyObject_Length(arr); }
 
+/* A new int64 array of ``arr``'s values plus one (``arr``'s reference is taken over). */
+static PyObject *plus_one(PyObject *arr) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arr, &view, PyBUF_STRIDES) < 0) { Py_DECREF(arr); return NULL; }
+    Py_ssize_t len = view.ndim == 1 ? view.shape[0] : 0;
+    Py_ssize_t stride = view.strides ? view.strides[0] : 8;
+    int64_t *d;
+    PyObject *out = new_int64(len, &d);
+    if (out)
+        for (Py_ssize_t i = 0; i < len; i++)
+            d[i] = *(const int64_t *)((const char *)view.buf + i * stride) + 1;
+    PyBuffer_Release(&view);
+    Py_DECREF(arr);
+    return out;
+}
+
 static int any_below(PyObject *arr, int64_t limit) {
     Py_buffer view;
     if (PyObject_GetBuffer(arr, &view, PyBUF_STRIDES) < 0) { PyErr_Clear(); return 1; }
@@ -265,8 +282,10 @@ static int normalize_fields(PyObject *const *f, long long n_reqs, PyObject **out
         CONV(2, convert(it[2], M_COUNTS, len_of(out[1]), n_reqs));
     }
     CONV(3, convert_named(f[K_RELEASE], M_ROWS, n_reqs));
-    /* the (rows, values) pairs: commit, trim */
-    static const int pair_kind[2] = {K_COMMIT, K_TRIM};
+    /* the (rows, values) pairs: accept (commit_n = 1 + the accepted drafts), trim; commit=
+     * is accept's deprecated form, left to the Python path (it warns, it counts differently) */
+    if (f[K_COMMIT] != Py_None) return 0;
+    static const int pair_kind[2] = {K_ACCEPT, K_TRIM};
     static const int pair_mode[2] = {M_COUNTS, M_POSITIONS};
     for (int p = 0; p < 2; p++) {
         int slot = 4 + 2 * p;
@@ -274,6 +293,7 @@ static int normalize_fields(PyObject *const *f, long long n_reqs, PyObject **out
         if (!(it = items_of(f[pair_kind[p]], 2))) return 0;
         CONV(slot, convert_named(it[0], M_ROWS, n_reqs));
         CONV(slot + 1, convert(it[1], pair_mode[p], len_of(out[slot]), n_reqs));
+        if (pair_kind[p] == K_ACCEPT && !(out[slot + 1] = plus_one(out[slot + 1]))) return -1;
     }
     PyObject *ea = f[K_EVICT_ALL];
     if (ea != Py_True && ea != Py_False) return 0;

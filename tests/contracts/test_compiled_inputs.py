@@ -95,7 +95,7 @@ def steps(draw):
             kw[kind] = draw(st.sampled_from([True, False, np.bool_(True), 1, None]))
         elif kind in ("take", "admit_on"):
             kw[kind] = draw(pair(3))
-        elif kind in ("commit", "trim", "advance", "extend", "load_back"):
+        elif kind in ("accept", "commit", "trim", "advance", "extend", "load_back"):
             kw[kind] = draw(pair(2))
         elif kind == "lookahead":
             kw[kind] = draw(st.one_of(st.none(), st.integers(-3, 70), value()))
@@ -141,7 +141,8 @@ def test_fast_equals_the_spec_or_defers(kw):
     {"decode": np.arange(5, dtype=np.int64), "lookahead": 3},
     {"decode": (1, 2), "lookahead": -1},
     {"release": 3, "extend": ([4, 5], 7), "admit": range(6, 8)},
-    {"commit": ([1, 2], [0, 3]), "trim": (np.array([3]), [9]), "evict": [1, 2]},
+    {"accept": ([1, 2], [0, 3]), "trim": (np.array([3]), [9]), "evict": [1, 2]},
+    {"accept": (np.array([4], dtype=np.int64), np.array([2], dtype=np.int64))},
     {"advance": ([1], 16), "drop": [0, 2], "drop_swa": 5, "load_back": ([2], [32])},
     {"take": ([1], [2], [16]), "admit_on": ([3, 4], [1, 1], None)},
     {"decode": [np.int64(1), 2], "extend": [[3], np.array([40], dtype=np.int64)]},
@@ -166,7 +167,8 @@ def test_an_int64_array_is_passed_on_as_it_is():
     {"extend": ([1], [-1])}, {"extend": ([1, 2], [1])}, {"extend": [1]},
     {"decode": torch.tensor([1])}, {"lookahead": 2}, {"decode": [1], "lookahead": 65},
     {"take": ([1, 2], [3], [4])}, {"admit_on": ([1], [2], [-2])}, {"evict_all": 1},
-    {"unknown_kind": [1]},
+    {"unknown_kind": [1]}, {"commit": ([1], [2])},  # (deprecated: Python warns)
+    {"accept": ([1], [-1])}, {"accept": ([1], [1]), "commit": ([1], [1])},
 ])
 def test_what_the_c_half_defers(kw):
     """Inputs the spec refuses or converts itself: the C half answers None."""
