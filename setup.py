@@ -1,12 +1,15 @@
 """Build of the compiled parts: the optional compiled twin of the step planner,
 ``graphalloc.plan._cplan`` (C, every ``_cplan*.c`` under graphalloc/plan/: the kinds and
-one file per pool), and the page keys' ``graphalloc.sharing._ckeys`` (C, one file).
+one file per pool), the page keys' ``graphalloc.sharing._ckeys`` (C, one file) and the
+compiled half of the input conversion path, ``graphalloc._cinputs`` (graphalloc/_cinputs.c).
 
-Everything else is in pyproject.toml. Both extensions are optional: without a C compiler
+Everything else is in pyproject.toml. Every extension is optional: without a C compiler
 (or Python headers) the build goes on without them and prints one line each;
 ``graphalloc.plan.compiled`` then warns once at import and every step runs the numpy
-planner (the reference), and ``graphalloc.sharing.page_keys`` warns once and hashes pages
-with its pure-Python twin (the same keys, hundreds of times slower).
+planner (the reference), ``graphalloc.sharing.page_keys`` warns once and hashes pages
+with its pure-Python twin (the same keys, hundreds of times slower), and the inputs are
+converted by ``graphalloc.inputs`` in Python (the same arrays and errors, at a cost per
+element).
 """
 
 import glob
@@ -47,6 +50,8 @@ setup(
                            extra_compile_args=["-O3", "-fwrapv"], optional=True),
                  Extension("graphalloc.sharing._ckeys",
                            sources=["graphalloc/sharing/_ckeys.c"],
+                           extra_compile_args=["-O3"], optional=True),
+                 Extension("graphalloc._cinputs", sources=["graphalloc/_cinputs.c"],
                            extra_compile_args=["-O3"], optional=True)],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -19,6 +19,8 @@ GPU variants (graphs captured here, per descriptor buffer, on an allocator with
     bucket_two, bucket_fused  the smallest row bucket that covers the step (what
                               StepGraph replays: GridPolicy.bucket, long rows chunked)
     bucket_fused_w1           bucket_fused with one warp per program
+    bucket_fused_staged       bucket_fused with the rows staged in device memory first
+                              (what StepGraph replays now: kernels.stage, then the step)
     tight_fused               (prefill) bucket_fused with as many programs per row as
                               the 4,096-token row has token blocks (the policy sizes
                               chunks for the longest row the config allows)
@@ -251,20 +253,22 @@ def build_variants(wl: CaseWorkload, is_cuda: bool, errors: list) -> dict:
     kernels, ring = alloc.kernels, alloc.ring
     grids = kernels.grids
     bucket = grids.bucket(*wl.expected)
-    specs = {"full_two": (False, None, None), "full_fused": (True, None, None),
-             "bucket_two": (False, bucket, None), "bucket_fused": (True, bucket, None)}
+    specs = {"full_two": (False, None, None, False), "full_fused": (True, None, None, False),
+             "bucket_two": (False, bucket, None, False),
+             "bucket_fused": (True, bucket, None, False),
+             "bucket_fused_staged": (True, bucket, None, True)}
     tight = tight_grid(wl, bucket)
     if tight != bucket:  # chunks as many as the case's longest row has blocks
-        specs["tight_fused"] = (True, tight, None)
+        specs["tight_fused"] = (True, tight, None, False)
     if is_cuda:
-        specs["bucket_fused_w1"] = (True, bucket, 1)
+        specs["bucket_fused_w1"] = (True, bucket, 1, False)
     runners: dict = {}
     if not is_cuda:
-        for name, (fused, grid, _) in specs.items():
-            runners[name] = _eager_runner(wl, fused, grid)
+        for name, (fused, grid, _, staged) in specs.items():
+            runners[name] = _eager_runner(wl, fused, grid, staged)
         return runners
     graphs: dict = {name: [] for name in specs}
-    for name, (fused, grid, warps) in specs.items():
+    for name, (fused, grid, warps, staged) in specs.items():
         try:
             kernels.num_warps = warps
             if warps is not None:
@@ -272,8 +276,8 @@ def build_variants(wl: CaseWorkload, is_cuda: bool, errors: list) -> dict:
             for i in range(len(ring)):
                 rel, al = ring.release_rows(i), ring.alloc_rows(i)
                 graphs[name].append(capture_graph(
-                    lambda rel=rel, al=al, f=fused, g=grid: kernels(rel, al, fusable=f, grid=g),
-                    keep_graph=False))
+                    lambda rel=rel, al=al, f=fused, g=grid, st=staged: kernels(
+                        rel, al, fusable=f, grid=g, staged=st), keep_graph=False))
         except Exception as exc:
             errors.append({"case": f"{wl.case}: capture {name}",
                            "error": f"{type(exc).__name__}: {exc}"})
@@ -281,7 +285,8 @@ def build_variants(wl: CaseWorkload, is_cuda: bool, errors: list) -> dict:
         finally:
             kernels.num_warps = None
     two_form = {"full_fused": "full_two", "bucket_fused": "bucket_two",
-                "bucket_fused_w1": "bucket_two", "tight_fused": "bucket_two"}
+                "bucket_fused_w1": "bucket_two", "tight_fused": "bucket_two",
+                "bucket_fused_staged": "bucket_two"}
     for name, gs in graphs.items():
         runners[name] = _graph_runner(wl, gs, graphs.get(two_form.get(name, name)))
     try:
@@ -312,14 +317,14 @@ def tight_grid(wl, bucket):
                     min(bucket.n_alloc_chunks, _ceil_div(longest, block)))
 
 
-def _eager_runner(wl, fused: bool, grid):
+def _eager_runner(wl, fused: bool, grid, staged: bool = False):
     alloc = wl.alloc
     kernels, ring = alloc.kernels, alloc.ring
 
     def run(planned) -> None:
         i = planned.buffer_index
         kernels(ring.release_rows(i), ring.alloc_rows(i), fusable=fused and planned.fusable,
-                grid=grid)
+                grid=grid, staged=staged)
         alloc.mark_submitted(planned)
     return run
 
@@ -461,6 +466,7 @@ def gpu_case(ctx, case: str) -> dict:
                     "bucket_two": [bucket.n_release_rows * bucket.n_release_chunks,
                                    bucket.n_alloc_rows * bucket.n_alloc_chunks],
                     "bucket_fused": [bucket.n_programs], "bucket_fused_w1": [bucket.n_programs],
+                    "bucket_fused_staged": [bucket.n_programs],
                     "update_two": [max(1, exact.n_release_rows), max(1, exact.n_alloc_rows)]}
         rec = {"case": case, "expected_rows": list(wl.expected), "bucket": list(bucket),
                "full_grid": list(full), "variants": {}}

@@ -2,6 +2,15 @@
 
     python benchmarks/bench_seams.py --out results/bench/seams-cpu     # CPU, ~15 min
     python benchmarks/bench_seams.py --quick --out /tmp/bench_seams     # smoke run
+    python benchmarks/bench_seams.py --batches 256 --executors host --out /tmp/seams256
+                                                                        # the ratios, ~2 min
+
+Entry points for whoever changes a seam: the command line above picks the cases
+(``--batches``, ``--executors host,eager``, ``--caches off,on``, ``--seams sglang,vllm``) and
+exits 1 unless both allocators' ledgers agree; from Python, ``measure(kind, batch, cache,
+executor, n_warmup, n_samples, seed)`` returns one case's record (``ratio`` = seam p50 /
+direct p50, the target ``TARGET`` = 1.5, ``identical``), e.g. ``measure("sglang", 256, False,
+"host", 20, 200, seed=256)`` with ``benchmarks/`` on ``sys.path``.
 
 A continuous-batching workload at B in {16, 64, 256, 1024} running requests, page size 16,
 a model window of 4096 (``sliding_window = 4095``), pool mode; lengths start uniform in
@@ -475,11 +484,14 @@ def run(args, argv, device, backend, note) -> int:
     if device.type != "cpu":
         print("bench_seams measures host time on the CPU: pass --device cpu", file=sys.stderr)
         return 1
-    batches = (16, 64) if args.quick else BATCHES
+    batches = (16, 64) if args.quick else tuple(int(b) for b in args.batches.split(","))
+    executors = [e for e in args.executors.split(",") if e]
+    caches = [{"off": False, "on": True}[c] for c in args.caches.split(",") if c]
+    kinds = [k for k in args.seams.split(",") if k]
     cases = []
-    for executor in ("host", "eager"):
-        for cache in (False, True):
-            for kind in ("sglang", "vllm"):
+    for executor in executors:
+        for cache in caches:
+            for kind in kinds:
                 for batch in batches:
                     if executor == "eager":
                         n_warmup, n_samples = (1, 3) if args.quick else (3, 15)
@@ -543,6 +555,11 @@ def run(args, argv, device, backend, note) -> int:
 def main(argv=None) -> int:
     parser = bench_parser(__doc__, os.path.join(REPO, "results", "bench", "seams-cpu"),
                           "kernels of the eager executor (CPU: torch)")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                        help="running requests B, comma-separated")
+    parser.add_argument("--executors", default="host,eager", help="host and/or eager")
+    parser.add_argument("--caches", default="off,on", help="prefix cache off and/or on")
+    parser.add_argument("--seams", default="sglang,vllm", help="sglang and/or vllm")
     return bench_main(argv, parser.parse_args, run)
 
 

@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+import bench_host_step  # noqa: E402
 import bench_seams  # noqa: E402
 import figures  # noqa: E402
 import frees_plots  # noqa: E402
@@ -48,6 +49,8 @@ PLOTTERS = {  # result JSON name: (the PNGs it makes, (result, out_dir) -> names
     "bench_seams.json": (("bench_seams.png",), _one(bench_seams.plot, "bench_seams.png")),
     "sglang_path.json": (("sglang_path.png",), _one(sglang_path_plot.plot, "sglang_path.png")),
     "vllm_cost.json": (("vllm_cost.png",), _one(figures.plot_vllm_cost, "vllm_cost.png")),
+    "bench_host_step.json": (("bench_host_step.png",),
+                             _one(bench_host_step.plot, "bench_host_step.png")),
     "decode_loop.json": (("decode_loop.png",),
                          _one(figures.plot_decode_loop_example, "decode_loop.png")),
 }

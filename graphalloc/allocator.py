@@ -183,9 +183,9 @@ class HybridAllocator:
         """Plan and run one :class:`Step` (or its keywords; :mod:`graphalloc.plan.step` states
         the kinds and their order). Returns the slots it allocated (an empty result when
         none); refused whole, nothing changed, with the first broken rule's typed error.
-        Cost: one plan, one launch or replay."""
-        return self.pipeline.run(self.pipeline.plan(
-            ops.step_of(self, step, kinds, "step", free_ok=False)))
+        Cost: one plan, one launch or replay; a fixed number of Python calls whatever the
+        number of rows (:meth:`~graphalloc.plan.pipeline.StepPipeline.step`)."""
+        return self.pipeline.step(step, kinds)
 
     def try_step(self, step: Step | None = None, **kinds) -> AllocResult | None:
         """:meth:`step`, but ``None`` (nothing changed) when refused for lack of room (pages,
@@ -228,7 +228,8 @@ class HybridAllocator:
     def scheduler_step(self) -> StepRecorder:
         """``with alloc.scheduler_step() as it:`` records one scheduler iteration on ``it``;
         it runs as ONE step at the block's end (:mod:`graphalloc.plan.recorder`)."""
-        ops.guard(self, "scheduler_step")
+        if self.recorder is not None:  # (ops.guard, inline)
+            raise ops.recorder_open("scheduler_step")
         return StepRecorder(self)
 
     @contextlib.contextmanager

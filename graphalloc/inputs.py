@@ -27,8 +27,11 @@ the single operations refuse it where they act on rows (see
 :mod:`graphalloc.operations`). Ranges (a row below ``max_reqs``, a count below a limit) are
 the callers' rules (:func:`as_rows`, :func:`as_counts`).
 
-Cost: O(n) numpy, no copy when the input is already a 1-D int64 array. The
-caller's array is never written to.
+Cost: O(n) numpy, no copy when the input is already a 1-D int64 array; a list, tuple or
+range of ints is converted and checked element by element in C (``graphalloc._cinputs``, the
+compiled half of this path: no Python frame per element), and only when an element is not a
+plain int (or that extension was not built) does Python look at each element, to name it in
+the error. The caller's array is never written to.
 """
 
 from __future__ import annotations
@@ -47,9 +50,23 @@ from .errors import (
 )
 
 __all__ = ["as_rows", "as_counts", "as_positions", "as_index", "as_int64", "is_empty",
-           "one_handle"]
+           "one_handle", "compiled_half"]
 
 _INT64_MAX = np.iinfo(np.int64).max
+
+
+def _load_compiled_half():
+    """``graphalloc._cinputs`` bound to numpy's types, or None when it was not built."""
+    try:
+        from . import _cinputs
+    except ImportError:
+        return None
+    _cinputs.bind(np.ndarray, np.integer, np.empty, np.int64, None, None, None)
+    return _cinputs
+
+
+compiled_half = _load_compiled_half()  # graphalloc._cinputs (plan.step binds its normaliser)
+_int64_list = None if compiled_half is None else compiled_half.int64_list
 
 
 def _as_int64(values, what: str, error: type[ContractError]) -> np.ndarray:
@@ -73,7 +90,10 @@ def _as_int64(values, what: str, error: type[ContractError]) -> np.ndarray:
     if isinstance(values, np.ndarray):
         arr = values
     elif isinstance(values, (list, tuple, range)):
-        for v in values:
+        arr = None if _int64_list is None else _int64_list(values)  # C: no frame per element
+        if arr is not None:
+            return arr
+        for v in values:  # not all plain ints (or no compiled half): find and name the culprit
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
                 raise error(f"{what} must be integers, got {v!r} ({type(v).__name__}) in "
                             f"{_short(values)}")

@@ -323,7 +323,8 @@ def launch(alloc, buffer_index, fusable, n_rows) -> None:
         counts = None  # a capture: the state kernels' fixed programs
     alloc.kernels(alloc.ring.release_rows(index), alloc.ring.alloc_rows(index),
                   fusable=fusable, grid=grid, lane_rows=lanes_of(alloc, index),
-                  state_rows=states_of(alloc, index), state_counts=counts)
+                  state_rows=states_of(alloc, index), state_counts=counts,
+                  staged=True if capturing else None)  # (a graph stages its rows)
 
 
 # ---- queries that are dry runs ---------------------------------------------------------------

@@ -27,8 +27,11 @@ stay valid until the ring comes back to that buffer. A step with no descriptor r
 release, no allocation; its batch is empty) launches nothing under the eager and graph
 executors, so the device buffers keep the previous batch's tables while ``p.tables``
 describes an empty batch (a launch captured by an engine, ``alloc.launch(i)``, writes them
-empty). Cost: the kernel (one program per lane, ``max_batch`` programs) per step with a
-batch; host O(B) copies.
+empty). The block tables' entries outside each lane's range are zero after every launch;
+``bt_range_buf`` (int64 ``[B, 3]``, device) records the ranges the last launch wrote, so a
+launch zeroes only what left them (whole rows at the first launch). Cost: the kernel (a
+fixed grid of programs over the batch's page blocks, :mod:`graphalloc.kernels.page_table`)
+per step with a batch; host O(B) copies.
 """
 
 from __future__ import annotations
@@ -84,6 +87,13 @@ class AttentionTables:
         self.swa_block_table_buf = dev_buf("block_table", "swa", B, spec.max_pages_per_req)
         self.seq_lens_buf = (torch.zeros(B, dtype=dt, device=dev)
                              if "block_table" in spec.forms else None)
+        # Per lane, the block-table columns the last launch left ids in (FULL end, SWA first,
+        # SWA end): the next launch zeroes only what leaves them. Whole rows at first, so the
+        # first launch writes every row whole whatever the buffers held.
+        width = spec.max_pages_per_req
+        self.bt_range_buf = (torch.tensor([[width, 0, width]] * B, dtype=torch.int64,
+                                          device=dev)
+                             if "block_table" in spec.forms else None)
         pin = dev.type == "cuda"
         present = {"full_kv_indptr": spec.has("csr", "full"),
                    "full_kv_last_page_len": spec.has("csr", "full"),
@@ -135,6 +145,7 @@ class AttentionTables:
         self._write(lane_rows, self.req_to_token, self.full_to_swa,
                     page_size=self.config.page_size, full_csr=self._csr["full"],
                     swa_csr=self._csr["swa"], full_block_table=self.full_block_table_buf,
-                    swa_block_table=self.swa_block_table_buf, seq_lens=self.seq_lens_buf)
+                    swa_block_table=self.swa_block_table_buf, seq_lens=self.seq_lens_buf,
+                    bt_ranges=self.bt_range_buf)
 
 

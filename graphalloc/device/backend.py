@@ -23,6 +23,16 @@ one launch writes the state table, one per registered state tensor copies snapsh
 programs loop to the section header's counts, so a graph captured over the whole section
 costs what the step's state rows do.
 
+Staging (:mod:`graphalloc.kernels.stage`): a staged launch first copies the rows its
+kernels read (and the buffer's stamp) from the pinned descriptor buffer into the buffer's
+device mirror (``DescriptorRing.mirror``), one small kernel at the head of the step, and the
+step's kernels read the mirror: the PCIe round trip is paid once per step, not once per
+kernel, and the page-table kernel's every program reads the lanes from device memory.
+Captured graphs stage always (``StepGraph``, ``alloc.launch(i)`` inside a capture); an eager
+launch stages when it writes page tables (``staged=None``), else reads the pinned rows (one
+launch fewer on the host). Only buffers of the allocator's ring are staged, and only on a
+CUDA device (``stage_anywhere``: on any device, for tests of the plumbing).
+
 Grid: a launch covers the first rows of each table that a
 :class:`~graphalloc.device.buckets.StepGrid` names (the eager executor: exactly the step's
 rows, ``StepKernels.grids.exact``; a graph: the bucket it was captured for), with
@@ -72,6 +82,7 @@ class StepKernels:
         # Whether the latest step's release (or fused) launch returned: the pipeline clears
         # it before a step and reads it when a launch raises (graphalloc.device.restore).
         self.released = False
+        self.stage_anywhere = False  # stage off a CUDA device too (tests of the plumbing)
         # Per-call constants, built once (a launch is on every step's path).
         self._common = dict(page_size=config.page_size, n_full_cap=config.num_full_pages,
                             # (no window layers: a ring of capacity 1 that no row reads)
@@ -85,6 +96,7 @@ class StepKernels:
             from ..kernels.step import run_step_fused
             self._release, self._allocate = release_pages, allocate_tokens
             self._step = run_step_fused
+            from ..kernels.stage import stage_rows
             from ..kernels.state import copy_state_rows, write_state_rows
         else:
             from ..kernels.allocate import allocate_tokens_torch
@@ -92,14 +104,17 @@ class StepKernels:
             from ..kernels.step import run_step_fused_torch
             self._release, self._allocate = release_pages_torch, allocate_tokens_torch
             self._step = run_step_fused_torch
+            from ..kernels.stage import stage_rows_torch as stage_rows
             from ..kernels.state import copy_state_rows_torch as copy_state_rows
             from ..kernels.state import write_state_rows_torch as write_state_rows
         self._write_states, self._copy_states = write_state_rows, copy_state_rows
+        self._stage = stage_rows
 
     def __call__(self, release_rows: torch.Tensor, alloc_rows: torch.Tensor, *,
                  fusable: bool = False, grid: StepGrid | None = None,
                  lane_rows: torch.Tensor | None = None, state_rows: torch.Tensor | None = None,
-                 state_counts: tuple[int, int] | None = None) -> None:
+                 state_counts: tuple[int, int] | None = None, staged: bool | None = None
+                 ) -> None:
         """Run the step in ``release_rows`` / ``alloc_rows``. ``fusable``: the step's
         ``PlannedStep.fusable``; with it and ``fused=True`` the step is one launch,
         otherwise release then allocation (a table with no rows in ``grid`` is not
@@ -107,15 +122,24 @@ class StepKernels:
         each); it must cover the step's rows. ``lane_rows`` / ``state_rows``: the buffer's
         attention-lane and recurrent-state sections (None: the allocator has none);
         ``state_counts``: the step's ``(n_copy, n_table)`` state rows (eager: exact
-        programs, nothing launched for none) or None (a graph: fixed programs)."""
+        programs, nothing launched for none) or None (a graph: fixed programs). ``staged``:
+        copy the rows to the buffer's device mirror first and launch over it (the module
+        docstring; None: when ``lane_rows`` are given)."""
         cfg, st, common = self.config, self.state, self._common
         if grid is None:
             n_rel = n_al = None
             rel_chunks = al_chunks = 1
         else:
             n_rel, rel_chunks, n_al, al_chunks = grid
-        stamp = None if self.ring is None else self.ring.stamp_of(release_rows)
+        ring = self.ring
+        stamp = None if ring is None else ring.stamp_of(release_rows)
         seen = None if stamp is None else st.seen_buf
+        if (lane_rows is not None if staged is None else staged) and ring is not None and (
+                ring.is_cuda or self.stage_anywhere):
+            index = ring.index_of(release_rows)
+            if index is not None:
+                release_rows, alloc_rows, lane_rows, state_rows, stamp = self._staged(
+                    index, n_rel, n_al, lane_rows is not None, state_rows is not None, stamp)
         if fusable and self.fused:
             self._step(release_rows, alloc_rows, *self._tables, st.out_full_buf,
                        st.out_swa_buf, st.err_buf, n_release_lanes=cfg.max_step_pages,
@@ -137,6 +161,22 @@ class StepKernels:
             self.tables.launch(lane_rows)
         if state_rows is not None:
             self.launch_states(state_rows, state_counts)
+
+    def _staged(self, index: int, n_rel, n_al, lanes: bool, states: bool, stamp):
+        """Copy buffer ``index``'s rows of this launch (the first ``n_rel`` / ``n_al`` release
+        and allocation rows, None: all; the lane and state sections whole when the launch has
+        them) and its stamp into the buffer's device mirror; the mirror's views to launch
+        over: ``(release, alloc, lanes or None, states or None, stamp or None)``."""
+        ring = self.ring
+        dev, dev_stamp, (d_rel, d_al, d_lanes, d_states) = ring.mirror(index)
+        r, a = ring.n_release_rows, ring.n_alloc_rows
+        sections = ((0, r if n_rel is None else n_rel), (r, a if n_al is None else n_al),
+                    (r + a, ring.n_lane_rows if lanes else 0),
+                    (r + a + ring.n_lane_rows, ring.n_state_rows if states else 0))
+        self._stage(ring.bufs[index], dev, sections, stamp,
+                    None if stamp is None else dev_stamp)
+        return (d_rel, d_al, d_lanes if lanes else None, d_states if states else None,
+                None if stamp is None else dev_stamp)
 
     def launch_states(self, state_rows: torch.Tensor, counts: tuple[int, int] | None) -> None:
         """The state section's kernels: the table writes, then one copy launch per state

@@ -6,6 +6,12 @@ it and the kernels read it. This module owns where descriptors live between the 
 a ring of pinned host buffers, each guarded by an event, so the host never rewrites
 a buffer the GPU has not consumed. Beside each buffer sits its step's stamp (one pinned
 int64, :mod:`graphalloc.kernels.stamp`), guarded by the same event.
+
+Each buffer also has a device mirror of the same layout (``mirror(i)``; made at construction
+on a CUDA device, on first use elsewhere): a staged launch (:mod:`graphalloc.kernels.stage`)
+first copies the rows the step reads, and the stamp, from the pinned buffer into its mirror,
+and the step's kernels read the mirror. The mirror is written only by the staging kernel of
+a step reading that buffer, in stream order, so the ring's events guard it too.
 """
 
 from __future__ import annotations
@@ -67,6 +73,10 @@ class DescriptorRing:
         self._raw_stream = _raw_stream_getter() if self.is_cuda else None
         self._stream_handle = None
         self._stream = None
+        self._device = device
+        self._mirrors: list | None = None  # per buffer: (device buffer, stamp, section views)
+        if self.is_cuda:
+            self._make_mirrors()
         self.used = [(0, 0)] * n_bufs  # rows written last time, per buffer
         self.fusable = [False] * n_bufs  # per buffer: its step may run as one fused launch
         self.next_index = 0
@@ -84,6 +94,32 @@ class DescriptorRing:
     def stamp(self, index: int) -> torch.Tensor:
         """Buffer ``index``'s stamp word (int64 ``[1]``, pinned on a CUDA device)."""
         return self._stamp_views[index]
+
+    def index_of(self, release_rows: torch.Tensor) -> int | None:
+        """The buffer whose release-row view this is (the very object :meth:`release_rows`
+        returns), else None. O(n_bufs)."""
+        for i, view in enumerate(self._release_views):
+            if view is release_rows:
+                return i
+        return None
+
+    def _make_mirrors(self) -> None:
+        lanes = self.n_release_rows + self.n_alloc_rows
+        mirrors = []
+        for b in self.bufs:
+            dev = torch.zeros(b.shape, dtype=torch.int64, device=self._device)
+            views = (dev[:self.n_release_rows], dev[self.n_release_rows:lanes],
+                     dev[lanes:lanes + self.n_lane_rows], dev[self._state_base:])
+            mirrors.append((dev, torch.zeros(1, dtype=torch.int64, device=self._device), views))
+        self._mirrors = mirrors
+
+    def mirror(self, index: int) -> tuple:
+        """Buffer ``index``'s device mirror: ``(buffer, stamp word, (release rows, allocation
+        rows, lane rows, state rows))``, views that never change address (made now on first
+        use off a CUDA device)."""
+        if self._mirrors is None:
+            self._make_mirrors()
+        return self._mirrors[index]
 
     def stamp_of(self, release_rows: torch.Tensor) -> torch.Tensor | None:
         """The stamp word of the buffer whose release-row view this is (the very object

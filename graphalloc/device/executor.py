@@ -94,11 +94,12 @@ def warm_up(alloc, n: int = 1) -> None:
                 ring.write(i, ring.np_bufs[i][:0], ring.np_bufs[i][:0])
             lanes, states = lanes_of(alloc, 0), states_of(alloc, 0)
             for _ in range(n):
-                alloc.kernels(ring.release_rows(0), ring.alloc_rows(0), lane_rows=lanes,
-                              state_rows=states)
-                if alloc.kernels.fused:
-                    alloc.kernels(ring.release_rows(0), ring.alloc_rows(0), fusable=True,
-                                  lane_rows=lanes, state_rows=states)
+                for staged in (False, True):  # (a graph's launches are staged)
+                    alloc.kernels(ring.release_rows(0), ring.alloc_rows(0), lane_rows=lanes,
+                                  state_rows=states, staged=staged)
+                    if alloc.kernels.fused:
+                        alloc.kernels(ring.release_rows(0), ring.alloc_rows(0), fusable=True,
+                                      lane_rows=lanes, state_rows=states, staged=staged)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()  # sync ok: one-time construction
 

@@ -10,9 +10,11 @@ Lifecycle of the :class:`StepGraph` executor (``HybridAllocator(cfg, executor="g
     alloc.step(...)               plan() on the host writes buffer i, run() replays the
                                   graph of buffer i for the smallest bucket that covers
                                   the step's rows (none for a step with no rows)
-    ...                           the graph reads buffer i from pinned memory when it runs;
-                                  buffer i is rewritten only after the event recorded
-                                  behind that replay completed (DescriptorRing)
+    ...                           the graph's first kernel copies the step's rows of buffer
+                                  i from pinned memory into its device mirror and the
+                                  step's kernels read the mirror (kernels.stage); buffer i
+                                  is rewritten only after the event recorded behind that
+                                  replay completed (DescriptorRing)
 
 The host's only launch per step is one ``cudaGraphLaunch``. A replay launches programs
 for the step's row bucket, not for the frozen maximum: rows are packed at the front of
@@ -143,6 +145,11 @@ class StepGraph(Executor):
         warmup: warm-up launches before capture (an int >= 1).
         buckets: capture row buckets (default) or the full grid only.
         growth: ratio between row buckets (an int >= 2).
+        staged: each graph first copies the step's rows into the buffer's device mirror and
+            its kernels read the mirror (default; :mod:`graphalloc.kernels.stage`); False:
+            every kernel reads the pinned buffer (the earlier form, kept for comparison).
+        long_programs: programs a long allocation row (a prefill) is spread over
+            (:class:`~graphalloc.device.buckets.GridPolicy`).
 
     ``replays`` counts graph launches, ``fused_replays`` those of fused graphs,
     ``empty_steps`` the steps that had nothing to replay. Capture synchronises (once,
@@ -157,7 +164,8 @@ class StepGraph(Executor):
 
     name = "graph"
 
-    def __init__(self, alloc=None, *, warmup: int = 2, buckets: bool = True, growth: int = 4):
+    def __init__(self, alloc=None, *, warmup: int = 2, buckets: bool = True, growth: int = 4,
+                 staged: bool = True, long_programs: int = 64):
         if alloc is not None:
             raise ConfigError("StepGraph is an executor chosen when the allocator is built: "
                               "HybridAllocator(cfg, executor='graph') (or "
@@ -168,7 +176,11 @@ class StepGraph(Executor):
             raise ConfigError(f"buckets must be a bool, got {buckets!r}")
         if isinstance(growth, bool) or not isinstance(growth, int) or growth < 2:
             raise ConfigError(f"growth must be an int >= 2, got {growth!r}")
+        if not isinstance(staged, bool):
+            raise ConfigError(f"staged must be a bool, got {staged!r}")
         super().__init__()
+        self.staged = staged
+        self.long_programs = long_programs
         self.warmup = warmup
         self.buckets = buckets
         self.growth = growth
@@ -195,7 +207,8 @@ class StepGraph(Executor):
     def bind(self, alloc) -> None:
         super().bind(alloc)
         cfg = alloc.config
-        self.policy = GridPolicy(cfg, growth=self.growth if self.buckets else None)
+        self.policy = GridPolicy(cfg, growth=self.growth if self.buckets else None,
+                                 long_programs=self.long_programs)
         self._fused = alloc.kernels.fused
         if self.buckets:
             self._choose = self.policy.bucket
@@ -222,7 +235,8 @@ class StepGraph(Executor):
                         graph = capture_graph(
                             lambda rel=rel, al=al, grid=grid, fused=fused, lanes=lanes,
                             states=states: kernels(rel, al, fusable=fused, grid=grid,
-                                                   lane_rows=lanes, state_rows=states),
+                                                   lane_rows=lanes, state_rows=states,
+                                                   staged=self.staged),
                             pool=pool, keep_graph=grid == full, collect=False)
                         pool = graph.pool() if pool is None else pool
                         self._all.append(graph)

@@ -166,18 +166,14 @@ class CompiledLanes:
 
 
 class _Results:
-    """One buffer's result arrays (rows, first lanes, tokens), rebound when still held."""
+    """One buffer's result arrays (rows, first lanes, tokens), rebound when still held (each
+    base unheld has 3 references: this tuple, the C binding's buffer export, and
+    ``sys.getrefcount``'s argument)."""
 
     __slots__ = ("bases",)
 
     def __init__(self, n: int):
         self.bases = tuple(np.zeros(n, dtype=np.int64) for _ in range(3))
-
-    def held(self) -> bool:
-        # Each base: this tuple, the C binding's buffer export, getrefcount's argument.
-        rc = sys.getrefcount
-        b = self.bases
-        return rc(b[0]) > 3 or rc(b[1]) > 3 or rc(b[2]) > 3
 
 
 class CompiledPlanner:
@@ -230,6 +226,9 @@ class CompiledPlanner:
             self._c.bind_buffer(i, desc, *res.bases, host)
             self._results.append(res)
         self.n_planned = 0  # steps this twin planned (refusals not counted)
+        # The undo log's calls, bound to the C methods (no Python frame per step):
+        self.mark = self._c.mark  # () -> a position in the undo log (Journal.mark)
+        self.commit = self._c.commit  # () -> None: the writes are final, the log forgotten
 
     @classmethod
     def for_allocator(cls, alloc, planner: str = "auto") -> CompiledPlanner | None:
@@ -240,11 +239,9 @@ class CompiledPlanner:
 
     def _fresh_results(self, i: int) -> _Results:
         """Buffer ``i``'s result arrays, replaced first when something still holds them."""
-        res = self._results[i]
-        if res.held():
-            res = _Results(self._n_reqs)
-            self._c.bind_results(i, *res.bases)
-            self._results[i] = res
+        res = _Results(self._n_reqs)
+        self._c.bind_results(i, *res.bases)
+        self._results[i] = res
         return res
 
     def plan(self, arrays: StepArrays, epoch: int, index: int | None, excluded_rows=None,
@@ -255,7 +252,11 @@ class CompiledPlanner:
         i = len(ring) if index is None else index
         old = self._scratch_used if index is None else (*ring.used[index],
                                                          ring.state_used[index])
-        res = self._fresh_results(i)
+        res = self._results[i]
+        b = res.bases
+        rc = sys.getrefcount
+        if rc(b[0]) > 3 or rc(b[1]) > 3 or rc(b[2]) > 3:  # still held: fresh ones
+            res = self._fresh_results(i)
         out = self._c.plan(arrays, epoch, -1 if index is None else index, old[0], old[1],
                            old[2], excluded_rows, excluded_handles, reclaim)
         if out[0]:
@@ -282,14 +283,7 @@ class CompiledPlanner:
                            b[1][:n_res], b[2][:n_res],
                            self._c.reclaimed() if n_reclaimed else [], lanes, states)
 
-    def mark(self) -> int:
-        """A position in the undo log (``Journal.mark``)."""
-        return self._c.mark()
-
     def rollback(self, mark: int = 0) -> None:
         """Undo every ledger write after ``mark`` (newest first)."""
         self._c.rollback(mark)
 
-    def commit(self) -> None:
-        """The writes are final: the undo log is forgotten."""
-        self._c.commit()

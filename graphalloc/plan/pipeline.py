@@ -49,7 +49,7 @@ from .context import PlanContext
 from .reference import PlanOutcome, plan_step
 from .refusals import Refusal, RefusalCode, to_error
 from .results import AllocResult, PlannedStep
-from .step import Step, StepArrays, normalize
+from .step import Step, StepArrays, normalize, normalize_fast
 
 __all__ = ["StepPipeline"]
 
@@ -70,6 +70,7 @@ class StepPipeline:
         self.config, self.ledger, self.ring = alloc.config, alloc.ledger, alloc.ring
         self.compiled = compiled
         self.tables_spec = None if alloc.tables is None else alloc.tables.spec
+        self._n_reqs = self.config.max_reqs
         self.pending: PlannedStep | None = None
         self.steps_run = 0
         self.output_epoch = 0
@@ -88,7 +89,7 @@ class StepPipeline:
 
     # ---- planning -----------------------------------------------------------------------
     def refuse_planning(self) -> None:
-        alloc = self.alloc
+        alloc = self._alloc()
         if self.pending is not None:
             raise PendingStepError("the previous planned step was neither run() nor "
                                    "cancel()led: run it (or mark_submitted after your replay), "
@@ -103,18 +104,21 @@ class StepPipeline:
                                 "instead")
 
     def outcome(self, step: Step | StepArrays, *, dry_run: bool = False, oversize: bool = False,
-                index: int | None = None, use_group: bool = True) -> PlanOutcome:
+                index: int | None = None, use_group: bool = True, mark=None) -> PlanOutcome:
         """Plan ``step`` (journaled; rolled back at once when ``dry_run``). Raises the typed
         error of a refusal with nothing changed. ``use_group``: rows released and handles
         dropped in an open free group are refused (their frees run when it closes).
         ``index``: the descriptor buffer to write (``None``: nothing is written). The
-        compiled twin plans unless it is absent or ``oversize`` (a split free: numpy)."""
+        compiled twin plans unless it is absent or ``oversize`` (a split free: numpy).
+        ``mark``: both logs' positions now, when the caller took them already."""
         arrays = step if isinstance(step, StepArrays) else normalize(step, self.config)
         journal = self.ledger.journal
-        mark = self.mark()  # (compiled twin: its undo log's position too)
-        group = self.alloc.group if use_group else None
+        if mark is None:
+            mark = self.mark()  # (compiled twin: its undo log's position too)
+        alloc = self._alloc()
+        group = alloc.group if use_group else None
         excluded = (None, None) if group is None else (group.released, group.dropped)
-        cache = self.alloc.prefix_cache
+        cache = alloc.prefix_cache
         compiled = None if oversize else self.compiled
         reclaim, offered = None, 0
         while True:
@@ -167,37 +171,61 @@ class StepPipeline:
         if self.compiled is not None:
             self.compiled.commit()
 
+    # ---- the front door: alloc.step ------------------------------------------------------
+    def step(self, step: Step | None, kinds: dict) -> AllocResult:
+        """``alloc.step(step)`` or ``alloc.step(**kinds)``: plan and run one step. The plain
+        forms are converted in C (:data:`~graphalloc.plan.step.normalize_fast`) straight from
+        the keywords, when no block is open; everything else takes the general path
+        (:func:`graphalloc.operations.step_of`: the blocks' rules, a Step's checks). Cost: a
+        fixed number of Python calls, whatever the number of rows (the benchmark
+        ``bench_host_step.py`` counts them), plus the planner's work."""
+        alloc = self._alloc()
+        arrays = None
+        if normalize_fast is not None and alloc.recorder is None and alloc.group is None:
+            arrays = normalize_fast(kinds if step is None else None if kinds else step,
+                                    self._n_reqs)
+        if arrays is None:
+            from ..operations import step_of  # (the general path; operations imports us)
+            arrays = step_of(alloc, step, kinds, "step", free_ok=False)
+        return self.execute(self.plan(arrays))
+
     def plan(self, step: Step | StepArrays) -> PlannedStep:
         """Plan ``step`` into the next descriptor buffer; it becomes the pending step."""
-        self.refuse_planning()
-        self._mark = self.mark()
+        alloc = self._alloc()
+        if self.pending is not None or alloc.faulted or not alloc.executor.plans_locally:
+            self.refuse_planning()  # raises
+        compiled = self.compiled
+        self._mark = mark = (self.ledger.journal.mark(),
+                             0 if compiled is None else compiled.mark())
         states = self.ledger.states  # (head, n_free) of the state slots' free ring, for
         self._state_ring = (states.head, states.n_free)  # a copy into a slot the step frees
         index = self.ring.acquire()
-        out = self.outcome(step, index=index)
+        out = self.outcome(step, index=index, mark=mark)
         self.n_planned += 1
         self._stamp = self.submissions.stamp(index, bool(len(out.release_rows)
                                                          or len(out.alloc_rows)))
         return self._pending(index, out)
 
     def _pending(self, index: int, out: PlanOutcome) -> PlannedStep:
-        state = self._state
+        state, owner = self._state, self._alloc
+        n_tokens, states = out.n_tokens, out.state_rows
         result = AllocResult(out.result_rows, out.result_first_lane, out.result_n_tokens,
-                             state.out_full_buf, state.out_swa_buf, out.n_tokens,
-                             self.output_epoch + (out.n_tokens > 0), self._alloc)
+                             state.out_full_buf, state.out_swa_buf, n_tokens,
+                             self.output_epoch + (n_tokens > 0), owner)
+        counts = None if states is None else _state_counts(states)
         self.pending = PlannedStep(
-            index, len(out.release_rows), len(out.alloc_rows), out.n_tokens, out.pages_freed,
-            out.pages_allocated, result, out.fusable, out.pages_evicted, owner_ref=self._alloc,
+            index, len(out.release_rows), len(out.alloc_rows), n_tokens, out.pages_freed,
+            out.pages_allocated, result, out.fusable, out.pages_evicted, owner_ref=owner,
             reclaimed=out.reclaimed,
             tables=None if out.lanes is None else self._tables(index, out.lanes),
-            state_counts=(counts := _state_counts(out.state_rows)),
-            state_copies=_state_copies(out.state_rows, counts))
+            state_counts=counts,
+            state_copies=None if counts is None else _state_copies(states, counts))
         return self.pending
 
     def _tables(self, index: int, lanes):
         """The step's PlannedTables; the compiled twin wrote the host copies already
         (compiled twin: not copied twice)."""
-        tables = self.alloc.tables
+        tables = self._alloc().tables
         if getattr(lanes, "host_written", False):
             return tables.planned(index, lanes.n_lanes, lanes.n_full_pages, lanes.n_swa_pages)
         return tables.write_host(index, lanes)
@@ -229,7 +257,7 @@ class StepPipeline:
         if not isinstance(planned, PlannedStep):
             raise PendingStepError(f"{what}() takes the PlannedStep returned by plan(), got "
                                    f"{type(planned).__name__}")
-        if planned.owner is not self.alloc:
+        if planned.owner_ref() is not self._alloc():
             raise PendingStepError(f"{what}(): that PlannedStep belongs to another allocator")
         if planned.submitted:
             raise PendingStepError(f"{what}(): this step was already submitted (a second "
@@ -241,19 +269,24 @@ class StepPipeline:
 
     def run(self, planned: PlannedStep) -> AllocResult:
         self.check_planned(planned, "run")
-        kernels = self.alloc.kernels
+        return self.execute(planned)
+
+    def execute(self, planned: PlannedStep) -> AllocResult:
+        """:meth:`run` of the step this pipeline just planned (not checked again)."""
+        alloc = self._alloc()
+        kernels, executor = alloc.kernels, alloc.executor
         kernels.released = False
         saved = None
         try:
             if planned.state_copies is not None:  # slots a copy overwrites, held before
-                saved = save_held_destinations(self.alloc, planned.state_copies,
+                saved = save_held_destinations(alloc, planned.state_copies,
                                                self._state_ring)
-            self.alloc.executor.execute(planned)
+            executor.execute(planned)
         except BaseException as exc:
             self.undo([planned], exc, kernels.released, self._stamp, "the step", saved=saved)
         self.submit(planned, launched=bool(planned.n_release_rows or planned.n_alloc_rows
                                            or planned.state_counts),
-                    stamped=self.alloc.executor.stamps_steps)
+                    stamped=executor.stamps_steps)
         return planned.result
 
     def run_split(self, step: Step | StepArrays) -> None:
@@ -341,7 +374,9 @@ class StepPipeline:
         if launched:
             self.ring.submitted(planned.buffer_index)
         if final:
-            self.commit()
+            self.ledger.journal.commit()  # (self.commit(), inline: both logs forgotten)
+            if self.compiled is not None:
+                self.compiled.commit()
         planned.submitted = True
         self.pending = None
         self.steps_run += 1
@@ -349,7 +384,7 @@ class StepPipeline:
             self.submissions.submitted(self.steps_run, self._stamp, planned.buffer_index)
         if planned.n_tokens:
             self.output_epoch += 1
-        cache = self.alloc.prefix_cache
+        cache = self._alloc().prefix_cache
         if cache is not None and planned.reclaimed:
             cache.on_reclaimed(planned.reclaimed)
 

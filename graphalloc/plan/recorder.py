@@ -125,15 +125,20 @@ class StepRecorder:
         if alloc.group is not None:
             raise NestedGroupError("scheduler_step() inside free_group(): the block is one "
                                    "step of its own; close the free group first")
-        alloc.pipeline.refuse_planning()
+        pipeline = alloc.pipeline
+        if pipeline.pending is not None or alloc.faulted or not alloc.executor.plans_locally:
+            pipeline.refuse_planning()  # raises
         alloc.recorder, self.open = self, True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self.open = False
-        self.alloc.recorder = None
+        alloc = self.alloc
+        alloc.recorder = None
         if exc_type is None:  # an exception escaping the block runs nothing
-            self.finish(self.alloc.step(self.to_step()))
+            self.result = alloc.pipeline.step(None, self.to_kinds())  # (= alloc.step)
+            n_dec, n_ext = self._n[0], self._n[1]
+            self.offsets = (0, n_dec, n_dec + n_ext)
         return False
 
     def _add(self, kind: str, *values) -> None:
@@ -230,7 +235,13 @@ class StepRecorder:
         return row
 
     def _alloc_call(self, kind: str, which: int, values: tuple) -> StepSlots:
-        self._record(kind, values)
+        if values[0] is None or not self.open:  # (refused: _record raises)
+            self._record(kind, values)
+        calls = self._parts.get(kind)
+        if calls is None:
+            self._parts[kind] = [values]
+        else:
+            calls.append(values)
         rows, n = values[0], self._n
         start = n[which]
         try:
@@ -254,15 +265,14 @@ class StepRecorder:
     def to_step(self) -> Step:
         """The block's calls as one :class:`Step` (O(rows recorded); a kind recorded once is
         passed on as it was given). Only the kinds recorded are visited."""
+        return Step(**self.to_kinds())
+
+    def to_kinds(self) -> dict:
+        """:meth:`to_step`'s keywords (what the block's end hands to ``alloc.step``)."""
         kw = {"evict_all": self._evict_all}
         for kind, calls in self._parts.items():
             _BUILD[kind](kw, kind, calls)
-        return Step(**kw)
-
-    def finish(self, result) -> None:
-        self.result = result
-        n_dec, n_ext = self._n[0], self._n[1]
-        self.offsets = (0, n_dec, n_dec + n_ext)
+        return kw
 
 
 # ---- to_step: one builder per recorded kind (the typed error each part raises) ----------

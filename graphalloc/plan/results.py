@@ -53,7 +53,8 @@ class AllocResult:
         self.out_full_buf, self.out_swa_buf = out_full_buf, out_swa_buf  # views on access
         self.n_step_tokens = n_step_tokens
         self.step_index = step_index  # the allocator's output_epoch once submitted
-        self.owner = _weak(owner)  # the allocator, weakly
+        # the allocator, weakly (a weak reference as given: no call per step)
+        self.owner = owner if type(owner) is weakref.ref else _weak(owner)
 
     def _check_fresh(self) -> None:
         alloc = self.owner()
@@ -118,9 +119,12 @@ class PlannedStep:
                                                                       n_release_rows,
                                                                       n_alloc_rows)
         self.n_tokens, self.result, self.fusable = n_tokens, result, fusable
-        self._freed, self._allocated = _pair(pages_freed), _pair(pages_allocated)
+        self._freed = pages_freed if type(pages_freed) is tuple else _pair(pages_freed)
+        self._allocated = (pages_allocated if type(pages_allocated) is tuple
+                           else _pair(pages_allocated))
         self.pages_evicted, self.submitted, self.cancelled = pages_evicted, False, False
-        self.owner_ref, self.reclaimed, self.tables = _weak(owner_ref), reclaimed, tables
+        self.owner_ref = owner_ref if type(owner_ref) is weakref.ref else _weak(owner_ref)
+        self.reclaimed, self.tables = reclaimed, tables
         self.state_counts = state_counts  # (n_copy, n_table) state rows; None: none
         self.state_copies = state_copies  # int64 [n_copy, 2]: (source, destination) slots
 

@@ -62,9 +62,9 @@ import numpy as np
 
 from ..deprecations import warn_renamed
 from ..errors import ContractError, PositionError, SpeculativeStateError, UnknownHandleError
-from ..inputs import as_counts, as_int64, as_positions, as_rows, is_empty
+from ..inputs import as_counts, as_int64, as_positions, as_rows, compiled_half, is_empty
 
-__all__ = ["Step", "StepArrays", "normalize", "EMPTY", "KINDS"]
+__all__ = ["Step", "StepArrays", "normalize", "normalize_fast", "EMPTY", "KINDS"]
 
 EMPTY = np.zeros(0, dtype=np.int64)
 EMPTY.flags.writeable = False
@@ -199,13 +199,31 @@ def _handles(value, what: str) -> np.ndarray:
     return as_int64(value, what, UnknownHandleError)
 
 
+def _bind_fast():
+    """``graphalloc._cinputs.normalize`` bound to this module's types, or None (not built, or
+    built for other kinds or fields)."""
+    half = compiled_half
+    if half is None or tuple(half.KINDS) != KINDS or tuple(half.FIELDS) != StepArrays._fields:
+        return None
+    half.bind(np.ndarray, np.integer, np.empty, np.int64, Step, StepArrays, EMPTY)
+    return half.normalize
+
+
+normalize_fast = _bind_fast()  # (step or keywords dict, max_reqs) -> StepArrays | None
+
+
 def normalize(step: Step, config) -> StepArrays:
     """``step`` as :class:`StepArrays` for ``config`` (rows range-checked against
     ``max_reqs``; everything else is the planners' to judge). Raises the typed input errors
     of :mod:`graphalloc.inputs` (``UnknownRequestError`` for rows, ``PositionError`` for
     counts and positions, ``UnknownHandleError`` for handles, ``TensorSpecError`` for device
-    tensors, ``ContractError`` for a malformed pair), before anything is planned."""
+    tensors, ``ContractError`` for a malformed pair), before anything is planned. The plain
+    forms are converted in C (:data:`normalize_fast`), the rest here."""
     n = config.max_reqs
+    if normalize_fast is not None:
+        arrays = normalize_fast(step, n)
+        if arrays is not None:
+            return arrays
     take_h = take_r = take_n = EMPTY
     if step.take is not None:
         h, r, k = _pair(step.take, "take", "(handles, rows, n_tokens)", 3)

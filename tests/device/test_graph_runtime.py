@@ -139,10 +139,14 @@ def test_describe_graph_only_kernel_nodes():
     alloc = ga.HybridAllocator(make_config("cuda", "triton", False), executor="graph")
     desc = alloc.executor.describe()
     print("graph nodes:", desc)
-    assert desc.get("kernel") == 2, desc
+    assert desc.get("kernel") == 3, desc  # the rows staged, release, allocation
     for forbidden in ("memcpy", "memset", "host"):
         assert desc.get(forbidden, 0) == 0, desc
-    assert desc["total"] == 2
+    assert desc["total"] == 3
+    assert "stage" in desc["kernel_names"][0] or desc["kernel_names"][0].startswith("<"), desc
+    unstaged = ga.HybridAllocator(make_config("cuda", "triton", False),
+                                  executor=ga.StepGraph(staged=False)).executor.describe()
+    assert unstaged.get("kernel") == 2 and unstaged["total"] == 2, unstaged
 
 
 @pytest.mark.cuda
@@ -151,4 +155,4 @@ def test_describe_fused_graph_one_kernel_node():
                                executor="graph")
     desc = alloc.executor.describe(fused=True)
     print("fused graph nodes:", desc)
-    assert desc.get("kernel") == 1 and desc["total"] == 1, desc
+    assert desc.get("kernel") == 2 and desc["total"] == 2, desc  # rows staged, the step
