@@ -38,8 +38,16 @@ from .errors import (
     UnknownRequestError,
 )
 from .inputs import as_index, as_rows
+from .kernels.abi import REL_N_PAGES, ROW_WIDTH
 from .plan.frees import split_release_rows
-from .plan.refusals import Kind, Refusal, RefusalCode, to_error
+from .plan.refusals import (
+    SHAPE_WINDOW_PAGES,
+    SHAPE_WINDOW_ROWS,
+    Kind,
+    Refusal,
+    RefusalCode,
+    to_error,
+)
 from .plan.step import KINDS, Step
 from .sharing.page_keys import KEY_HASHES
 from .state.queries import HandleInfo
@@ -181,20 +189,33 @@ def grouping(alloc):
 def run_frees(alloc, step: Step) -> None:
     """Run a step of frees; when its release rows exceed the frozen shape, plan it past the
     shape and run the rows as consecutive steps (every row carries absolute push
-    positions, so the parts push what one step would)."""
+    positions, so the parts push what one step would). A model's further window pools'
+    release sections are split the same way, part i of each running in step i."""
     try:
         alloc.pipeline.run(alloc.pipeline.plan(step))
         return
     except BatchTooLargeError as exc:
         refusal = getattr(exc, "refusal", None)
-        if refusal is None or refusal[0] != 35 or refusal[2] not in (0, 1):
+        if refusal is None or refusal[0] != 35 or refusal[2] not in _RELEASE_SHAPES:
             raise
     cfg, pipeline = alloc.config, alloc.pipeline
     pipeline.refuse_planning()
     out = pipeline.outcome(step, oversize=True)
-    parts = split_release_rows(out.release_rows, cfg.max_release_rows, cfg.max_step_pages)
-    for i, part in enumerate(parts):
-        pipeline.run(pipeline.plan_rows(part, out, first=i == 0))
+    main = out.release_rows[out.release_rows[:, REL_N_PAGES] > 0]  # (no padded row)
+    parts = split_release_rows(main, cfg.max_release_rows, cfg.max_step_pages)
+    windows = [split_release_rows(rows, cfg.max_release_rows, cfg.max_step_pages)
+               for rows, _ in out.windows]
+    n_steps = max([len(parts)] + [len(w) for w in windows])
+    padded, none = np.zeros((1, ROW_WIDTH), dtype=np.int64), np.zeros((0, ROW_WIDTH), np.int64)
+    for i in range(n_steps):
+        part = parts[i] if i < len(parts) else padded.copy()
+        pipeline.run(pipeline.plan_rows(part, out, first=i == 0, windows=tuple(
+            w[i] if i < len(w) else none for w in windows)))
+
+
+# STEP_OVER_SHAPE's shapes a split free lifts: release rows and freed pages, of the main
+# section and of a further window pool's
+_RELEASE_SHAPES = (0, 1, SHAPE_WINDOW_ROWS, SHAPE_WINDOW_PAGES)
 
 
 def given(value, what: str, error: type[ContractError]) -> None:

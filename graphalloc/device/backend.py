@@ -23,6 +23,10 @@ one launch writes the state table, one per registered state tensor copies snapsh
 programs loop to the section header's counts, so a graph captured over the whole section
 costs what the step's state rows do.
 
+A model's further window pools (:mod:`graphalloc.device.window_sections`): a launch over a
+buffer of the ring runs each pool's release section before the main kernels and its
+allocation section after them, every section's rows whole.
+
 Grid: a launch covers the first rows of each table that a
 :class:`~graphalloc.device.buckets.StepGrid` names (the eager executor: exactly the step's
 rows, ``StepKernels.grids.exact``; a graph: the bucket it was captured for), with
@@ -36,6 +40,7 @@ import torch
 from ..config import AllocatorConfig
 from .buckets import GridPolicy, StepGrid
 from .tables import DeviceState
+from .window_sections import WindowSections
 
 __all__ = ["StepKernels"]
 
@@ -89,6 +94,8 @@ class StepKernels:
             from ..kernels.state import copy_state_rows_torch as copy_state_rows
             from ..kernels.state import write_state_rows_torch as write_state_rows
         self._write_states, self._copy_states = write_state_rows, copy_state_rows
+        # a model's further window pools: their sections run around the main kernels
+        self.windows = WindowSections(config, state, ring, self._release, self._allocate)
 
     def __call__(self, release_rows: torch.Tensor, alloc_rows: torch.Tensor, *,
                  fusable: bool = False, grid: StepGrid | None = None,
@@ -110,6 +117,10 @@ class StepKernels:
             n_rel, rel_chunks, n_al, al_chunks = grid
         stamp = None if self.ring is None else self.ring.stamp_of(release_rows)
         seen = None if stamp is None else st.seen_buf
+        index = (self.ring.index_of(release_rows) if self.windows and self.ring is not None
+                 else None)
+        if index is not None:  # (a model's further window pools: their release sections)
+            self.windows.release(index, stamp, seen, self._warps())
         if fusable and self.fused:
             self._step(release_rows, alloc_rows, *self._tables, st.out_full_buf,
                        st.out_swa_buf, st.err_buf, n_release_lanes=cfg.max_step_pages,
@@ -125,6 +136,8 @@ class StepKernels:
                            st.err_buf, n_lanes=cfg.max_step_tokens, n_rows=n_al,
                            n_chunks=al_chunks, stamp=stamp, seen=seen, **common,
                            **self._warps())
+        if index is not None:  # ... and their allocation sections, after the main kernels
+            self.windows.allocate(index, stamp, seen, self._warps())
         if lane_rows is not None:
             self.tables.launch(lane_rows)
         if state_rows is not None:

@@ -141,6 +141,8 @@ class StepPipeline:
                 self.ring.write_lanes(index, out.lanes.rows)
             if out.state_rows is not None:
                 self.ring.write_states(index, out.state_rows)
+            if out.windows:  # a model's further window pools' sections
+                self.ring.write_windows(index, out.windows)
         return out
 
     def mark(self) -> tuple[int, int]:
@@ -194,12 +196,14 @@ class StepPipeline:
         return tables.write_host(index, lanes)
 
     def plan_rows(self, release_rows: np.ndarray, whole: PlanOutcome,
-                  first: bool) -> PlannedStep:
+                  first: bool, windows: tuple = ()) -> PlannedStep:
         """A step of release rows planned already (a part of the split free ``whole``;
         ``first``: its first part): written as they are into the next buffer (with this
         step's epoch); the ledger already holds their effect (journaled). The first part
         carries the whole free's state rows (slot-table writes); every part writes its lane
-        and state sections, so nothing a buffer held before runs again."""
+        and state sections, so nothing a buffer held before runs again. ``windows``: this
+        part's release rows of each further window pool (their epochs set like the main
+        rows')."""
         self.refuse_planning()
         self._mark = self.mark()
         index = self.ring.acquire()
@@ -212,6 +216,10 @@ class StepPipeline:
         if states is not None:
             states = states if first else np.zeros((1, ROW_WIDTH), dtype=np.int64)
             self.ring.write_states(index, states)
+        if windows:
+            for part in windows:
+                part[:, REL_EPOCH] = self.steps_run + 1
+            self.ring.write_windows(index, [(part, empty) for part in windows])
         self._stamp = self.submissions.stamp(index, bool(len(release_rows)))
         pages = int(release_rows[:, REL_N_PAGES].sum())
         out = PlanOutcome(release_rows, empty, 0, (pages, 0), (0, 0), 0, True, empty[:, 0],
