@@ -462,6 +462,28 @@ class AllocatorMachine(RuleBasedStateMachine):
     def take_handle(self, i, h_code, bad, k):
         self.do_take_handle(i, h_code, None if bad == "dup" else bad, k)
 
+    @precondition(lambda self: self.model.x and self.model.reqs)
+    @rule(i=st.integers(0, 7), h_code=hcodes, codes=st.lists(codes, min_size=2, max_size=2),
+          then=st.sampled_from(["keep", "tombstone", "drop", "release"]))
+    def further_windows_share(self, i, h_code, codes, then):
+        """A model's further window pools: grow a row, evict every row (each pool by its own
+        rule, so their frontiers part), take a handle on a row's first whole pages (below,
+        inside or past each pool's frontier), admit on it and extend, then keep, tombstone
+        or drop the handle, or release the source row."""
+        self.do_extend([i], codes[:1], None)
+        self.do_evict([], True, None)
+        h = self.do_take_handle(i, h_code, None)
+        if h is None:
+            return
+        row = self.do_admit_handle(sorted(self.model.handles).index(h), None)
+        if row is not None:
+            self.do_extend([sorted(self.model.reqs).index(row)], codes[1:], None)
+            self.do_evict([], True, None)
+        if then in ("tombstone", "drop"):
+            self.do_drop_handle(sorted(self.model.handles).index(h), None, then == "tombstone")
+        elif then == "release" and self.model.reqs:
+            self.do_release([i], None)
+
     @rule(i=st.integers(0, 7), bad=hbadness, code=codes, k=st.integers(0, 2))
     def admit_on_handle_and_extend(self, i, bad, code, k):
         row = self.do_admit_handle(i, bad, k)
