@@ -81,8 +81,8 @@ def _finish(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray]:
     if not ctx.oversize:
         for window in ctx.windows:
             window.check_shape()
-    if not len(release) and any(p.release_parts or p.alloc_parts for p in ctx.windows):
-        release = _PADDED_ROW  # (so that every executor launches the step: see below)
+    if not len(release) and not len(alloc) and any(p.release_parts for p in ctx.windows):
+        release = _PADDED_ROW  # (so that every executor launches the step)
     return release, alloc
 
 

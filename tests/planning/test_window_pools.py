@@ -204,6 +204,26 @@ def test_the_prefix_cache_needs_every_pools_window():
     assert a.prefix_cache.match(tokens).cached_tokens == 40
 
 
+def test_the_cache_tombstones_entries_when_a_further_pool_is_short():
+    """An allocation short of a further pool's pages only: the step is planned again with
+    the cache's offer and the tombstone (every window pool's pages of the entry) makes room,
+    inside the same step."""
+    a = make(layers=(FullAttention(40), SlidingWindow(8, 20), SlidingWindow(17, 8)),
+             prefix_cache=True)
+    r0 = a.admit()
+    a.step(extend=([r0], [28]))  # 7 of the further pool's 8 pages
+    assert a.prefix_cache.insert(r0, list(range(28))) == 28
+    a.release([r0])  # the entry's handle holds them now
+    assert (a.n_free("window1"), a.n_free("swa")) == (1, 13)
+    r1 = a.admit()
+    a.step(extend=([r1], [8]))  # 2 pages: the further pool is short, the first is not
+    (h,) = a.live_handles()
+    assert int(a.ledger.windows[0].h_start[h]) == 28 == int(a.ledger.h_swa_start[h])
+    assert (a.n_free("window1"), a.n_free("swa")) == (6, 18)
+    assert a.prefix_cache.match(list(range(28))).full_tokens == 28  # FULL still cached
+    a.check_integrity()
+
+
 def test_state_dict_round_trip_carries_the_further_pools():
     src, dst = make(), make()
     rng = np.random.default_rng(3)
