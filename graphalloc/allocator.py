@@ -115,7 +115,7 @@ class HybridAllocator:
                                    n_lane_rows=0 if self.tables is None else
                                    self.tables.spec.max_batch,
                                    n_state_rows=config.max_state_rows + 1 if config.max_state_rows
-                                   else 0)
+                                   else 0, n_window_sections=len(config.pools.extras))
         self.kernels = StepKernels(config, self.state, fused=fused_step, tables=self.tables,
                                    ring=self.ring, state_tensors=state_tensors)
         self.queries = HostQueries(config, self.ledger)

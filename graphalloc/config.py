@@ -236,7 +236,8 @@ class AllocatorConfig:
             raise ConfigError(f"{where}backend must be 'torch' (the reference) or 'triton', "
                               f"got {self.backend!r}; a GPU without Triton takes 'torch'")
         fix("device", _as_device(self.device))
-        max_slot = (max(self.num_full_pages, self.num_swa_pages) + 1) * self.page_size
+        max_slot = (max(self.num_full_pages, self.num_swa_pages,
+                        *(x.num_pages for x in self.pools.extras)) + 1) * self.page_size
         if self.index_dtype == torch.int32 and max_slot >= 2**31:
             raise ConfigError(f"{where}{max_slot} slots do not fit int32 indices; use "
                               "index_dtype=torch.int64")
@@ -270,6 +271,15 @@ class AllocatorConfig:
                     f"({self.request_pages}); no eviction frees them while the window reads "
                     f"them. Use num_swa_pages >= {need}, a smaller sliding_window or a larger "
                     "page_size")
+        for extra in self.pools.extras:  # a further window pool, as the first one
+            need = extra.min_pages(ps, self.request_pages)
+            if extra.num_pages < need:
+                raise ConfigError(
+                    f"{where}{self.layers[_layer_of(self, extra.index)]!r}: {extra.num_pages} "
+                    f"pages cannot hold one request's window of {extra.rule.reach} tokens: it "
+                    f"holds up to {need} pages of {ps} (ceil(window / page_size) + 1, capped "
+                    f"by the {self.request_pages} pages one request can own). Use num_pages "
+                    f">= {need}")
         if self.backend == "triton" and self.device.type == "cpu":
             from .kernels import interpreted
 
@@ -425,6 +435,11 @@ class AllocatorConfig:
         lines += [f"| {name} | {value} | {origin.get(name, 'given')} |" for name, value in rows]
         lines += ["", f"Releasing one request needs at most {self.min_release_rows} release "
                       f"rows and {self.min_step_pages} page lanes (P = {self.request_pages})."]
+        if self.pools.extras:
+            lines += ["", "Further window pools (their own frontiers, free rings, release and "
+                      "allocation sections of the shapes above; planned by the numpy planner, "
+                      "the compiled one plans one window pool):"]
+            lines += [f"- {extra.describe()}" for extra in self.pools.extras]
         return "\n".join(lines)
 
     # ---- the engine's constructor ------------------------------------------------------
@@ -444,6 +459,11 @@ def _remember_pools(cfg: AllocatorConfig, pools: Pools) -> None:
 
 _KEYWORDS = ("num_full_pages", "num_swa_pages", "model_window", "sliding_window",
              "swa_ring_pages", "num_state_slots", "max_spec_tokens")
+
+
+def _layer_of(cfg: AllocatorConfig, index: int) -> int:
+    """Position in ``cfg.layers`` of window pool ``index`` (window layers in order)."""
+    return [i for i, x in enumerate(cfg.layers) if role_of(x) == "window"][index]
 
 
 def _split_layers(layers):
@@ -479,10 +499,12 @@ def _resolve_layers(cfg: AllocatorConfig, where: str) -> tuple:
                           "the slots every recurrent layer needs together (one slot serves "
                           "all of a request's recurrent layers)")
     if n_window > 1:
-        raise ConfigError(f"{where}{n_window} window layer kinds (sliding windows or chunked "
-                          "local attention): this version serves one window pool per model. "
-                          "Serve the layers of every window with the largest window (a "
-                          "SlidingWindow of the largest W holds what each of them reads)")
+        rings = [x for x in layers if getattr(x, "ring_pages", 0)]
+        if rings:
+            raise ConfigError(f"{where}{n_window} window layer kinds with ring_pages="
+                              f"{rings[0].ring_pages} on {rings[0]!r}: a model with several "
+                              "window pools draws every pool's pages from its shared pool "
+                              "(ring_pages=0)")
     return _apply_keywords(where, layers, given)
 
 

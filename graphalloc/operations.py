@@ -37,7 +37,14 @@ from .errors import (
     UnknownRequestError,
 )
 from .inputs import as_index, as_rows, one_handle
-from .plan.refusals import Kind, Refusal, RefusalCode, to_error
+from .plan.refusals import (
+    SHAPE_WINDOW_PAGES,
+    SHAPE_WINDOW_ROWS,
+    Kind,
+    Refusal,
+    RefusalCode,
+    to_error,
+)
 from .plan.step import KINDS, Step
 from .sharing.page_keys import KEY_HASHES
 from .state.queries import HandleInfo
@@ -179,15 +186,21 @@ def grouping(alloc):
 def run_frees(alloc, step: Step) -> None:
     """Run a step of frees; when its release rows exceed the frozen shape, plan it past the
     shape and run it as one transaction over consecutive launches
-    (:meth:`~graphalloc.plan.pipeline.StepPipeline.run_split`)."""
+    (:meth:`~graphalloc.plan.pipeline.StepPipeline.run_split`; a model's further window
+    pools' release sections are split the same way, part i of each in launch i)."""
     try:
         alloc.pipeline.run(alloc.pipeline.plan(step))
         return
     except BatchTooLargeError as exc:
         refusal = getattr(exc, "refusal", None)
-        if refusal is None or refusal[0] != 35 or refusal[2] not in (0, 1):
+        if refusal is None or refusal[0] != 35 or refusal[2] not in _RELEASE_SHAPES:
             raise
     alloc.pipeline.run_split(step)
+
+
+# STEP_OVER_SHAPE's shapes a split free lifts: release rows and freed pages, of the main
+# section and of a further window pool's
+_RELEASE_SHAPES = (0, 1, SHAPE_WINDOW_ROWS, SHAPE_WINDOW_PAGES)
 
 
 def given(value, what: str, error: type[ContractError]) -> None:

@@ -43,7 +43,9 @@ Allocation rows, one per allocating request::
                        AL_SWA_ONLY (re-pair existing FULL pages with popped SWA pages) |
                        AL_COPY (copy another row's prefix: shared pages) |
                        AL_NO_WINDOW (a model without window layers: FULL pages only, no
-                       SWA page popped or mapped, the SWA output lanes hold 0 * ps + off)
+                       SWA page popped or mapped, the SWA output lanes hold 0 * ps + off) |
+                       AL_NO_OUT (with AL_SWA_ONLY: no output lanes; the row's tokens are
+                       not bounded by the launch's n_lanes)
     7    AL_N_PAGES    new pages (informative); for AL_RING_ADMIT, ring pages to pop;
                        for AL_SWA_ONLY, the SWA pages to pop
 
@@ -55,6 +57,9 @@ Allocation rows, one per allocating request::
     is req_to_token[r, s + k*ps] // ps (it exists), the SWA page is popped at
     AL_SWA_POP + k, and the page-dense mapping is written; the output lanes get the
     SWA slots of the n_tokens = n_pages*ps positions (where the caller copies KV back).
+    With AL_NO_OUT nothing is written to the output lanes: a further window pool's new
+    pages (graphalloc.pools.extra_window) are paired this way, launched over that pool's
+    tables after the step's main allocation wrote req_to_token.
 
 Padded rows are marked in the row itself, so no program reads a shared header from
 host memory. Free lists are FIFO rings: pops take from the head, pushes go to the
@@ -100,6 +105,7 @@ __all__ = [
     "REL_SWA", "REL_FULL", "REL_CLEAR", "REL_RING_RETURN",
     "AL_REQ", "AL_START_POS", "AL_N_TOKENS", "AL_FULL_POP", "AL_SWA_POP", "AL_OUT", "AL_FLAGS",
     "AL_N_PAGES", "AL_RING", "AL_RING_ADMIT", "AL_SWA_ONLY", "AL_COPY", "AL_NO_WINDOW",
+    "AL_NO_OUT",
     "ERR_CODES", "ERR_COUNT", "ERR_CLAIMED", "ERR_CODE", "ERR_ROW", "ERR_REQ", "ERR_PAGE",
     "ERR_STAGE", "ERR_WORDS", "SEEN_MAX", "SEEN_COUNT", "SEEN_WORDS",
     "STAGE_RELEASE", "STAGE_ALLOC", "STAGE_SINGLE", "STAGE_NAMES",
@@ -116,6 +122,7 @@ REL_SWA, REL_FULL, REL_CLEAR, REL_RING_RETURN = 1, 2, 4, 8
 # ---- allocation rows -------------------------------------------------------------------
 AL_REQ, AL_START_POS, AL_N_TOKENS, AL_FULL_POP, AL_SWA_POP, AL_OUT, AL_FLAGS, AL_N_PAGES = range(8)
 AL_RING, AL_RING_ADMIT, AL_SWA_ONLY, AL_COPY, AL_NO_WINDOW = 1, 2, 4, 8, 16
+AL_NO_OUT = 32  # with AL_SWA_ONLY: no output lanes (a further window pool's new pages)
 
 # ---- error word ------------------------------------------------------------------------
 ERR_CODES, ERR_COUNT, ERR_CLAIMED, ERR_CODE, ERR_ROW, ERR_REQ, ERR_PAGE, ERR_STAGE = range(8)

@@ -14,8 +14,9 @@ on row ``pid // n_chunks``, chunk ``pid % n_chunks``)::
     if SWA_ONLY:                                            # load-back of [s, s + n_tokens)
         for i < n_tokens: k = i // ps; off = i % ps
             full = req_to_token[r, s + k*ps] // ps; swa = swa_free[(swa_pop + k) % cap]
-            full_to_swa[full*ps + off] = swa*ps + off; out_full/out_swa[lane] = the slots
-        return
+            full_to_swa[full*ps + off] = swa*ps + off
+            if not NO_OUT: out_full/out_swa[lane] = the slots  # NO_OUT: a further window
+        return                                              # pool's new pages, no lanes
     first_new = ceil(s / ps)                                # pages before it exist already
     for i in range(n_tokens):                               # in blocks of BLOCK_TOKENS
         t = s + i; page_no = t // ps; off = t % ps
@@ -80,6 +81,7 @@ from .abi import (
     AL_FULL_POP,
     AL_N_PAGES,
     AL_N_TOKENS,
+    AL_NO_OUT,
     AL_NO_WINDOW,
     AL_OUT,
     AL_REQ,
@@ -121,6 +123,7 @@ _F_RING, _F_RING_ADMIT = tl.constexpr(AL_RING), tl.constexpr(AL_RING_ADMIT)
 _F_SWA_ONLY = tl.constexpr(AL_SWA_ONLY)
 _F_COPY = tl.constexpr(AL_COPY)
 _F_NO_WINDOW = tl.constexpr(AL_NO_WINDOW)
+_F_NO_OUT = tl.constexpr(AL_NO_OUT)
 _SINK_POP = tl.constexpr(FaultCode.SINK_POP)
 _MAPPED_PEER = tl.constexpr(FaultCode.MAPPED_PEER)
 _OUT_OF_RANGE = tl.constexpr(FaultCode.OUT_OF_RANGE)
@@ -190,12 +193,15 @@ def _allocate_body(
             tl.store(r2t_row_ptr + t, slot, mask=copy_mask)
         return
 
-    # Load-back: re-pair existing FULL pages of [s, s + n_pages*ps) with popped SWA pages.
+    # Load-back: re-pair existing FULL pages of [s, s + n_pages*ps) with popped SWA pages
+    # (AL_NO_OUT: no output lanes, the row's tokens not bounded by n_lanes).
     first_tok, end_tok = chunk_span(n_tokens, BLOCK_TOKENS, chunk, n_chunks)
     if (flags & _F_SWA_ONLY) != 0:
+        no_out = (flags & _F_NO_OUT) != 0
+        writes_out = (flags & _F_NO_OUT) == 0
         for start in range(first_tok, end_tok, BLOCK_TOKENS):
             i = start + lanes_t
-            tok_mask = (i < n_tokens) & (first_out + i < n_lanes)
+            tok_mask = (i < n_tokens) & ((first_out + i < n_lanes) | no_out)
             k = i // page_size
             off = i - k * page_size
             full = tl.load(r2t_row_ptr + start_pos + k * page_size, mask=tok_mask,
@@ -216,10 +222,11 @@ def _allocate_body(
             swa = tl.where(swa_bad, 0, swa)
             tl.store(f2s_ptr + full * page_size + off,
                      (swa * page_size + off).to(f2s_ptr.dtype.element_ty), mask=map_mask)
+            out_mask = tok_mask & writes_out
             tl.store(out_full_ptr + first_out + i,
-                     (full * page_size + off).to(out_full_ptr.dtype.element_ty), mask=tok_mask)
+                     (full * page_size + off).to(out_full_ptr.dtype.element_ty), mask=out_mask)
             tl.store(out_swa_ptr + first_out + i,
-                     (swa * page_size + off).to(out_swa_ptr.dtype.element_ty), mask=tok_mask)
+                     (swa * page_size + off).to(out_swa_ptr.dtype.element_ty), mask=out_mask)
         return
 
     # Token lanes: continue the partial page, then new pages popped in order.
@@ -373,7 +380,9 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
 
     ``req_to_token`` has a scratch row past the requests and the output buffers
     a scratch entry past ``n_lanes``: padded lanes write there, with values that depend on
-    no descriptor row (so any ``n_rows`` covering the real rows leaves the same state).
+    no descriptor row (so any ``n_rows`` covering the real rows leaves the same state). The
+    lanes of an ``AL_NO_OUT`` row write there too (the kernel writes no output for them); a
+    launch of such rows covers their tokens with ``n_lanes``.
     """
     check_rows(rows, full_to_swa, "allocation")
     check_tables(req_to_token, ring_pages, err, False, None, (n_full_cap, n_swa_cap))
@@ -431,6 +440,7 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     ring = valid & ((rows[row_of, AL_FLAGS] & AL_RING) != 0)  # padded lanes: no row's flags
     no_window = valid & ((rows[row_of, AL_FLAGS] & AL_NO_WINDOW) != 0)  # FULL pages only
     swa_only = valid & ((rows[row_of, AL_FLAGS] & AL_SWA_ONLY) != 0)  # load-back lanes
+    no_out = valid & ((rows[row_of, AL_FLAGS] & AL_NO_OUT) != 0)  # ... without output lanes
     t = torch.where(valid, s + i, 0)
     page_no = t // ps
     off = t % ps
@@ -493,7 +503,7 @@ def allocate_tokens_torch(rows, req_to_token, full_to_swa, full_free, swa_free, 
     full_slot = full * ps + off
     r_write = torch.where(swa_only, scratch_row, r)  # load-back leaves req_to_token alone
     req_to_token[r_write, t] = full_slot.to(req_to_token.dtype)
-    out_pos = torch.where(valid, rows[row_of, AL_OUT] + i, n_lanes)
+    out_pos = torch.where(valid & ~no_out, rows[row_of, AL_OUT] + i, n_lanes)
     out_full_slots[out_pos] = full_slot.to(out_full_slots.dtype)
     out_swa_slots[out_pos] = (swa * ps + off).to(out_swa_slots.dtype)
 

@@ -33,6 +33,10 @@ launch stages when it writes page tables (``staged=None``), else reads the pinne
 launch fewer on the host). Only buffers of the allocator's ring are staged, and only on a
 CUDA device (``stage_anywhere``: on any device, for tests of the plumbing).
 
+A model's further window pools (:mod:`graphalloc.device.window_sections`): a launch over a
+buffer of the ring runs each pool's release section before the main kernels and its
+allocation section after them, every section's rows whole.
+
 Grid: a launch covers the first rows of each table that a
 :class:`~graphalloc.device.buckets.StepGrid` names (the eager executor: exactly the step's
 rows, ``StepKernels.grids.exact``; a graph: the bucket it was captured for), with
@@ -46,6 +50,7 @@ import torch
 from ..config import AllocatorConfig
 from .buckets import GridPolicy, StepGrid
 from .tables import DeviceState
+from .window_sections import WindowSections
 
 __all__ = ["StepKernels"]
 
@@ -109,6 +114,8 @@ class StepKernels:
             from ..kernels.state import write_state_rows_torch as write_state_rows
         self._write_states, self._copy_states = write_state_rows, copy_state_rows
         self._stage = stage_rows
+        # a model's further window pools: their sections run around the main kernels
+        self.windows = WindowSections(config, state, ring, self._release, self._allocate)
 
     def __call__(self, release_rows: torch.Tensor, alloc_rows: torch.Tensor, *,
                  fusable: bool = False, grid: StepGrid | None = None,
@@ -134,12 +141,15 @@ class StepKernels:
         ring = self.ring
         stamp = None if ring is None else ring.stamp_of(release_rows)
         seen = None if stamp is None else st.seen_buf
+        windows = ring.index_of(release_rows) if self.windows and ring is not None else None
         if (lane_rows is not None if staged is None else staged) and ring is not None and (
                 ring.is_cuda or self.stage_anywhere):
             index = ring.index_of(release_rows)
             if index is not None:
                 release_rows, alloc_rows, lane_rows, state_rows, stamp = self._staged(
                     index, n_rel, n_al, lane_rows is not None, state_rows is not None, stamp)
+        if windows is not None:  # (a model's further window pools: their release sections)
+            self.windows.release(windows, stamp, seen, self._warps())
         if fusable and self.fused:
             self._step(release_rows, alloc_rows, *self._tables, st.out_full_buf,
                        st.out_swa_buf, st.err_buf, n_release_lanes=cfg.max_step_pages,
@@ -157,6 +167,8 @@ class StepKernels:
                            st.err_buf, n_lanes=cfg.max_step_tokens, n_rows=n_al,
                            n_chunks=al_chunks, stamp=stamp, seen=seen, **common,
                            **self._warps())
+        if windows is not None:  # ... and their allocation sections, after the main kernels
+            self.windows.allocate(windows, stamp, seen, self._warps())
         if lane_rows is not None:
             self.tables.launch(lane_rows)
         if state_rows is not None:

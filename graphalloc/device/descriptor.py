@@ -27,9 +27,12 @@ __all__ = ["DescriptorRing"]
 class DescriptorRing:
     """A ring of ``n_bufs`` step descriptors, pinned when the device is CUDA.
 
-    Each buffer is one int64 tensor ``[max_release_rows + max_alloc_rows + n_lane_rows,
-    8]`` (release rows, allocation rows, the attention lanes' rows when the allocator has
-    page tables); ``release_rows(i)``, ``alloc_rows(i)`` and ``lane_rows(i)`` are views of it
+    Each buffer is one int64 tensor ``[max_release_rows + max_alloc_rows + n_lane_rows +
+    n_state_rows + n_window_sections x (max_release_rows + max_alloc_rows), 8]`` (release
+    rows, allocation rows, the attention lanes' rows when the allocator has page tables, the
+    recurrent-state rows, then a release and an allocation section per further window pool
+    of the model); ``release_rows(i)``, ``alloc_rows(i)``, ``lane_rows(i)``,
+    ``state_rows(i)`` and ``window_rows(i, p)`` are views of it
     that never change address, so a captured graph can read them on every replay. The GPU reads a
     buffer *when the step runs*, so a buffer is rewritten only after the event
     recorded behind its last step has completed. With two or more buffers the
@@ -42,14 +45,18 @@ class DescriptorRing:
     """
 
     def __init__(self, n_release_rows: int, n_alloc_rows: int, device: torch.device,
-                 n_bufs: int = 2, n_lane_rows: int = 0, n_state_rows: int = 0):
+                 n_bufs: int = 2, n_lane_rows: int = 0, n_state_rows: int = 0,
+                 n_window_sections: int = 0):
         if n_bufs < 1:
             raise ValueError(f"n_bufs must be >= 1, got {n_bufs}")
         self.n_release_rows = n_release_rows
         self.n_alloc_rows = n_alloc_rows
         self.is_cuda = device.type == "cuda"
         self.n_lane_rows, self.n_state_rows = n_lane_rows, n_state_rows
-        shape = (n_release_rows + n_alloc_rows + n_lane_rows + n_state_rows, ROW_WIDTH)
+        section = n_release_rows + n_alloc_rows  # a further window pool's two sections
+        self.n_window_sections = n_window_sections
+        shape = (n_release_rows + n_alloc_rows + n_lane_rows + n_state_rows
+                 + n_window_sections * section, ROW_WIDTH)
         self.bufs = [torch.zeros(shape, dtype=torch.int64, pin_memory=self.is_cuda)
                      for _ in range(n_bufs)]
         # numpy views share memory with the (pinned) tensors: the planner writes here.
@@ -60,7 +67,14 @@ class DescriptorRing:
         lanes = n_release_rows + n_alloc_rows
         self._lane_views = [b[lanes:lanes + n_lane_rows] for b in self.bufs]
         self._state_base = lanes + n_lane_rows
-        self._state_views = [b[self._state_base:] for b in self.bufs]
+        window_base = self._state_base + n_state_rows
+        self._state_views = [b[self._state_base:window_base] for b in self.bufs]
+        # per buffer, per further window pool p >= 1: (release rows, allocation rows) views
+        self._window_bases = [window_base + q * section for q in range(n_window_sections)]
+        self._window_views = [
+            [(b[base:base + n_release_rows], b[base + n_release_rows:base + section])
+             for base in self._window_bases] for b in self.bufs]
+        self.window_used = [[(0, 0)] * n_window_sections for _ in range(n_bufs)]
         self.state_used = [0] * n_bufs  # state rows written last time, per buffer
         self.stamp_buf = torch.zeros(n_bufs, dtype=torch.int64, pin_memory=self.is_cuda)
         self.stamp_np = self.stamp_buf.numpy()
@@ -161,6 +175,27 @@ class DescriptorRing:
         if old > n:
             buf[base + n:base + old] = 0
         self.state_used[index] = n
+
+    def window_rows(self, index: int, pool: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffer ``index``'s sections of further window pool ``pool`` (>= 1): ``(release
+        rows [n_release_rows, 8], allocation rows [n_alloc_rows, 8])``, fixed views."""
+        return self._window_views[index][pool - 1]
+
+    def write_windows(self, index: int, sections) -> None:
+        """Copy each further window pool's ``(release, allocation)`` rows in (``sections``
+        in pool order, one pair per pool); rows past them become padding. O(rows)."""
+        buf, used, n_rel = self.np_bufs[index], self.window_used[index], self.n_release_rows
+        for q, (base, (release, alloc)) in enumerate(zip(self._window_bases, sections,
+                                                         strict=True)):
+            old_rel, old_al = used[q]
+            buf[base:base + len(release)] = release
+            if old_rel > len(release):
+                buf[base + len(release):base + old_rel] = 0
+            al_base = base + n_rel
+            buf[al_base:al_base + len(alloc)] = alloc
+            if old_al > len(alloc):
+                buf[al_base + len(alloc):al_base + old_al] = 0
+            used[q] = (len(release), len(alloc))
 
     def acquire(self) -> int:
         """Index of the next buffer, after making sure the GPU is done reading it."""

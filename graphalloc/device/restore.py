@@ -33,6 +33,8 @@ What a step can have written, and where the value before it comes from::
                                                   freed and copies into (the pool was
                                                   short) is saved on the device before the
                                                   launch (``save_held_destinations``)
+    further window  their sections (as the       their page mirrors (WindowLedger.swa_of;
+    pools' tables   main pool's, pool mode)       free rings by recover() only)
     epoch tables    validate mode's stamps        zeroed (scratch: 0 never equals an epoch)
     outputs, page   the step's slots and tables   not restored: earlier results are made
     tables                                        stale, the next step rewrites the tables
@@ -136,6 +138,23 @@ def project_mapping(alloc) -> None:
     swa = st.ring_pages_buf[r_t, k_t % cfg.swa_ring_pages].to(table.dtype)
     off = torch.arange(ps, device=table.device, dtype=table.dtype)
     table[(full[:, None] * ps + off).reshape(-1)] = (swa[:, None] * ps + off).reshape(-1)
+
+
+def project_windows(alloc, rings: bool) -> None:
+    """A model's further window pools (pool mode only): each pool's ``full_to_swa`` from its
+    page mirror (``WindowLedger.swa_of``), its epoch table zeroed and, with ``rings``, its
+    free ring from the ring mirror (a failed step never writes a free window, so an undo
+    needs no rings)."""
+    ps = alloc.config.page_size
+    for window, tables in zip(alloc.ledger.windows, alloc.state.windows, strict=True):
+        swa = window.swa_of.astype(np.int64)[:, None]
+        values = np.where(swa > 0, swa * ps + np.arange(ps), 0).reshape(-1)
+        table = tables.full_to_swa_buf
+        table.copy_(_dev(alloc, values).to(table.dtype))
+        tables.swa_epoch_buf.zero_()
+        if rings:
+            buf = tables.swa_free_buf
+            buf[:-1].copy_(_dev(alloc, window.swa_ring.astype(np.int64)).to(buf.dtype))
 
 
 def project_free_rings(alloc) -> None:
@@ -261,6 +280,7 @@ def undo_launch(alloc, buffers: list[int], first_stamp: int, released: bool,
         else:
             project_token_rows(alloc, grows)
         project_mapping(alloc)
+        project_windows(alloc, rings=False)
         project_states(alloc)
         alloc.state.full_epoch_buf.zero_()
         alloc.state.swa_epoch_buf.zero_()
@@ -280,6 +300,7 @@ def project_all(alloc) -> None:
         project_token_rows(alloc, np.arange(cfg.max_reqs + led.n_handles))
         project_free_rings(alloc)
     project_mapping(alloc)
+    project_windows(alloc, rings=True)
     project_states(alloc)
     st.full_epoch_buf.zero_()
     st.swa_epoch_buf.zero_()

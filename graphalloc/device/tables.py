@@ -28,6 +28,11 @@ seen_buf          [2] int64                                    step stamps: the 
                                                                seen, steps counted
 ================  ===========================================  ======================
 
+A model's further window pools have tables of their own (``windows``:
+:class:`~graphalloc.device.window_sections.WindowTables`, in :meth:`tables` as
+``window{p}_full_to_swa`` and ``window{p}_swa_free``) and share ``window_out_buf`` (the
+scratch output lanes of their allocation sections' twins).
+
 The epoch tables are scratch of the validate-mode duplicate-push check (see
 ``kernels.release``), and ``seen_buf`` the step kernels' count of the steps that ran
 (``kernels.stamp``, read by ``check()``); neither is allocator state: they are not in
@@ -41,6 +46,8 @@ import torch
 from ..config import AllocatorConfig
 from ..kernels.error_word import new_error_word
 from ..kernels.stamp import new_seen_word
+from ..pools.extra_window import section_tokens
+from .window_sections import WindowTables
 
 __all__ = ["DeviceState"]
 
@@ -68,6 +75,11 @@ class DeviceState:
                    if cfg.num_state_slots else 0)
         self.state_table_buf = torch.zeros(n_state + 1, dtype=dt, device=dev)
         self.seen_buf = new_seen_word(dev)
+        # A model's further window pools: their tables, and one scratch pair of output lanes
+        # their allocation sections' twins write (the Triton kernels write no output lanes).
+        self.windows = tuple(WindowTables(cfg, pool) for pool in cfg.pools.extras)
+        self.window_out_buf = torch.zeros(section_tokens(cfg) + 1 if self.windows else 1,
+                                          dtype=dt, device=dev)
         self.reset()
 
     def reset(self) -> None:
@@ -83,6 +95,8 @@ class DeviceState:
                                                                  dtype=dt, device=dev))
         self.full_free_buf[-1:].zero_()
         self.swa_free_buf[-1:].zero_()
+        for window in self.windows:
+            window.reset()
 
     # Public views (no scratch entries).
     @property
@@ -142,4 +156,5 @@ class DeviceState:
             **({"handle_to_token": self.handle_to_token} if self.n_handles else {}),
             **({"state_table": self.state_table_buf[:-1]} if self.config.num_state_slots
                else {}),
+            **{name: t for window in self.windows for name, t in window.tables().items()},
         }

@@ -10,7 +10,8 @@ owned, ``full_to_swa`` page-dense (every full page's slots are all 0, or all
 ``swa_page * ps + offset``), mapped exactly where a request owns an SWA peer
 (no stale mapping), and ``req_to_token`` page-consistent. With recurrent-state slots
 (:func:`audit_slots`): every slot free or held exactly once (free + held == slots), and the
-device's state table equal to the host's slots.
+device's state table equal to the host's slots. A model's further window pools are audited
+the same way, each against its own slice (:mod:`graphalloc.diagnostics.window_audit`).
 :func:`check_integrity` raises :class:`~graphalloc.errors.IntegrityError` on the
 first finding, with the numbers.
 
@@ -20,31 +21,16 @@ that is not loaded yet (``load_state_dict``) is audited before it is accepted.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from ..errors import IntegrityError
 from ..kernels.abi import ERR_CODES, ERR_PAGE, ERR_REQ
+from .findings import Finding
 from .sync_points import sync_allowed
+from .window_audit import audit_windows
 
 __all__ = ["Finding", "snapshot", "audit", "audit_state", "audit_slots", "check_integrity",
            "ownership"]
-
-
-@dataclasses.dataclass
-class Finding:
-    """One discrepancy: ``kind`` (leak, double_owner, stale_mapping, ...), the ``pool``,
-    the ``page`` (or -1), the request ``req`` (or -1) and a message."""
-
-    kind: str
-    pool: str
-    page: int
-    req: int
-    message: str
-
-    def __str__(self) -> str:
-        return f"[{self.kind}] {self.message}"
 
 
 def snapshot(alloc) -> dict:
@@ -231,6 +217,7 @@ def audit_state(config, ledger, snap: dict) -> list[Finding]:
         findings.append(Finding("host_ledger", "-", -1, -1, str(exc)))
     if ledger.refs is not None:  # pool mode: exact, against the host mirror
         findings += audit_references(config, ledger, snap)
+        findings += audit_windows(config, ledger, snap)  # a model's further window pools
         return findings + audit_slots(config, ledger, snap) + _error_word_findings(snap)
     own = ownership(config, ledger, snap)
     findings += _audit_pool("FULL", config.num_full_pages, own["full_free"], own["full"])

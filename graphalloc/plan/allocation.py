@@ -109,6 +109,8 @@ def take(ctx: PlanContext, handles: np.ndarray, rows: np.ndarray, n: np.ndarray)
         i = int(np.flatnonzero(bad)[0])
         raise Refusal(RefusalCode.TAKE_PAST_COMMITTED, k, int(rows[i]), int(n[i]), int(limit[i]))
     ctx.state.take(ctx, handles, rows, n)
+    for window in ctx.windows:
+        window.take(handles, rows, n)
     put = ctx.journal.put
     swa_start = ctx.window.take_start(led, rows, n)
     put(led.h_live, handles, True)
@@ -180,6 +182,8 @@ def admit_on(ctx: PlanContext, rows: np.ndarray, handles: np.ndarray, n: np.ndar
     for r, h, m, s in zip(rows.tolist(), handles.tolist(), n.tolist(), swa_start.tolist(),
                           strict=True):
         _hold(ctx, r, cfg.max_reqs + h, m, s)
+    for window in ctx.windows:
+        window.admit_on(rows, handles, n)
 
 
 def reclaim(ctx: PlanContext, need_full: int, need_swa: int, need_states: int = 0) -> None:
@@ -194,16 +198,30 @@ def reclaim(ctx: PlanContext, need_full: int, need_swa: int, need_states: int = 
         offer = ctx.reclaim[0 if tombstone else 1]
         ring, need = ((led.swa, need_swa) if tombstone else (led.full, need_full) if pool == 0
                       else (led.states, need_states))
-        while ring.n_free < need and ctx.reclaim_next[int(not tombstone)] < len(offer):
+        while ((ring.n_free < need or (tombstone and _windows_short(ctx, need_full)))
+               and ctx.reclaim_next[int(not tombstone)] < len(offer)):
             h = int(offer[ctx.reclaim_next[int(not tombstone)]])
             ctx.reclaim_next[int(not tombstone)] += 1
             if (not led.h_live[h] or ctx.written_handles[h] or ctx.dropped_handles[h]
-                    or (tombstone and led.h_swa_start[h] >= led.h_len[h]) or h in keep):
+                    or (tombstone and _no_window_pages(ctx, h)) or h in keep):
                 continue  # gone, busy in this step, already tombstoned, or to be admitted on
             full0, swa0 = led.full.n_free, led.swa.n_free
             drop_handles(ctx, np.array([h], dtype=np.int64),
                          np.array([int(tombstone)], dtype=np.int64), "reclaim")
             ctx.reclaimed.append((h, tombstone, led.full.n_free - full0, led.swa.n_free - swa0))
+
+
+def _windows_short(ctx: PlanContext, need_full: int) -> bool:
+    """Whether a further window pool lacks pages for ``need_full`` new FULL pages."""
+    return any(window.short(need_full) for window in ctx.windows)
+
+
+def _no_window_pages(ctx: PlanContext, h: int) -> bool:
+    """Whether handle ``h`` holds no window page in any window pool (a tombstone frees
+    nothing)."""
+    n = ctx.ledger.h_len[h]
+    return (ctx.ledger.h_swa_start[h] >= n
+            and all(window.window.h_start[h] >= n for window in ctx.windows))
 
 
 def extend(ctx: PlanContext, rows: np.ndarray, n_tokens: np.ndarray, kind: str,
@@ -244,11 +262,14 @@ def extend(ctx: PlanContext, rows: np.ndarray, n_tokens: np.ndarray, kind: str,
     new_pages = _ceil_div(end, ps) - _ceil_div(start, ps)
     need_full = int(new_pages.sum())
     need_swa = ctx.window.pages_needed(need_full)
-    if (need_full > led.full.n_free or need_swa > led.swa.n_free) and ctx.reclaim is not None:
+    if ((need_full > led.full.n_free or need_swa > led.swa.n_free
+         or _windows_short(ctx, need_full)) and ctx.reclaim is not None):
         reclaim(ctx, need_full, need_swa)
     for pool, ring, need in ((0, led.full, need_full), (1, led.swa, need_swa)):
         if need > ring.n_free:
             raise Refusal(RefusalCode.PAGES_SHORT, k, pool, need - ring.n_free, ring.n_free)
+    for window in ctx.windows:  # a page of each further window pool per new FULL page
+        window.check_room(need_full, k)
     ctx.window.check_span(ctx, rows, end, k)
     depth = np.count_nonzero(spec, axis=1)  # each row's new speculative step index
     if is_spec.any():
@@ -273,6 +294,8 @@ def extend(ctx: PlanContext, rows: np.ndarray, n_tokens: np.ndarray, kind: str,
         if ctx.refs is not None and need_full:
             _hold_new_pages(ctx, k_rows, k_start, k_pages, full_pop, swa_pop, need_full,
                             need_swa)
+        for window in ctx.windows:
+            window.extend(k_rows, k_start, k_pages, full_pop, need_full)
     put = ctx.journal.put
     put(led.seq_len, rows, end)
     if is_spec.any():  # the step joins the row's speculative steps (first empty slot)

@@ -34,7 +34,9 @@ the :class:`~graphalloc.plan.lanes.LaneOutcome` fields, read from the lane rows.
 
 ``resolve_planner`` decides who plans: ``"auto"`` (the compiled twin when it was built;
 ``GRAPHALLOC_PLANNER=numpy`` forces numpy), ``"compiled"`` (refused with ``ConfigError``
-when it was not built) or ``"numpy"``. Without the extension this module warns once at
+when it was not built) or ``"numpy"``. A model with several window pools is planned by
+numpy (:meth:`CompiledPlanner.for_allocator`: ``"auto"`` picks numpy, ``"compiled"`` is
+refused). Without the extension this module warns once at
 import. At import the C constants are checked against :mod:`graphalloc.kernels.abi`, the
 StepArrays fields, the kind ids and the refusal codes.
 
@@ -232,8 +234,18 @@ class CompiledPlanner:
 
     @classmethod
     def for_allocator(cls, alloc, planner: str = "auto") -> CompiledPlanner | None:
-        """The twin for ``alloc``, or ``None`` when ``planner`` resolves to numpy."""
+        """The twin for ``alloc``, or ``None`` when ``planner`` resolves to numpy. The twin
+        plans one window pool: a model with further window pools (``config.pools.extras``)
+        is planned by numpy under ``"auto"`` and refused under ``"compiled"``."""
         if resolve_planner(planner) != "compiled":
+            return None
+        extras = alloc.config.pools.extras
+        if extras:
+            if planner == "compiled":
+                raise ConfigError(
+                    f"planner='compiled' plans one window pool; this model has "
+                    f"{1 + len(extras)} ({', '.join(x.describe() for x in extras)} beside the "
+                    "first): use planner='auto' or 'numpy' (the numpy planner plans them)")
             return None
         return cls(alloc)
 

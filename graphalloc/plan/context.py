@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels.abi import ROW_WIDTH
+from ..pools.extra_window import WindowPlan
 from .refusals import Refusal, RefusalCode, kind_id
 
 __all__ = ["PlanContext", "first_repeat"]
@@ -87,6 +88,10 @@ class PlanContext:
         pools = config.pools
         self.window = pools.window  # the window pool's rules (NoWindow: no window layers)
         self.state = pools.state  # the state pool's rules (NoStates: no recurrent layers)
+        # The further window pools' parts of the step (none for one window pool or none):
+        # each kind that frees, shares or allocates calls every one of them.
+        self.windows = tuple(WindowPlan(pool, window, self)
+                             for pool, window in zip(pools.extras, ledger.windows, strict=True))
         self.state_parts: list[np.ndarray] = []  # ST_SET / ST_COPY rows (plan.states)
         self.spec_parts: list[np.ndarray] = []  # (row, step, n) newest speculative steps
         self.state_freed = 0

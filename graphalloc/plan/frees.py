@@ -18,6 +18,11 @@ Ledger of one request's positions (``ps`` page size, ``[a, b)`` half-open)::
     drop handle h (n, swa_start):  FULL [0, n), SWA [swa_start, n) references dropped
     drop_swa h:                    SWA [swa_start, n) dropped; swa_start becomes n
 
+A model's further window pools (``ctx.windows``) drop their own references in the same
+kinds (release, cut, their own rule at evict, handle drops; a tombstone drops every window
+pool's), each into its own release section; ``advance`` moves the first pool only
+(:mod:`graphalloc.pools.extra_window`).
+
 A page goes back to its free ring in the step where its last reference is dropped, in the
 order of :func:`graphalloc.state.references.drop_actions` (one call per kind); every
 release row carries absolute free-ring push positions, so rows may be split over
@@ -48,7 +53,10 @@ def release(ctx: PlanContext, rows: np.ndarray) -> None:
     if not len(rows):
         return
     led, ps = ctx.ledger, ctx.ps
-    ctx.window.release(ctx, rows, led.frontier[rows], _ceil_div(led.seq_len[rows], ps))
+    end_page = _ceil_div(led.seq_len[rows], ps)
+    ctx.window.release(ctx, rows, led.frontier[rows], end_page)
+    for window in ctx.windows:
+        window.release(rows, end_page)
     ctx.state.release(ctx, rows)
     led.reset_rows(rows, live=False)
     ctx.released[rows] = True
@@ -71,6 +79,8 @@ def _cut(ctx: PlanContext, rows: np.ndarray, new_len: np.ndarray) -> None:
     led, ps = ctx.ledger, ctx.ps
     lo, hi = _ceil_div(new_len, ps), _ceil_div(led.seq_len[rows], ps)
     ctx.window.cut(ctx, rows, lo, hi)
+    for window in ctx.windows:
+        window.cut(rows, lo, hi)
     ctx.journal.put(led.seq_len, rows, new_len)
     ctx.cut[rows] |= hi > lo
 
@@ -116,6 +126,8 @@ def trim(ctx: PlanContext, rows: np.ndarray, new_len: np.ndarray) -> None:
         i = int(np.flatnonzero(new_len > length)[0])
         raise Refusal(RefusalCode.TRIM_LENGTHENS, k, int(rows[i]), int(new_len[i]), int(length[i]))
     ctx.window.check_trim(ctx, rows, new_len)
+    for window in ctx.windows:
+        window.check_trim(rows, new_len)
     if ctx.refs is not None:
         inside = np.flatnonzero(new_len % ctx.ps != 0)
         for i in inside:  # a partial page the next allocation would continue
@@ -187,6 +199,8 @@ def evict(ctx: PlanContext, rows: np.ndarray, evict_all: bool) -> None:
             live &= ~ctx.excluded_rows
         rows = np.flatnonzero(live)
     advance(ctx, rows, window_frontier(ctx, rows), "evict", checked=True)
+    for window in ctx.windows:  # each further window pool by its own rule
+        window.evict(rows)
 
 
 def drop_handles(ctx: PlanContext, handles: np.ndarray, swa_only: np.ndarray,
@@ -201,6 +215,8 @@ def drop_handles(ctx: PlanContext, handles: np.ndarray, swa_only: np.ndarray,
     swa_lo = led.h_swa_start[handles] // ps
     zero = np.zeros(len(handles), dtype=np.int64)
     drop(ctx, rows, zero, np.where(swa_only != 0, 0, n_pages), swa_lo, n_pages)
+    for window in ctx.windows:  # a tombstone drops every window pool's references
+        window.drop_handles(handles, swa_only)
     ctx.state.drop(ctx, handles, swa_only)
     put = ctx.journal.put
     tomb, whole = handles[swa_only != 0], handles[swa_only == 0]

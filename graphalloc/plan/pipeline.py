@@ -152,6 +152,8 @@ class StepPipeline:
                 self.ring.write_lanes(index, out.lanes.rows)
             if out.state_rows is not None:
                 self.ring.write_states(index, out.state_rows)
+            if out.windows:  # a model's further window pools' sections
+                self.ring.write_windows(index, out.windows)
         return out
 
     def mark(self) -> tuple[int, int]:
@@ -230,12 +232,14 @@ class StepPipeline:
             return tables.planned(index, lanes.n_lanes, lanes.n_full_pages, lanes.n_swa_pages)
         return tables.write_host(index, lanes)
 
-    def _part(self, release_rows: np.ndarray, whole: PlanOutcome, first: bool) -> PlannedStep:
+    def _part(self, release_rows: np.ndarray, whole: PlanOutcome, first: bool,
+              windows: tuple = ()) -> PlannedStep:
         """A part of the split free ``whole`` (its release rows planned already; ``first``:
         its first part), written as it is into the next buffer with this step's epoch; the
         ledger already holds the whole free's effect (journaled). The first part carries the
         whole free's state rows (slot-table writes); every part writes its lane and state
-        sections, so nothing a buffer held before runs again."""
+        sections, so nothing a buffer held before runs again. ``windows``: this part's
+        release rows of each further window pool (their epochs set like the main rows')."""
         index = self.ring.acquire()
         empty = np.zeros((0, ROW_WIDTH), dtype=np.int64)
         release_rows[:, REL_EPOCH] = self.steps_run + 1
@@ -246,6 +250,10 @@ class StepPipeline:
         if states is not None:
             states = states if first else np.zeros((1, ROW_WIDTH), dtype=np.int64)
             self.ring.write_states(index, states)
+        if windows:
+            for part in windows:
+                part[:, REL_EPOCH] = self.steps_run + 1
+            self.ring.write_windows(index, [(part, empty) for part in windows])
         self._stamp = self.submissions.stamp(index, bool(len(release_rows)))
         pages = int(release_rows[:, REL_N_PAGES].sum())
         out = PlanOutcome(release_rows, empty, 0, (pages, 0), (0, 0), 0, True, empty[:, 0],
@@ -304,13 +312,20 @@ class StepPipeline:
         cfg = self.config
         self._mark = self.mark()
         out = self.outcome(step, oversize=True)
-        parts = split_release_rows(out.release_rows, cfg.max_release_rows, cfg.max_step_pages)
+        main = out.release_rows[out.release_rows[:, REL_N_PAGES] > 0]  # (no padded row)
+        parts = split_release_rows(main, cfg.max_release_rows, cfg.max_step_pages)
+        windows = [split_release_rows(rows, cfg.max_release_rows, cfg.max_step_pages)
+                   for rows, _ in out.windows]  # (a model's further window pools: part i
+        n_parts = max([len(parts)] + [len(w) for w in windows])  # of each runs in launch i)
+        padded, none = np.zeros((1, ROW_WIDTH), np.int64), np.zeros((0, ROW_WIDTH), np.int64)
         kernels, executor = self.alloc.kernels, self.alloc.executor
         counters = (self.steps_run, self.submissions.n_expected,
                     len(self.submissions.unchecked))
         buffers, first_stamp = [], 0
-        for i, part in enumerate(parts):
-            planned = self._part(part, out, first=i == 0)
+        for i in range(n_parts):
+            part = parts[i] if i < len(parts) else padded.copy()
+            planned = self._part(part, out, first=i == 0, windows=tuple(
+                w[i] if i < len(w) else none for w in windows))
             buffers.append(planned.buffer_index)
             first_stamp = first_stamp or self._stamp
             kernels.released = False
@@ -321,9 +336,9 @@ class StepPipeline:
                 while len(self.submissions.unchecked) > counters[2]:
                     self.submissions.unchecked.pop()
                 self.undo([planned], exc, kernels.released, first_stamp,
-                          f"part {i + 1} of the {len(parts)} launches of a free",
+                          f"part {i + 1} of the {n_parts} launches of a free",
                           buffers=buffers)
-            self.submit(planned, stamped=executor.stamps_steps, final=i == len(parts) - 1)
+            self.submit(planned, stamped=executor.stamps_steps, final=i == n_parts - 1)
 
     def undo(self, planned: list, exc: BaseException, released: bool, first_stamp: int,
              what: str, buffers: list | None = None, saved=None) -> None:

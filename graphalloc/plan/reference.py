@@ -19,6 +19,7 @@ import dataclasses
 
 import numpy as np
 
+from ..kernels.abi import ROW_WIDTH
 from . import allocation, frees
 from .context import PlanContext, first_repeat
 from .lanes import plan_lanes
@@ -28,6 +29,12 @@ from .step import StepArrays
 __all__ = ["plan_step", "PlanOutcome"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+# A step whose only rows are a further window pool's carries one padded release row: the
+# executors launch a step by its main rows (none would mean nothing to launch), and the
+# launch of the main kernels runs the window pools' sections around them
+# (graphalloc.device.window_sections). The padded row's programs exit at once.
+_PADDED_ROW = np.zeros((1, ROW_WIDTH), dtype=np.int64)
+_PADDED_ROW.flags.writeable = False
 
 
 @dataclasses.dataclass
@@ -47,6 +54,7 @@ class PlanOutcome:
     reclaimed: list  # (handle, tombstone, FULL, SWA freed) the prefix cache's offer gave up
     lanes: object = None  # the attention lanes (plan.lanes.LaneOutcome), with page tables
     state_rows: np.ndarray = None  # ST_SET / ST_COPY rows, with recurrent-state slots
+    windows: tuple = ()  # per further window pool: (release rows, allocation rows)
 
 
 def _drops(ctx: PlanContext, a: StepArrays) -> None:
@@ -70,6 +78,11 @@ def _finish(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray]:
     for which, have, cap in checks[2 if ctx.oversize else 0:]:
         if have > cap:
             raise Refusal(RefusalCode.STEP_OVER_SHAPE, Kind.STEP, which, have, cap)
+    if not ctx.oversize:
+        for window in ctx.windows:
+            window.check_shape()
+    if not len(release) and not len(alloc) and any(p.release_parts for p in ctx.windows):
+        release = _PADDED_ROW  # (so that every executor launches the step)
     return release, alloc
 
 
@@ -107,4 +120,4 @@ def plan_step(ctx: PlanContext, a: StepArrays) -> PlanOutcome:
     return PlanOutcome(release, alloc, ctx.n_tokens, tuple(ctx.pages_freed),
                        tuple(ctx.pages_allocated), ctx.pages_evicted, ctx.fusable, rows, first,
                        n_tok, ctx.reclaimed, lanes,
-                       ctx.state.finish(ctx))
+                       ctx.state.finish(ctx), tuple(window.rows() for window in ctx.windows))

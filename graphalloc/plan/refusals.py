@@ -42,7 +42,7 @@ from ..errors import (
 )
 
 __all__ = ["Refusal", "RefusalCode", "RefusalInfo", "Kind", "to_error", "kind_id",
-           "c_header"]
+           "c_header", "SHAPE_WINDOW_ROWS", "SHAPE_WINDOW_PAGES"]
 
 
 class Kind(enum.IntEnum):
@@ -94,8 +94,11 @@ _SHAPES = (("release rows", "max_release_rows"), ("freed pages", "max_step_pages
            ("allocation rows", "max_alloc_rows"), ("allocated tokens", "max_step_tokens"),
            ("attention lanes", "PageTableSpec.max_batch"),
            ("FULL kv_indices entries", "PageTableSpec.max_full_indices"),
-           ("SWA kv_indices entries", "PageTableSpec.max_swa_indices"))
-_POOLS = ("FULL", "SWA")
+           ("SWA kv_indices entries", "PageTableSpec.max_swa_indices"),
+           ("release rows of a further window pool", "max_release_rows"),
+           ("freed pages of a further window pool", "max_step_pages"))
+SHAPE_WINDOW_ROWS, SHAPE_WINDOW_PAGES = 7, 8  # an extra window pool's release section
+_POOLS = ("FULL", "SWA")  # then "window pool p" for a model's further window pools
 _ROOM = frozenset({28, 30, 36, 43, 45})  # short of pages, state slots or request rows
 
 
@@ -285,6 +288,12 @@ def _word(table, i: int) -> str:
     return table[i] if 0 <= i < len(table) else f"state {i}"
 
 
+def _pool(i: int) -> str:
+    """Pool ``i`` of a PAGES_SHORT refusal: 0 FULL, 1 the (first) window pool, p + 1 the
+    model's window pool p >= 1."""
+    return _POOLS[i] if 0 <= i < len(_POOLS) else f"window pool {i - 1}"
+
+
 def to_error(refusal: Refusal):
     """The typed error of ``refusal`` (its class and message from :class:`RefusalCode`),
     carrying ``refusal.fields`` as its ``refusal``."""
@@ -295,7 +304,7 @@ def to_error(refusal: Refusal):
         limit=refusal.limit, row_state=_word(_ROW_STATES, refusal.value),
         admit_state=_word(_ADMIT_STATES, refusal.value),
         handle_state=_word(_HANDLE_STATES, refusal.value), shape=shape, shape_name=shape_name,
-        pool=_word(_POOLS, refusal.row))
+        pool=_pool(refusal.row))
     error = code.error(message)
     error.refusal = refusal.fields
     return error

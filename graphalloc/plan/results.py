@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from ..errors import StaleResultError
+from ..errors import ContractError, StaleResultError
 
 __all__ = ["AllocResult", "PlannedStep"]
 
@@ -76,6 +76,21 @@ class AllocResult:
         """``[n_step_tokens]`` SWA slots of this step's new tokens, in lane order."""
         self._check_fresh()
         return self.out_swa_buf[:self.n_step_tokens]
+
+    def window_slots(self, pool: int) -> torch.Tensor:
+        """``[n_step_tokens]`` slots of this step's new tokens in window pool ``pool`` of the
+        model, in lane order: ``pool = 0`` is :attr:`swa_slots`; a further pool p >= 1 is a
+        device gather of its ``full_to_swa`` at :attr:`full_slots` (a new tensor, sync-free;
+        read it after the step ran on the stream, like the output buffers). Cost: O(1) host,
+        one gather on the device."""
+        if pool == 0:
+            return self.swa_slots
+        alloc = self.owner()
+        windows = () if alloc is None else alloc.state.windows
+        if isinstance(pool, bool) or not isinstance(pool, int) or not 0 < pool <= len(windows):
+            raise ContractError(f"window_slots: pool must be 0 (the first window pool) or a "
+                                f"further window pool 1 .. {len(windows)}, got {pool!r}")
+        return windows[pool - 1].full_to_swa[self.full_slots]
 
     def slots_of(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (full, SWA) slots of ``rows[i]``'s tokens."""

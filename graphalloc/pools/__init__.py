@@ -16,13 +16,16 @@ layer kind             pool                                     module (numpy / 
 pool (:class:`~.window.NoWindow` when the model has no window layers) and the state pool
 (:class:`~.state.NoStates` when it has no recurrent layers). The planner asks them at every
 step kind; nothing outside this room asks "is there a state pool?" or "is this the ring
-policy?". Stage one serves one window pool (a model with several windows is refused by the
-config, naming the gap). Cost: O(layers) once, at construction.
+policy?". The first window pool is planned with FULL in the step's main rows; every further
+one (``Pools.extras``: two windows, or a window and a chunked pool) is an
+:class:`~.extra_window.ExtraWindowPool` with a ledger slice, descriptor sections and device
+tables of its own. Cost: O(layers) once, at construction.
 """
 
 from __future__ import annotations
 
 from .chunked import ChunkedLocal, chunked_pool
+from .extra_window import ExtraWindowPool
 from .full import FullPool
 from .layers import FullAttention, RecurrentState, SlidingWindow
 from .state import NoStates, StatePool
@@ -54,13 +57,17 @@ def role_of(layer) -> str:
 
 class Pools:
     """The pools of one model: ``full``, ``windows`` (in layer order), ``window`` (the
-    first, or :class:`NoWindow`) and ``state`` (or :class:`NoStates`)."""
+    first, or :class:`NoWindow`), ``extras`` (the further window pools, as
+    :class:`~.extra_window.ExtraWindowPool`: their own ledger slices, sections and tables)
+    and ``state`` (or :class:`NoStates`)."""
 
-    __slots__ = ("full", "windows", "window", "state")
+    __slots__ = ("full", "windows", "window", "extras", "state")
 
     def __init__(self, full, windows, state):
         self.full, self.windows = full, tuple(windows)
         self.window = self.windows[0] if self.windows else NoWindow()
+        self.extras = tuple(ExtraWindowPool(w.rule, w.num_pages, w.index)
+                            for w in self.windows[1:])
         self.state = state if state is not None else NoStates()
 
     def __iter__(self):

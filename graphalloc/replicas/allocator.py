@@ -111,6 +111,10 @@ class ReplicatedAllocator(ReplicaOps):
         if cfg.num_state_slots:
             raise ConfigError("recurrent-state slots are not replicated yet: build each rank's "
                               "HybridAllocator with num_state_slots, or replicas without them")
+        if cfg.pools.extras:
+            raise ConfigError("a model with several window pools is not replicated yet (their "
+                              "slices travel in no payload or digest): build each rank's "
+                              "HybridAllocator, or replicas of a model with one window pool")
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call "
                               "init_process_group() on every rank first")

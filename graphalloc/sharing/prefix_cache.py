@@ -8,7 +8,9 @@ returns them (``CacheMatch.keys``) and :meth:`insert` takes them back (``keys=``
 only the pages the request added since; an engine's own block hashes may be passed instead.
 
 A hit is only as good as its window: an SWA layer at length m reads positions ``[m - W,
-m)``, so a request admitted on m cached tokens needs the SWA pages of that window.
+m)``, so a request admitted on m cached tokens needs the SWA pages of that window (in a
+model with several window pools, each pool's window: :meth:`ExtraWindowPool.present
+<graphalloc.pools.extra_window.ExtraWindowPool.present>`).
 :meth:`PrefixCache.match` returns the longest match whose window some entry holding it
 still has (``cached_tokens``), and the longest FULL match (``full_tokens``) with how many
 tokens would then have to be recomputed (``recompute_tokens``).
@@ -109,6 +111,8 @@ class PrefixCache:
         self.page_size = alloc.config.page_size
         self.window = alloc.config.sliding_window
         self.states = alloc.config.num_state_slots > 0  # match only at snapshots
+        # a model's further window pools: an entry is usable where each still has its window
+        self._extras = tuple(zip(alloc.config.pools.extras, alloc.ledger.windows, strict=True))
         self._holders: dict[bytes, dict[int, _Entry]] = {}  # page key -> handle -> entry
         self._ends: dict[bytes, _Entry] = {}  # an entry's last page key -> the entry
         self._entries: dict[int, _Entry] = {}  # handle -> entry
@@ -204,13 +208,21 @@ class PrefixCache:
             ws = max(0, m - window) // ps * ps
             if self.states:
                 end = self._ends.get(keys[j])
-                if end is not None and swa_start[end.handle] <= ws:
+                if (end is not None and swa_start[end.handle] <= ws
+                        and self._windows_held(end.handle, m)):
                     return end, m
                 continue
             for entry in self._holders[keys[j]].values():
-                if swa_start[entry.handle] <= ws:  # the window before m is held
-                    return entry, m
+                if swa_start[entry.handle] <= ws and self._windows_held(entry.handle, m):
+                    return entry, m  # the window before m is held (in every window pool)
         return None, 0
+
+    def _windows_held(self, handle: int, m: int) -> bool:
+        """Whether ``handle`` holds, in each further window pool of the model, the window a
+        request admitted on its first ``m`` tokens needs. O(further pools)."""
+        ps = self.page_size
+        return all(pool.present(int(window.h_start[handle]), m, ps)
+                   for pool, window in self._extras)
 
     # ---- locks ---------------------------------------------------------------------------
     def lock(self, handle) -> None:

@@ -23,6 +23,11 @@ Recurrent-state slots (``num_state_slots`` S > 0): ``state_slot[r]`` is request 
 speculative step j; free slots sit in a host-only FIFO ring (``state_ring``). Every slot
 has one owner: free + owned == S.
 
+Further window pools (a model with several windows, :mod:`graphalloc.pools.extra_window`):
+pool p >= 1 keeps its frontiers, handle starts, free ring and page mirror in
+``windows[p - 1]`` (:class:`~graphalloc.state.window_ledger.WindowLedger`), journaled with
+the rest and named ``window{p}_*`` in :meth:`Ledger.arrays`.
+
 Invariants (``check_host_invariants``): f is page-aligned, ``f <= floor_page(C)``, it only
 moves forward (``load_back`` aside), ``L == C + sum(spec_steps)``, and per pool
 ``free + referenced == pages`` (ring mode: ``free + owned == pages``).
@@ -39,57 +44,14 @@ import numpy as np
 
 from ..config import AllocatorConfig
 from ..errors import IntegrityError
+from .free_ring import FreeRing
 from .journal import Journal
 from .references import PageRefs
+from .window_ledger import WindowLedger
 
 __all__ = ["FreeRing", "Ledger"]
 
-HEAD, N_FREE = 0, 1  # columns of Ledger.rings
 FULL_RING, SWA_RING, STATE_RING = 0, 1, 2  # rows of Ledger.rings
-
-
-class FreeRing:
-    """Host side of one device FIFO free list of ``capacity`` page ids: a view of one row of
-    :attr:`Ledger.rings` (``[head, n_free]``).
-
-    Entries ``[head, head + n_free)`` (mod capacity) are free pages. A pop of k takes
-    positions ``head .. head+k-1``; a push of k writes ``head+n_free .. head+n_free+k-1``.
-    Pops and pushes of one step touch disjoint positions whenever the pops fit in what was
-    free before the step. ``pop`` / ``push`` write through the journal.
-    """
-
-    __slots__ = ("capacity", "_row", "_journal")
-
-    def __init__(self, capacity: int, row: np.ndarray, journal: Journal):
-        self.capacity = capacity
-        self._row = row  # a view: [head, n_free]
-        self._journal = journal
-
-    @property
-    def head(self) -> int:
-        return int(self._row[HEAD])
-
-    @property
-    def n_free(self) -> int:
-        return int(self._row[N_FREE])
-
-    @property
-    def tail(self) -> int:
-        """The ring position the next push writes."""
-        return (int(self._row[HEAD]) + int(self._row[N_FREE])) % self.capacity
-
-    def pop(self, n: int) -> int:
-        """Take ``n`` entries at the head; returns the first position."""
-        start = int(self._row[HEAD])
-        self._journal.put(self._row, slice(None), ((start + n) % self.capacity,
-                                                   int(self._row[N_FREE]) - n))
-        return start
-
-    def push(self, n: int) -> int:
-        """Add ``n`` entries at the tail; returns the first position."""
-        start = self.tail
-        self._journal.put(self._row, N_FREE, int(self._row[N_FREE]) + n)
-        return start
 
 
 class Ledger:
@@ -133,6 +95,10 @@ class Ledger:
         self.refs = None if not config.pools.window.shares else PageRefs(
             n + n_handles, config.pages_per_request, config.num_full_pages,
             config.num_swa_pages, self.journal)
+        # The model's further window pools (p >= 1), each a slice of its own (pool mode).
+        self.windows = tuple(WindowLedger(pool.index, pool.num_pages, n, n_handles,
+                                          config.num_full_pages, self.journal)
+                             for pool in config.pools.extras)
         self.reset()
 
     def reset(self) -> None:
@@ -145,6 +111,8 @@ class Ledger:
         self.rings[:, 1] = (self.config.num_full_pages, self.config.num_swa_pages, n_slots)
         if self.refs is not None:
             self.refs.reset()
+        for window in self.windows:
+            window.reset()
         self.journal.commit()
 
     @property
@@ -165,6 +133,8 @@ class Ledger:
         out["rings"] = self.rings
         if self.refs is not None:
             out.update({name: getattr(self.refs, name) for name in self.refs.NAMES})
+        for window in self.windows:
+            out.update(window.arrays())
         return out
 
     def assign(self, arrays: dict[str, np.ndarray]) -> None:
@@ -186,6 +156,8 @@ class Ledger:
             put(self.admitted_once, rows, True)
         for name in ("seq_len", "frontier", "committed", "spec_steps"):
             put(getattr(self, name), rows, 0)  # (state slots: the planner's, see states.py)
+        for window in self.windows:
+            put(window.frontier, rows, 0)
 
     # ---- checks -----------------------------------------------------------------------
     def check_host_invariants(self) -> None:
@@ -223,3 +195,5 @@ class Ledger:
                 raise IntegrityError(
                     f"{name} pool not conserved: free {ring.n_free} + owned {owned} "
                     f"!= {total} pages")
+        for window in self.windows:
+            window.check(live, self.committed, ps)

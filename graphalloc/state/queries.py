@@ -47,15 +47,20 @@ class HostQueries:
         self.config, self.ledger = config, ledger
 
     def n_free(self, pool: str = "full") -> int:
-        """Free pages of ``pool`` (``"full"`` or ``"swa"``), or free recurrent-state slots
-        (``"state"``). O(1)."""
+        """Free pages of ``pool`` (``"full"``, ``"swa"``: the first window pool, or
+        ``"window1"``, ``"window2"``, ...: a model's further window pools), or free
+        recurrent-state slots (``"state"``). O(1)."""
         if isinstance(pool, str) and pool == "full":
             return self.ledger.full.n_free
         if isinstance(pool, str) and pool == "swa":
             return self.ledger.swa.n_free
         if isinstance(pool, str) and pool == "state":
             return self.ledger.states.n_free if self.config.num_state_slots else 0
-        raise ContractError(f"pool must be 'full', 'swa' or 'state', got {pool!r}")
+        for window in self.ledger.windows:
+            if isinstance(pool, str) and pool == f"window{window.index}":
+                return window.free.n_free
+        further = "".join(f", 'window{w.index}'" for w in self.ledger.windows)
+        raise ContractError(f"pool must be 'full', 'swa'{further} or 'state', got {pool!r}")
 
     def n_live(self) -> int:
         return int(np.count_nonzero(self.ledger.live))
@@ -106,4 +111,5 @@ class HostQueries:
             "seq_len": {int(r): int(led.seq_len[r]) for r in live},
             "frontier": {int(r): int(led.frontier[r]) for r in live},
             "handles": int(np.count_nonzero(led.h_live)),
+            **{f"window{w.index}_free_pages": w.free.n_free for w in led.windows},
         }

@@ -26,7 +26,7 @@ import workload
 from launch_faults import LaunchFaults, defined_state, same_state
 
 import graphalloc as ga
-from graphalloc import ChunkedLocal, FullAttention, RecurrentState
+from graphalloc import ChunkedLocal, FullAttention, RecurrentState, SlidingWindow
 from graphalloc import errors as E
 from graphalloc.attention.spec import PageTableSpec
 from graphalloc.plan import compiled
@@ -44,6 +44,9 @@ def build(backend="torch", planner="numpy", fused=True, ring=False, executor="ea
         pools = dict(layers=(FullAttention(48), RecurrentState(14)))
     elif layers == "chunked":
         pools = dict(layers=(FullAttention(48), ChunkedLocal(3 * ps, 28), RecurrentState(14)))
+    elif layers == "two_windows":  # a further window pool (graphalloc.pools.extra_window)
+        pools = dict(layers=(FullAttention(48), SlidingWindow(2 * ps + 1, 28),
+                             SlidingWindow(3 * ps + 1, 20), RecurrentState(14)))
     cfg = ga.AllocatorConfig(
         page_size=ps, max_reqs=4, max_context_len=12 * ps, backend=backend,
         swa_ring_pages=4 if ring else 0, max_release_rows=3, max_alloc_rows=4,
@@ -146,11 +149,14 @@ def test_ring_mode_launch_failures_take_the_step_back(planner, monkeypatch):
           f"launch failures ({dict(fired)}), {states['split_failures']} in split frees")
 
 
-@pytest.mark.parametrize("layers", ["full_only", "chunked"])
+@pytest.mark.parametrize("layers", ["full_only", "chunked", "two_windows"])
 @pytest.mark.parametrize("planner", PLANNERS)
 def test_other_layer_pools_launch_failures_take_the_step_back(planner, layers, monkeypatch):
-    """A model with chunked local attention (a window pool of graphalloc.pools). (A model
-    without window layers is left out: audit() does not know that pool yet.)"""
+    """A model without window layers, with chunked local attention, with two sliding
+    windows (a further window pool: the numpy planner plans it, its tables are projected
+    from its ledger slice)."""
+    if layers == "two_windows" and planner == "compiled":
+        pytest.skip("the compiled twin plans one window pool")
     fired, states, alloc = run_workload(250, 13, monkeypatch, planner=planner, layers=layers)
     assert {"page_tables", "state_table"} <= set(fired), fired
     print(f"layers={layers}, planner={planner}: {alloc.steps_run} steps run, "

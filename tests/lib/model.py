@@ -116,6 +116,26 @@ Rules modelled (``ps`` page size, ``W`` window, ``R`` ring pages, L a length):
   slot, a plain allocation's slot, each speculative token's slot), ``step_copies`` the
   last step's copies, ``state_content`` what each slot holds (the copies applied).
 
+* further window pools (a model with several window layer kinds: two sliding windows, a
+  window and chunked local attention): the first window pool is the SWA pool above; each
+  further pool p has its own FIFO queue ``[1..N_p]``, reference counts, mapping of FULL
+  pages to its pages and a frontier per request / start per handle, with its own rule
+  (``needed_p``). Its references: a request holds pool p's pages of ``[f_p, L)``, a handle
+  of ``[start_p, n)``. Every new FULL page pops one page of every further pool, in the same
+  order (rows in call order), refused (``capacity``) when a pool is short. Drops of one
+  call, per pool: a page whose count reaches 0 is pushed once, at the first row of the call
+  that held it, rows in call order, pages in position order; its mapping is cleared.
+  Calls: a release drops ``[f_p, L)``; a cut (commit, trim) ``[ceil(n / ps), L)``; the
+  step's evict (``evict``, ``evict_all``, a single ``evict_window`` outside a free group)
+  moves f_p to ``max(f_p, floor_page(needed_p(C)))`` dropping ``[f_p, f_p')``; a handle
+  drop or tombstone drops ``[start_p, n)`` (a tombstone: start_p = n). take_handle:
+  ``start_p = min(f_p, n)``; admit on a handle: ``f_p = min(start_p, n)``. An explicit
+  advance, a load-back and the frontier targets a free group records move the first pool
+  only. A trim is refused (``frontier``) when a pool's ``f_p > 0`` and
+  ``n < min_length_p(f_p)``. Each pool's drops are release segments of its own section
+  (runs of consecutive positions of one row), bounded like the main one (``batch``); a free
+  group's flush takes as many steps as its most demanding section needs.
+
 Violations are reported as :class:`Violation` with a set of kinds (names of
 the rules broken by the first failing sub-operation); the model is unchanged.
 """
@@ -174,13 +194,41 @@ def _is_int(x) -> bool:
     return type(x).__module__ == "numpy" and "int" in type(x).__name__
 
 
+def needed(rule, length: int) -> int:
+    """The first position a window rule's layers read at committed length ``length``."""
+    kind, size = rule
+    return max(length - size, 0) if kind == "window" else length // size * size
+
+
+def min_length(rule, frontier: int) -> int:
+    """The shortest length whose window needs nothing below ``frontier`` (> 0)."""
+    kind, size = rule
+    return frontier + size if kind == "window" else ceil_div(frontier, size) * size
+
+
+class XPool:
+    """A further window pool: its rule, queue, counts and mapping (FULL page -> its page)."""
+
+    def __init__(self, rule, n_pages: int, n_full: int):
+        self.rule, self.n = rule, n_pages
+        self.q: deque[int] = deque(range(1, n_pages + 1))
+        self.pops = 0
+        self.ref = [0] * (n_pages + 1)
+        self.f2s = [0] * (n_full + 1)
+
+    def pop(self) -> int:
+        self.pops += 1
+        return self.q.popleft()
+
+
 class Req:
     """One live request: its FULL page per page index, its full slot per position."""
 
-    def __init__(self, ps: int, pages=(), frontier: int = 0):
+    def __init__(self, ps: int, pages=(), frontier: int = 0, xf=()):
         self.pages = list(pages)
         self.slots = [p * ps + o for p in self.pages for o in range(ps)]
         self.frontier = frontier
+        self.xf = list(xf)  # its frontier in each further window pool
         self.ring: list[int] = []
         self.committed = len(self.slots)  # C: the rest, [C, L), is speculative
         self.spec: list[int] = []  # sizes of the speculative steps in flight, oldest first
@@ -195,10 +243,11 @@ class Req:
 class Handle:
     """One handle: the FULL pages of ``[0, n)``; SWA references of ``[swa_start, n)``."""
 
-    def __init__(self, ps: int, pages, swa_start: int):
+    def __init__(self, ps: int, pages, swa_start: int, xf=()):
         self.ps = ps
         self.pages = list(pages)
         self.frontier = swa_start  # named like a request's: the start of its SWA references
+        self.xf = list(xf)  # its start in each further window pool
         self.state = 0  # its snapshot's state slot (0: no state slots)
 
     @property
@@ -219,7 +268,7 @@ class Model:
                  sliding_window, swa_ring_pages=0, max_release_rows=0, max_pages_per_row=0,
                  max_alloc_rows=0, max_tokens_per_alloc_row=0, max_step_pages=0,
                  max_step_tokens=0, max_handles=0, num_state_slots=0, max_spec_tokens=0,
-                 rule=None):
+                 rule=None, extras=()):
         self.ps = page_size
         # The window layers' rule: ("window", W) keeps [C - W, C) of committed length C,
         # ("chunk", K) keeps [floor(C / K) * K, C) (chunked local attention), None: a model
@@ -263,21 +312,25 @@ class Model:
         self.step_copies: list[tuple[int, int]] = []  # the last step's (source, destination)
         self.state_writes: list[int] = []  # slots the network writes after the steps so far
         self.taken_src: dict[int, int] = {}  # handle taken in this step -> its source slot
+        # further window pools: (rule, pages) each
+        self.x = [XPool(rule_p, n_p, num_full_pages) for rule_p, n_p in extras]
+        self.xsegs: list[list[int]] = [[] for _ in self.x]  # this step's release segments
 
     @classmethod
     def from_config(cls, cfg) -> Model:
-        rule = None
-        for layer in getattr(cfg, "layers", None) or ():  # the model's window layers
+        windows = []  # the model's window layers, in order: (rule, pages)
+        for layer in getattr(cfg, "layers", None) or ():
             if type(layer).__name__ == "ChunkedLocal":
-                rule = ("chunk", layer.chunk)
+                windows.append((("chunk", layer.chunk), layer.num_pages))
             elif type(layer).__name__ == "SlidingWindow":
-                rule = ("window", max(layer.window - 1, 1))
+                windows.append((("window", max(layer.window - 1, 1)), layer.num_pages))
+        rule = windows[0][0] if windows else None
         return cls(cfg.page_size, cfg.num_full_pages, cfg.num_swa_pages, cfg.max_reqs,
                    cfg.max_context_len, cfg.sliding_window, cfg.swa_ring_pages,
                    cfg.max_release_rows, cfg.max_pages_per_row, cfg.max_alloc_rows,
                    cfg.max_tokens_per_alloc_row, cfg.max_step_pages, cfg.max_step_tokens,
                    getattr(cfg, "max_handles", 0), getattr(cfg, "num_state_slots", 0),
-                   getattr(cfg, "max_spec_tokens", 0), rule)
+                   getattr(cfg, "max_spec_tokens", 0), rule, windows[1:])
 
     def clone(self) -> Model:
         return copy.deepcopy(self)
@@ -292,13 +345,11 @@ class Model:
 
     def needed_from(self, length: int) -> int:
         """The first position the window layers still read at committed length ``length``."""
-        kind, size = self.rule
-        return max(length - size, 0) if kind == "window" else length // size * size
+        return needed(self.rule, length)
 
     def min_length(self, frontier: int) -> int:
         """The shortest length whose window needs nothing below ``frontier`` (> 0)."""
-        kind, size = self.rule
-        return frontier + size if kind == "window" else ceil_div(frontier, size) * size
+        return min_length(self.rule, frontier)
 
     def _window_start(self, frontier: int, n: int) -> int:
         """Where a holder of ``n`` tokens that shares a holder's window from ``frontier``
@@ -331,6 +382,7 @@ class Model:
 
     def _begin_step(self) -> None:
         self.step_copies, self.taken_src = [], {}
+        self.xsegs = [[] for _ in self.x]
 
     def _check_reads(self) -> None:
         """Every copy reads the states as the step began: a destination that is the source
@@ -370,6 +422,51 @@ class Model:
             swa = self.f2s[page]
             assert swa > 0, f"model: SWA reference to full page {page} with no SWA page"
             self.swa_ref[swa] += 1
+        for x, start in zip(self.x, holder.xf, strict=True):
+            for page in holder.pages[start // self.ps:]:
+                assert x.f2s[page] > 0, "model: a further pool's reference with no page"
+                x.ref[x.f2s[page]] += 1
+
+    def _xdrop(self, i: int, items) -> list[int]:
+        """One call's drops in further pool ``i``: per row of the call, in order, ``(pages,
+        lo, hi)``. A page reaching 0 is pushed once (its first row), rows in call order,
+        pages in index order; its mapping cleared. Returns (and records for the step's
+        shape) the runs of consecutive positions of one row."""
+        x = self.x[i]
+        first: dict[int, tuple[int, int]] = {}
+        for j, (pages, lo, hi) in enumerate(items):
+            for k in range(lo, hi):
+                first.setdefault(pages[k], (j, k))
+                assert x.ref[x.f2s[pages[k]]] > 0, "model: a further pool's count below 0"
+                x.ref[x.f2s[pages[k]]] -= 1
+        freed = sorted((jk, page) for page, jk in first.items() if x.ref[x.f2s[page]] == 0)
+        segs: list[int] = []
+        prev = None
+        for (j, k), page in freed:
+            if prev is not None and prev == (j, k - 1):
+                segs[-1] += 1
+            else:
+                segs.append(1)
+            prev = (j, k)
+            x.q.append(x.f2s[page])
+            x.f2s[page] = 0
+        self.xsegs[i] += segs
+        return segs
+
+    def _xevict(self, rows) -> None:
+        """The step's evict in every further pool: its own rule on C."""
+        ps = self.ps
+        for i, x in enumerate(self.x):
+            items, moves = [], []
+            for r in rows:
+                req = self.reqs[r]
+                new = max(req.xf[i], needed(x.rule, req.committed) // ps * ps)
+                if new > req.xf[i]:
+                    items.append((req.pages, req.xf[i] // ps, new // ps))
+                    moves.append((req, new))
+            self._xdrop(i, items)
+            for req, new in moves:
+                req.xf[i] = new
 
     def _drop(self, items) -> list[int]:
         """Drop the references of one call's rows. ``items``: per row of the call, in call
@@ -465,7 +562,7 @@ class Model:
         if kinds:
             raise Violation(kinds)
         row = free_rows[0]
-        req = Req(self.ps)
+        req = Req(self.ps, xf=[0] * len(self.x))
         if self.ring_mode:
             req.ring = [self._pop_swa() for _ in range(self.ring_pages)]
         self._begin_step()
@@ -497,7 +594,8 @@ class Model:
             raise Violation(kinds)
         n = h.n_tokens if n_tokens is None or n_tokens == -1 else int(n_tokens)
         row = free_rows[0]
-        req = Req(self.ps, h.pages[:n // self.ps], min(h.swa_start, n) if self.has_window else 0)
+        req = Req(self.ps, h.pages[:n // self.ps], min(h.swa_start, n) if self.has_window else 0,
+                  [min(start, n) for start in h.xf])
         self._hold(req)
         self.reqs[row] = req
         self._begin_step()
@@ -552,7 +650,8 @@ class Model:
         if kinds:
             raise Violation(kinds)
         req, n = self.reqs[r], int(n_tokens)
-        handle = Handle(self.ps, req.pages[:n // self.ps], self._window_start(req.frontier, n))
+        handle = Handle(self.ps, req.pages[:n // self.ps], self._window_start(req.frontier, n),
+                        [min(f, n) for f in req.xf])
         self._hold(handle)
         self.handles[free[0]] = handle
         self._begin_step()
@@ -597,9 +696,13 @@ class Model:
             n = len(hd.pages)
             items.append((hd.pages, 0, 0 if swa_only else n, hd.swa_start // ps, n))
         segs = self._drop(items)
+        for i in range(len(self.x)):  # every window pool's references (a tombstone too)
+            self._xdrop(i, [(self.handles[h].pages, self.handles[h].xf[i] // ps,
+                             len(self.handles[h].pages)) for h, _ in drops])
         for h, swa_only in drops:
             if swa_only:  # a tombstone keeps its snapshot
                 self.handles[h].frontier = self.handles[h].n_tokens
+                self.handles[h].xf = [self.handles[h].n_tokens] * len(self.x)
             else:
                 if self.has_states:
                     self.state_q.append(self.handles[h].state)
@@ -676,6 +779,7 @@ class Model:
             if evict_all:
                 rows = sorted(r for r in work.reqs if r not in work.pending)
             rel_rows += work._advance(rows, [work.window_frontier(r) for r in rows])
+            work._xevict(rows)
         if advance is not None:
             rel_rows += work._advance(work._rows(advance[0]), [int(p) for p in advance[1]])
         if list(drop) or list(drop_swa):
@@ -747,7 +851,7 @@ class Model:
         for h, r, n in zip(handles, rows, n_tokens, strict=True):
             req = self.reqs[r]
             handle = Handle(self.ps, req.pages[:n // self.ps],
-                            self._window_start(req.frontier, n))
+                            self._window_start(req.frontier, n), [min(f, n) for f in req.xf])
             self._hold(handle)
             self.handles[h] = handle
             self._snapshot(h, req)
@@ -769,7 +873,7 @@ class Model:
         if kinds:
             raise Violation(kinds)
         for r in rows:
-            req = Req(self.ps)
+            req = Req(self.ps, xf=[0] * len(self.x))
             if self.ring_mode:
                 req.ring = [self._pop_swa() for _ in range(self.ring_pages)]
                 allocated.add(r)  # its ring admission is its allocation row of the step
@@ -800,7 +904,8 @@ class Model:
             hd = self.handles[h]
             n = hd.n_tokens if n is None or n == -1 else int(n)
             req = Req(self.ps, hd.pages[:n // self.ps],
-                      min(hd.swa_start, n) if self.has_window else 0)
+                      min(hd.swa_start, n) if self.has_window else 0,
+                      [min(start, n) for start in hd.xf])
             self._hold(req)
             self.reqs[r] = req
             self._restore(req, h)
@@ -840,10 +945,13 @@ class Model:
         else:
             rows_v = self._rows(rows)
         targets = [self.window_frontier(r) for r in rows_v]
+        alone = self.group is None  # one step of its own: every window pool's rule
 
         def record(g):
             for r, p in zip(rows_v, targets, strict=True):
                 g["target"][r] = max(g["target"].get(r, p), p)
+            if alone:
+                g["xevict"] = rows_v
         self._free_op(record)
 
     def release(self, rows) -> None:
@@ -895,19 +1003,9 @@ class Model:
         segs = self._release(g["release"])
         rows = [r for r in g["target"] if r in self.reqs]
         segs += self._advance(rows, [g["target"][r] for r in rows])
+        self._xevict(g.get("xevict", ()))  # a single evict_window: the step's evict kind
         segs += self._drop_handles(drops) if drops else []
-        rows = [min(self.max_pages_per_row, n - k * self.max_pages_per_row)
-                for n in segs for k in range(self._segments(n))]
-        n_rows = n_pages = 0
-        steps = 0
-        for i, pages in enumerate(rows):
-            if i == 0 or n_rows + 1 > self.max_release_rows or (
-                    n_pages + pages > self.max_step_pages):
-                steps += 1
-                n_rows = n_pages = 0
-            n_rows += 1
-            n_pages += pages
-        self.steps += max(steps, 1)
+        self.steps += max([self._parts(segs), 1] + [self._parts(x) for x in self.xsegs])
 
     # ---- rules -----------------------------------------------------------------------------
     def window_frontier(self, row: int) -> int:
@@ -968,6 +1066,9 @@ class Model:
             items.append((req.pages, 0, n, n if self.ring_mode or not self.has_window
                           else req.frontier // ps, n))
         segs = self._drop(items)
+        for i in range(len(self.x)):
+            self._xdrop(i, [(self.reqs[r].pages, self.reqs[r].xf[i] // ps,
+                             len(self.reqs[r].pages)) for r in rows])
         if self.ring_mode:
             for r in rows:
                 segs.append(self.ring_pages)
@@ -1011,7 +1112,8 @@ class Model:
             if self.ring_mode and ceil_div(end, ps) - req.frontier // ps > self.ring_pages:
                 kinds.add(RING)
         pooled = self.has_window and not self.ring_mode  # window pages popped with FULL ones
-        if need > len(self.full_q) or (pooled and need > len(self.swa_q)):
+        if need > len(self.full_q) or (pooled and need > len(self.swa_q)) or any(
+                need > len(x.q) for x in self.x):
             kinds.add(CAPACITY)
         if self._state_short(state_pops):
             kinds.add(STATE_SHORT)
@@ -1033,6 +1135,9 @@ class Model:
                         swa = self._pop_swa()
                         self.f2s[full] = swa
                         self.swa_ref[swa] += 1
+                    for x in self.x:  # a page of every further window pool
+                        x.f2s[full] = x.pop()
+                        x.ref[x.f2s[full]] += 1
                 swa_page = self.f2s[req.pages[p]]
                 req.slots.append(req.pages[p] * ps + off)
                 full_slots.append(req.pages[p] * ps + off)
@@ -1132,6 +1237,9 @@ class Model:
                 kinds.add(POSITION)
             elif req.frontier > 0 and n < self.min_length(req.frontier):
                 kinds.add(FRONTIER)
+            elif any(f > 0 and n < min_length(x.rule, f) for x, f in zip(self.x, req.xf,
+                                                                         strict=True)):
+                kinds.add(FRONTIER)  # a further window pool's evicted pages
             elif n % self.ps and self.full_ref[req.pages[n // self.ps]] > 1:
                 kinds.add(SHARED)  # the next allocation would write a shared page
             if self.has_states and _is_int(n) and 0 <= n < req.committed:
@@ -1166,6 +1274,10 @@ class Model:
             items.append((req.pages, lo, hi, hi if self.ring_mode or not self.has_window
                           else lo, hi))
         segs = self._drop(items)
+        for i in range(len(self.x)):
+            self._xdrop(i, [(self.reqs[r].pages, max(ceil_div(n, ps), self.reqs[r].xf[i] // ps),
+                             len(self.reqs[r].pages)) for r, n in zip(rows, new_lens,
+                                                                       strict=True)])
         for r, n in zip(rows, new_lens, strict=True):
             req = self.reqs[r]
             del req.pages[ceil_div(n, ps):]
@@ -1178,6 +1290,25 @@ class Model:
                 or len(alloc_tokens) > self.max_alloc_rows
                 or sum(alloc_tokens) > self.max_step_tokens):
             raise Violation({BATCH})
+        for segs in self.xsegs:  # every further window pool's release section
+            if (sum(self._segments(n) for n in segs) > self.max_release_rows
+                    or sum(segs) > self.max_step_pages):
+                raise Violation({BATCH})
+
+    def _parts(self, segs: list) -> int:
+        """Consecutive steps a flush's release segments take (greedy, in order)."""
+        rows = [min(self.max_pages_per_row, n - k * self.max_pages_per_row)
+                for n in segs for k in range(self._segments(n))]
+        n_rows = n_pages = 0
+        steps = 0
+        for i, pages in enumerate(rows):
+            if i == 0 or n_rows + 1 > self.max_release_rows or (
+                    n_pages + pages > self.max_step_pages):
+                steps += 1
+                n_rows = n_pages = 0
+            n_rows += 1
+            n_pages += pages
+        return steps
 
     # ---- predictions -----------------------------------------------------------------------
     def mapping(self) -> dict[int, int]:
@@ -1226,8 +1357,35 @@ class Model:
             assert sorted(held + list(self.state_q)) == list(range(1, self.n_state + 1))
             for q in self.reqs.values():
                 assert [len(slots) for slots in q.spec_slots] == q.spec
+        for i, x in enumerate(self.x):  # every further window pool, the same laws
+            counts = [0] * (x.n + 1)
+            for _, _, h in self.holders():
+                assert h.xf[i] % self.ps == 0 and h.xf[i] <= len(h.pages) * self.ps
+                for page in h.pages[h.xf[i] // self.ps:]:
+                    counts[x.f2s[page]] += 1
+            assert counts == x.ref and counts[0] == 0
+            held = [s for s in range(1, x.n + 1) if counts[s]]
+            assert sorted(held + list(x.q)) == list(range(1, x.n + 1))
+            assert sorted(s for s in x.f2s if s) == held
+            for page in range(1, self.n_full + 1):
+                assert x.f2s[page] == 0 or full[page] > 0
 
-    def free_ring_head(self, pool: str) -> int:
+    def free_ring_head(self, pool) -> int:
+        """The head of a free ring: ``"full"``, ``"swa"`` or a further window pool's index
+        (1, 2, ...)."""
         if pool == "full":
             return self.full_pops % self.n_full
-        return self.swa_pops % max(self.n_swa, 1)  # (no window layers: an empty ring of 1)
+        if pool == "swa":
+            return self.swa_pops % max(self.n_swa, 1)  # (no window layers: an empty ring)
+        return self.x[pool - 1].pops % self.x[pool - 1].n
+
+    def window_slots(self, pool: int, full_slots: list[int]) -> list[int]:
+        """Further window pool ``pool``'s slots of ``full_slots`` (its current mapping)."""
+        x, ps = self.x[pool - 1], self.ps
+        return [x.f2s[s // ps] * ps + s % ps if x.f2s[s // ps] else 0 for s in full_slots]
+
+    def x_full_to_swa(self, pool: int) -> list[int]:
+        """Further window pool ``pool``'s ``full_to_swa``, slot by slot."""
+        x, ps = self.x[pool - 1], self.ps
+        return [x.f2s[s // ps] * ps + s % ps if x.f2s[s // ps] else 0
+                for s in range((self.n_full + 1) * ps)]

@@ -78,7 +78,7 @@ from model import (
 from graphalloc import AllocatorConfig, HybridAllocator
 from graphalloc import errors as E
 from graphalloc.device.executor import EagerExecutor
-from graphalloc.pools import ChunkedLocal, FullAttention
+from graphalloc.pools import ChunkedLocal, FullAttention, SlidingWindow
 
 ERRORS = {
     UNKNOWN: E.UnknownRequestError,
@@ -148,6 +148,22 @@ CONFIGS = {
     "ps1_chunked": dict(page_size=1, max_reqs=3, max_context_len=10, index_dtype=I64,
                         layers=(FullAttention(14), ChunkedLocal(3, 8)), max_handles=2,
                         fused_step=True),
+    # several window pools: two sliding windows of different sizes; a sliding window beside
+    # chunked local attention (the further pool has its own sections, planned by numpy)
+    "ps2_two_windows": dict(page_size=2, max_reqs=4, max_context_len=14, index_dtype=I64,
+                            layers=(FullAttention(14), SlidingWindow(4, 8),
+                                    SlidingWindow(7, 9)), max_handles=3, fused_step=True),
+    "ps1_two_windows_tight": dict(page_size=1, max_reqs=3, max_context_len=10,
+                                  index_dtype=I32, layers=(FullAttention(12), SlidingWindow(6, 9),
+                                                           SlidingWindow(3, 6)),
+                                  max_handles=2, max_release_rows=6, max_pages_per_row=2,
+                                  max_step_pages=10, fused_step=False),
+    "ps3_window_chunked": dict(page_size=3, max_reqs=4, max_context_len=18, index_dtype=I32,
+                               layers=(FullAttention(14), SlidingWindow(4, 9),
+                                       ChunkedLocal(5, 10)), max_handles=3, fused_step=True),
+    "ps2_three_windows": dict(page_size=2, max_reqs=3, max_context_len=12, index_dtype=I64,
+                              layers=(FullAttention(12), ChunkedLocal(4, 8), SlidingWindow(3, 7),
+                                      SlidingWindow(9, 9)), max_handles=2, fused_step=False),
 }
 
 
@@ -209,6 +225,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.model.max_handles == config.get("max_handles", 0)
         self.ps = self.cfg.page_size
         self.prev_frontier: dict[int, int] = {}
+        self.prev_xf: dict[tuple[int, int], int] = {}
 
     # ---- helpers ---------------------------------------------------------------------------
     def rows_from(self, idx, bad=None) -> list[int]:
@@ -307,6 +324,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             f, s = got.slots_of(i)
             assert f.tolist() == full
             assert s.tolist() == swa
+        full_slots = [x for _, full, _ in expected for x in full]
+        for p in range(1, len(self.model.x) + 1):  # further window pools: their slots
+            assert got.window_slots(p).tolist() == self.model.window_slots(p, full_slots)
 
     # ---- operations --------------------------------------------------------------------------
     def do_admit(self):
@@ -441,6 +461,28 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 7), h_code=hcodes, bad=badness, k=st.integers(0, 2))
     def take_handle(self, i, h_code, bad, k):
         self.do_take_handle(i, h_code, None if bad == "dup" else bad, k)
+
+    @precondition(lambda self: self.model.x and self.model.reqs)
+    @rule(i=st.integers(0, 7), h_code=hcodes, codes=st.lists(codes, min_size=2, max_size=2),
+          then=st.sampled_from(["keep", "tombstone", "drop", "release"]))
+    def further_windows_share(self, i, h_code, codes, then):
+        """A model's further window pools: grow a row, evict every row (each pool by its own
+        rule, so their frontiers part), take a handle on a row's first whole pages (below,
+        inside or past each pool's frontier), admit on it and extend, then keep, tombstone
+        or drop the handle, or release the source row."""
+        self.do_extend([i], codes[:1], None)
+        self.do_evict([], True, None)
+        h = self.do_take_handle(i, h_code, None)
+        if h is None:
+            return
+        row = self.do_admit_handle(sorted(self.model.handles).index(h), None)
+        if row is not None:
+            self.do_extend([sorted(self.model.reqs).index(row)], codes[1:], None)
+            self.do_evict([], True, None)
+        if then in ("tombstone", "drop"):
+            self.do_drop_handle(sorted(self.model.handles).index(h), None, then == "tombstone")
+        elif then == "release" and self.model.reqs:
+            self.do_release([i], None)
 
     @rule(i=st.integers(0, 7), bad=hbadness, code=codes, k=st.integers(0, 2))
     def admit_on_handle_and_extend(self, i, bad, code, k):
@@ -941,6 +983,36 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert f % ps == 0 and 0 <= f <= q.length // ps * ps
             assert f >= self.prev_frontier.get(r, 0)
         self.prev_frontier = {r: q.frontier for r, q in m.reqs.items()}
+        self.check_further_windows()
+
+    def check_further_windows(self):
+        """A model's further window pools: free rings in FIFO order, the mapping, frontiers
+        and handle starts equal the model's; references rebuilt from the device tables
+        equal its counts; held and free together exactly 1..N_p; frontiers monotone."""
+        a, m, ps = self.alloc, self.model, self.ps
+        r2t = a.req_to_token
+        for p, x in enumerate(m.x, start=1):
+            window, tables = a.ledger.windows[p - 1], a.state.windows[p - 1]
+            free = tables.swa_free.tolist()
+            head = m.free_ring_head(p)
+            got_free = [free[(head + i) % x.n] for i in range(len(x.q))]
+            assert got_free == list(x.q), p
+            f2s = tables.full_to_swa.tolist()
+            assert f2s == m.x_full_to_swa(p), p
+            refs = Counter()
+            for r, q in m.reqs.items():
+                assert int(window.frontier[r]) == q.xf[p - 1], (p, r)
+                assert q.xf[p - 1] >= self.prev_xf.get((p, r), 0), (p, r)
+                pages = [int(r2t[r, k * ps]) // ps for k in range(ceil_div(q.length, ps))]
+                refs.update(f2s[pg * ps] // ps for pg in pages[q.xf[p - 1] // ps:])
+            for h, hd in m.handles.items():
+                assert int(window.h_start[h]) == hd.xf[p - 1], (p, h)
+                refs.update(f2s[pg * ps] // ps for pg in hd.pages[hd.xf[p - 1] // ps:])
+            assert 0 not in refs
+            assert dict(refs) == {s: c for s, c in enumerate(x.ref) if c}, p
+            assert sorted(list(refs) + got_free) == list(range(1, x.n + 1)), p
+        self.prev_xf = {(p, r): q.xf[p - 1] for p in range(1, len(m.x) + 1)
+                        for r, q in m.reqs.items()}
 
 
 def _make(name: str, config: dict):
