@@ -29,11 +29,13 @@ the same decisions:
     vllm                a vLLM-style CPU block manager and block-table upload
                         (sched_baselines.VLLMStyle): the project's own re-implementation
 
-and, beside them, a real peer's code where it is installed: TokenSpeed's scheduler
-(``tokenspeed-scheduler`` from the package index, ``sched_tokenspeed.py``) given the same
-trace's work -- its own plan per iteration, timed -- and compared with graphalloc's whole
-step with tables (``--tokenspeed-path`` names a site-packages to import it from; without
-it importable the peer is skipped and the outputs say so).
+and, beside them, two real peers' code where it is installed, each compared with
+graphalloc's whole step with tables: TokenSpeed's scheduler (``tokenspeed-scheduler`` from
+the package index, ``sched_tokenspeed.py``) given the same trace's work -- its own plan per
+iteration, timed -- and vLLM's KV-cache manager (``vllm`` from the package index,
+``sched_vllm_peer.py``) replaying the same trace's decisions, called per request as
+vLLM's scheduler calls it, timed (``--tokenspeed-path`` / ``--vllm-path`` name a
+site-packages to import each from; a peer not importable is skipped and the outputs say so).
 
 Per configuration, each implementation runs the trace's bootstrap and warm-up steps, then
 M measured steps (M adapts to ``--time-budget-s``), then a profiled window of K steps:
@@ -98,6 +100,7 @@ REPO = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 import sched_tokenspeed  # noqa: E402
+import sched_vllm_peer  # noqa: E402
 from sched_agreement import (  # noqa: E402
     AgreementError,  # noqa: F401 (re-exported: the tests catch it from here)
     check_agreement,
@@ -346,7 +349,9 @@ class Context:
         self.args, self.params = args, args.params
         self.device, self.backend = device, backend
         self.is_cuda = device.type == "cuda"
-        self.tokenspeed, self.tokenspeed_why = False, "not loaded"  # _run loads the peer
+        self.tokenspeed, self.tokenspeed_why = False, "not loaded"  # _run loads the peers
+        self.vllm, self.vllm_why = False, "not loaded"
+        self.vllm_run = None  # the configuration's sched_vllm_peer.Run
 
 
 def baseline_pools(trace, pool: str) -> tuple[int, int]:
@@ -433,8 +438,10 @@ class _Drivers:
 
 
 def _measure(ctx, d, trace, m0: int, m: int, counts: np.ndarray, classes, seg1,
-             states=None) -> dict:
-    """M pipelined steps of one implementation: host, GPU interval, syncs per step."""
+             states=None, companion=None) -> dict:
+    """M pipelined steps of one implementation: host, GPU interval, syncs per step.
+    ``companion(step)``, when given, runs after each step, outside its timing (a real
+    peer stepping in turn with it: ``sched_vllm_peer.Run.step``)."""
     is_cuda = ctx.is_cuda
     clock = StepClock(is_cuda, m)
     host, plan, syncs = np.zeros(m), [], []
@@ -456,6 +463,8 @@ def _measure(ctx, d, trace, m0: int, m: int, counts: np.ndarray, classes, seg1,
                 if hasattr(d, "plan_ns"):
                     plan.append(d.plan_ns / 1e3)
                 record(d, st, m0 + j, counts, states, ctx.strict)
+                if companion is not None:
+                    companion(st)
     finally:
         gc.enable()
     dev = clock.device_us()
@@ -514,6 +523,10 @@ def run_config(ctx, b: int, ps: int, window: int, interval: int, budget_s: float
                          "baseline_pools": dict(zip(("full", "swa"), baseline_pools(
                              trace, pool), strict=True)), "trace": trace.prefix}
     drivers = _Drivers(rec["driver_errors"])
+    # vLLM's real manager, replayed to the measured steps; it steps in turn with
+    # graphalloc + tables there (``_measure``'s companion)
+    ctx.vllm_run = sched_vllm_peer.start(trace, baseline_pools(trace, pool),
+                                         trace.phase_start["measure"]) if ctx.vllm else None
     for name in (n for n in IMPLS if n in ctx.args.impls):
         drivers.attempt(name, lambda name=name: drivers.live.__setitem__(
             name, build_driver(ctx, name, trace, cfgs, pool)))
@@ -521,15 +534,21 @@ def run_config(ctx, b: int, ps: int, window: int, interval: int, budget_s: float
     gc.freeze()  # the drivers' long-lived objects (vLLM's blocks) are never scanned again
     try:
         rec = _run_drivers(ctx, rec, drivers, trace, cfg, t_cfg, m_max)
+        m0, m = trace.phase_start["measure"], rec["steps"]["measured"]
+        if ctx.vllm_run is not None:  # the steps graphalloc + tables did not accompany
+            ctx.vllm_run.finish(m0 + m)
         rec["peers"] = {"tokenspeed": sched_tokenspeed.measure(
-            trace, baseline_pools(trace, pool), cfg.max_reqs, trace.phase_start["measure"],
-            rec["steps"]["measured"]) if ctx.tokenspeed else {"skipped": ctx.tokenspeed_why}}
+            trace, baseline_pools(trace, pool), cfg.max_reqs, m0, m)
+            if ctx.tokenspeed else {"skipped": ctx.tokenspeed_why},
+            "vllm": ctx.vllm_run.result() if ctx.vllm_run is not None
+            else {"skipped": ctx.vllm_why}}
         return rec
     finally:
         for d in drivers.live.values():
             if hasattr(d, "close"):
                 d.close()
         drivers.live.clear()
+        ctx.vllm_run = None
         gc.unfreeze()
         gc.collect()  # the linked free queues are reference cycles
 
@@ -576,7 +595,9 @@ def _run_drivers(ctx, rec, drivers, trace, cfg, t_cfg, m_max) -> dict:
     for name, d in list(drivers.live.items()):
         drivers.attempt(name, lambda name=name, d=d: res.__setitem__(
             name, _measure(ctx, d, trace, m0, m, counts[name], classes, seg1,
-                           states.get(name))))
+                           states.get(name), companion=ctx.vllm_run.step if (
+                               ctx.vllm_run is not None and name == "graphalloc_tables")
+                           else None)))
     for name, d in list(drivers.live.items()):
         def prof(name=name, d=d):
             res[name]["profile"] = profile_steps(
@@ -775,6 +796,7 @@ def markdown(res: dict) -> str:
             f" | {_f(rat.get('graphalloc_sglang/graphalloc', {}).get('host_p50'))}x"
             f" | {_f(rat.get('graphalloc_vllm/graphalloc', {}).get('host_p50'))}x |")
     lines += sched_tokenspeed.markdown_lines(res)
+    lines += sched_vllm_peer.markdown_lines(res, sched_tokenspeed.graphalloc_key(res))
     lines += ["", "## GPU per step (us): interval p50 (CUDA events) / busy (CUPTI, mean)", "",
               "| B | ps | W | interval | " + " | ".join(labels[n] for n in IMPLS)
               + " | ga decode+evict p50 | ga one-segment p50 | floor |",
@@ -1038,6 +1060,13 @@ def parse_args(argv):
                          "TokenSpeed's scheduler from; default: import it if installed here")
     ap.add_argument("--no-tokenspeed", action="store_true",
                     help="skip the TokenSpeed peer even when it is importable")
+    ap.add_argument("--vllm-path", default=None,
+                    help="a directory (the site-packages of an environment where vllm is "
+                         "installed, e.g. by engines/vllm/install.sh) appended to sys.path "
+                         "to import vLLM's KV-cache manager from; default: import it if "
+                         "installed here")
+    ap.add_argument("--no-vllm", action="store_true",
+                    help="skip the vLLM peer even when it is importable")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
@@ -1084,7 +1113,8 @@ def _run(args, argv, device, backend, note) -> int:
     p = args.params
     ctx = Context(args, device, backend)
     res = {"command": " ".join(["python", os.path.relpath(__file__, REPO),
-                                *sched_tokenspeed.placeholder_argv(argv)]),
+                                *sched_vllm_peer.placeholder_argv(
+                                    sched_tokenspeed.placeholder_argv(argv))]),
            "machine": machine_info(device),
            "device_clock": "cuda-events" if ctx.is_cuda else "cpu-wall",
            "backend": backend, "backend_note": note, "impls": list(args.impls),
@@ -1093,11 +1123,17 @@ def _run(args, argv, device, backend, note) -> int:
            "targets": []}
     ctx.tokenspeed = not args.no_tokenspeed and sched_tokenspeed.load(args.tokenspeed_path)
     ctx.tokenspeed_why = ("--no-tokenspeed" if args.no_tokenspeed else sched_tokenspeed.REASON)
+    ctx.vllm = not args.no_vllm and sched_vllm_peer.load(args.vllm_path)
+    ctx.vllm_why = "--no-vllm" if args.no_vllm else sched_vllm_peer.REASON
     res["peers"] = {"tokenspeed": {"available": ctx.tokenspeed,
                                    "version": sched_tokenspeed.VERSION,
-                                   "reason": "" if ctx.tokenspeed else ctx.tokenspeed_why}}
+                                   "reason": "" if ctx.tokenspeed else ctx.tokenspeed_why},
+                    "vllm": {"available": ctx.vllm, "version": sched_vllm_peer.VERSION,
+                             "reason": "" if ctx.vllm else ctx.vllm_why}}
     if not ctx.tokenspeed:
         res["skipped"].append(f"TokenSpeed peer (its real scheduler): {ctx.tokenspeed_why}")
+    if not ctx.vllm:
+        res["skipped"].append(f"vLLM peer (its real KV-cache manager): {ctx.vllm_why}")
     try:
         res["floor"] = measure_floors(device, p["floor_samples"], flush=True)
     except Exception as exc:
