@@ -34,10 +34,15 @@ step hashes its page keys inside the step, so leaving vLLM's hashing out favours
 
 Configuration from the trace: two KV-cache groups, FULL attention and sliding window (the
 model window W, vLLM's ``SlidingWindowSpec``), ``block_size`` = the page size, ONE block
-pool for both groups as vLLM has it (``num_blocks`` = both baseline pools + its null
-block), ``max_model_len`` = the trace's context, ``max_in_flight_tokens`` = the
-chunked-prefill budget (synchronous scheduling), prefix caching on with a prefix workload
-and off otherwise, no stats logging, no KV events, no connector. An admission's hit is
+pool for both groups as vLLM has it, ``num_blocks`` = :data:`FACTOR` x both baseline pools
++ the blocks of the longest request in both groups + its null block (its admission gate,
+``full_sequence_must_fit``, wants a whole prompt's blocks free at once where the trace
+allocates chunk by chunk, and it frees by its own window rule: so that it never refuses a
+decision of the trace; the pool's size does not enter its per-call cost, and a larger pool
+evicts fewer cached blocks, which favours it), ``max_model_len`` = the trace's context,
+``max_in_flight_tokens`` = the chunked-prefill budget (synchronous scheduling), prefix
+caching on with a prefix workload and off otherwise, no stats logging, no KV events, no
+connector. An admission's hit is
 vLLM's own (``get_computed_blocks``, at most ``hit + chunk - 1`` tokens so the chunk
 never vanishes); where it differs from the trace's, the chunk grows or shrinks by the
 difference so lengths stay the trace's (``hits_equal_trace`` / ``recomputed_tokens``).
@@ -65,6 +70,7 @@ __all__ = ["AVAILABLE", "REASON", "VERSION", "Run", "load", "start", "measure",
 
 AVAILABLE, REASON, VERSION = False, "not loaded", None
 PLACEHOLDER = "VLLM_SITE_PACKAGES"
+FACTOR = 2  # vLLM's pool: FACTOR x (both baseline pools) + two longest requests + null
 _v = None  # the imported names (a namespace), once loaded
 
 
@@ -130,7 +136,9 @@ class _Replay:
         v, spec = _v, trace.spec
         ps = spec.page_size
         self.caching = bool(spec.prefix)
-        n_blocks = int(pools[0] + pools[1]) + 1  # one pool for both groups + the null block
+        # one pool for both groups (module docstring: FACTOR x both pools, room for the
+        # longest request's blocks in both groups, the null block)
+        n_blocks = int(FACTOR * (pools[0] + pools[1])) + 2 * -(-spec.max_context_len // ps) + 1
         dtype = v.torch.float32
         groups = [
             v.KVCacheGroupSpec(["full"], v.FullAttentionSpec(
