@@ -99,6 +99,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+import sched_host_path  # noqa: E402
 import sched_tokenspeed  # noqa: E402
 import sched_vllm_peer  # noqa: E402
 from sched_agreement import (  # noqa: E402
@@ -352,6 +353,7 @@ class Context:
         self.tokenspeed, self.tokenspeed_why = False, "not loaded"  # _run loads the peers
         self.vllm, self.vllm_why = False, "not loaded"
         self.vllm_run = None  # the configuration's sched_vllm_peer.Run
+        self.host_run = None  # the configuration's sched_host_path.Run
 
 
 def baseline_pools(trace, pool: str) -> tuple[int, int]:
@@ -438,10 +440,8 @@ class _Drivers:
 
 
 def _measure(ctx, d, trace, m0: int, m: int, counts: np.ndarray, classes, seg1,
-             states=None, companion=None) -> dict:
-    """M pipelined steps of one implementation: host, GPU interval, syncs per step.
-    ``companion(step)``, when given, runs after each step, outside its timing (a real
-    peer stepping in turn with it: ``sched_vllm_peer.Run.step``)."""
+             states=None) -> dict:
+    """M pipelined steps of one implementation: host, GPU interval, syncs per step."""
     is_cuda = ctx.is_cuda
     clock = StepClock(is_cuda, m)
     host, plan, syncs = np.zeros(m), [], []
@@ -463,8 +463,6 @@ def _measure(ctx, d, trace, m0: int, m: int, counts: np.ndarray, classes, seg1,
                 if hasattr(d, "plan_ns"):
                     plan.append(d.plan_ns / 1e3)
                 record(d, st, m0 + j, counts, states, ctx.strict)
-                if companion is not None:
-                    companion(st)
     finally:
         gc.enable()
     dev = clock.device_us()
@@ -523,10 +521,14 @@ def run_config(ctx, b: int, ps: int, window: int, interval: int, budget_s: float
                          "baseline_pools": dict(zip(("full", "swa"), baseline_pools(
                              trace, pool), strict=True)), "trace": trace.prefix}
     drivers = _Drivers(rec["driver_errors"])
-    # vLLM's real manager, replayed to the measured steps; it steps in turn with
-    # graphalloc + tables there (``_measure``'s companion)
-    ctx.vllm_run = sched_vllm_peer.start(trace, baseline_pools(trace, pool),
-                                         trace.phase_start["measure"]) if ctx.vllm else None
+    # with a real peer: vLLM's manager and graphalloc + tables' host path alone (nothing
+    # launched), replayed to the measured steps, then measured in turn (``_in_turn``)
+    # once the drivers ran
+    m0 = trace.phase_start["measure"]
+    ctx.vllm_run = (sched_vllm_peer.start(trace, baseline_pools(trace, pool), m0)
+                    if ctx.vllm else None)
+    ctx.host_run = (sched_host_path.start(trace, cfg, m0, ctx.strict)
+                    if ctx.vllm or ctx.tokenspeed else None)
     for name in (n for n in IMPLS if n in ctx.args.impls):
         drivers.attempt(name, lambda name=name: drivers.live.__setitem__(
             name, build_driver(ctx, name, trace, cfgs, pool)))
@@ -534,9 +536,10 @@ def run_config(ctx, b: int, ps: int, window: int, interval: int, budget_s: float
     gc.freeze()  # the drivers' long-lived objects (vLLM's blocks) are never scanned again
     try:
         rec = _run_drivers(ctx, rec, drivers, trace, cfg, t_cfg, m_max)
-        m0, m = trace.phase_start["measure"], rec["steps"]["measured"]
-        if ctx.vllm_run is not None:  # the steps graphalloc + tables did not accompany
-            ctx.vllm_run.finish(m0 + m)
+        m = rec["steps"]["measured"]
+        _in_turn((ctx.host_run, ctx.vllm_run), trace, m0, m)
+        if ctx.host_run is not None:
+            rec["host_path"] = ctx.host_run.result()
         rec["peers"] = {"tokenspeed": sched_tokenspeed.measure(
             trace, baseline_pools(trace, pool), cfg.max_reqs, m0, m)
             if ctx.tokenspeed else {"skipped": ctx.tokenspeed_why},
@@ -548,9 +551,27 @@ def run_config(ctx, b: int, ps: int, window: int, interval: int, budget_s: float
             if hasattr(d, "close"):
                 d.close()
         drivers.live.clear()
-        ctx.vllm_run = None
+        if ctx.host_run is not None:
+            ctx.host_run.close()
+        ctx.vllm_run = ctx.host_run = None
         gc.unfreeze()
         gc.collect()  # the linked free queues are reference cycles
+
+
+def _in_turn(runs, trace, m0: int, m: int) -> None:
+    """The measured steps ``[m0, m0 + m)`` of ``runs`` (graphalloc's host path alone,
+    vLLM's manager), stepping in turn -- the order swapped every step -- so that load on
+    the machine and each other's use of the CPU's caches fall on all alike; the
+    collector off, as for the drivers."""
+    runs = [r for r in runs if r is not None]
+    gc.collect()
+    gc.disable()
+    try:
+        for k, st in enumerate(trace.steps[m0:m0 + m]):
+            for run in (runs if k % 2 == 0 else runs[::-1]):
+                run.step(st)
+    finally:
+        gc.enable()
 
 
 def _run_drivers(ctx, rec, drivers, trace, cfg, t_cfg, m_max) -> dict:
@@ -595,9 +616,7 @@ def _run_drivers(ctx, rec, drivers, trace, cfg, t_cfg, m_max) -> dict:
     for name, d in list(drivers.live.items()):
         drivers.attempt(name, lambda name=name, d=d: res.__setitem__(
             name, _measure(ctx, d, trace, m0, m, counts[name], classes, seg1,
-                           states.get(name), companion=ctx.vllm_run.step if (
-                               ctx.vllm_run is not None and name == "graphalloc_tables")
-                           else None)))
+                           states.get(name))))
     for name, d in list(drivers.live.items()):
         def prof(name=name, d=d):
             res[name]["profile"] = profile_steps(

@@ -188,13 +188,22 @@ def _peers(plt, res, out_dir, machine) -> list[str]:
                 ps, window, interval)), key=lambda c: c["b"])
             ga = [(c["b"], stat(c["impls"]["graphalloc_tables"].get(key))) for c in sel
                   if "graphalloc_tables" in c["impls"]]
+            hp = [(c["b"], stat((c.get("host_path") or {}).get("host_us"))) for c in sel]
+            hp = [(b, y) for b, y in hp if y is not None]
             if ga:
                 ax.plot(*zip(*ga, strict=True), color="tab:cyan", marker="D",
                         label="graphalloc: whole step with block tables" + (
                             "" if key == "host_us" else " (less its eager device part)"))
-                ax.plot(*zip(*[(b, 10 * y) for b, y in ga], strict=True), color="tab:cyan",
-                        ls=":", lw=1, label="10x graphalloc's step (the target: a peer "
-                        "above this line)")
+            if hp:
+                ax.plot(*zip(*hp, strict=True), color="tab:blue", marker="o", ls="--",
+                        label="graphalloc: the same step's host path alone (nothing "
+                        "launched)")
+            judged = ga if key == "host_us" or not hp else hp
+            if judged:
+                ax.plot(*zip(*[(b, 10 * y) for b, y in judged], strict=True),
+                        color="tab:blue", ls=":", lw=1,
+                        label="10x graphalloc's " + ("step" if judged is ga else "host path")
+                        + " (the target: a peer above this line)")
             for name, field, color, marker, label in PEERS:
                 pts = _peer_points(sel, name, field)
                 if pts:

@@ -95,8 +95,9 @@ def test_quick_run_writes_every_output(tmp_path):
         assert "Skipped: vllm is not importable" in md
         assert all(c["peers"]["vllm"] == {"skipped": vp["reason"]} for c in res["configs"])
     else:
-        assert all(c["peers"]["vllm"]["step_us"]["n"] == c["steps"]["measured"]
-                   for c in res["configs"])
+        for c in res["configs"]:
+            m = c["steps"]["measured"]
+            assert c["peers"]["vllm"]["step_us"]["n"] == c["host_path"]["host_us"]["n"] == m
 
 
 def test_the_tokenspeed_peer_runs_the_trace_when_installed():
@@ -120,6 +121,37 @@ def test_the_tokenspeed_peer_runs_the_trace_when_installed():
         assert out["plan_us"]["p50"] <= out["iteration_us"]["p50"]
         assert out["scheduled_per_plan"] > 4 and out["full_pages_free_end"] > 0
         assert out["config"]["prefix_cache"] == bool(prefix)
+
+
+def test_the_host_path_plans_every_step_of_the_trace_and_launches_nothing():
+    """graphalloc + tables with nothing launched (the figure the vLLM peer is judged
+    against on a CPU run): every step's page counts equal the trace's (``record`` raises
+    otherwise), every measured step timed, the executor never ran a step; a step given out
+    of order is refused and recorded."""
+    import sched_host_path as hp
+    from sched_graphalloc import engine_config
+
+    for prefix in (None, "system-prompt"):
+        kw = dict(prefix=prefix, system_prompt_tokens=64) if prefix else {}
+        spec = sw.WorkloadSpec(n_running=8, page_size=16, window=32, eviction_interval=1,
+                               chunk_tokens=256, sigma=0.8, seed=3, prompt_median=48,
+                               output_median=24, max_context_len=512, **kw)
+        trace = sw.generate(spec, 4, 30, 0)
+        pools = (trace.cache_pages + 64,) * 2 if prefix else None
+        cfg, _ = engine_config(trace, "cpu", "torch", pools=pools, cache=bool(prefix))
+        m0 = trace.phase_start["measure"]
+        run = hp.start(trace, cfg, m0)
+        run.finish(m0 + 30)
+        out = run.result()
+        assert "error" not in out, out
+        assert out["host_us"]["n"] == out["plan_us"]["n"] == 30 and out["steps"] == m0 + 30
+        assert run.counts[:m0 + 30, 0].sum() > 0  # pages planned, checked step by step
+        ex = run.driver.executor
+        assert ex.n_steps > 0 and ex.n_fused == ex.n_two_launch == 0
+        run.close()
+    late = hp.start(trace, cfg, m0)
+    late.step(trace.steps[m0 + 2])
+    assert "step" in late.result()["error"]
 
 
 def test_the_vllm_peer_replays_the_trace_when_installed():
