@@ -29,11 +29,13 @@ the same decisions:
     vllm                a vLLM-style CPU block manager and block-table upload
                         (sched_baselines.VLLMStyle): the project's own re-implementation
 
-and, beside them, a real peer's code where it is installed: TokenSpeed's scheduler
-(``tokenspeed-scheduler`` from the package index, ``sched_tokenspeed.py``) given the same
-trace's work -- its own plan per iteration, timed -- and compared with graphalloc's whole
-step with tables (``--tokenspeed-path`` names a site-packages to import it from; without
-it importable the peer is skipped and the outputs say so).
+and, beside them, two real peers' code where it is installed, each compared with
+graphalloc's whole step with tables: TokenSpeed's scheduler (``tokenspeed-scheduler`` from
+the package index, ``sched_tokenspeed.py``) given the same trace's work -- its own plan per
+iteration, timed -- and vLLM's KV-cache manager (``vllm`` from the package index,
+``sched_vllm_peer.py``) replaying the same trace's decisions, called per request as
+vLLM's scheduler calls it, timed (``--tokenspeed-path`` / ``--vllm-path`` name a
+site-packages to import each from; a peer not importable is skipped and the outputs say so).
 
 Per configuration, each implementation runs the trace's bootstrap and warm-up steps, then
 M measured steps (M adapts to ``--time-budget-s``), then a profiled window of K steps:
@@ -97,7 +99,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+import sched_host_path  # noqa: E402
 import sched_tokenspeed  # noqa: E402
+import sched_vllm_peer  # noqa: E402
 from sched_agreement import (  # noqa: E402
     AgreementError,  # noqa: F401 (re-exported: the tests catch it from here)
     check_agreement,
@@ -346,7 +350,10 @@ class Context:
         self.args, self.params = args, args.params
         self.device, self.backend = device, backend
         self.is_cuda = device.type == "cuda"
-        self.tokenspeed, self.tokenspeed_why = False, "not loaded"  # _run loads the peer
+        self.tokenspeed, self.tokenspeed_why = False, "not loaded"  # _run loads the peers
+        self.vllm, self.vllm_why = False, "not loaded"
+        self.vllm_run = None  # the configuration's sched_vllm_peer.Run
+        self.host_run = None  # the configuration's sched_host_path.Run
 
 
 def baseline_pools(trace, pool: str) -> tuple[int, int]:
@@ -514,6 +521,14 @@ def run_config(ctx, b: int, ps: int, window: int, interval: int, budget_s: float
                          "baseline_pools": dict(zip(("full", "swa"), baseline_pools(
                              trace, pool), strict=True)), "trace": trace.prefix}
     drivers = _Drivers(rec["driver_errors"])
+    # with a real peer: vLLM's manager and graphalloc + tables' host path alone (nothing
+    # launched), replayed to the measured steps, then measured in turn (``_in_turn``)
+    # once the drivers ran
+    m0 = trace.phase_start["measure"]
+    ctx.vllm_run = (sched_vllm_peer.start(trace, baseline_pools(trace, pool), m0)
+                    if ctx.vllm else None)
+    ctx.host_run = (sched_host_path.start(trace, cfg, m0, ctx.strict)
+                    if ctx.vllm or ctx.tokenspeed else None)
     for name in (n for n in IMPLS if n in ctx.args.impls):
         drivers.attempt(name, lambda name=name: drivers.live.__setitem__(
             name, build_driver(ctx, name, trace, cfgs, pool)))
@@ -521,17 +536,42 @@ def run_config(ctx, b: int, ps: int, window: int, interval: int, budget_s: float
     gc.freeze()  # the drivers' long-lived objects (vLLM's blocks) are never scanned again
     try:
         rec = _run_drivers(ctx, rec, drivers, trace, cfg, t_cfg, m_max)
+        m = rec["steps"]["measured"]
+        _in_turn((ctx.host_run, ctx.vllm_run), trace, m0, m)
+        if ctx.host_run is not None:
+            rec["host_path"] = ctx.host_run.result()
         rec["peers"] = {"tokenspeed": sched_tokenspeed.measure(
-            trace, baseline_pools(trace, pool), cfg.max_reqs, trace.phase_start["measure"],
-            rec["steps"]["measured"]) if ctx.tokenspeed else {"skipped": ctx.tokenspeed_why}}
+            trace, baseline_pools(trace, pool), cfg.max_reqs, m0, m)
+            if ctx.tokenspeed else {"skipped": ctx.tokenspeed_why},
+            "vllm": ctx.vllm_run.result() if ctx.vllm_run is not None
+            else {"skipped": ctx.vllm_why}}
         return rec
     finally:
         for d in drivers.live.values():
             if hasattr(d, "close"):
                 d.close()
         drivers.live.clear()
+        if ctx.host_run is not None:
+            ctx.host_run.close()
+        ctx.vllm_run = ctx.host_run = None
         gc.unfreeze()
         gc.collect()  # the linked free queues are reference cycles
+
+
+def _in_turn(runs, trace, m0: int, m: int) -> None:
+    """The measured steps ``[m0, m0 + m)`` of ``runs`` (graphalloc's host path alone,
+    vLLM's manager), stepping in turn -- the order swapped every step -- so that load on
+    the machine and each other's use of the CPU's caches fall on all alike; the
+    collector off, as for the drivers."""
+    runs = [r for r in runs if r is not None]
+    gc.collect()
+    gc.disable()
+    try:
+        for k, st in enumerate(trace.steps[m0:m0 + m]):
+            for run in (runs if k % 2 == 0 else runs[::-1]):
+                run.step(st)
+    finally:
+        gc.enable()
 
 
 def _run_drivers(ctx, rec, drivers, trace, cfg, t_cfg, m_max) -> dict:
@@ -775,6 +815,7 @@ def markdown(res: dict) -> str:
             f" | {_f(rat.get('graphalloc_sglang/graphalloc', {}).get('host_p50'))}x"
             f" | {_f(rat.get('graphalloc_vllm/graphalloc', {}).get('host_p50'))}x |")
     lines += sched_tokenspeed.markdown_lines(res)
+    lines += sched_vllm_peer.markdown_lines(res, sched_tokenspeed.graphalloc_key(res))
     lines += ["", "## GPU per step (us): interval p50 (CUDA events) / busy (CUPTI, mean)", "",
               "| B | ps | W | interval | " + " | ".join(labels[n] for n in IMPLS)
               + " | ga decode+evict p50 | ga one-segment p50 | floor |",
@@ -1038,6 +1079,13 @@ def parse_args(argv):
                          "TokenSpeed's scheduler from; default: import it if installed here")
     ap.add_argument("--no-tokenspeed", action="store_true",
                     help="skip the TokenSpeed peer even when it is importable")
+    ap.add_argument("--vllm-path", default=None,
+                    help="a directory (the site-packages of an environment where vllm is "
+                         "installed, e.g. by engines/vllm/install.sh) appended to sys.path "
+                         "to import vLLM's KV-cache manager from; default: import it if "
+                         "installed here")
+    ap.add_argument("--no-vllm", action="store_true",
+                    help="skip the vLLM peer even when it is importable")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
@@ -1084,7 +1132,8 @@ def _run(args, argv, device, backend, note) -> int:
     p = args.params
     ctx = Context(args, device, backend)
     res = {"command": " ".join(["python", os.path.relpath(__file__, REPO),
-                                *sched_tokenspeed.placeholder_argv(argv)]),
+                                *sched_vllm_peer.placeholder_argv(
+                                    sched_tokenspeed.placeholder_argv(argv))]),
            "machine": machine_info(device),
            "device_clock": "cuda-events" if ctx.is_cuda else "cpu-wall",
            "backend": backend, "backend_note": note, "impls": list(args.impls),
@@ -1093,11 +1142,17 @@ def _run(args, argv, device, backend, note) -> int:
            "targets": []}
     ctx.tokenspeed = not args.no_tokenspeed and sched_tokenspeed.load(args.tokenspeed_path)
     ctx.tokenspeed_why = ("--no-tokenspeed" if args.no_tokenspeed else sched_tokenspeed.REASON)
+    ctx.vllm = not args.no_vllm and sched_vllm_peer.load(args.vllm_path)
+    ctx.vllm_why = "--no-vllm" if args.no_vllm else sched_vllm_peer.REASON
     res["peers"] = {"tokenspeed": {"available": ctx.tokenspeed,
                                    "version": sched_tokenspeed.VERSION,
-                                   "reason": "" if ctx.tokenspeed else ctx.tokenspeed_why}}
+                                   "reason": "" if ctx.tokenspeed else ctx.tokenspeed_why},
+                    "vllm": {"available": ctx.vllm, "version": sched_vllm_peer.VERSION,
+                             "reason": "" if ctx.vllm else ctx.vllm_why}}
     if not ctx.tokenspeed:
         res["skipped"].append(f"TokenSpeed peer (its real scheduler): {ctx.tokenspeed_why}")
+    if not ctx.vllm:
+        res["skipped"].append(f"vLLM peer (its real KV-cache manager): {ctx.vllm_why}")
     try:
         res["floor"] = measure_floors(device, p["floor_samples"], flush=True)
     except Exception as exc:

@@ -129,10 +129,12 @@ def _timed_graph():
         """graphalloc's StepGraph; the driver's clock around each replay (the allocator's
         step and, with page tables, the tables' kernel: one graph); the page counts of the
         steps since :meth:`begin` added up (FULL allocated, SWA allocated, FULL freed, SWA
-        freed) and the steps counted."""
+        freed) and the steps counted. ``launch = False``: the planned step is not executed
+        (nothing launched, on a CPU nothing run eagerly): the host path alone."""
 
         def __init__(self):
             super().__init__()
+            self.launch = True
             self.clock, self.last = _NO_CLOCK, None
             self.t_exec = 0
             self.counts, self.n_steps = [0, 0, 0, 0], 0
@@ -144,7 +146,8 @@ def _timed_graph():
             self.t_exec = time.perf_counter_ns()
             self.last = planned
             self.clock.device_begin()
-            super().execute(planned)
+            if self.launch:
+                super().execute(planned)
             self.clock.device_end()
             a, f, c = planned.pages_allocated, planned.pages_freed, self.counts
             c[0] += a["full"]
@@ -269,10 +272,13 @@ class AllocatorDriver:
 
 class GraphallocDriver(AllocatorDriver):
     """One allocator replaying the trace directly (module docstring). ``plan_ns``: the last
-    step's host work before the executor call (normalise + plan + descriptor write)."""
+    step's host work before the executor call (normalise + plan + descriptor write).
+    ``launch=False``: the executor runs nothing (``sched_host_path.py``: the host path
+    alone; its device state is never written, so ``verify`` does not apply)."""
 
     def __init__(self, cfg, *, n_requests: int, tables: bool = False, api: str = "step",
-                 prefix_cache: bool = False, tokens=None, prompt_lens=None):
+                 prefix_cache: bool = False, tokens=None, prompt_lens=None,
+                 launch: bool = True):
         if api not in ("step", "context"):
             raise ValueError(f"api must be 'step' or 'context', got {api!r}")
         if prefix_cache and (tokens is None or prompt_lens is None):
@@ -280,7 +286,9 @@ class GraphallocDriver(AllocatorDriver):
                              "(Trace.tokens, Trace.fill): a trace with a prefix workload")
         super().__init__(cfg, n_requests=n_requests, tables=tables, prefix_cache=prefix_cache)
         self.api = api
-        self.name = "graphalloc_tables" if tables else "graphalloc"
+        self.name = ("graphalloc_tables" if tables else "graphalloc") + (
+            "" if launch else " (host path: nothing launched)")
+        self.executor.launch = launch  # False: the device state is never written
         self.row_of = np.full(n_requests, -1, dtype=np.int64)
         self.table_mode = (None if not tables else
                            "allocator + tables in one CUDA graph per bucket and descriptor "

@@ -1,7 +1,8 @@
 """The scheduler benchmark's two figures, pure functions of ``bench_scheduler.json``.
 
-``peers_vs_b.png`` (when the run had the TokenSpeed peer): graphalloc's whole step with
-tables against TokenSpeed's iteration (``sched_tokenspeed.py``), per panel as above.
+``peers_vs_b.png`` (when the run had a real peer): graphalloc's whole step with tables
+against TokenSpeed's iteration (``sched_tokenspeed.py``) and vLLM's KV-cache manager's step
+(``sched_vllm_peer.py``), per panel as below.
 ``host_us_vs_b.png``: host time per step against running requests B, one panel per
 (page size, window, eviction interval), one line per implementation, the targets dashed.
 ``gpu_us_vs_b.png``: the same grid for GPU time per step, two measures per implementation:
@@ -151,12 +152,29 @@ def plot(res: dict, out_dir: str) -> list[str]:
     return list(FILES[:2]) + _peers(plt, res, out_dir, machine)
 
 
+def _peer_points(sel, name, field):
+    """(B, p50) of one peer over the configurations ``sel`` where it was measured."""
+    pts = []
+    for c in sel:
+        rec = (c.get("peers") or {}).get(name) or {}
+        if field in rec:
+            pts.append((c["b"], rec[field]["p50"]))
+    return pts
+
+
+PEERS = (("tokenspeed", "iteration_us", "tab:brown", "X",
+          "TokenSpeed scheduler (its real code): advance + submit + plan"),
+         ("vllm", "step_us", "tab:red", "s",
+          "vLLM KV-cache manager (its real code): free + get_computed_blocks + "
+          "allocate_slots per request"))
+
+
 def _peers(plt, res, out_dir, machine) -> list[str]:
-    """``peers_vs_b.png``: graphalloc + tables against TokenSpeed's iteration (p50)."""
+    """``peers_vs_b.png``: graphalloc + tables against the real peers (p50)."""
     from sched_tokenspeed import graphalloc_key
 
-    cfgs = [c for c in res["configs"]
-            if "iteration_us" in ((c.get("peers") or {}).get("tokenspeed") or {})]
+    cfgs = [c for c in res["configs"] if any(
+        field in ((c.get("peers") or {}).get(name) or {}) for name, field, *_ in PEERS)]
     if not cfgs:
         return []
     key = graphalloc_key(res)
@@ -170,13 +188,26 @@ def _peers(plt, res, out_dir, machine) -> list[str]:
                 ps, window, interval)), key=lambda c: c["b"])
             ga = [(c["b"], stat(c["impls"]["graphalloc_tables"].get(key))) for c in sel
                   if "graphalloc_tables" in c["impls"]]
-            ts = [(c["b"], c["peers"]["tokenspeed"]["iteration_us"]["p50"]) for c in sel]
+            hp = [(c["b"], stat((c.get("host_path") or {}).get("host_us"))) for c in sel]
+            hp = [(b, y) for b, y in hp if y is not None]
             if ga:
                 ax.plot(*zip(*ga, strict=True), color="tab:cyan", marker="D",
                         label="graphalloc: whole step with block tables" + (
                             "" if key == "host_us" else " (less its eager device part)"))
-            ax.plot(*zip(*ts, strict=True), color="tab:brown", marker="X",
-                    label="TokenSpeed scheduler (its real code): advance + submit + plan")
+            if hp:
+                ax.plot(*zip(*hp, strict=True), color="tab:blue", marker="o", ls="--",
+                        label="graphalloc: the same step's host path alone (nothing "
+                        "launched)")
+            judged = ga if key == "host_us" or not hp else hp
+            if judged:
+                ax.plot(*zip(*[(b, 10 * y) for b, y in judged], strict=True),
+                        color="tab:blue", ls=":", lw=1,
+                        label="10x graphalloc's " + ("step" if judged is ga else "host path")
+                        + " (the target: a peer above this line)")
+            for name, field, color, marker, label in PEERS:
+                pts = _peer_points(sel, name, field)
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), color=color, marker=marker, label=label)
             set_log_y(ax)
             set_b_axis(ax, [c["b"] for c in cfgs],
                        "running requests B" if r == len(rows) - 1 else "")
@@ -185,14 +216,22 @@ def _peers(plt, res, out_dir, machine) -> list[str]:
             ax.set_title(f"page size {ps}, window {window}, eviction interval {interval}",
                          fontsize=10)
             ax.grid(True, which="both", alpha=0.25)
-    version = ((res.get("peers") or {}).get("tokenspeed") or {}).get("version")
+    peers = res.get("peers") or {}
+    names = [f"{title} {(peers.get(name) or {}).get('version')}" for name, title in (
+        ("tokenspeed", "TokenSpeed's scheduler"), ("vllm", "vLLM's KV-cache manager"))
+        if (peers.get(name) or {}).get("available")]
+    prefix = (res.get("params") or {}).get("prefix")
     finish(fig, os.path.join(out_dir, FILES[2]), title="Scheduler benchmark: graphalloc "
-           f"against TokenSpeed's scheduler {version}, same trace [{machine}]",
+           f"against {' and '.join(names)}, same trace"
+           + (f", prefix caching ({prefix})" if prefix else "") + f" [{machine}]",
            caption="The same seeded trace per panel and B. TokenSpeed is given the trace's "
            "work (arrivals with their prompts, sampled tokens, finishes) and plans each "
-           "iteration by its own policy (its forward batch with block tables); graphalloc "
-           "replays the trace's decisions as one step with the batch's block tables. p50 "
-           "over the measured steps.", legend=axes[0][0].get_legend_handles_labels(), ncol=1)
+           "iteration by its own policy (its forward batch with block tables). vLLM's "
+           "manager replays the trace's decisions, called per request as vLLM's scheduler "
+           "calls it (its own window rule, its own block ids; block hashing on arrival and "
+           "token append is not in its figure). graphalloc replays the trace's decisions as "
+           "one step with the batch's block tables. p50 over the measured steps.",
+           legend=axes[0][0].get_legend_handles_labels(), ncol=1)
     return [FILES[2]]
 
 

@@ -252,10 +252,13 @@ def markdown_lines(res: dict) -> list[str]:
               "per iteration `advance` (the sampled tokens, the finished requests), "
               "`submit_requests` (the admitted ones) and `next_execution_plan` (its forward "
               "batch with block tables), timed; it schedules by its own policy, so pages are "
-              f"not compared. graphalloc + tables: host us, {what}. Microseconds, p50 / p90.",
+              f"not compared. graphalloc + tables: host us, {what}; its host path: the "
+              "same step with an executor that launches nothing (`sched_host_path.py`), "
+              "where the run has one. Microseconds, p50 / p90.",
               "", "| B | ps | W | interval | graphalloc + tables | TokenSpeed iteration | "
               "TokenSpeed plan alone (p50) | TokenSpeed / graphalloc + tables (p50) | "
-              "requests per TokenSpeed plan |", "|---|---|---|---|---|---|---|---|---|"]
+              "requests per TokenSpeed plan | graphalloc + tables, host path | TokenSpeed / "
+              "host path (p50) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in res["configs"]:
         ts = (c.get("peers") or {}).get("tokenspeed") or {}
         ga = (c.get("impls") or {}).get("graphalloc_tables") or {}
@@ -263,14 +266,17 @@ def markdown_lines(res: dict) -> list[str]:
         small = " (small pool)" if (c.get("prefix") or {}).get("pool") == "small" else ""
         row = f"| {c['b']} | {c['ps']} | {c['window']} | {c['interval']}{small} | "
         cell = f"{g['p50']:.0f} / {g['p90']:.0f}" if g else "–"
+        h = (c.get("host_path") or {}).get("host_us")
+        host = f"{h['p50']:.0f} / {h['p90']:.0f}" if h else "–"
         if "iteration_us" not in ts:
             why = ts.get("error") or ts.get("skipped") or "not run"
-            lines.append(row + f"{cell} | {why} | – | – | – |")
+            lines.append(row + f"{cell} | {why} | – | – | – | {host} | – |")
             continue
         it, pl = ts["iteration_us"], ts["plan_us"]
         ratio = f"{it['p50'] / g['p50']:.1f}x" if g and g["p50"] else "–"
+        ratio_host = f"{it['p50'] / h['p50']:.1f}x" if h and h["p50"] else "–"
         lines.append(row + f"{cell} | {it['p50']:.0f} / {it['p90']:.0f} | {pl['p50']:.0f} | "
-                     f"{ratio} | {ts['scheduled_per_plan']:.0f} |")
+                     f"{ratio} | {ts['scheduled_per_plan']:.0f} | {host} | {ratio_host} |")
     return lines
 
 

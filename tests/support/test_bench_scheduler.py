@@ -46,9 +46,12 @@ def test_quick_run_writes_every_output(tmp_path):
                 "floor_end", "configs", "targets", "errors", "skipped", "wall_s"):
         assert key in res, key
     assert res["errors"] == []
-    ts = res["peers"]["tokenspeed"]  # the real peer: run when importable, else said so
-    assert res["skipped"] == ([] if ts["available"] else
-                              [f"TokenSpeed peer (its real scheduler): {ts['reason']}"])
+    ts = res["peers"]["tokenspeed"]  # the real peers: run when importable, else said so
+    vp = res["peers"]["vllm"]
+    assert res["skipped"] == (
+        ([] if ts["available"] else [f"TokenSpeed peer (its real scheduler): {ts['reason']}"])
+        + ([] if vp["available"] else
+           [f"vLLM peer (its real KV-cache manager): {vp['reason']}"]))
     assert res["device_clock"] == "cpu-wall" and res["machine"]["torch"] == torch.__version__
     assert res["floor"]["pipelined_gpu_us"]["p50"] > 0
     assert [(c["b"], c["interval"]) for c in res["configs"]] == [(1, 1), (1, 8), (4, 1), (4, 8)]
@@ -87,6 +90,14 @@ def test_quick_run_writes_every_output(tmp_path):
         assert "Skipped: tokenspeed_scheduler is not importable" in md
         assert all(c["peers"]["tokenspeed"] == {"skipped": ts["reason"]}
                    for c in res["configs"])
+    assert "## Real peer: vLLM's KV-cache manager" in md
+    if not vp["available"]:
+        assert "Skipped: vllm is not importable" in md
+        assert all(c["peers"]["vllm"] == {"skipped": vp["reason"]} for c in res["configs"])
+    else:
+        for c in res["configs"]:
+            m = c["steps"]["measured"]
+            assert c["peers"]["vllm"]["step_us"]["n"] == c["host_path"]["host_us"]["n"] == m
 
 
 def test_the_tokenspeed_peer_runs_the_trace_when_installed():
@@ -110,6 +121,67 @@ def test_the_tokenspeed_peer_runs_the_trace_when_installed():
         assert out["plan_us"]["p50"] <= out["iteration_us"]["p50"]
         assert out["scheduled_per_plan"] > 4 and out["full_pages_free_end"] > 0
         assert out["config"]["prefix_cache"] == bool(prefix)
+
+
+def test_the_host_path_plans_every_step_of_the_trace_and_launches_nothing():
+    """graphalloc + tables with nothing launched (the figure the vLLM peer is judged
+    against on a CPU run): every step's page counts equal the trace's (``record`` raises
+    otherwise), every measured step timed, the executor never ran a step; a step given out
+    of order is refused and recorded."""
+    import sched_host_path as hp
+    from sched_graphalloc import engine_config
+
+    for prefix in (None, "system-prompt"):
+        kw = dict(prefix=prefix, system_prompt_tokens=64) if prefix else {}
+        spec = sw.WorkloadSpec(n_running=8, page_size=16, window=32, eviction_interval=1,
+                               chunk_tokens=256, sigma=0.8, seed=3, prompt_median=48,
+                               output_median=24, max_context_len=512, **kw)
+        trace = sw.generate(spec, 4, 30, 0)
+        pools = (trace.cache_pages + 64,) * 2 if prefix else None
+        cfg, _ = engine_config(trace, "cpu", "torch", pools=pools, cache=bool(prefix))
+        m0 = trace.phase_start["measure"]
+        run = hp.start(trace, cfg, m0)
+        run.finish(m0 + 30)
+        out = run.result()
+        assert "error" not in out, out
+        assert out["host_us"]["n"] == out["plan_us"]["n"] == 30 and out["steps"] == m0 + 30
+        assert run.counts[:m0 + 30, 0].sum() > 0  # pages planned, checked step by step
+        ex = run.driver.executor
+        assert ex.n_steps > 0 and ex.n_fused == ex.n_two_launch == 0
+        run.close()
+    late = hp.start(trace, cfg, m0)
+    late.step(trace.steps[m0 + 2])
+    assert "step" in late.result()["error"]
+
+
+def test_the_vllm_peer_replays_the_trace_when_installed():
+    """vLLM's real KV-cache manager on quick traces (``GRAPHALLOC_VLLM_PATH``: the
+    site-packages it is installed in; skipped without it): every measured iteration timed,
+    every live request holding the FULL blocks of its trace length, every admission's hit
+    the trace's (prefix caching on with a prefix workload, a real hit among them); a step
+    out of order is refused and recorded, not replayed."""
+    import sched_vllm_peer as vp
+
+    if not vp.load(os.environ.get("GRAPHALLOC_VLLM_PATH")):
+        pytest.skip(vp.REASON)
+    for prefix in (None, "system-prompt", "multi-turn"):
+        kw = dict(prefix=prefix, system_prompt_tokens=64) if prefix else {}
+        spec = sw.WorkloadSpec(n_running=8, page_size=16, window=32, eviction_interval=1,
+                               chunk_tokens=256, sigma=0.8, seed=3, prompt_median=48,
+                               output_median=24, max_context_len=512, **kw)
+        trace = sw.generate(spec, 4, 40, 0)
+        m0 = trace.phase_start["measure"]
+        out = vp.measure(trace, (400, 400), m0, 40)
+        assert "error" not in out, out
+        assert out["step_us"]["n"] == out["arrival_us"]["n"] == 40
+        assert out["full_blocks_match"] and out["live_requests_end"] > 0
+        assert out["config"]["prefix_caching"] == bool(prefix)
+        assert out["hits_equal_trace"] == out["admitted"] > 0
+        assert out["hit_tokens"] == out["trace_hit_tokens"]
+        assert (out["hit_tokens"] > 0) == bool(prefix)
+        run = vp.start(trace, (400, 400), m0)
+        run.step(trace.steps[m0 + 1])  # skips step m0
+        assert "step" in run.result()["error"] and not run.host
 
 
 def _drivers(trace, tables=False, sglang_decode="kernels", vllm_cls=sb.VLLMStyle,
