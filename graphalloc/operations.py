@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
 
 from .config import AllocatorConfig
@@ -47,6 +46,7 @@ from .plan.refusals import (
 )
 from .plan.step import KINDS, Step
 from .sharing.page_keys import KEY_HASHES
+from .state.free_ids import lowest_free
 from .state.queries import HandleInfo
 
 __all__ = ["HandleInfo"]
@@ -240,16 +240,16 @@ def free(alloc, kind: str, value) -> None:
 
 
 def free_row(alloc, reserved=()) -> int:
-    taken = alloc.ledger.live.copy()
-    if alloc.group is not None:
-        taken |= alloc.group.released
-    if not (isinstance(reserved, (list, tuple)) and not reserved):
-        taken[as_rows(reserved, alloc.config.max_reqs, "free_row reserved rows")] = True
-    free = np.flatnonzero(~taken)
-    if not len(free):
+    group = alloc.group
+    if isinstance(reserved, (list, tuple)) and not reserved:
+        reserved = None
+    else:
+        reserved = as_rows(reserved, alloc.config.max_reqs, "free_row reserved rows")
+    row = lowest_free(alloc.ledger.live, None if group is None else group.released, reserved)
+    if row < 0:
         raise to_error(Refusal(RefusalCode.NO_FREE_ROW, Kind.ADMIT, -1, 0,
                                alloc.config.max_reqs))
-    return int(free[0])
+    return row
 
 
 def admit(alloc, handle, n_tokens) -> int:
@@ -271,14 +271,11 @@ def take_handle(alloc, row, n_tokens) -> int:
     if led.n_handles == 0:
         raise CapacityError("take_handle: the allocator has no handle slots; build it with "
                             "AllocatorConfig(max_handles=...)")
-    taken = led.h_live.copy()
-    if alloc.group is not None:
-        taken |= alloc.group.dropped
-    free = np.flatnonzero(~taken)
-    if not len(free):
+    group = alloc.group
+    h = lowest_free(led.h_live, None if group is None else group.dropped)
+    if h < 0:
         raise CapacityError(f"take_handle: all {led.n_handles} handles are held; drop one "
                             "first")
-    h = int(free[0])
     alloc.step(take=([h], [row], [n_tokens]))
     return h
 

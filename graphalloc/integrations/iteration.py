@@ -39,6 +39,7 @@ from ..allocator import HybridAllocator
 from ..errors import BatchTooLargeError, CapacityError, ConfigError, ContractError
 from ..plan.refusals import RefusalCode
 from ..plan.step import EMPTY, Step
+from ..state.free_ids import lowest_free
 
 __all__ = ["IterationStep", "Ints"]
 
@@ -220,10 +221,7 @@ class IterationStep:
         return n
 
     def _free_handle(self) -> int:
-        taken = self.ledger.h_live.copy()
-        taken[self.take_h.view()] = True
-        free = np.flatnonzero(~taken)
-        return int(free[0]) if len(free) else -1
+        return lowest_free(self.ledger.h_live, self.take_h.view())
 
     # ---- what the recorded frees give back: the planner's dry runs ------------------------
     def frees_step(self, extra: dict | None = None, drop=None) -> Step:

@@ -46,6 +46,7 @@ from ..errors import (
     UnknownRequestError,
 )
 from ..inputs import as_int64, one_handle
+from ..state.free_ids import lowest_free
 from .step import Step
 
 __all__ = ["StepRecorder", "StepSlots"]
@@ -210,15 +211,14 @@ class StepRecorder:
 
     def take_handle(self, row, n_tokens) -> int:
         """Reserve the lowest free handle; the step takes it (a cache insert). Returns it."""
-        taken = self.alloc.ledger.h_live.copy()
-        taken[self._taken] = True
-        free = np.flatnonzero(~taken)
-        if not len(free):
-            raise CapacityError(f"take_handle: all {len(taken)} handles are held or reserved "
+        live = self.alloc.ledger.h_live
+        h = lowest_free(live, self._taken)
+        if h < 0:
+            raise CapacityError(f"take_handle: all {len(live)} handles are held or reserved "
                                 "in this block; drop one first")
-        self._add("take", int(free[0]), row, n_tokens)
-        self._taken.append(int(free[0]))
-        return int(free[0])
+        self._add("take", h, row, n_tokens)
+        self._taken.append(h)
+        return h
 
     # ---- admits and allocations ----------------------------------------------------------
     def admit(self, handle=None, n_tokens=None) -> int:
