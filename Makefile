@@ -18,10 +18,11 @@ CPU_TORCH := torch==2.13.0 triton==3.7.1
 # 2-core machine, most of it torch): the progress of a first `make test`.
 PIP_PROGRESS := --progress-bar off --disable-pip-version-check
 # pip runs once, and again only when what it builds changed (the package metadata or the
-# compiled planner's C sources; the Python is installed editable): a stamp per interpreter.
+# C sources: the planner, the input conversion, the page keys; the Python is installed
+# editable): a stamp per interpreter.
 # `make reinstall` forces it.
 INSTALL_STAMP := $(if $(filter .venv/bin/python,$(PY)),.venv/.graphalloc-installed,build/.graphalloc-installed-$(subst /,_,$(PY)))
-INSTALL_DEPS := setup.py pyproject.toml $(wildcard graphalloc/plan/_cplan*.c graphalloc/plan/_cplan*.h)
+INSTALL_DEPS := setup.py pyproject.toml $(wildcard graphalloc/*.c graphalloc/*/*.c graphalloc/*/*.h)
 install: $(INSTALL_STAMP)
 reinstall:
 	rm -f $(INSTALL_STAMP)
