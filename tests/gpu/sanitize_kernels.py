@@ -55,7 +55,7 @@ def main() -> None:
     # (snapshots taken and restored), eager and graph-replayed, two tensors (slot dims 0, 1)
     for executor in ("eager", "graph"):
         cfg = dataclasses.replace(config(False, 4, torch.int64), num_state_slots=24,
-                                  max_spec_tokens=4)
+                                  num_lookahead_tokens=3, max_spec_tokens=None)
         ssm = torch.zeros(25, 3, 600, device="cuda")
         conv = torch.zeros(2, 25, 7, device="cuda")
         alloc = ga.HybridAllocator(cfg, executor=executor, state_tensors=[ssm, (conv, 1)])

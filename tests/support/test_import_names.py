@@ -44,7 +44,7 @@ def _installed(name: str) -> bool:
 def test_kernels_resolves_to_the_installed_package_from_the_root():
     """``import kernels`` in the repository root gives the installed package (Hugging
     Face's, which transformers 5.25+ imports), never the repository's folder; with none
-    installed it fails as it would anywhere else."""
+    installed it is an empty namespace package (below)."""
     out = _run_in_root("import kernels, os; print(os.path.abspath(kernels.__file__))")
     folder = os.path.join(ROOT, "kernels")
     if _installed("kernels"):
@@ -53,7 +53,52 @@ def test_kernels_resolves_to_the_installed_package_from_the_root():
         assert not where.startswith(folder + os.sep), where
         assert "site-packages" in where or "dist-packages" in where, where
     else:
-        assert out.returncode != 0 and "ModuleNotFoundError" in out.stderr, out.stderr
+        assert out.returncode != 0 and "__file__" in out.stderr, out.stderr
+
+
+# A Python in the repository root where no package named kernels is installed (the GPU
+# machine's environment): the installed package's lookup is made to find nothing.
+_NONE_INSTALLED = """
+import importlib.machinery as m
+_find = m.PathFinder.find_spec.__func__
+def find_spec(cls, name, path=None, target=None):
+    return None if name == "kernels" and path is not None else _find(cls, name, path, target)
+m.PathFinder.find_spec = classmethod(find_spec)
+"""
+
+
+def test_with_none_installed_the_name_is_an_empty_namespace_package():
+    """No installed ``kernels``: ``import kernels`` from the root gives a module without a
+    file, a version or contents (``from kernels import x`` raises ImportError), and
+    transformers' check for the package, which finds the folder and imports it, says it is
+    not installed instead of raising."""
+    out = _run_in_root(_NONE_INSTALLED + (
+        "import kernels\n"
+        "assert getattr(kernels, '__file__', None) is None, kernels.__file__\n"
+        "assert not hasattr(kernels, '__version__') and list(kernels.__path__) == []\n"
+        "try:\n"
+        "    from kernels import get_kernel\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('imported a name from the placeholder')\n"
+        "print('ok')\n"))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    if importlib.util.find_spec("transformers") is None:
+        return
+    out = _run_in_root(_NONE_INSTALLED + (
+        "import importlib.metadata as md\n"
+        "_version = md.version\n"
+        "def version(name):\n"
+        "    if name == 'kernels':\n"
+        "        raise md.PackageNotFoundError(name)\n"
+        "    return _version(name)\n"
+        "md.version = version\n"
+        "from transformers.utils import import_utils as iu\n"
+        "assert iu.is_kernels_available() is False\n"
+        "import transformers.integrations.hub_kernels\n"
+        "print('ok')\n"))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 def test_transformers_hub_kernels_imports_from_the_root():
