@@ -101,7 +101,7 @@ def _agreement(res: dict) -> str:
 
 
 def row_scheduler_tables() -> dict:
-    folder = "bench/scheduler-h200"
+    folder = "bench/scheduler-h100"
     res = _load(folder, "bench_scheduler.json")
     g = _by_b(res)
     small, mid, big = [b for b in (1, 16) if b in g], [b for b in (64, 256) if b in g], [1024]
@@ -121,7 +121,7 @@ def row_scheduler_tables() -> dict:
 
 
 def row_scheduler_plain() -> dict:
-    folder = "bench/scheduler-h200"
+    folder = "bench/scheduler-h100"
     res = _load(folder, "bench_scheduler.json")
     g = _by_b(res)
     low, big = [b for b in (1, 16, 64, 256) if b in g], [1024]
@@ -191,7 +191,7 @@ def row_prefix_seam() -> dict:
 
 
 def row_tables_in_step() -> dict:
-    folder = "bench/page-tables-instep-h200"
+    folder = "bench/floor-h100"
     res = _load(folder, "bench_page_tables.json")
     cases = sorted(res["cases"], key=lambda c: c["b"])
     bs = " / ".join(str(c["b"]) for c in cases)
