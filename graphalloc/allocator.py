@@ -210,9 +210,11 @@ class HybridAllocator:
         Cost: one plan, one launch or replay; a fixed number of Python calls whatever the
         number of rows (:meth:`~graphalloc.plan.pipeline.StepPipeline.step`; with a block
         open, the blocks' rules first: :func:`graphalloc.operations.step_of`)."""
+        pipeline = self.pipeline
         if self.recorder is None and self.group is None:
-            return self.pipeline.step(step, kinds)
-        return ops.run_step(self, ops.step_of(self, step, kinds, "step", free_ok=False))
+            return pipeline.step(step, kinds)
+        return pipeline.execute(pipeline.plan(ops.step_of(self, step, kinds, "step",
+                                                          free_ok=False)))
 
     def try_step(self, step: Step | None = None, **kinds) -> AllocResult | None:
         """:meth:`step`, but ``None`` (nothing changed) when refused for lack of room (pages,

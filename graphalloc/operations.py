@@ -111,7 +111,14 @@ def step_of(alloc, step, kinds: dict, what: str, *, free_ok: bool, mutates: bool
     """The Step a call names (a Step, or its keywords), after the blocks' rules."""
     if mutates:
         guard(alloc, what)
-    step = step_from(step, kinds, what)
+    if step is None:
+        try:
+            step = Step(**kinds)
+        except TypeError:  # an unknown kind: its typed error (step_from), else as raised
+            step_from(None, kinds, what)
+            raise
+    elif kinds or not isinstance(step, Step):
+        step_from(step, kinds, what)  # raises
     if alloc.group is not None:
         if plan:
             raise NestedGroupError("plan() inside free_group(): the block defers frees to its "
@@ -128,12 +135,6 @@ def idle(alloc, what: str) -> None:
     guard(alloc, what)
     if alloc.group is not None:
         raise NestedGroupError(f"{what}() inside free_group(): close the block first")
-
-
-def run_step(alloc, step: Step):
-    """Plan and run ``step`` (a block is open: its rules were applied by :func:`step_of`)."""
-    pipeline = alloc.pipeline
-    return pipeline.execute(pipeline.plan(step))
 
 
 def dry_run(alloc, step, use_group, oversize):
