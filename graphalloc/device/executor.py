@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from ..deprecations import warn_renamed
 from ..errors import ConfigError
+from ..parts import DeviceParts
 
 __all__ = ["Executor", "EagerExecutor", "make_executor", "warm_up", "launch_exact", "lanes_of",
            "states_of"]
@@ -61,7 +62,7 @@ class Executor:
                      "DeviceParts: config, ring, kernels, state, ledger, tables)")
         return self.parts
 
-    def bind(self, parts) -> None:
+    def bind(self, parts: DeviceParts) -> None:
         """Attach to an allocator's :class:`~graphalloc.parts.DeviceParts` (once, from its
         constructor)."""
         if self.parts is not None:
@@ -80,7 +81,7 @@ class Executor:
             self.n_two_launch += 1
 
 
-def warm_up(parts, n: int = 1) -> None:
+def warm_up(parts: DeviceParts, n: int = 1) -> None:
     """Compile every kernel variant a step can use, now: launch the step kernels over an
     all-padding descriptor (nothing changes) in both launch forms. On a CUDA device this is
     done at construction, so no Triton compilation ever happens mid-serving (a first
@@ -109,7 +110,7 @@ def warm_up(parts, n: int = 1) -> None:
         torch.cuda.synchronize()  # sync ok: one-time construction
 
 
-def launch_exact(parts, planned) -> bool:
+def launch_exact(parts: DeviceParts, planned) -> bool:
     """Launch ``planned``'s kernels over exactly its rows (``StepKernels.grids.exact``: no
     program for a padded row, a long allocation row shared by several programs); a step
     with no rows launches nothing. Returns whether it was one fused launch."""
@@ -126,12 +127,12 @@ def launch_exact(parts, planned) -> bool:
     return fused
 
 
-def lanes_of(parts, index: int):
+def lanes_of(parts: DeviceParts, index: int):
     """Buffer ``index``'s lane rows when the allocator writes page tables, else None."""
     return parts.ring.lane_rows(index) if parts.kernels.tables is not None else None
 
 
-def states_of(parts, index: int):
+def states_of(parts: DeviceParts, index: int):
     """Buffer ``index``'s recurrent-state section when the allocator has state slots, else
     None."""
     return parts.ring.state_rows(index) if parts.config.num_state_slots else None
@@ -147,7 +148,7 @@ class EagerExecutor(Executor):
 
     name = "eager"
 
-    def bind(self, parts) -> None:
+    def bind(self, parts: DeviceParts) -> None:
         super().bind(parts)
         if parts.config.device.type == "cuda":
             warm_up(parts)

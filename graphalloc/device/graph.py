@@ -49,6 +49,7 @@ import torch
 
 from ..diagnostics.sync_points import sync_allowed
 from ..errors import CaptureError, ConfigError, ContractError
+from ..parts import DeviceParts
 from .buckets import LONG_EXTRA_TOKENS, GridPolicy, StepGrid
 from .executor import Executor, lanes_of, launch_exact, states_of, warm_up
 
@@ -204,7 +205,7 @@ class StepGraph(Executor):
         """Captured graphs, all buckets, forms and buffers (0 on a CPU device)."""
         return len(self._all)
 
-    def bind(self, parts) -> None:
+    def bind(self, parts: DeviceParts) -> None:
         super().bind(parts)
         cfg = parts.config
         self.policy = GridPolicy(cfg, growth=self.growth if self.buckets else None,

@@ -70,16 +70,17 @@ from ..kernels.abi import (
     SEEN_COUNT,
     SEEN_MAX,
 )
+from ..parts import DeviceParts
 
 __all__ = ["undo_launch", "project_all", "uncount_stamps", "save_held_destinations"]
 
 
-def _dev(parts, arr) -> torch.Tensor:
+def _dev(parts: DeviceParts, arr) -> torch.Tensor:
     return torch.as_tensor(np.ascontiguousarray(arr)).to(parts.config.device)
 
 
 # ---- one table at a time ---------------------------------------------------------------------
-def _holder_lens(parts, rows: np.ndarray) -> np.ndarray:
+def _holder_lens(parts: DeviceParts, rows: np.ndarray) -> np.ndarray:
     """Tokens each holder row holds (request rows, then handle rows; 0 when not held)."""
     led, n_req = parts.ledger, parts.config.max_reqs
     lens = np.zeros(len(rows), dtype=np.int64)
@@ -90,7 +91,7 @@ def _holder_lens(parts, rows: np.ndarray) -> np.ndarray:
     return lens
 
 
-def project_token_rows(parts, rows) -> None:
+def project_token_rows(parts: DeviceParts, rows) -> None:
     """Pool mode: ``req_to_token[row, :L]`` of each holder row from the page mirror (entries
     past L are left as they are)."""
     cfg, refs, ps = parts.config, parts.ledger.refs, parts.config.page_size
@@ -112,7 +113,7 @@ def project_token_rows(parts, rows) -> None:
     del cfg
 
 
-def project_mapping(parts) -> None:
+def project_mapping(parts: DeviceParts) -> None:
     """``full_to_swa`` whole: pool mode from the page mirror; ring mode derived on the device
     from the live rows' req_to_token and ring_pages (the window's pages ``[f, L)`` are mapped
     to their ring page, every other entry is 0)."""
@@ -140,7 +141,7 @@ def project_mapping(parts) -> None:
     table[(full[:, None] * ps + off).reshape(-1)] = (swa[:, None] * ps + off).reshape(-1)
 
 
-def project_windows(parts, rings: bool) -> None:
+def project_windows(parts: DeviceParts, rings: bool) -> None:
     """A model's further window pools (pool mode only): each pool's ``full_to_swa`` from its
     page mirror (``WindowLedger.swa_of``), its epoch table zeroed and, with ``rings``, its
     free ring from the ring mirror (a failed step never writes a free window, so an undo
@@ -157,14 +158,14 @@ def project_windows(parts, rings: bool) -> None:
             buf[:-1].copy_(_dev(parts, window.swa_ring.astype(np.int64)).to(buf.dtype))
 
 
-def project_free_rings(parts) -> None:
+def project_free_rings(parts: DeviceParts) -> None:
     """Pool mode: both free rings from the mirror (every position)."""
     refs, st = parts.ledger.refs, parts.state
     for buf, mirror in ((st.full_free_buf, refs.full_ring), (st.swa_free_buf, refs.swa_ring)):
         buf[:-1].copy_(_dev(parts, mirror.astype(np.int64)).to(buf.dtype))
 
 
-def project_states(parts) -> None:
+def project_states(parts: DeviceParts) -> None:
     """The state table's defined entries from the host: every request's and handle's slot,
     and each request's newest speculative step in flight (``spec_state[r, :k]``; the rest of
     the speculative part is unspecified and left as it is)."""
@@ -184,7 +185,7 @@ def project_states(parts) -> None:
         table.dtype)
 
 
-def _restore_from_pushes(parts, release_rows: np.ndarray) -> None:
+def _restore_from_pushes(parts: DeviceParts, release_rows: np.ndarray) -> None:
     """Ring mode: the rows this step cut and grew again (req_to_token) or released and
     admitted again (ring_pages) get back, from the free rings, the pages the step's release
     rows pushed (exact once the release launch returned). Only rows live after the
@@ -209,7 +210,7 @@ def _restore_from_pushes(parts, release_rows: np.ndarray) -> None:
 
 
 # ---- the stamp count -------------------------------------------------------------------------
-def uncount_stamps(parts, first_stamp: int) -> None:
+def uncount_stamps(parts: DeviceParts, first_stamp: int) -> None:
     """Take the steps stamped ``first_stamp, first_stamp + 1, ...`` (consecutive plans, run
     in stream order, the last possibly not at all) off the device's step count, on the
     stream: ``count -= max(seen_max - first + 1, 0)``, ``seen_max = min(seen_max, first -
@@ -224,7 +225,7 @@ def uncount_stamps(parts, first_stamp: int) -> None:
 
 
 # ---- state slots a copy overwrites ------------------------------------------------------------
-def save_held_destinations(parts, copies, ring_before) -> list | None:
+def save_held_destinations(parts: DeviceParts, copies, ring_before) -> list | None:
     """The state copies' destinations that were HELD when the step began (slots the step
     freed and popped again because the pool was short: a released request's, a dropped
     handle's, a speculative step's), saved on the device before the step's launch: per
@@ -260,7 +261,7 @@ def _restore_saved(saved) -> None:
 
 
 # ---- the two callers -------------------------------------------------------------------------
-def undo_launch(parts, buffers: list[int], first_stamp: int, released: bool,
+def undo_launch(parts: DeviceParts, buffers: list[int], first_stamp: int, released: bool,
                 saved=None) -> None:
     """After the host rollback: make the device tables equal to the ledger again, behind
     whatever the failed launch enqueued (see the module docstring). ``buffers``: the
@@ -288,7 +289,7 @@ def undo_launch(parts, buffers: list[int], first_stamp: int, released: bool,
         _restore_saved(saved)
 
 
-def project_all(parts) -> None:
+def project_all(parts: DeviceParts) -> None:
     """Every table the allocator defines, from the host ledger (pool mode: all of them;
     ring mode, which keeps no host copy of page ids: req_to_token and ring_pages are kept,
     full_to_swa is derived from them and the free windows are refilled with the pages no
@@ -306,7 +307,7 @@ def project_all(parts) -> None:
     st.swa_epoch_buf.zero_()
 
 
-def _refill_ring_mode_windows(parts) -> None:
+def _refill_ring_mode_windows(parts: DeviceParts) -> None:
     cfg, led, st, ps = parts.config, parts.ledger, parts.state, parts.config.page_size
     rows = np.flatnonzero(led.live)
     r2t = st.req_to_token_buf[:cfg.max_reqs].cpu().numpy()  # sync ok: recover()

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import StateError
+from ..parts import DeviceParts, PipelinePart
 from ..state.ledger import Ledger
 from .integrity import audit_state
 
@@ -25,7 +26,7 @@ _GEOMETRY = ("page_size", "num_full_pages", "num_swa_pages", "max_reqs", "max_co
 FORMAT = 2  # 1: the first format (with a "protected" row array); 2: Ledger.arrays()
 
 
-def state_dict(parts, pipeline) -> dict:
+def state_dict(parts: DeviceParts, pipeline: PipelinePart) -> dict:
     """Host ledger and device tables of ``parts`` (:class:`~graphparts.parts.DeviceParts`),
     copied to the CPU (reads the device); refused while ``pipeline`` has a step pending."""
     if pipeline.pending is not None:
@@ -63,7 +64,7 @@ def _host_arrays(sd: dict) -> dict:
     return arrays
 
 
-def load_state_dict(parts, pipeline, sd: dict) -> None:
+def load_state_dict(parts: DeviceParts, pipeline: PipelinePart, sd: dict) -> None:
     """Validate ``sd`` completely, then copy it in. Raises :class:`StateError` (nothing
     changed) when the geometry differs, a table has the wrong shape, or the audit of the
     incoming state finds a discrepancy. Reads both formats (format 1 without a protected

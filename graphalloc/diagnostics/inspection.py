@@ -16,6 +16,7 @@ import torch
 
 from ..errors import DeviceFaultError, GraphallocError
 from ..kernels.abi import ERR_WORDS
+from ..parts import DeviceParts, PipelinePart
 from .sync_points import sync_allowed
 
 __all__ = ["read_fault", "read_words"]
@@ -40,7 +41,8 @@ def read_fault(config, state, sync: bool = False) -> DeviceFaultError | None:
     return DeviceFaultError.from_error_word(read_words(config, state, None, sync)[0])
 
 
-def first_error(parts, pipeline, sync: bool = False) -> GraphallocError | None:
+def first_error(parts: DeviceParts, pipeline: PipelinePart,
+                sync: bool = False) -> GraphallocError | None:
     """What ``check()`` raises: a device fault first, then a submission mismatch; None when
     healthy (the steps checked are then forgotten). ``parts``: the allocator's
     :class:`~graphalloc.parts.DeviceParts`; ``pipeline``: its

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import IntegrityError
 from ..kernels.abi import ERR_CODES, ERR_PAGE, ERR_REQ
+from ..parts import DeviceParts
 from .findings import Finding
 from .sync_points import sync_allowed
 from .window_audit import audit_windows
@@ -33,7 +34,7 @@ __all__ = ["Finding", "snapshot", "audit", "audit_state", "audit_slots", "check_
            "ownership"]
 
 
-def snapshot(parts) -> dict:
+def snapshot(parts: DeviceParts) -> dict:
     """Copies of every host array and device table (numpy)."""
     led = parts.ledger
     with sync_allowed():
@@ -314,12 +315,12 @@ def _error_word_findings(snap: dict) -> list[Finding]:
                     f"device error word: {err.tolist()}")]  # off the fast path
 
 
-def audit(parts) -> list[Finding]:
+def audit(parts: DeviceParts) -> list[Finding]:
     """Every discrepancy of a live allocator's parts (empty list when healthy). Reads the device."""
     return audit_state(parts.config, parts.ledger, snapshot(parts))
 
 
-def check_integrity(parts) -> None:
+def check_integrity(parts: DeviceParts) -> None:
     """Raise :class:`IntegrityError` on the first discrepancy :func:`audit` finds."""
     findings = audit(parts)
     if findings:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ContractError, IntegrityError, PendingStepError
+from ..parts import DeviceParts, PipelinePart
 from . import integrity
 from .inspection import first_error
 from .sync_points import sync_allowed
@@ -31,7 +32,7 @@ from .sync_points import sync_allowed
 __all__ = ["check", "clear_faults", "reset_faults", "recover"]
 
 
-def check(parts, pipeline, sync: bool) -> None:
+def check(parts: DeviceParts, pipeline: PipelinePart, sync: bool) -> None:
     if not isinstance(sync, bool):
         raise ContractError(f"check(sync=...) takes a bool, got {sync!r}")
     error = first_error(parts, pipeline, sync)
@@ -40,7 +41,7 @@ def check(parts, pipeline, sync: bool) -> None:
         raise error
 
 
-def clear_faults(parts, pipeline) -> None:
+def clear_faults(parts: DeviceParts, pipeline: PipelinePart) -> None:
     """Zero the error word and the step count; steps are accepted again (the caller knows
     the device tables are right: a state dict just loaded and audited)."""
     parts.state.err_buf.zero_()
@@ -49,13 +50,13 @@ def clear_faults(parts, pipeline) -> None:
     pipeline.faulted = False
 
 
-def _idle(pipeline, what: str) -> None:
+def _idle(pipeline: PipelinePart, what: str) -> None:
     if pipeline.pending is not None:
         raise PendingStepError(f"{what}() with a planned step pending: run() or cancel() it "
                                "first")
 
 
-def reset_faults(parts, pipeline) -> None:
+def reset_faults(parts: DeviceParts, pipeline: PipelinePart) -> None:
     """Clear a reported fault, refused while the device tables disagree with the host: then
     nothing changes and ``IntegrityError`` names the first finding (``recover()`` is the
     way back)."""
@@ -70,7 +71,7 @@ def reset_faults(parts, pipeline) -> None:
     clear_faults(parts, pipeline)
 
 
-def recover(parts, pipeline) -> None:
+def recover(parts: DeviceParts, pipeline: PipelinePart) -> None:
     """Wait for the device, write every device table again from the host ledger, clear the
     error word and the step count, audit; steps are accepted again when the audit is clean
     (else ``IntegrityError``, steps stay refused)."""

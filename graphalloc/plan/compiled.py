@@ -54,6 +54,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..kernels import abi
+from ..parts import DeviceParts
 from ..state import references
 from ..state.ledger import Ledger
 from .reference import PlanOutcome
@@ -183,7 +184,7 @@ class CompiledPlanner:
     ``parts`` (:class:`~graphalloc.parts.DeviceParts`) gives the ledger it plans on, the
     descriptor ring it writes and the attention tables' host copies."""
 
-    def __init__(self, parts):
+    def __init__(self, parts: DeviceParts):
         cfg, led, ring = parts.config, parts.ledger, parts.ring
         tables = parts.tables
         spec = None if tables is None else tables.spec

@@ -26,7 +26,7 @@ One step is pending at a time. A dry run (``fits()``, the queries) plans into a 
 buffer and always rolls back. When an allocation is short and the pipeline was given a
 reclaim policy (:class:`~graphalloc.parts.ReclaimPolicy`: the prefix cache's index), the
 step is planned once more with the policy's offer of entries to drop
-(:meth:`~graphalloc.sharing.prefix_cache.CacheIndex.offer`), inside the same step.
+(:meth:`~graphalloc.sharing.cache_index.CacheIndex.offer`), inside the same step.
 
 Parts (wired once by the allocator, :mod:`graphalloc.parts`): the
 :class:`~graphalloc.parts.DeviceParts` (ledger, ring, device tables, kernels, attention
@@ -53,6 +53,7 @@ from ..device.restore import save_held_destinations, undo_launch
 from ..device.stamps import SubmissionLedger
 from ..errors import ContractError, LaunchError, PendingStepError
 from ..kernels.abi import REL_EPOCH, REL_N_PAGES, ROW_WIDTH, ST_N_COPY, ST_N_TABLE
+from ..parts import DeviceParts, ExecutorPart, PlannerPart, ReclaimPolicy
 from .context import PlanContext
 from .reference import PlanOutcome, plan_step
 from .refusals import Refusal, RefusalCode, to_error
@@ -72,7 +73,8 @@ class StepPipeline:
     (submitted steps) and ``output_epoch`` (submitted steps that wrote output lanes; an
     :class:`AllocResult` is stale once it moves past the result's step)."""
 
-    def __init__(self, parts, executor, compiled=None, reclaim=None):
+    def __init__(self, parts: DeviceParts, executor: ExecutorPart,
+                 compiled: PlannerPart | None = None, reclaim: ReclaimPolicy | None = None):
         self.parts = parts
         self.state = self._state = parts.state
         self.config, self.ledger, self.ring = parts.config, parts.ledger, parts.ring
@@ -185,8 +187,9 @@ class StepPipeline:
         """``alloc.step(step)`` or ``alloc.step(**kinds)``: plan and run one step. The plain
         forms are converted in C (:data:`~graphalloc.plan.step.normalize_fast`) straight from
         the keywords, when no block is open; everything else takes the general path
-        (:func:`~graphalloc.plan.step.step_from`: a Step's checks). No block is open: the
-        allocator takes the blocks' path itself (:func:`graphalloc.operations.step_of`).
+        (:func:`~graphalloc.plan.step.step_from`: a Step's checks). Called with no block
+        open: while one is, the allocator applies the blocks' rules first
+        (:func:`graphalloc.operations.step_of`) and calls :meth:`plan` and :meth:`execute`.
         Cost: a fixed number of Python calls, whatever the number of rows (the benchmark
         ``bench_host_step.py`` counts them), plus the planner's work."""
         arrays = None

@@ -15,6 +15,7 @@ import weakref
 
 from ..device.executor import Executor
 from ..errors import ContractError
+from ..parts import DeviceParts
 
 __all__ = ["ReplicaExecutor", "capture_warm"]
 
@@ -39,7 +40,7 @@ class ReplicaExecutor(Executor):
         # the planner runs its steps from the broadcast payload, which carries no stamp
         self.stamps_steps = role == "replicated"
 
-    def bind(self, parts) -> None:
+    def bind(self, parts: DeviceParts) -> None:
         super().bind(parts)
         if self.inner is not None:
             self.inner.bind(parts)

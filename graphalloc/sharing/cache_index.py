@@ -33,6 +33,7 @@ import itertools
 import numpy as np
 
 from ..errors import ContractError, UnknownHandleError
+from ..parts import LedgerPart
 from .page_keys import check_key_hash, page_keys
 
 __all__ = ["CacheIndex", "CacheMatch"]
@@ -79,7 +80,7 @@ class CacheIndex:
     entries / SWA pages of tombstoned ones, steps submitted); ``version`` changes whenever
     entries, locks or handles may have changed."""
 
-    def __init__(self, config, ledger, key_hash: str = "siphash"):
+    def __init__(self, config, ledger: LedgerPart, key_hash: str = "siphash"):
         self.key_hash = check_key_hash(key_hash)
         self.ledger = ledger
         self.page_size = config.page_size

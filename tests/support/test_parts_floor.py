@@ -24,6 +24,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # The front-end floor: modules at or above allocator.py (they may hold the allocator).
@@ -325,3 +327,34 @@ def test_the_checks_can_fail():
         assert not [f for f in seen if f.startswith("graphalloc.kernels.")]
     finally:
         BINDINGS["kernels"] = cut
+
+
+@pytest.mark.filterwarnings("ignore:executor='graph' on a CPU device")
+def test_the_parts_satisfy_their_protocols():
+    """What the allocator wires is what the protocols declare (each member present), for
+    every executor kind and with the prefix cache's index as the reclaim policy."""
+    import graphalloc as ga
+    from graphalloc import parts as p
+
+    cfg = ga.AllocatorConfig(page_size=4, num_full_pages=32, num_swa_pages=16, max_reqs=4,
+                             max_context_len=64, model_window=8, max_handles=4)
+    for executor in ("eager", "graph"):
+        alloc = ga.HybridAllocator(cfg, executor=executor, prefix_cache=True,
+                                   planner="numpy")
+        parts, pipeline = alloc.parts, alloc.pipeline
+        assert isinstance(parts, p.DeviceParts)
+        assert isinstance(parts.ledger, p.LedgerPart)
+        assert isinstance(parts.ring, p.RingPart)
+        assert isinstance(parts.kernels, p.KernelsPart)
+        assert isinstance(alloc.executor, p.ExecutorPart)
+        assert alloc.executor.parts is parts and pipeline.parts is parts
+        assert isinstance(pipeline, p.PipelinePart)
+        assert pipeline.reclaim is alloc.prefix_cache.index
+        assert isinstance(pipeline.reclaim, p.ReclaimPolicy)
+        # the allocator is not a part: nothing below could be handed it by mistake
+        assert not isinstance(alloc, p.DeviceParts)
+    twin = ga.HybridAllocator(cfg, planner="auto").pipeline.compiled
+    if twin is not None:
+        assert isinstance(twin, p.PlannerPart)
+    # and the check can fail: an object lacking a member is not the part
+    assert not isinstance(object(), p.ReclaimPolicy)
