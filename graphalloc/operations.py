@@ -182,12 +182,12 @@ def grouping(alloc):
     alloc.pipeline.refuse_planning()
     group = alloc.group = FreeGroup(alloc)
     pipeline = alloc.pipeline
-    pipeline.excluded = (group.released, group.dropped)  # the planner refuses these
+    pipeline.masks = group  # its released rows and dropped handles: the planner refuses them
     try:
         yield
     finally:
         alloc.group = None
-        pipeline.excluded = (None, None)
+        pipeline.masks = None
     if group.recorded:
         run_frees(alloc, group.to_step())
 

@@ -32,7 +32,7 @@ import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["DeviceParts", "LedgerPart", "RingPart", "KernelsPart", "PlannerPart",
-           "ExecutorPart", "ReclaimPolicy", "PipelinePart"]
+           "ExecutorPart", "ReclaimPolicy", "GroupMasks", "PipelinePart"]
 
 
 @runtime_checkable
@@ -123,6 +123,16 @@ class ReclaimPolicy(Protocol):
     def offer(self, limit: int) -> tuple: ...
 
     def on_reclaimed(self, reclaimed: list) -> None: ...
+
+
+@runtime_checkable
+class GroupMasks(Protocol):
+    """The open free group as the planner sees it: ``released`` (bool per request row) and
+    ``dropped`` (bool per handle), rows and handles whose frees run at the block's end, so
+    a step planned inside the block refuses them."""
+
+    released: Any
+    dropped: Any
 
 
 @runtime_checkable

@@ -30,8 +30,9 @@ step is planned once more with the policy's offer of entries to drop
 
 Parts (wired once by the allocator, :mod:`graphalloc.parts`): the
 :class:`~graphalloc.parts.DeviceParts` (ledger, ring, device tables, kernels, attention
-tables), the compiled planner, the executor, the reclaim policy; ``excluded`` is the open
-free group's ``(released rows, dropped handles)`` masks, set by the block while it is open.
+tables), the compiled planner, the executor, the reclaim policy; ``masks`` is the open
+free group (:class:`~graphalloc.parts.GroupMasks`: its ``released`` rows and ``dropped``
+handles, read at each plan), set by the block while it is open.
 The pipeline never holds the allocator: the general path of :meth:`StepPipeline.step` and
 the blocks' rules stay above it.
 
@@ -53,7 +54,7 @@ from ..device.restore import save_held_destinations, undo_launch
 from ..device.stamps import SubmissionLedger
 from ..errors import ContractError, LaunchError, PendingStepError
 from ..kernels.abi import REL_EPOCH, REL_N_PAGES, ROW_WIDTH, ST_N_COPY, ST_N_TABLE
-from ..parts import DeviceParts, ExecutorPart, PlannerPart, ReclaimPolicy
+from ..parts import DeviceParts, ExecutorPart, GroupMasks, PlannerPart, ReclaimPolicy
 from .context import PlanContext
 from .reference import PlanOutcome, plan_step
 from .refusals import Refusal, RefusalCode, to_error
@@ -82,7 +83,7 @@ class StepPipeline:
         self.executor = executor  # (ExecutorPart) bound to the same parts by the allocator
         self.compiled = compiled  # (PlannerPart) None: the numpy reference plans
         self.reclaim = reclaim  # (ReclaimPolicy) consulted on a shortage; None: no cache
-        self.excluded = (None, None)  # the open free group's (released, dropped) masks
+        self.masks: GroupMasks | None = None  # the open free group's masks, while open
         self.faulted = False  # a fault reported by check(), until reset_faults() / recover()
         self.tables_spec = None if parts.tables is None else parts.tables.spec
         self._n_reqs = self.config.max_reqs
@@ -126,7 +127,8 @@ class StepPipeline:
         journal = self.ledger.journal
         if mark is None:
             mark = self.mark()  # (compiled twin: its undo log's position too)
-        excluded = self.excluded if use_group else (None, None)
+        masks = self.masks if use_group else None
+        excluded = (None, None) if masks is None else (masks.released, masks.dropped)
         cache = self.reclaim
         compiled = None if oversize else self.compiled
         reclaim, offered = None, 0

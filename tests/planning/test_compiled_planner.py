@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import os
+import types
 
 import numpy as np
 import pytest
@@ -190,7 +191,8 @@ class Pair:
         results, befores = [], []
         for alloc in (self.ref, self.twin):
             pipe = alloc.pipeline  # the open free group's masks and the reclaim policy
-            pipe.excluded = (None, None) if excluded is None else tuple(excluded)
+            pipe.masks = (None if excluded is None else
+                          types.SimpleNamespace(released=excluded[0], dropped=excluded[1]))
             pipe.reclaim = None if offer is None else FakeCache(*offer)
             before = state(alloc)
             befores.append({k: v for k, v in before.items() if k.startswith("ledger.")})
@@ -243,7 +245,7 @@ class Pair:
                             == self.twin.pipeline.reclaim.reclaimed)
         for alloc in (self.ref, self.twin):
             cache = alloc.prefix_cache
-            alloc.pipeline.excluded = (None, None)
+            alloc.pipeline.masks = None
             alloc.pipeline.reclaim = None if cache is None else cache.index
         return None if e_ref is None else e_ref.refusal
 

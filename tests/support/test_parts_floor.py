@@ -348,7 +348,10 @@ def test_the_parts_satisfy_their_protocols():
         assert isinstance(parts.kernels, p.KernelsPart)
         assert isinstance(alloc.executor, p.ExecutorPart)
         assert alloc.executor.parts is parts and pipeline.parts is parts
-        assert isinstance(pipeline, p.PipelinePart)
+        assert isinstance(pipeline, p.PipelinePart) and pipeline.masks is None
+        with alloc.free_group():  # the open block is the pipeline's masks while it is open
+            assert isinstance(pipeline.masks, p.GroupMasks) and pipeline.masks is alloc.group
+        assert pipeline.masks is None
         assert pipeline.reclaim is alloc.prefix_cache.index
         assert isinstance(pipeline.reclaim, p.ReclaimPolicy)
         # the allocator is not a part: nothing below could be handed it by mistake
