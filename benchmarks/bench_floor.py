@@ -79,9 +79,9 @@ def empty_replay_executor():
         name = "empty-replay"
         stamps_steps = False
 
-        def bind(self, alloc) -> None:
-            super().bind(alloc)
-            self.call, self.what, self.graph = empty_graph(alloc.config.device)
+        def bind(self, parts) -> None:
+            super().bind(parts)
+            self.call, self.what, self.graph = empty_graph(parts.config.device)
 
         def execute(self, planned) -> None:
             self.call()

@@ -272,7 +272,7 @@ def build_variants(wl: CaseWorkload, is_cuda: bool, errors: list) -> dict:
         try:
             kernels.num_warps = warps
             if warps is not None:
-                warm_up(alloc)  # compile the variant before capturing it
+                warm_up(alloc.parts)  # compile the variant before capturing it
             for i in range(len(ring)):
                 rel, al = ring.release_rows(i), ring.alloc_rows(i)
                 graphs[name].append(capture_graph(

@@ -50,7 +50,7 @@ class NoLaunch(Executor):
 def _allocator(batch: int, seed: int):
     alloc = make_alloc(batch, "auto", "cpu", "eager")
     alloc.executor = NoLaunch()  # the warm-up prefill ran eagerly; from here the host only
-    alloc.executor.bind(alloc)
+    alloc.executor.bind(alloc.parts)
     return alloc, Workload(alloc, batch, seed)
 
 

@@ -85,7 +85,7 @@ class Switch(Executor):
 
     def execute(self, planned) -> None:
         if self.kernels:
-            self.count(launch_exact(self.alloc, planned))
+            self.count(launch_exact(self.parts, planned))
 
 
 def make_config(batch: int, cache: bool, n_iters: int) -> ga.AllocatorConfig:

@@ -27,12 +27,16 @@ never written. Cost: each operation is one plan (O(rows + pages) host work) and 
 one launch or graph replay; the queries are O(1) unless stated; ``check()``, ``audit()``,
 ``snapshot()``, ``state_dict()`` read the device on purpose.
 
-Parts, for the layers above (graphs, replicas, seams, diagnostics use these, never
-privates): ``config``, ``ledger`` (host state, read-only outside a step), ``state`` (device
-tables), ``ring`` (descriptor buffers), ``kernels``, ``executor``, ``pipeline``,
-``queries``, ``prefix_cache``, ``group`` / ``recorder`` (the open block), :meth:`launch`.
-The logic of the operations is in :mod:`graphalloc.operations`; each method here is one
-line.
+Parts, wired once here (:mod:`graphalloc.parts`): ``config``, ``ledger`` (host state,
+read-only outside a step), ``state`` (device tables), ``ring`` (descriptor buffers),
+``kernels``, ``tables``, bundled as ``parts`` (:class:`~graphalloc.parts.DeviceParts`) for
+the layers below, which get only these, never the allocator: the ``pipeline``
+(:class:`~graphalloc.plan.pipeline.StepPipeline`: the parts, the compiled planner, the
+``executor``, the prefix cache's index as its reclaim policy), the executor (bound to the
+parts), the diagnostics (the parts and the pipeline). Above them, on the front-end floor,
+the layers that hold the allocator and call its public operations: ``prefix_cache`` (the
+cache's client), ``group`` / ``recorder`` (the open block), the seams, the replicas. The
+logic of the operations is in :mod:`graphalloc.operations`; each method here is one line.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from .device.tables import DeviceState
 from .diagnostics import recovery
 from .errors import UnknownRequestError
 from .kernels.state import check_state_tensors
+from .parts import DeviceParts
 from .plan.compiled import CompiledPlanner
 from .plan.free_group import FreeGroup
 from .plan.pipeline import StepPipeline
@@ -119,16 +124,35 @@ class HybridAllocator:
         self.kernels = StepKernels(config, self.state, fused=fused_step, tables=self.tables,
                                    ring=self.ring, state_tensors=state_tensors)
         self.queries = HostQueries(config, self.ledger)
+        self.parts = parts = DeviceParts(config, self.ledger, self.state, self.ring,
+                                         self.kernels, self.tables)
         self.group: FreeGroup | None = None  # the open free_group() block
         self.recorder: StepRecorder | None = None  # the open scheduler_step() block
-        self.faulted = False  # a fault reported by check(), until reset_faults() / recover()
         self.prefix_cache = (PrefixCache(self, ops.key_hash_of(prefix_cache)) if prefix_cache
                              else None)
-        self.pipeline = StepPipeline(self, CompiledPlanner.for_allocator(self, planner))
-        self.executor = make_executor(executor)
-        self.executor.bind(self)
+        executor = make_executor(executor)
+        self.pipeline = StepPipeline(parts, executor, CompiledPlanner.for_parts(parts, planner),
+                                     None if self.prefix_cache is None
+                                     else self.prefix_cache.index)
+        executor.bind(parts)
 
     # ---- state of the parts ----------------------------------------------------------------
+    @property
+    def executor(self):
+        """How a planned step reaches the device (chosen at construction; the pipeline's)."""
+        return self.pipeline.executor
+
+    @executor.setter
+    def executor(self, executor) -> None:
+        # (a benchmark's stand-in, bound with executor.bind(alloc.parts) by the caller)
+        self.pipeline.executor = executor
+
+    @property
+    def faulted(self) -> bool:
+        """A fault was reported by ``check()`` (or a launch's restore failed): steps are
+        refused until :meth:`reset_faults` / :meth:`recover`."""
+        return self.pipeline.faulted
+
     @property
     def pending(self) -> PlannedStep | None:
         """The planned step neither submitted nor cancelled (``None`` when there is none)."""
@@ -184,8 +208,13 @@ class HybridAllocator:
         the kinds and their order). Returns the slots it allocated (an empty result when
         none); refused whole, nothing changed, with the first broken rule's typed error.
         Cost: one plan, one launch or replay; a fixed number of Python calls whatever the
-        number of rows (:meth:`~graphalloc.plan.pipeline.StepPipeline.step`)."""
-        return self.pipeline.step(step, kinds)
+        number of rows (:meth:`~graphalloc.plan.pipeline.StepPipeline.step`; with a block
+        open, the blocks' rules first: :func:`graphalloc.operations.step_of`)."""
+        pipeline = self.pipeline
+        if self.recorder is None and self.group is None:
+            return pipeline.step(step, kinds)
+        return pipeline.execute(pipeline.plan(ops.step_of(self, step, kinds, "step",
+                                                          free_ok=False)))
 
     def try_step(self, step: Step | None = None, **kinds) -> AllocResult | None:
         """:meth:`step`, but ``None`` (nothing changed) when refused for lack of room (pages,
@@ -386,18 +415,20 @@ class HybridAllocator:
         a submitted step never ran on the device (a ``mark_submitted`` without a replay) or
         a step ran unsubmitted. Waits for the submitted steps and reads the error word and
         the step count (one 80-byte read): call it where the engine synchronises anyway."""
-        recovery.check(self, sync)
+        recovery.check(self.parts, self.pipeline, sync)
 
     def reset_faults(self) -> None:
         """Clear a fault reported by ``check()`` -- only while ``audit()`` is clean; else
         nothing changes and ``IntegrityError`` points to :meth:`recover`. Reads the device."""
-        recovery.reset_faults(self)
+        ops.idle(self, "reset_faults")
+        recovery.reset_faults(self.parts, self.pipeline)
 
     def recover(self) -> None:
         """After ``DeviceFaultError`` / ``SubmissionError``: every device table written again
         from the host ledger, the fault cleared, then audited (``IntegrityError`` when not
         clean). Synchronises; O(tables) (:mod:`graphalloc.diagnostics.recovery`)."""
-        recovery.recover(self)
+        ops.idle(self, "recover")
+        recovery.recover(self.parts, self.pipeline)
 
     def stats(self) -> dict:
         """Host-side counts for humans (no device read)."""

@@ -44,7 +44,7 @@ from .plan.refusals import (
     RefusalCode,
     to_error,
 )
-from .plan.step import KINDS, Step
+from .plan.step import Step, step_from
 from .sharing.page_keys import KEY_HASHES
 from .state.free_ids import lowest_free
 from .state.queries import HandleInfo
@@ -112,14 +112,13 @@ def step_of(alloc, step, kinds: dict, what: str, *, free_ok: bool, mutates: bool
     if mutates:
         guard(alloc, what)
     if step is None:
-        unknown = sorted(set(kinds) - set(KINDS))
-        if unknown:
-            raise ContractError(f"{what}(): {unknown} is not a kind of Step; the kinds are "
-                                f"{', '.join(KINDS)}")
-        step = Step(**kinds)
+        try:
+            step = Step(**kinds)
+        except TypeError:  # an unknown kind: its typed error (step_from), else as raised
+            step_from(None, kinds, what)
+            raise
     elif kinds or not isinstance(step, Step):
-        raise ContractError(f"{what}() takes a Step or its keywords, not both; got "
-                            f"{type(step).__name__} and {sorted(kinds)}")
+        step_from(step, kinds, what)  # raises
     if alloc.group is not None:
         if plan:
             raise NestedGroupError("plan() inside free_group(): the block defers frees to its "
@@ -129,6 +128,13 @@ def step_of(alloc, step, kinds: dict, what: str, *, free_ok: bool, mutates: bool
                                    "/ evict_window() / advance_frontier() / drop_handle() "
                                    "(deferred to the block's end) instead")
     return step
+
+
+def idle(alloc, what: str) -> None:
+    """``reset_faults()`` / ``recover()`` run with no block open."""
+    guard(alloc, what)
+    if alloc.group is not None:
+        raise NestedGroupError(f"{what}() inside free_group(): close the block first")
 
 
 def dry_run(alloc, step, use_group, oversize):
@@ -175,10 +181,13 @@ def grouping(alloc):
                                "first")
     alloc.pipeline.refuse_planning()
     group = alloc.group = FreeGroup(alloc)
+    pipeline = alloc.pipeline
+    pipeline.masks = group  # its released rows and dropped handles: the planner refuses them
     try:
         yield
     finally:
         alloc.group = None
+        pipeline.masks = None
     if group.recorded:
         run_frees(alloc, group.to_step())
 
@@ -332,8 +341,8 @@ def launch(alloc, buffer_index, fusable, n_rows) -> None:
     else:
         counts = None  # a capture: the state kernels' fixed programs
     alloc.kernels(alloc.ring.release_rows(index), alloc.ring.alloc_rows(index),
-                  fusable=fusable, grid=grid, lane_rows=lanes_of(alloc, index),
-                  state_rows=states_of(alloc, index), state_counts=counts,
+                  fusable=fusable, grid=grid, lane_rows=lanes_of(alloc.parts, index),
+                  state_rows=states_of(alloc.parts, index), state_counts=counts,
                   staged=True if capturing else None)  # (a graph stages its rows)
 
 
@@ -372,22 +381,22 @@ def stats(alloc) -> dict:
 
 
 def snapshot(alloc) -> dict:
-    return integrity.snapshot(alloc)
+    return integrity.snapshot(alloc.parts)
 
 
 def audit(alloc) -> list:
-    return integrity.audit(alloc)
+    return integrity.audit(alloc.parts)
 
 
 def check_integrity(alloc) -> None:
-    integrity.check_integrity(alloc)
+    integrity.check_integrity(alloc.parts)
 
 
 def state_dict(alloc) -> dict:
     with sync_allowed():
-        return checkpoint.state_dict(alloc)
+        return checkpoint.state_dict(alloc.parts, alloc.pipeline)
 
 
 def load_state_dict(alloc, sd: dict) -> None:
     with sync_allowed():
-        checkpoint.load_state_dict(alloc, sd)
+        checkpoint.load_state_dict(alloc.parts, alloc.pipeline, sd)

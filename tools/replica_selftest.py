@@ -862,15 +862,16 @@ class _TraceExecutor(Executor):
     def __init__(self, f):
         super().__init__()
         self.f = f
+        self.cache = None  # the allocator's prefix cache, set once it is built
 
     def execute(self, planned) -> None:
-        alloc, index = self.alloc, planned.buffer_index
-        buf, base = alloc.ring.np_bufs[index], alloc.config.max_release_rows
-        n_rel, n_al = alloc.ring.used[index]
+        parts, index = self.parts, planned.buffer_index
+        buf, base = parts.ring.np_bufs[index], parts.config.max_release_rows
+        n_rel, n_al = parts.ring.used[index]
         self.f.write(np.int64([n_rel, n_al]).tobytes())
         self.f.write(buf[:n_rel].tobytes())
         self.f.write(buf[base:base + n_al].tobytes())
-        self.f.write(np.int64([ledger_digest(alloc.ledger, alloc.prefix_cache)]).tobytes())
+        self.f.write(np.int64([ledger_digest(parts.ledger, self.cache)]).tobytes())
 
 
 def plan_trace(path: str, seed: int, iterations: int) -> int:
@@ -888,6 +889,7 @@ def plan_trace(path: str, seed: int, iterations: int) -> int:
             n_planned += alloc.steps_run
         cfg = selftest_config("cpu", "torch", False, max_handles=6)
         alloc = HybridAllocator(cfg, executor=_TraceExecutor(f), prefix_cache=True)
+        alloc.executor.cache = alloc.prefix_cache
         ops, api = OpsWorkload(cfg, seed, cache=True), DirectOps(alloc)
         for _ in range(iterations):
             ops.run(api, ops.next_kind(), planner=True)

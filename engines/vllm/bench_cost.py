@@ -80,7 +80,7 @@ def _scheduler(batch: int, caching: bool, manager: str):
                 self.count(planned.fusable)
         alloc = s.kv_cache_manager.alloc
         alloc.executor = NoLaunch()
-        alloc.executor.bind(alloc)
+        alloc.executor.bind(alloc.parts)
     for _, req in harness.make_requests(w):
         s.add_request(req)
     return s

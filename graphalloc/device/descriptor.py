@@ -206,18 +206,19 @@ class DescriptorRing:
             event.synchronize()  # sync ok: only when the GPU is len(ring) steps behind
         return index
 
-    def write(self, index: int, release: np.ndarray, alloc: np.ndarray,
+    def write(self, index: int, release: np.ndarray, allocation: np.ndarray,
               fusable: bool = False) -> None:
-        """Copy the planned rows in; rows past them become padding (all zeros).
-        ``fusable``: the step's ``StepBuilder.fusable``, kept for the step runner."""
+        """Copy the planned rows in (release rows, allocation rows); rows past them become
+        padding (all zeros). ``fusable``: the step's ``StepBuilder.fusable``, kept for the
+        step runner."""
         buf = self.np_bufs[index]
-        n_rel, n_al = len(release), len(alloc)
+        n_rel, n_al = len(release), len(allocation)
         old_rel, old_al = self.used[index]
         buf[:n_rel] = release
         if old_rel > n_rel:  # only rows this buffer used before need zeroing
             buf[n_rel:old_rel] = 0
         base = self.n_release_rows
-        buf[base:base + n_al] = alloc
+        buf[base:base + n_al] = allocation
         if old_al > n_al:
             buf[base + n_al:base + old_al] = 0
         self.used[index] = (n_rel, n_al)

@@ -17,23 +17,26 @@ executor          what ``execute(planned)`` does
 replicas          ``graphalloc.replicas``: broadcast a planner's step, or replay one
 ================  ===================================================================
 
-The protocol (for writing another strategy): ``bind(alloc)`` is called once by the
-allocator's constructor, after its device tables and descriptor ring exist;
+The protocol (for writing another strategy; :class:`~graphalloc.parts.ExecutorPart`):
+``bind(parts)`` is called once by the allocator's constructor with its
+:class:`~graphalloc.parts.DeviceParts` (``config``, ``ring``, ``kernels``, ``state``,
+``ledger``, ``tables``: never the allocator), after its device tables and descriptor ring
+exist; the executor reads them as ``self.parts``;
 ``execute(planned)`` must enqueue the step and return without synchronising;
 ``plans_locally = False`` makes the allocator refuse ``plan()`` before anything changes
 (a broadcast follower replays steps planned elsewhere); ``stamps_steps`` says whether
 ``execute`` runs the step kernels over the allocator's own descriptor buffer (then they
 count the step's stamp on the device and ``check()`` expects it: launching through
-``alloc.kernels`` / ``alloc.launch`` / :func:`launch_exact` does; an executor that runs
+``parts.kernels`` / ``alloc.launch`` / :func:`launch_exact` does; an executor that runs
 the step from other memory sets it False). ``n_fused`` / ``n_two_launch`` count executed
 steps of each launch form.
 """
 
 from __future__ import annotations
 
-import weakref
-
+from ..deprecations import warn_renamed
 from ..errors import ConfigError
+from ..parts import DeviceParts
 
 __all__ = ["Executor", "EagerExecutor", "make_executor", "warm_up", "launch_exact", "lanes_of",
            "states_of"]
@@ -47,22 +50,25 @@ class Executor:
     stamps_steps = True  # execute() launches over the ring's buffers: stamps are counted
 
     def __init__(self) -> None:
-        self._alloc = None
+        self.parts = None  # the DeviceParts served, from bind()
         self.n_fused = 0
         self.n_two_launch = 0
 
     @property
     def alloc(self):
-        """The allocator served (held weakly: the allocator holds its executor, so no
-        reference cycle keeps either alive -- or, for replicas, a process group)."""
-        return None if self._alloc is None else self._alloc()
+        """Deprecated name of :attr:`parts` (warns): an executor is bound to the allocator's
+        :class:`~graphalloc.parts.DeviceParts`, not to the allocator."""
+        warn_renamed("Executor.alloc is deprecated: read Executor.parts (the allocator's "
+                     "DeviceParts: config, ring, kernels, state, ledger, tables)")
+        return self.parts
 
-    def bind(self, alloc) -> None:
-        """Attach to ``alloc`` (once, from its constructor)."""
-        if self._alloc is not None:
+    def bind(self, parts: DeviceParts) -> None:
+        """Attach to an allocator's :class:`~graphalloc.parts.DeviceParts` (once, from its
+        constructor)."""
+        if self.parts is not None:
             raise ConfigError(f"this {type(self).__name__} already serves another allocator; "
                               "build one executor per allocator")
-        self._alloc = weakref.ref(alloc)
+        self.parts = parts
 
     def execute(self, planned) -> None:
         """Enqueue the device work of ``planned`` (never synchronises)."""
@@ -75,7 +81,7 @@ class Executor:
             self.n_two_launch += 1
 
 
-def warm_up(alloc, n: int = 1) -> None:
+def warm_up(parts: DeviceParts, n: int = 1) -> None:
     """Compile every kernel variant a step can use, now: launch the step kernels over an
     all-padding descriptor (nothing changes) in both launch forms. On a CUDA device this is
     done at construction, so no Triton compilation ever happens mid-serving (a first
@@ -84,7 +90,7 @@ def warm_up(alloc, n: int = 1) -> None:
 
     from ..diagnostics.sync_points import sync_allowed
 
-    ring = alloc.ring
+    ring, kernels = parts.ring, parts.kernels
     with sync_allowed():
         torch.cuda.synchronize()  # sync ok: one-time construction
         side = torch.cuda.Stream()
@@ -92,44 +98,44 @@ def warm_up(alloc, n: int = 1) -> None:
         with torch.cuda.stream(side):
             for i in range(len(ring)):
                 ring.write(i, ring.np_bufs[i][:0], ring.np_bufs[i][:0])
-            lanes, states = lanes_of(alloc, 0), states_of(alloc, 0)
+            lanes, states = lanes_of(parts, 0), states_of(parts, 0)
             for _ in range(n):
                 for staged in (False, True):  # (a graph's launches are staged)
-                    alloc.kernels(ring.release_rows(0), ring.alloc_rows(0), lane_rows=lanes,
-                                  state_rows=states, staged=staged)
-                    if alloc.kernels.fused:
-                        alloc.kernels(ring.release_rows(0), ring.alloc_rows(0), fusable=True,
-                                      lane_rows=lanes, state_rows=states, staged=staged)
+                    kernels(ring.release_rows(0), ring.alloc_rows(0), lane_rows=lanes,
+                            state_rows=states, staged=staged)
+                    if kernels.fused:
+                        kernels(ring.release_rows(0), ring.alloc_rows(0), fusable=True,
+                                lane_rows=lanes, state_rows=states, staged=staged)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()  # sync ok: one-time construction
 
 
-def launch_exact(alloc, planned) -> bool:
+def launch_exact(parts: DeviceParts, planned) -> bool:
     """Launch ``planned``'s kernels over exactly its rows (``StepKernels.grids.exact``: no
     program for a padded row, a long allocation row shared by several programs); a step
     with no rows launches nothing. Returns whether it was one fused launch."""
-    kernels, ring, index = alloc.kernels, alloc.ring, planned.buffer_index
+    kernels, ring, index = parts.kernels, parts.ring, planned.buffer_index
     fused = planned.fusable and kernels.fused
     grid = kernels.grids.exact(planned.n_release_rows, planned.n_alloc_rows, planned.n_tokens)
     counts = planned.state_counts
     if grid.n_release_rows or grid.n_alloc_rows:
         kernels(ring.release_rows(index), ring.alloc_rows(index), fusable=planned.fusable,
-                grid=grid, lane_rows=lanes_of(alloc, index),
-                state_rows=states_of(alloc, index) if counts else None, state_counts=counts)
+                grid=grid, lane_rows=lanes_of(parts, index),
+                state_rows=states_of(parts, index) if counts else None, state_counts=counts)
     elif counts:  # state rows only (a snapshot taken, a commit): the state kernels
         kernels.launch_states(ring.state_rows(index), counts)
     return fused
 
 
-def lanes_of(alloc, index: int):
+def lanes_of(parts: DeviceParts, index: int):
     """Buffer ``index``'s lane rows when the allocator writes page tables, else None."""
-    return alloc.ring.lane_rows(index) if alloc.kernels.tables is not None else None
+    return parts.ring.lane_rows(index) if parts.kernels.tables is not None else None
 
 
-def states_of(alloc, index: int):
+def states_of(parts: DeviceParts, index: int):
     """Buffer ``index``'s recurrent-state section when the allocator has state slots, else
     None."""
-    return alloc.ring.state_rows(index) if alloc.config.num_state_slots else None
+    return parts.ring.state_rows(index) if parts.config.num_state_slots else None
 
 
 class EagerExecutor(Executor):
@@ -142,13 +148,13 @@ class EagerExecutor(Executor):
 
     name = "eager"
 
-    def bind(self, alloc) -> None:
-        super().bind(alloc)
-        if alloc.config.device.type == "cuda":
-            warm_up(alloc)
+    def bind(self, parts: DeviceParts) -> None:
+        super().bind(parts)
+        if parts.config.device.type == "cuda":
+            warm_up(parts)
 
     def execute(self, planned) -> None:
-        self.count(launch_exact(self._alloc(), planned))
+        self.count(launch_exact(self.parts, planned))
 
 
 def make_executor(executor) -> Executor:

@@ -49,6 +49,7 @@ import torch
 
 from ..diagnostics.sync_points import sync_allowed
 from ..errors import CaptureError, ConfigError, ContractError
+from ..parts import DeviceParts
 from .buckets import LONG_EXTRA_TOKENS, GridPolicy, StepGrid
 from .executor import Executor, lanes_of, launch_exact, states_of, warm_up
 
@@ -164,9 +165,9 @@ class StepGraph(Executor):
 
     name = "graph"
 
-    def __init__(self, alloc=None, *, warmup: int = 2, buckets: bool = True, growth: int = 4,
+    def __init__(self, *attached, warmup: int = 2, buckets: bool = True, growth: int = 4,
                  staged: bool = True, long_programs: int = 64):
-        if alloc is not None:
+        if attached:  # the old form StepGraph(alloc): refused, the executor is chosen at build
             raise ConfigError("StepGraph is an executor chosen when the allocator is built: "
                               "HybridAllocator(cfg, executor='graph') (or "
                               "executor=StepGraph(warmup=...)); it is not attached afterwards")
@@ -204,12 +205,12 @@ class StepGraph(Executor):
         """Captured graphs, all buckets, forms and buffers (0 on a CPU device)."""
         return len(self._all)
 
-    def bind(self, alloc) -> None:
-        super().bind(alloc)
-        cfg = alloc.config
+    def bind(self, parts: DeviceParts) -> None:
+        super().bind(parts)
+        cfg = parts.config
         self.policy = GridPolicy(cfg, growth=self.growth if self.buckets else None,
                                  long_programs=self.long_programs)
-        self._fused = alloc.kernels.fused
+        self._fused = parts.kernels.fused
         if self.buckets:
             self._choose = self.policy.bucket
         else:
@@ -218,17 +219,17 @@ class StepGraph(Executor):
         if cfg.device.type != "cuda":
             _warn_cpu_fallback()
             return
-        ring, kernels = alloc.ring, alloc.kernels
+        ring, kernels = parts.ring, parts.kernels
         shapes = self.policy.shapes() if self.buckets else [self.policy.full()]
         full = self.policy.full()
-        warm_up(alloc, self.warmup)
+        warm_up(parts, self.warmup)
         gc.collect()  # once: dropped allocators are finalised now, never mid-capture
         pool = None
         replays: list[tuple[dict, dict]] = []
         with sync_allowed():
             for i in range(len(ring)):
-                rel, al, lanes = ring.release_rows(i), ring.alloc_rows(i), lanes_of(alloc, i)
-                states = states_of(alloc, i)
+                rel, al, lanes = ring.release_rows(i), ring.alloc_rows(i), lanes_of(parts, i)
+                states = states_of(parts, i)
                 forms: tuple[dict, dict] = ({}, {})
                 for fused in ((False, True) if self._fused else (False,)):
                     for grid in shapes:
@@ -292,7 +293,7 @@ class StepGraph(Executor):
     def execute(self, planned) -> None:
         fused = planned.fusable and self._fused
         if self._table is None:  # a CPU device: eager, over exactly the step's rows
-            self.count(launch_exact(self._alloc(), planned))
+            self.count(launch_exact(self.parts, planned))
             return
         replay = self._lookup(planned.buffer_index, fused, planned.n_release_rows,
                               planned.n_alloc_rows, planned.n_tokens)

@@ -70,18 +70,19 @@ from ..kernels.abi import (
     SEEN_COUNT,
     SEEN_MAX,
 )
+from ..parts import DeviceParts
 
 __all__ = ["undo_launch", "project_all", "uncount_stamps", "save_held_destinations"]
 
 
-def _dev(alloc, arr) -> torch.Tensor:
-    return torch.as_tensor(np.ascontiguousarray(arr)).to(alloc.config.device)
+def _dev(parts: DeviceParts, arr) -> torch.Tensor:
+    return torch.as_tensor(np.ascontiguousarray(arr)).to(parts.config.device)
 
 
 # ---- one table at a time ---------------------------------------------------------------------
-def _holder_lens(alloc, rows: np.ndarray) -> np.ndarray:
+def _holder_lens(parts: DeviceParts, rows: np.ndarray) -> np.ndarray:
     """Tokens each holder row holds (request rows, then handle rows; 0 when not held)."""
-    led, n_req = alloc.ledger, alloc.config.max_reqs
+    led, n_req = parts.ledger, parts.config.max_reqs
     lens = np.zeros(len(rows), dtype=np.int64)
     req = rows < n_req
     lens[req] = np.where(led.live[rows[req]], led.seq_len[rows[req]], 0)
@@ -90,12 +91,12 @@ def _holder_lens(alloc, rows: np.ndarray) -> np.ndarray:
     return lens
 
 
-def project_token_rows(alloc, rows) -> None:
+def project_token_rows(parts: DeviceParts, rows) -> None:
     """Pool mode: ``req_to_token[row, :L]`` of each holder row from the page mirror (entries
     past L are left as they are)."""
-    cfg, refs, ps = alloc.config, alloc.ledger.refs, alloc.config.page_size
+    cfg, refs, ps = parts.config, parts.ledger.refs, parts.config.page_size
     rows = np.unique(np.asarray(rows, dtype=np.int64))
-    lens = _holder_lens(alloc, rows)
+    lens = _holder_lens(parts, rows)
     rows, lens = rows[lens > 0], lens[lens > 0]
     if not len(rows):
         return
@@ -104,24 +105,24 @@ def project_token_rows(alloc, rows) -> None:
     pages = refs.page_of[rows][:, pos // ps].astype(np.int64)
     values = pages * ps + pos % ps
     keep = pos[None, :] < lens[:, None]
-    table = alloc.state.req_to_token_buf
-    index = _dev(alloc, rows)
+    table = parts.state.req_to_token_buf
+    index = _dev(parts, rows)
     current = table[index, :width]
-    new = torch.where(_dev(alloc, keep), _dev(alloc, values).to(table.dtype), current)
+    new = torch.where(_dev(parts, keep), _dev(parts, values).to(table.dtype), current)
     table[index, :width] = new
     del cfg
 
 
-def project_mapping(alloc) -> None:
+def project_mapping(parts: DeviceParts) -> None:
     """``full_to_swa`` whole: pool mode from the page mirror; ring mode derived on the device
     from the live rows' req_to_token and ring_pages (the window's pages ``[f, L)`` are mapped
     to their ring page, every other entry is 0)."""
-    cfg, led, ps = alloc.config, alloc.ledger, alloc.config.page_size
-    table = alloc.state.full_to_swa_buf
+    cfg, led, ps = parts.config, parts.ledger, parts.config.page_size
+    table = parts.state.full_to_swa_buf
     if not cfg.ring_mode:
         swa = led.refs.swa_of.astype(np.int64)[:, None]
         values = np.where(swa > 0, swa * ps + np.arange(ps), 0).reshape(-1)
-        table.copy_(_dev(alloc, values).to(table.dtype))
+        table.copy_(_dev(parts, values).to(table.dtype))
         return
     rows = np.flatnonzero(led.live)
     lo, hi = led.frontier[rows] // ps, -(-led.seq_len[rows] // ps)
@@ -132,46 +133,46 @@ def project_mapping(alloc) -> None:
     table.zero_()
     if not len(r):
         return
-    st = alloc.state
-    r_t, k_t = _dev(alloc, r), _dev(alloc, k)
+    st = parts.state
+    r_t, k_t = _dev(parts, r), _dev(parts, k)
     full = st.req_to_token_buf[r_t, k_t * ps] // ps
     swa = st.ring_pages_buf[r_t, k_t % cfg.swa_ring_pages].to(table.dtype)
     off = torch.arange(ps, device=table.device, dtype=table.dtype)
     table[(full[:, None] * ps + off).reshape(-1)] = (swa[:, None] * ps + off).reshape(-1)
 
 
-def project_windows(alloc, rings: bool) -> None:
+def project_windows(parts: DeviceParts, rings: bool) -> None:
     """A model's further window pools (pool mode only): each pool's ``full_to_swa`` from its
     page mirror (``WindowLedger.swa_of``), its epoch table zeroed and, with ``rings``, its
     free ring from the ring mirror (a failed step never writes a free window, so an undo
     needs no rings)."""
-    ps = alloc.config.page_size
-    for window, tables in zip(alloc.ledger.windows, alloc.state.windows, strict=True):
+    ps = parts.config.page_size
+    for window, tables in zip(parts.ledger.windows, parts.state.windows, strict=True):
         swa = window.swa_of.astype(np.int64)[:, None]
         values = np.where(swa > 0, swa * ps + np.arange(ps), 0).reshape(-1)
         table = tables.full_to_swa_buf
-        table.copy_(_dev(alloc, values).to(table.dtype))
+        table.copy_(_dev(parts, values).to(table.dtype))
         tables.swa_epoch_buf.zero_()
         if rings:
             buf = tables.swa_free_buf
-            buf[:-1].copy_(_dev(alloc, window.swa_ring.astype(np.int64)).to(buf.dtype))
+            buf[:-1].copy_(_dev(parts, window.swa_ring.astype(np.int64)).to(buf.dtype))
 
 
-def project_free_rings(alloc) -> None:
+def project_free_rings(parts: DeviceParts) -> None:
     """Pool mode: both free rings from the mirror (every position)."""
-    refs, st = alloc.ledger.refs, alloc.state
+    refs, st = parts.ledger.refs, parts.state
     for buf, mirror in ((st.full_free_buf, refs.full_ring), (st.swa_free_buf, refs.swa_ring)):
-        buf[:-1].copy_(_dev(alloc, mirror.astype(np.int64)).to(buf.dtype))
+        buf[:-1].copy_(_dev(parts, mirror.astype(np.int64)).to(buf.dtype))
 
 
-def project_states(alloc) -> None:
+def project_states(parts: DeviceParts) -> None:
     """The state table's defined entries from the host: every request's and handle's slot,
     and each request's newest speculative step in flight (``spec_state[r, :k]``; the rest of
     the speculative part is unspecified and left as it is)."""
-    cfg, led = alloc.config, alloc.ledger
+    cfg, led = parts.config, parts.ledger
     if not cfg.num_state_slots:
         return
-    table = alloc.state.state_table_buf
+    table = parts.state.state_table_buf
     n = cfg.max_reqs + cfg.max_handles
     index, values = [np.arange(n)], [led.state_slot]
     depth = np.count_nonzero(led.spec_steps, axis=1)
@@ -180,16 +181,16 @@ def project_states(alloc) -> None:
         k = int(np.count_nonzero(newest))
         index.append(n + r * cfg.max_spec_tokens + np.arange(k))
         values.append(newest[:k])
-    table[_dev(alloc, np.concatenate(index))] = _dev(alloc, np.concatenate(values)).to(
+    table[_dev(parts, np.concatenate(index))] = _dev(parts, np.concatenate(values)).to(
         table.dtype)
 
 
-def _restore_from_pushes(alloc, release_rows: np.ndarray) -> None:
+def _restore_from_pushes(parts: DeviceParts, release_rows: np.ndarray) -> None:
     """Ring mode: the rows this step cut and grew again (req_to_token) or released and
     admitted again (ring_pages) get back, from the free rings, the pages the step's release
     rows pushed (exact once the release launch returned). Only rows live after the
     rollback."""
-    cfg, led, st, ps = alloc.config, alloc.ledger, alloc.state, alloc.config.page_size
+    cfg, led, st, ps = parts.config, parts.ledger, parts.state, parts.config.page_size
     rows = release_rows[release_rows[:, REL_N_PAGES] > 0]
     rows = rows[led.live[rows[:, REL_REQ]]]
     for row in rows:
@@ -197,7 +198,7 @@ def _restore_from_pushes(alloc, release_rows: np.ndarray) -> None:
                                                  REL_FLAGS))
         if flags & REL_FULL:
             at = (int(row[REL_FULL_PUSH]) + np.arange(n)) % cfg.num_full_pages
-            pages = st.full_free_buf[_dev(alloc, at)]
+            pages = st.full_free_buf[_dev(parts, at)]
             off = torch.arange(ps, device=pages.device, dtype=pages.dtype)
             slots = (pages[:, None] * ps + off).reshape(-1)
             end = min(s + n * ps, cfg.max_context_len)
@@ -205,18 +206,18 @@ def _restore_from_pushes(alloc, release_rows: np.ndarray) -> None:
         if flags & REL_RING_RETURN:
             at = (int(row[REL_SWA_PUSH]) + np.arange(n)) % cfg.num_swa_pages
             q0 = s // ps
-            st.ring_pages_buf[r, q0:q0 + n] = st.swa_free_buf[_dev(alloc, at)]
+            st.ring_pages_buf[r, q0:q0 + n] = st.swa_free_buf[_dev(parts, at)]
 
 
 # ---- the stamp count -------------------------------------------------------------------------
-def uncount_stamps(alloc, first_stamp: int) -> None:
+def uncount_stamps(parts: DeviceParts, first_stamp: int) -> None:
     """Take the steps stamped ``first_stamp, first_stamp + 1, ...`` (consecutive plans, run
     in stream order, the last possibly not at all) off the device's step count, on the
     stream: ``count -= max(seen_max - first + 1, 0)``, ``seen_max = min(seen_max, first -
     1)``. No host read."""
     if first_stamp <= 0:
         return
-    seen = alloc.state.seen_buf
+    seen = parts.state.seen_buf
     top = seen[SEEN_MAX]
     counted = torch.clamp(top - (first_stamp - 1), min=0)
     seen[SEEN_COUNT] -= counted
@@ -224,7 +225,7 @@ def uncount_stamps(alloc, first_stamp: int) -> None:
 
 
 # ---- state slots a copy overwrites ------------------------------------------------------------
-def save_held_destinations(alloc, copies, ring_before) -> list | None:
+def save_held_destinations(parts: DeviceParts, copies, ring_before) -> list | None:
     """The state copies' destinations that were HELD when the step began (slots the step
     freed and popped again because the pool was short: a released request's, a dropped
     handle's, a speculative step's), saved on the device before the step's launch: per
@@ -234,10 +235,10 @@ def save_held_destinations(alloc, copies, ring_before) -> list | None:
     ``(head, n_free)`` before the plan. The slots popped past the ring's free window are
     exactly the ones the step pushed first, at ``[head + n_free, head + pops)``. Cost: O(1)
     unless a destination was held; then one gather per state tensor."""
-    tensors = alloc.kernels.copy_tensors
+    tensors = parts.kernels.copy_tensors
     if copies is None or not len(copies) or not tensors:
         return None
-    led = alloc.ledger
+    led = parts.ledger
     cap, (head0, free0) = led.states.capacity, ring_before
     pops = (led.states.head - head0) % cap or cap  # copies pop, so 0 means a full turn
     if pops <= free0:
@@ -249,7 +250,7 @@ def save_held_destinations(alloc, copies, ring_before) -> list | None:
     with sync_allowed():  # rare: the pool was short in a step that copies
         out = []
         for t, dim in tensors:
-            index = _dev(alloc, held).to(t.device)
+            index = _dev(parts, held).to(t.device)
             out.append((t, dim, index, t.index_select(dim, index)))
     return out
 
@@ -260,7 +261,7 @@ def _restore_saved(saved) -> None:
 
 
 # ---- the two callers -------------------------------------------------------------------------
-def undo_launch(alloc, buffers: list[int], first_stamp: int, released: bool,
+def undo_launch(parts: DeviceParts, buffers: list[int], first_stamp: int, released: bool,
                 saved=None) -> None:
     """After the host rollback: make the device tables equal to the ledger again, behind
     whatever the failed launch enqueued (see the module docstring). ``buffers``: the
@@ -268,7 +269,7 @@ def undo_launch(alloc, buffers: list[int], first_stamp: int, released: bool,
     free); ``first_stamp``: the first of their stamps (0: none); ``released``: the last
     buffer's release launch returned (ring mode's restore needs it); ``saved``: what
     :func:`save_held_destinations` saved, written back."""
-    cfg, ring = alloc.config, alloc.ring
+    cfg, ring = parts.config, parts.ring
     with sync_allowed():  # the failure path may copy from pageable host memory
         last = buffers[-1]
         n_rel, n_al = ring.used[last]
@@ -276,38 +277,38 @@ def undo_launch(alloc, buffers: list[int], first_stamp: int, released: bool,
         grows = al_rows[(al_rows[:, AL_N_TOKENS] > 0) | (al_rows[:, AL_N_PAGES] > 0), AL_REQ]
         if cfg.ring_mode:
             if released and len(grows):
-                _restore_from_pushes(alloc, ring.np_bufs[last][:n_rel].copy())
+                _restore_from_pushes(parts, ring.np_bufs[last][:n_rel].copy())
         else:
-            project_token_rows(alloc, grows)
-        project_mapping(alloc)
-        project_windows(alloc, rings=False)
-        project_states(alloc)
-        alloc.state.full_epoch_buf.zero_()
-        alloc.state.swa_epoch_buf.zero_()
-        uncount_stamps(alloc, first_stamp)
+            project_token_rows(parts, grows)
+        project_mapping(parts)
+        project_windows(parts, rings=False)
+        project_states(parts)
+        parts.state.full_epoch_buf.zero_()
+        parts.state.swa_epoch_buf.zero_()
+        uncount_stamps(parts, first_stamp)
         _restore_saved(saved)
 
 
-def project_all(alloc) -> None:
+def project_all(parts: DeviceParts) -> None:
     """Every table the allocator defines, from the host ledger (pool mode: all of them;
     ring mode, which keeps no host copy of page ids: req_to_token and ring_pages are kept,
     full_to_swa is derived from them and the free windows are refilled with the pages no
     live row holds, ascending). Zeroes the validate-mode epoch tables."""
-    cfg, led, st = alloc.config, alloc.ledger, alloc.state
+    cfg, led, st = parts.config, parts.ledger, parts.state
     if cfg.ring_mode:
-        _refill_ring_mode_windows(alloc)
+        _refill_ring_mode_windows(parts)
     else:
-        project_token_rows(alloc, np.arange(cfg.max_reqs + led.n_handles))
-        project_free_rings(alloc)
-    project_mapping(alloc)
-    project_windows(alloc, rings=True)
-    project_states(alloc)
+        project_token_rows(parts, np.arange(cfg.max_reqs + led.n_handles))
+        project_free_rings(parts)
+    project_mapping(parts)
+    project_windows(parts, rings=True)
+    project_states(parts)
     st.full_epoch_buf.zero_()
     st.swa_epoch_buf.zero_()
 
 
-def _refill_ring_mode_windows(alloc) -> None:
-    cfg, led, st, ps = alloc.config, alloc.ledger, alloc.state, alloc.config.page_size
+def _refill_ring_mode_windows(parts: DeviceParts) -> None:
+    cfg, led, st, ps = parts.config, parts.ledger, parts.state, parts.config.page_size
     rows = np.flatnonzero(led.live)
     r2t = st.req_to_token_buf[:cfg.max_reqs].cpu().numpy()  # sync ok: recover()
     ring_pages = st.ring_pages_buf[:cfg.max_reqs].cpu().numpy()  # sync ok: recover()
@@ -323,4 +324,4 @@ def _refill_ring_mode_windows(alloc) -> None:
         if len(free) != ring.n_free:
             continue  # the audit that follows names the conservation failure
         at = (ring.head + np.arange(len(free))) % n_pages
-        buf[_dev(alloc, at)] = _dev(alloc, free).to(buf.dtype)
+        buf[_dev(parts, at)] = _dev(parts, free).to(buf.dtype)

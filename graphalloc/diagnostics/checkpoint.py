@@ -4,7 +4,7 @@ A state dict holds the host ledger (numpy) and the device tables (CPU tensors),
 in PyTorch's convention. Loading validates the *incoming* state with the
 full audit (page-dense mapping, no page with two owners, counts conserved)
 before anything is copied; a state that fails raises
-:class:`~graphalloc.errors.StateError` naming the first bad page, and the
+:class:`~graphparts.errors.StateError` naming the first bad page, and the
 allocator keeps its previous state. Tables are copied in place, so captured
 graphs stay valid.
 """
@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import StateError
+from ..parts import DeviceParts, PipelinePart
 from ..state.ledger import Ledger
 from .integrity import audit_state
 
@@ -25,18 +26,19 @@ _GEOMETRY = ("page_size", "num_full_pages", "num_swa_pages", "max_reqs", "max_co
 FORMAT = 2  # 1: the first format (with a "protected" row array); 2: Ledger.arrays()
 
 
-def state_dict(alloc) -> dict:
-    """Host ledger and device tables, copied to the CPU (reads the device)."""
-    if alloc.pending is not None:
+def state_dict(parts: DeviceParts, pipeline: PipelinePart) -> dict:
+    """Host ledger and device tables of ``parts`` (:class:`~graphparts.parts.DeviceParts`),
+    copied to the CPU (reads the device); refused while ``pipeline`` has a step pending."""
+    if pipeline.pending is not None:
         raise StateError("a planned step was neither run nor cancelled; finish it before "
                          "saving")
     return {
         "format": FORMAT,
-        "geometry": {k: getattr(alloc.config, k) for k in _GEOMETRY},
-        "index_dtype": str(alloc.config.index_dtype),
-        "host": {k: v.copy() for k, v in alloc.ledger.arrays().items()},
+        "geometry": {k: getattr(parts.config, k) for k in _GEOMETRY},
+        "index_dtype": str(parts.config.index_dtype),
+        "host": {k: v.copy() for k, v in parts.ledger.arrays().items()},
         "device": {k: v.detach().cpu().clone()  # off the fast path
-                   for k, v in alloc.state.tables().items()},
+                   for k, v in parts.state.tables().items()},
     }
 
 
@@ -62,12 +64,12 @@ def _host_arrays(sd: dict) -> dict:
     return arrays
 
 
-def load_state_dict(alloc, sd: dict) -> None:
+def load_state_dict(parts: DeviceParts, pipeline: PipelinePart, sd: dict) -> None:
     """Validate ``sd`` completely, then copy it in. Raises :class:`StateError` (nothing
     changed) when the geometry differs, a table has the wrong shape, or the audit of the
     incoming state finds a discrepancy. Reads both formats (format 1 without a protected
     prefix)."""
-    cfg = alloc.config
+    cfg = parts.config
     if not isinstance(sd, dict):
         raise StateError(f"not a graphalloc state dict: a {type(sd).__name__}")
     try:
@@ -79,7 +81,7 @@ def load_state_dict(alloc, sd: dict) -> None:
         if geometry.get(k) != getattr(cfg, k):
             raise StateError(f"state dict has {k}={geometry.get(k)}, this allocator "
                              f"{getattr(cfg, k)}; build an allocator with the same geometry")
-    current = alloc.state.tables()
+    current = parts.state.tables()
     for k, t in current.items():
         src = device.get(k)
         if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(t.shape):
@@ -109,12 +111,12 @@ def load_state_dict(alloc, sd: dict) -> None:
         raise StateError(f"state dict refused, first bad page {first.page} "
                          f"({first.pool}, request {first.req}): {first.message}; "
                          f"{len(findings)} finding(s) in all. The allocator kept its state")
-    if alloc.pending is not None:
+    if pipeline.pending is not None:
         raise StateError("a planned step was neither run nor cancelled; finish it before "
                          "loading a state")
     for k, t in current.items():
         t.copy_(device[k].to(t.dtype))
-    alloc.ledger.assign(ledger.arrays())
+    parts.ledger.assign(ledger.arrays())
     from .recovery import clear_faults
 
-    clear_faults(alloc)
+    clear_faults(parts, pipeline)

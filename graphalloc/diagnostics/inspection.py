@@ -16,6 +16,7 @@ import torch
 
 from ..errors import DeviceFaultError, GraphallocError
 from ..kernels.abi import ERR_WORDS
+from ..parts import DeviceParts, PipelinePart
 from .sync_points import sync_allowed
 
 __all__ = ["read_fault", "read_words"]
@@ -40,13 +41,16 @@ def read_fault(config, state, sync: bool = False) -> DeviceFaultError | None:
     return DeviceFaultError.from_error_word(read_words(config, state, None, sync)[0])
 
 
-def first_error(alloc, sync: bool = False) -> GraphallocError | None:
+def first_error(parts: DeviceParts, pipeline: PipelinePart,
+                sync: bool = False) -> GraphallocError | None:
     """What ``check()`` raises: a device fault first, then a submission mismatch; None when
-    healthy (the steps checked are then forgotten)."""
-    err, seen = read_words(alloc.config, alloc.state, alloc.ring, sync)
+    healthy (the steps checked are then forgotten). ``parts``: the allocator's
+    :class:`~graphalloc.parts.DeviceParts`; ``pipeline``: its
+    :class:`~graphalloc.parts.PipelinePart`."""
+    err, seen = read_words(parts.config, parts.state, parts.ring, sync)
     fault = DeviceFaultError.from_error_word(err)
     if fault is not None:
         return fault
-    pending = alloc.pending
+    pending = pipeline.pending
     pending_rows = pending is not None and bool(pending.n_release_rows or pending.n_alloc_rows)
-    return alloc.pipeline.submissions.verify(seen, pending_rows)
+    return pipeline.submissions.verify(seen, pending_rows)

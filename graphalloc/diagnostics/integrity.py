@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import IntegrityError
 from ..kernels.abi import ERR_CODES, ERR_PAGE, ERR_REQ
+from ..parts import DeviceParts
 from .findings import Finding
 from .sync_points import sync_allowed
 from .window_audit import audit_windows
@@ -33,12 +34,12 @@ __all__ = ["Finding", "snapshot", "audit", "audit_state", "audit_slots", "check_
            "ownership"]
 
 
-def snapshot(alloc) -> dict:
+def snapshot(parts: DeviceParts) -> dict:
     """Copies of every host array and device table (numpy)."""
-    led = alloc.ledger
+    led = parts.ledger
     with sync_allowed():
         snap = {name: t.detach().cpu().numpy().copy()  # off the fast path
-                for name, t in alloc.state.tables().items()}
+                for name, t in parts.state.tables().items()}
     for name, arr in led.arrays().items():
         snap[f"host_{name}"] = arr.copy()
     snap["host_full_ring"] = (led.full.head, led.full.n_free)
@@ -314,14 +315,14 @@ def _error_word_findings(snap: dict) -> list[Finding]:
                     f"device error word: {err.tolist()}")]  # off the fast path
 
 
-def audit(alloc) -> list[Finding]:
-    """Every discrepancy of a live allocator (empty list when healthy). Reads the device."""
-    return audit_state(alloc.config, alloc.ledger, snapshot(alloc))
+def audit(parts: DeviceParts) -> list[Finding]:
+    """Every discrepancy of a live allocator's parts (empty list when healthy). Reads the device."""
+    return audit_state(parts.config, parts.ledger, snapshot(parts))
 
 
-def check_integrity(alloc) -> None:
+def check_integrity(parts: DeviceParts) -> None:
     """Raise :class:`IntegrityError` on the first discrepancy :func:`audit` finds."""
-    findings = audit(alloc)
+    findings = audit(parts)
     if findings:
         more = f" (+{len(findings) - 1} more)" if len(findings) > 1 else ""
         raise IntegrityError(f"{findings[0]}{more}")

@@ -10,7 +10,11 @@ that are still wrong. These read the device on purpose (sanctioned sync points).
 
 Invariants: after ``recover()`` returns, ``audit()`` is empty and the allocator holds what
 one that never faulted holds; ``faulted`` is False only when the last audit was clean (or
-a state dict just loaded, :func:`clear_faults`). Cost: ``check()`` one 80-byte read;
+a state dict just loaded, :func:`clear_faults`). Each function takes the allocator's
+:class:`~graphalloc.parts.DeviceParts` and its pipeline (:class:`~graphalloc.parts.PipelinePart`:
+the fault flag, the submissions, the pending step); the open blocks' rule (no reset or
+recover inside a ``scheduler_step()`` or ``free_group()`` block) is the allocator's
+(:func:`graphalloc.operations.idle`), checked before these run. Cost: ``check()`` one 80-byte read;
 ``reset_faults()`` one audit; ``recover()`` one synchronisation, every table written once
 and one audit.
 """
@@ -19,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ContractError, IntegrityError, NestedGroupError, PendingStepError
+from ..errors import ContractError, IntegrityError, PendingStepError
+from ..parts import DeviceParts, PipelinePart
 from . import integrity
 from .inspection import first_error
 from .sync_points import sync_allowed
@@ -27,75 +32,69 @@ from .sync_points import sync_allowed
 __all__ = ["check", "clear_faults", "reset_faults", "recover"]
 
 
-def check(alloc, sync: bool) -> None:
+def check(parts: DeviceParts, pipeline: PipelinePart, sync: bool) -> None:
     if not isinstance(sync, bool):
         raise ContractError(f"check(sync=...) takes a bool, got {sync!r}")
-    error = first_error(alloc, sync)
+    error = first_error(parts, pipeline, sync)
     if error is not None:
-        alloc.faulted = True
+        pipeline.faulted = True
         raise error
 
 
-def clear_faults(alloc) -> None:
+def clear_faults(parts: DeviceParts, pipeline: PipelinePart) -> None:
     """Zero the error word and the step count; steps are accepted again (the caller knows
     the device tables are right: a state dict just loaded and audited)."""
-    alloc.state.err_buf.zero_()
-    alloc.state.seen_buf.zero_()
-    alloc.pipeline.submissions.reset()
-    alloc.faulted = False
+    parts.state.err_buf.zero_()
+    parts.state.seen_buf.zero_()
+    pipeline.submissions.reset()
+    pipeline.faulted = False
 
 
-def _idle(alloc, what: str) -> None:
-    if alloc.recorder is not None:
-        from ..operations import recorder_open  # (operations imports this module)
-
-        raise recorder_open(what)
-    if alloc.group is not None:
-        raise NestedGroupError(f"{what}() inside free_group(): close the block first")
-    if alloc.pending is not None:
+def _idle(pipeline: PipelinePart, what: str) -> None:
+    if pipeline.pending is not None:
         raise PendingStepError(f"{what}() with a planned step pending: run() or cancel() it "
                                "first")
 
 
-def reset_faults(alloc) -> None:
+def reset_faults(parts: DeviceParts, pipeline: PipelinePart) -> None:
     """Clear a reported fault, refused while the device tables disagree with the host: then
     nothing changes and ``IntegrityError`` names the first finding (``recover()`` is the
     way back)."""
-    _idle(alloc, "reset_faults")
-    findings = [f for f in integrity.audit(alloc) if f.kind != "device_fault"]
+    _idle(pipeline, "reset_faults")
+    findings = [f for f in integrity.audit(parts) if f.kind != "device_fault"]
     if findings:
-        alloc.faulted = True
+        pipeline.faulted = True
         raise IntegrityError(
             f"reset_faults(): the device tables disagree with the host ledger ({findings[0]}"
             f"; {len(findings)} finding(s) in all), so steps stay refused: recover() rebuilds "
             "the device tables from the host ledger")
-    clear_faults(alloc)
+    clear_faults(parts, pipeline)
 
 
-def recover(alloc) -> None:
+def recover(parts: DeviceParts, pipeline: PipelinePart) -> None:
     """Wait for the device, write every device table again from the host ledger, clear the
     error word and the step count, audit; steps are accepted again when the audit is clean
     (else ``IntegrityError``, steps stay refused)."""
     from ..device.restore import project_all
 
-    _idle(alloc, "recover")
+    _idle(pipeline, "recover")
     try:
-        alloc.ledger.check_host_invariants()
+        parts.ledger.check_host_invariants()
     except IntegrityError as exc:
-        alloc.faulted = True
+        pipeline.faulted = True
         raise IntegrityError(f"recover(): the host ledger itself is broken ({exc}); there is "
                              "nothing to rebuild the device from: build a new allocator or "
                              "load_state_dict() a good state") from None
     with sync_allowed():
-        if alloc.config.device.type == "cuda":
-            torch.cuda.synchronize(alloc.config.device)  # sync ok: recover() waits on purpose
-        project_all(alloc)
-        clear_faults(alloc)
-        alloc.pipeline.output_epoch += 1  # outputs of earlier steps are not vouched for
-        findings = integrity.audit(alloc)
+        if parts.config.device.type == "cuda":
+            torch.cuda.synchronize(parts.config.device)  # sync ok: recover() waits on purpose
+        project_all(parts)
+        clear_faults(parts, pipeline)
+        pipeline.output_epoch += 1  # outputs of earlier steps are not vouched for
+        findings = integrity.audit(parts)
     if findings:
-        alloc.faulted = True
-        more = "" if alloc.config.ring_mode else " (a planner bug: please report it)"
+        pipeline.faulted = True
+        more = "" if parts.config.ring_mode else " (a planner bug: please report it)"
         raise IntegrityError(
             f"recover(): the device still disagrees with the host after the rebuild "
             f"({findings[0]}; {len(findings)} finding(s) in all){more}. Ring mode keeps no "

@@ -118,7 +118,7 @@ class CacheEntries:
                 due.add(row)
                 break
             old = self._entry_of[row]
-            if old >= 0 and (cache.is_locked(old) if old in cache._entries else True):  # noqa: SLF001
+            if old >= 0 and (cache.is_locked(old) if old in cache else True):
                 old = -1
             out.append((free_h.pop(), row, n_blocks * bs, keys, old))
         return out

@@ -35,7 +35,7 @@ the :class:`~graphalloc.plan.lanes.LaneOutcome` fields, read from the lane rows.
 ``resolve_planner`` decides who plans: ``"auto"`` (the compiled twin when it was built;
 ``GRAPHALLOC_PLANNER=numpy`` forces numpy), ``"compiled"`` (refused with ``ConfigError``
 when it was not built) or ``"numpy"``. A model with several window pools is planned by
-numpy (:meth:`CompiledPlanner.for_allocator`: ``"auto"`` picks numpy, ``"compiled"`` is
+numpy (:meth:`CompiledPlanner.for_parts`: ``"auto"`` picks numpy, ``"compiled"`` is
 refused). Without the extension this module warns once at
 import. At import the C constants are checked against :mod:`graphalloc.kernels.abi`, the
 StepArrays fields, the kind ids and the refusal codes.
@@ -54,6 +54,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..kernels import abi
+from ..parts import DeviceParts
 from ..state import references
 from ..state.ledger import Ledger
 from .reference import PlanOutcome
@@ -179,11 +180,13 @@ class _Results:
 
 
 class CompiledPlanner:
-    """The compiled twin bound to one allocator (see the module docstring)."""
+    """The compiled twin bound to one allocator's parts (see the module docstring):
+    ``parts`` (:class:`~graphalloc.parts.DeviceParts`) gives the ledger it plans on, the
+    descriptor ring it writes and the attention tables' host copies."""
 
-    def __init__(self, alloc):
-        cfg, led, ring = alloc.config, alloc.ledger, alloc.ring
-        tables = alloc.tables
+    def __init__(self, parts: DeviceParts):
+        cfg, led, ring = parts.config, parts.ledger, parts.ring
+        tables = parts.tables
         spec = None if tables is None else tables.spec
         shape = None if spec is None else (
             spec.max_batch, spec.model_window, spec.max_full_indices, spec.max_swa_indices,
@@ -233,13 +236,14 @@ class CompiledPlanner:
         self.commit = self._c.commit  # () -> None: the writes are final, the log forgotten
 
     @classmethod
-    def for_allocator(cls, alloc, planner: str = "auto") -> CompiledPlanner | None:
-        """The twin for ``alloc``, or ``None`` when ``planner`` resolves to numpy. The twin
-        plans one window pool: a model with further window pools (``config.pools.extras``)
-        is planned by numpy under ``"auto"`` and refused under ``"compiled"``."""
+    def for_parts(cls, parts, planner: str = "auto") -> CompiledPlanner | None:
+        """The twin for an allocator's ``parts``, or ``None`` when ``planner`` resolves to
+        numpy. The twin plans one window pool: a model with further window pools
+        (``config.pools.extras``) is planned by numpy under ``"auto"`` and refused under
+        ``"compiled"``."""
         if resolve_planner(planner) != "compiled":
             return None
-        extras = alloc.config.pools.extras
+        extras = parts.config.pools.extras
         if extras:
             if planner == "compiled":
                 raise ConfigError(
@@ -247,7 +251,7 @@ class CompiledPlanner:
                     f"{1 + len(extras)} ({', '.join(x.describe() for x in extras)} beside the "
                     "first): use planner='auto' or 'numpy' (the numpy planner plans them)")
             return None
-        return cls(alloc)
+        return cls(parts)
 
     def _fresh_results(self, i: int) -> _Results:
         """Buffer ``i``'s result arrays, replaced first when something still holds them."""

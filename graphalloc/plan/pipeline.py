@@ -23,9 +23,18 @@ to a submitted step. Lifecycle of one step, as facts about state::
                       returned; the allocator is exactly as before plan().
 
 One step is pending at a time. A dry run (``fits()``, the queries) plans into a scratch
-buffer and always rolls back. When an allocation is short and the allocator owns a prefix
-cache, the step is planned once more with the cache's offer of entries to drop
-(:meth:`~graphalloc.sharing.prefix_cache.PrefixCache.offer`), inside the same step.
+buffer and always rolls back. When an allocation is short and the pipeline was given a
+reclaim policy (:class:`~graphalloc.parts.ReclaimPolicy`: the prefix cache's index), the
+step is planned once more with the policy's offer of entries to drop
+(:meth:`~graphalloc.sharing.cache_index.CacheIndex.offer`), inside the same step.
+
+Parts (wired once by the allocator, :mod:`graphalloc.parts`): the
+:class:`~graphalloc.parts.DeviceParts` (ledger, ring, device tables, kernels, attention
+tables), the compiled planner, the executor, the reclaim policy; ``masks`` is the open
+free group (:class:`~graphalloc.parts.GroupMasks`: its ``released`` rows and ``dropped``
+handles, read at each plan), set by the block while it is open.
+The pipeline never holds the allocator: the general path of :meth:`StepPipeline.step` and
+the blocks' rules stay above it.
 
 Every planned step gets a stamp (a plan serial) written beside its buffer; a step that is
 submitted without its kernels having run shows at the next ``check()``.
@@ -45,11 +54,12 @@ from ..device.restore import save_held_destinations, undo_launch
 from ..device.stamps import SubmissionLedger
 from ..errors import ContractError, LaunchError, PendingStepError
 from ..kernels.abi import REL_EPOCH, REL_N_PAGES, ROW_WIDTH, ST_N_COPY, ST_N_TABLE
+from ..parts import DeviceParts, ExecutorPart, GroupMasks, PlannerPart, ReclaimPolicy
 from .context import PlanContext
 from .reference import PlanOutcome, plan_step
 from .refusals import Refusal, RefusalCode, to_error
 from .results import AllocResult, PlannedStep
-from .step import Step, StepArrays, normalize, normalize_fast
+from .step import Step, StepArrays, normalize, normalize_fast, step_from
 
 __all__ = ["StepPipeline"]
 
@@ -64,13 +74,20 @@ class StepPipeline:
     (submitted steps) and ``output_epoch`` (submitted steps that wrote output lanes; an
     :class:`AllocResult` is stale once it moves past the result's step)."""
 
-    def __init__(self, alloc, compiled=None):
-        self._alloc = weakref.ref(alloc)  # the allocator holds its pipeline: no cycle
-        self._state = alloc.state
-        self.config, self.ledger, self.ring = alloc.config, alloc.ledger, alloc.ring
-        self.compiled = compiled
-        self.tables_spec = None if alloc.tables is None else alloc.tables.spec
+    def __init__(self, parts: DeviceParts, executor: ExecutorPart,
+                 compiled: PlannerPart | None = None, reclaim: ReclaimPolicy | None = None):
+        self.parts = parts
+        self.state = self._state = parts.state
+        self.config, self.ledger, self.ring = parts.config, parts.ledger, parts.ring
+        self.kernels, self.tables = parts.kernels, parts.tables
+        self.executor = executor  # (ExecutorPart) bound to the same parts by the allocator
+        self.compiled = compiled  # (PlannerPart) None: the numpy reference plans
+        self.reclaim = reclaim  # (ReclaimPolicy) consulted on a shortage; None: no cache
+        self.masks: GroupMasks | None = None  # the open free group's masks, while open
+        self.faulted = False  # a fault reported by check(), until reset_faults() / recover()
+        self.tables_spec = None if parts.tables is None else parts.tables.spec
         self._n_reqs = self.config.max_reqs
+        self._self = weakref.ref(self)  # results and receipts name their pipeline weakly
         self.pending: PlannedStep | None = None
         self.steps_run = 0
         self.output_epoch = 0
@@ -83,23 +100,18 @@ class StepPipeline:
         self._scratch = np.zeros((cfg.max_release_rows + cfg.max_alloc_rows, ROW_WIDTH),
                                  dtype=np.int64)
 
-    @property
-    def alloc(self):
-        return self._alloc()
-
     # ---- planning -----------------------------------------------------------------------
     def refuse_planning(self) -> None:
-        alloc = self._alloc()
         if self.pending is not None:
             raise PendingStepError("the previous planned step was neither run() nor "
                                    "cancel()led: run it (or mark_submitted after your replay), "
                                    "or cancel it")
-        if alloc.faulted:
+        if self.faulted:
             raise PendingStepError("a device fault was reported by check(); the allocator "
                                    "refuses steps until recover() (or reset_faults(), "
                                    "which needs audit() clean)")
-        if not alloc.executor.plans_locally:
-            raise ContractError(f"this allocator's executor ({alloc.executor.name}) only "
+        if not self.executor.plans_locally:
+            raise ContractError(f"this allocator's executor ({self.executor.name}) only "
                                 "replays steps planned elsewhere; call the replica layer "
                                 "instead")
 
@@ -115,10 +127,9 @@ class StepPipeline:
         journal = self.ledger.journal
         if mark is None:
             mark = self.mark()  # (compiled twin: its undo log's position too)
-        alloc = self._alloc()
-        group = alloc.group if use_group else None
-        excluded = (None, None) if group is None else (group.released, group.dropped)
-        cache = alloc.prefix_cache
+        masks = self.masks if use_group else None
+        excluded = (None, None) if masks is None else (masks.released, masks.dropped)
+        cache = self.reclaim
         compiled = None if oversize else self.compiled
         reclaim, offered = None, 0
         while True:
@@ -178,23 +189,22 @@ class StepPipeline:
         """``alloc.step(step)`` or ``alloc.step(**kinds)``: plan and run one step. The plain
         forms are converted in C (:data:`~graphalloc.plan.step.normalize_fast`) straight from
         the keywords, when no block is open; everything else takes the general path
-        (:func:`graphalloc.operations.step_of`: the blocks' rules, a Step's checks). Cost: a
-        fixed number of Python calls, whatever the number of rows (the benchmark
+        (:func:`~graphalloc.plan.step.step_from`: a Step's checks). Called with no block
+        open: while one is, the allocator applies the blocks' rules first
+        (:func:`graphalloc.operations.step_of`) and calls :meth:`plan` and :meth:`execute`.
+        Cost: a fixed number of Python calls, whatever the number of rows (the benchmark
         ``bench_host_step.py`` counts them), plus the planner's work."""
-        alloc = self._alloc()
         arrays = None
-        if normalize_fast is not None and alloc.recorder is None and alloc.group is None:
+        if normalize_fast is not None:
             arrays = normalize_fast(kinds if step is None else None if kinds else step,
                                     self._n_reqs)
         if arrays is None:
-            from ..operations import step_of  # (the general path; operations imports us)
-            arrays = step_of(alloc, step, kinds, "step", free_ok=False)
+            arrays = step_from(step, kinds, "step")
         return self.execute(self.plan(arrays))
 
     def plan(self, step: Step | StepArrays) -> PlannedStep:
         """Plan ``step`` into the next descriptor buffer; it becomes the pending step."""
-        alloc = self._alloc()
-        if self.pending is not None or alloc.faulted or not alloc.executor.plans_locally:
+        if self.pending is not None or self.faulted or not self.executor.plans_locally:
             self.refuse_planning()  # raises
         compiled = self.compiled
         self._mark = mark = (self.ledger.journal.mark(),
@@ -209,7 +219,7 @@ class StepPipeline:
         return self._pending(index, out)
 
     def _pending(self, index: int, out: PlanOutcome) -> PlannedStep:
-        state, owner = self._state, self._alloc
+        state, owner = self._state, self._self
         n_tokens, states = out.n_tokens, out.state_rows
         result = AllocResult(out.result_rows, out.result_first_lane, out.result_n_tokens,
                              state.out_full_buf, state.out_swa_buf, n_tokens,
@@ -227,7 +237,7 @@ class StepPipeline:
     def _tables(self, index: int, lanes):
         """The step's PlannedTables; the compiled twin wrote the host copies already
         (compiled twin: not copied twice)."""
-        tables = self._alloc().tables
+        tables = self.tables
         if getattr(lanes, "host_written", False):
             return tables.planned(index, lanes.n_lanes, lanes.n_full_pages, lanes.n_swa_pages)
         return tables.write_host(index, lanes)
@@ -265,7 +275,7 @@ class StepPipeline:
         if not isinstance(planned, PlannedStep):
             raise PendingStepError(f"{what}() takes the PlannedStep returned by plan(), got "
                                    f"{type(planned).__name__}")
-        if planned.owner_ref() is not self._alloc():
+        if planned.owner_ref() is not self:
             raise PendingStepError(f"{what}(): that PlannedStep belongs to another allocator")
         if planned.submitted:
             raise PendingStepError(f"{what}(): this step was already submitted (a second "
@@ -281,13 +291,12 @@ class StepPipeline:
 
     def execute(self, planned: PlannedStep) -> AllocResult:
         """:meth:`run` of the step this pipeline just planned (not checked again)."""
-        alloc = self._alloc()
-        kernels, executor = alloc.kernels, alloc.executor
+        kernels, executor = self.kernels, self.executor
         kernels.released = False
         saved = None
         try:
             if planned.state_copies is not None:  # slots a copy overwrites, held before
-                saved = save_held_destinations(alloc, planned.state_copies,
+                saved = save_held_destinations(self.parts, planned.state_copies,
                                                self._state_ring)
             executor.execute(planned)
         except BaseException as exc:
@@ -318,7 +327,7 @@ class StepPipeline:
                    for rows, _ in out.windows]  # (a model's further window pools: part i
         n_parts = max([len(parts)] + [len(w) for w in windows])  # of each runs in launch i)
         padded, none = np.zeros((1, ROW_WIDTH), np.int64), np.zeros((0, ROW_WIDTH), np.int64)
-        kernels, executor = self.alloc.kernels, self.alloc.executor
+        kernels, executor = self.kernels, self.executor
         counters = (self.steps_run, self.submissions.n_expected,
                     len(self.submissions.unchecked))
         buffers, first_stamp = [], 0
@@ -347,16 +356,16 @@ class StepPipeline:
         enqueued behind whatever was launched), fence its buffers, make earlier results
         stale, and raise :class:`LaunchError` saying what is true. If the device tables
         cannot be restored, the allocator refuses steps until ``recover()``."""
-        alloc, step = self.alloc, planned[-1]
+        step = planned[-1]
         buffers = buffers or [step.buffer_index]
         self.rollback(self._mark)
         step.cancelled = True
         self.pending = None
         cause = f"{type(exc).__name__}: {exc}"
         try:
-            undo_launch(alloc, buffers, first_stamp, released, saved)
+            undo_launch(self.parts, buffers, first_stamp, released, saved)
         except BaseException as undo_exc:
-            alloc.faulted = True
+            self.faulted = True
             raise LaunchError(
                 f"launching {what} raised {cause}; the host ledger was rolled back to before "
                 f"the step, but restoring the device tables it may have written raised "
@@ -399,7 +408,7 @@ class StepPipeline:
             self.submissions.submitted(self.steps_run, self._stamp, planned.buffer_index)
         if planned.n_tokens:
             self.output_epoch += 1
-        cache = self._alloc().prefix_cache
+        cache = self.reclaim
         if cache is not None and planned.reclaimed:
             cache.on_reclaimed(planned.reclaimed)
 

@@ -127,7 +127,8 @@ class StepRecorder:
             raise NestedGroupError("scheduler_step() inside free_group(): the block is one "
                                    "step of its own; close the free group first")
         pipeline = alloc.pipeline
-        if pipeline.pending is not None or alloc.faulted or not alloc.executor.plans_locally:
+        if pipeline.pending is not None or pipeline.faulted or not (
+                pipeline.executor.plans_locally):
             pipeline.refuse_planning()  # raises
         alloc.recorder, self.open = self, True
         return self

@@ -53,15 +53,15 @@ class AllocResult:
         self.out_full_buf, self.out_swa_buf = out_full_buf, out_swa_buf  # views on access
         self.n_step_tokens = n_step_tokens
         self.step_index = step_index  # the allocator's output_epoch once submitted
-        # the allocator, weakly (a weak reference as given: no call per step)
+        # the planning pipeline, weakly (a weak reference as given: no call per step)
         self.owner = owner if type(owner) is weakref.ref else _weak(owner)
 
     def _check_fresh(self) -> None:
-        alloc = self.owner()
-        if alloc is not None and alloc.output_epoch > self.step_index:
+        owner = self.owner()
+        if owner is not None and owner.output_epoch > self.step_index:
             raise StaleResultError(
                 f"this result belongs to an earlier step; a step that allocated "
-                f"(output epoch {alloc.output_epoch}) has been submitted since and overwrote "
+                f"(output epoch {owner.output_epoch}) has been submitted since and overwrote "
                 "the output buffers. Read a step's slots before the next allocating step "
                 "runs (or copy them)")
 
@@ -85,8 +85,8 @@ class AllocResult:
         one gather on the device."""
         if pool == 0:
             return self.swa_slots
-        alloc = self.owner()
-        windows = () if alloc is None else alloc.state.windows
+        owner = self.owner()
+        windows = () if owner is None else owner.state.windows
         if isinstance(pool, bool) or not isinstance(pool, int) or not 0 < pool <= len(windows):
             raise ContractError(f"window_slots: pool must be 0 (the first window pool) or a "
                                 f"further window pool 1 .. {len(windows)}, got {pool!r}")
@@ -153,7 +153,8 @@ class PlannedStep:
 
     @property
     def owner(self):
-        """The allocator that planned this step (``None`` once it is gone)."""
+        """The step pipeline that planned this step (the allocator's ``pipeline``; ``None``
+        once it is gone)."""
         return self.owner_ref()
 
     def fits_rows(self, n_release_rows: int, n_alloc_rows: int) -> bool:

@@ -64,7 +64,7 @@ from ..deprecations import warn_renamed
 from ..errors import ContractError, PositionError, SpeculativeStateError, UnknownHandleError
 from ..inputs import as_counts, as_int64, as_positions, as_rows, compiled_half, is_empty
 
-__all__ = ["Step", "StepArrays", "normalize", "normalize_fast", "EMPTY", "KINDS"]
+__all__ = ["Step", "StepArrays", "normalize", "normalize_fast", "step_from", "EMPTY", "KINDS"]
 
 EMPTY = np.zeros(0, dtype=np.int64)
 EMPTY.flags.writeable = False
@@ -112,6 +112,21 @@ class Step:
     def kinds(self) -> list[str]:
         """The kinds this step carries (non-empty fields), in the step's order."""
         return [k for k in KINDS if k != "lookahead" and not _absent(getattr(self, k))]
+
+
+def step_from(step, kinds: dict, what: str) -> Step:
+    """The Step a call names: ``step`` (a :class:`Step`) or its keywords ``kinds``, never
+    both; ``ContractError`` for an unknown kind or a mix. O(kinds)."""
+    if step is None:
+        unknown = sorted(set(kinds) - set(KINDS))
+        if unknown:
+            raise ContractError(f"{what}(): {unknown} is not a kind of Step; the kinds are "
+                                f"{', '.join(KINDS)}")
+        return Step(**kinds)
+    if kinds or not isinstance(step, Step):
+        raise ContractError(f"{what}() takes a Step or its keywords, not both; got "
+                            f"{type(step).__name__} and {sorted(kinds)}")
+    return step
 
 
 def _absent(value) -> bool:

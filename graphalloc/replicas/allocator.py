@@ -60,7 +60,7 @@ _REBUILT = ("ledger", "spec", "handles", "refs", "pages")  # a follower's own ho
 
 
 # ---- the wrapper -------------------------------------------------------------------------
-class ReplicatedAllocator(ReplicaOps):
+class ReplicatedAllocator:
     """One rank's :class:`~graphalloc.HybridAllocator`, kept identical to the other ranks'.
 
     Example (every rank, one process per GPU)::
@@ -164,6 +164,7 @@ class ReplicatedAllocator(ReplicaOps):
             role, inner = "replicated", make_executor("graph" if self.use_graph else "eager")
         else:
             role, inner = ("planner" if self.is_planner else "follower"), None
+        self.ops = ReplicaOps(self)  # the collective operations, composed (step, admit, ...)
         self.executor = ReplicaExecutor(self, role, inner)
         self.alloc = HybridAllocator(cfg, executor=self.executor, fused_step=fused_step,
                                      n_descriptor_bufs=n_descriptor_bufs,
@@ -176,17 +177,46 @@ class ReplicatedAllocator(ReplicaOps):
                 self._capture_graphs()
             self._record_digest(host=mode == "replicated")
             self._compare()
-        self._raise_divergence()
+        self.raise_divergence()
 
-    # ---- collective operations (the others: ReplicaOps) ----------------------------------
+    # ---- collective operations: each one line over ReplicaOps ---------------------------
+    def step(self, step=None, **kinds):
+        """One device step on every rank (:meth:`ReplicaOps.step <.ops.ReplicaOps.step>`)."""
+        return self.ops.step(step, **kinds)
+
+    def try_step(self, step=None, **kinds):
+        """:meth:`step`, ``None`` for lack of room (:meth:`.ops.ReplicaOps.try_step`)."""
+        return self.ops.try_step(step, **kinds)
+
+    def admit(self, handle=None, n_tokens=None):
+        """One step admitting the lowest free row (:meth:`.ops.ReplicaOps.admit`)."""
+        return self.ops.admit(handle, n_tokens)
+
+    def take_handle(self, row=None, n_tokens=None):
+        """One step taking the lowest free handle (:meth:`.ops.ReplicaOps.take_handle`)."""
+        return self.ops.take_handle(row, n_tokens)
+
+    def scheduler_step(self):
+        """One iteration as one step (:meth:`.ops.ReplicaOps.scheduler_step`)."""
+        return self.ops.scheduler_step()
+
+    def cache_insert(self, row=None, token_ids=None, *, keys=None, salt=None, extra_keys=None):
+        """The planner's cache insert (:meth:`.ops.ReplicaOps.cache_insert`)."""
+        return self.ops.cache_insert(row, token_ids, keys=keys, salt=salt,
+                                     extra_keys=extra_keys)
+
+    def free_group(self):
+        """Replicated mode's free group (:meth:`.ops.ReplicaOps.free_group`)."""
+        return self.ops.free_group()
+
     def follow(self) -> None:
         """Follower: receive and replay one planner device step (the low-level form of the
         operations, for a planner that runs allocator methods directly). Never synchronises
         the host beyond the broadcast call itself (except at a periodic check)."""
         if self.is_planner:
             raise ContractError(f"rank {self.rank} plans; follow() is for broadcast followers")
-        self._follow_one()
-        self._raise_divergence()
+        self.follow_one()
+        self.raise_divergence()
 
     def check(self) -> None:
         """Compare all ranks' digests now (collective; synchronises). Records the current
@@ -196,7 +226,7 @@ class ReplicatedAllocator(ReplicaOps):
             if not self.history.covers(self.n_steps):
                 self._record_digest(host=self.mode == "replicated")
             self._compare()
-        self._raise_divergence()
+        self.raise_divergence()
 
     # ---- local operations --------------------------------------------------------------
     def sync_ledger(self) -> None:
@@ -255,13 +285,13 @@ class ReplicatedAllocator(ReplicaOps):
         else:
             self.alloc.kernels(self.payload.release, self.payload.alloc)
 
-    def _follow_one(self) -> None:
+    def follow_one(self) -> None:
         """Follower: one step, without raising a stored divergence (the caller raises it
         once every step of its operation ran, so no rank leaves an operation early)."""
         self._broadcast_and_launch()
         self.after_step()
 
-    def _empty_step(self) -> None:
+    def empty_step(self) -> None:
         """Keep lockstep: one device step that changes nothing. A planned empty step (the
         payload then carries the current ledger); when the allocator cannot plan (a step
         left pending by a failure), a raw one: an all-padding descriptor."""
@@ -366,7 +396,7 @@ class ReplicatedAllocator(ReplicaOps):
         return first_divergence(table, self.columns, self.global_ranks, self.src,
                                 self.last_equal_step)
 
-    def _raise_divergence(self) -> None:
+    def raise_divergence(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
             raise error

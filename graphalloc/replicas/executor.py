@@ -15,6 +15,7 @@ import weakref
 
 from ..device.executor import Executor
 from ..errors import ContractError
+from ..parts import DeviceParts
 
 __all__ = ["ReplicaExecutor", "capture_warm"]
 
@@ -39,15 +40,15 @@ class ReplicaExecutor(Executor):
         # the planner runs its steps from the broadcast payload, which carries no stamp
         self.stamps_steps = role == "replicated"
 
-    def bind(self, alloc) -> None:
-        super().bind(alloc)
+    def bind(self, parts: DeviceParts) -> None:
+        super().bind(parts)
         if self.inner is not None:
-            self.inner.bind(alloc)
+            self.inner.bind(parts)
 
     def execute(self, planned) -> None:
         if self.role == "replicated":
             self.inner.execute(planned)
-            self.count(planned.fusable and self.alloc.kernels.fused)
+            self.count(planned.fusable and self.parts.kernels.fused)
         elif self.role == "planner":
             self.layer.broadcast_planned(planned)  # the payload runs as two launches
             self.count(False)

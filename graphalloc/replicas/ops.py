@@ -1,6 +1,7 @@
 """The replicas' operations: each allocator operation as a fixed number of device steps.
 
-:class:`ReplicaOps` is a part of :class:`graphalloc.replicas.ReplicatedAllocator`. On a
+:class:`ReplicaOps` is a part of :class:`graphalloc.replicas.ReplicatedAllocator` (composed:
+the layer's methods of the same names delegate here). On a
 planner (every rank in replicated mode, ``src`` in broadcast mode) an operation is the
 allocator's method of the same name; on a broadcast follower it replays the planner's
 steps of that operation and returns ``None`` (arguments are ignored). Whatever happens on
@@ -31,6 +32,7 @@ mode one broadcast) per step it did not run.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 from ..errors import ContractError, IntegrityError
@@ -42,7 +44,13 @@ __all__ = ["ReplicaOps"]
 class ReplicaOps:
     """The collective operations of :class:`~graphalloc.replicas.ReplicatedAllocator` (see
     the module docstring). Every one is collective: every rank calls it, in the same
-    order."""
+    order. A part of the layer, not a base class: ``layer`` is the
+    :class:`~graphalloc.replicas.ReplicatedAllocator` whose lockstep it keeps (its
+    allocator, step count, role, follow and empty steps), held weakly (the layer holds its
+    operations)."""
+
+    def __init__(self, layer):
+        self.layer = weakref.proxy(layer)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self, step: Step | None = None, **kinds):
@@ -53,23 +61,23 @@ class ReplicaOps:
         is one such Step: ``rep.step(release=rows)``, ``rep.step(extend=(rows, n))``,
         ``rep.step(load_back=([row], [pos]))``, ... (a free is refused, not split, when it
         exceeds the frozen step shape: how many steps a split takes only the planner knows)."""
-        return self._op(1, lambda: self.alloc.step(step, **kinds))
+        return self._op(1, lambda: self.layer.alloc.step(step, **kinds))
 
     def try_step(self, step: Step | None = None, **kinds):
         """:meth:`step`, ``None`` (an empty step ran) for lack of room, like
         :meth:`HybridAllocator.try_step`."""
-        return self._op(1, lambda: self.alloc.try_step(step, **kinds))
+        return self._op(1, lambda: self.layer.alloc.try_step(step, **kinds))
 
     def admit(self, handle=None, n_tokens=None) -> int | None:
         """One step admitting the lowest free row (optionally on a handle's first
         ``n_tokens``): the row on a planner. Several admits of one iteration fit one step:
         :meth:`scheduler_step`."""
-        return self._op(1, lambda: self.alloc.admit(handle, n_tokens))
+        return self._op(1, lambda: self.layer.alloc.admit(handle, n_tokens))
 
     def take_handle(self, row=None, n_tokens=None) -> int | None:
         """One step taking the lowest free handle on ``row``'s first ``n_tokens``: the handle
         on a planner."""
-        return self._op(1, lambda: self.alloc.take_handle(row, n_tokens))
+        return self._op(1, lambda: self.layer.alloc.take_handle(row, n_tokens))
 
     @contextlib.contextmanager
     def scheduler_step(self) -> Iterator:
@@ -77,20 +85,20 @@ class ReplicaOps:
         calls on :meth:`HybridAllocator.scheduler_step`'s context (yielded); a follower's
         block gets ``None`` (the planner's block decides) and replays the step at its end.
         A block refused or raising on the planner runs an empty step, then raises."""
-        if not self.is_planner:
+        if not self.layer.is_planner:
             try:
                 yield None
             finally:
-                self._follow_one()
-            self._raise_divergence()
+                self.layer.follow_one()
+            self.layer.raise_divergence()
             return
-        target = self.n_steps + 1
+        target = self.layer.n_steps + 1
         try:
-            with self.alloc.scheduler_step() as it:
+            with self.layer.alloc.scheduler_step() as it:
                 yield it
         finally:
             self._pad(target)
-        self._raise_divergence()
+        self.layer.raise_divergence()
 
     # ---- several steps --------------------------------------------------------------------
     def cache_insert(self, row=None, token_ids=None, *, keys=None, salt=None,
@@ -100,11 +108,11 @@ class ReplicaOps:
         keys on every rank): exactly ``cache_insert_steps`` steps on every rank (an LRU
         drop when every handle is an entry's, then the handle). Returns the tokens cached
         on a planner. Refused on every rank, before any step, without ``prefix_cache``."""
-        if not self.prefix_cache_option:
+        if not self.layer.prefix_cache_option:
             raise ContractError("cache_insert: this ReplicatedAllocator was built without "
                                 "prefix_cache=True")
-        return self._op(self.cache_insert_steps,
-                        lambda: self.alloc.prefix_cache.insert(
+        return self._op(self.layer.cache_insert_steps,
+                        lambda: self.layer.alloc.prefix_cache.insert(
                             row, token_ids, keys=keys, salt=salt, extra_keys=extra_keys))
 
     def free_group(self):
@@ -112,11 +120,11 @@ class ReplicaOps:
         allocator's own methods, the same on every rank). Refused in broadcast mode, on every
         rank: the block's flush is a number of steps only the planner knows; a
         :meth:`scheduler_step` block is the one-step form."""
-        if self.mode == "broadcast":
+        if self.layer.mode == "broadcast":
             raise ContractError("free_group() is not replicated in broadcast mode (its flush "
                                 "runs a number of steps only the planner knows); record the "
                                 "frees in a scheduler_step() block, one step on every rank")
-        return self.alloc.free_group()
+        return self.layer.alloc.free_group()
 
     # ---- lockstep -------------------------------------------------------------------------
     def _op(self, n_steps: int, run):
@@ -124,24 +132,24 @@ class ReplicaOps:
         follower replays ``n_steps`` steps; a planner runs empty steps for those ``run`` did
         not (also when it raised, then re-raises). A stored divergence is raised once every
         step ran (a rank never leaves an operation early)."""
-        if not self.is_planner:
+        if not self.layer.is_planner:
             for _ in range(n_steps):
-                self._follow_one()
-            self._raise_divergence()
+                self.layer.follow_one()
+            self.layer.raise_divergence()
             return None
-        target = self.n_steps + n_steps
+        target = self.layer.n_steps + n_steps
         try:
             result = run()
         finally:
             self._pad(target)
-        self._raise_divergence()
+        self.layer.raise_divergence()
         return result
 
     def _pad(self, target: int) -> None:
-        if self.n_steps > target:
+        if self.layer.n_steps > target:
             raise IntegrityError(
-                f"lockstep lost: an operation ran {self.n_steps - target} device step(s) more "
-                "than the other ranks replay; a planner must call the wrapper's operations "
+                f"lockstep lost: an operation ran {self.layer.n_steps - target} device step(s) "
+                "more than the other ranks replay; a planner must call the wrapper's operations "
                 "(or the followers follow() once per step it runs)")
-        while self.n_steps < target:
-            self._empty_step()
+        while self.layer.n_steps < target:
+            self.layer.empty_step()

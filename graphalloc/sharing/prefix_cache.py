@@ -1,4 +1,10 @@
-"""A built-in prefix cache on the allocator's handles, aware of the sliding window.
+"""A built-in prefix cache on the allocator's handles, aware of the sliding window: the client.
+
+The cache is two parts. Its index (:class:`~graphalloc.sharing.cache_index.CacheIndex`: the
+entries, page keys, locks, reclaim order) sits below the allocator and is the pipeline's
+reclaim policy; :class:`PrefixCache`, here, is its client on the front-end floor: it answers
+the same queries through the index and submits the Steps that take and drop handles
+(``insert``, ``reclaim``, ``drop_all``) through the allocator's public operations.
 
 Keys are :func:`~graphalloc.sharing.page_keys.page_keys` (chained, salted: a tenant's
 salt or extra keys give its pages keys no other tenant's prompt has), with the cache's
@@ -25,12 +31,13 @@ pages); otherwise it caches nothing. Reclaiming under slot pressure drops whole 
 
 Reclaiming (what engines call evicting a cache entry; graphalloc keeps "evict" for the
 window, ``docs/glossary.md``), LRU, leaf first (an entry no other entry extends): when an
-allocation would be refused, the allocator plans the step again with :meth:`offer` -- the
-unlocked entries in reclaim order -- and the planner reclaims as many as the step needs,
+allocation would be refused, the pipeline plans the step again with the index's
+:meth:`~graphalloc.sharing.cache_index.CacheIndex.offer` -- the unlocked entries in reclaim
+order -- and the planner reclaims as many as the step needs,
 inside the same step: SWA by tombstoning first (FULL kept: it still serves as a
 full-attention prefix), then FULL by dropping the entry. An entry frees only the pages
 nobody else references. The cache forgets
-an entry once the step that dropped its handle was submitted (:meth:`on_reclaimed`); a
+an entry once the step that dropped its handle was submitted (``on_reclaimed``); a
 refused, dry-run or cancelled step keeps it. Locks (SGLang's ``inc_lock_ref``) keep an
 entry from both until :meth:`unlock`.
 
@@ -50,223 +57,90 @@ Ledger of an entry (positions of its prefix)::
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import itertools
 import weakref
 
-import numpy as np
-
 from ..deprecations import warn_renamed
-from ..errors import ContractError, UnknownHandleError
-from .page_keys import check_key_hash, page_keys
+from .cache_index import CacheIndex, CacheMatch
+from .page_keys import page_keys
 
-__all__ = ["PrefixCache", "CacheMatch", "page_keys"]
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheMatch:
-    """``cached_tokens`` usable as they are (window present) with ``handle``;
-    ``full_tokens`` the longest FULL match (``full_handle``), of which ``recompute_tokens``
-    at the end lack their SWA pages. With recurrent-state slots ``cached_tokens`` ends at an
-    entry's end (a snapshot) and ``state_recompute_tokens`` counts the matched tokens past it
-    (the recurrent layers recompute them). Handles are ``-1`` when there is no match.
-    ``keys``: the request's page keys as the match computed or extended them (pass them to
-    :meth:`PrefixCache.insert` as ``keys=``: no page is hashed twice); not compared."""
-
-    cached_tokens: int = 0
-    handle: int = -1
-    full_tokens: int = 0
-    full_handle: int = -1
-    recompute_tokens: int = 0
-    state_recompute_tokens: int = 0
-    keys: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+__all__ = ["PrefixCache", "CacheIndex", "CacheMatch", "page_keys"]
 
 
-@dataclasses.dataclass(eq=False)
-class _Entry:
-    handle: int
-    n_tokens: int
-    keys: list
-    parent: _Entry | None = None
-    children: dict = dataclasses.field(default_factory=dict)  # handle -> entry extending it
-    lock_ref: int = 0
+class _IndexCounter:
+    """A counter of the cache's index, read and written through the client."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, cache, owner=None):
+        return self if cache is None else getattr(cache.index, self.name)
+
+    def __set__(self, cache, value) -> None:
+        setattr(cache.index, self.name, value)
 
 
 class PrefixCache:
-    """Prefix cache over ``alloc``'s handles (see the module docstring).
+    """Prefix cache over ``alloc``'s handles (see the module docstring): the client that
+    submits Steps, over its :class:`~graphalloc.sharing.cache_index.CacheIndex`
+    (``index``, built here on the allocator's config and ledger; the allocator gives the
+    index, not this client, to its pipeline as the reclaim policy).
 
+    The index's queries are this object's own attributes (bound once, so a call costs what
+    it did on one object): ``match``, ``lookup``, ``add_entry``, ``keys_of``, ``lock``,
+    ``unlock``, ``is_locked``, ``offer``, ``on_reclaimed``, ``reclaimable_handles``,
+    ``digest_state``, ``check``, ``stats``; the counters (``hits``, ``misses``,
+    ``hit_tokens``, ``dropped_pages``, ``tombstoned_pages``, ``version``) read the index's.
     ``key_hash``: how page keys are hashed, ``"siphash"`` (default: fast, not
     cryptographic) or ``"blake2b"`` (multi-tenant deployments whose users choose tokens);
     fixed for the cache's life (``HybridAllocator(cfg, prefix_cache="blake2b")``).
-    ``hits`` / ``misses`` count :meth:`match` calls; ``hit_tokens`` the tokens reused;
-    ``dropped_pages`` / ``tombstoned_pages`` what reclaiming returned (FULL pages of dropped
-    entries / SWA pages of tombstoned ones, steps submitted; ``evicted_pages`` is the
-    deprecated name of ``dropped_pages``); ``version`` changes whenever entries, locks or
-    handles may have changed."""
+    ``evicted_pages`` is the deprecated name of ``dropped_pages``."""
 
     def __init__(self, alloc, key_hash: str = "siphash"):
-        self.key_hash = check_key_hash(key_hash)
+        index = self.index = CacheIndex(alloc.config, alloc.ledger, key_hash)
         self._alloc = weakref.ref(alloc)  # the allocator holds its cache: no cycle
-        self.page_size = alloc.config.page_size
-        self.window = alloc.config.sliding_window
-        self.states = alloc.config.num_state_slots > 0  # match only at snapshots
-        # a model's further window pools: an entry is usable where each still has its window
-        self._extras = tuple(zip(alloc.config.pools.extras, alloc.ledger.windows, strict=True))
-        self._holders: dict[bytes, dict[int, _Entry]] = {}  # page key -> handle -> entry
-        self._ends: dict[bytes, _Entry] = {}  # an entry's last page key -> the entry
-        self._entries: dict[int, _Entry] = {}  # handle -> entry
-        # Unlocked entries in reclaim order, least recently used first: leaves (no entry
-        # extends them), then the others. Moving an entry is O(1).
-        self._leaves: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
-        self._inner: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
-        self.version = 0
-        self.hits = self.misses = self.hit_tokens = 0
-        self.dropped_pages = self.tombstoned_pages = 0
+        self.key_hash, self.page_size = index.key_hash, index.page_size
+        self.window, self.states = index.window, index.states
+        self.match, self.lookup, self.add_entry = index.match, index.lookup, index.add_entry
+        self.keys_of, self.lock, self.unlock = index.keys_of, index.lock, index.unlock
+        self.is_locked, self.offer = index.is_locked, index.offer
+        self.on_reclaimed = index.on_reclaimed
+        self.reclaimable_handles = index.reclaimable_handles
+        self.digest_state, self.check, self.stats = (index.digest_state, index.check,
+                                                     index.stats)
 
     @property
     def alloc(self):
+        """The allocator whose handles the cache holds (``None`` once it is gone)."""
         return self._alloc()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.index)
 
-    def stats(self) -> dict:
-        return {"cache_entries": len(self), "cache_hits": self.hits,
-                "cache_misses": self.misses, "cache_hit_tokens": self.hit_tokens,
-                "cache_dropped_pages": self.dropped_pages,
-                "cache_evicted_pages": self.dropped_pages,  # deprecated key: dropped_pages
-                "cache_tombstoned_pages": self.tombstoned_pages}
+    def __contains__(self, handle) -> bool:
+        """Whether ``handle`` is a cache entry's. O(1)."""
+        return handle in self.index
 
-    # ---- keys ----------------------------------------------------------------------------
-    def keys_of(self, token_ids=None, *, keys: list | None = None, salt=None,
-                extra_keys=None) -> list:
-        """The page keys of ``token_ids``'s whole pages with this cache's hash:
-        :func:`page_keys` extending ``keys`` (the request's, kept) in place; with no
-        ``token_ids``, ``keys`` as they are. ``ContractError`` when neither is given.
-        O(new pages) hashing."""
-        if token_ids is None:
-            if keys is None:
-                raise ContractError("give token_ids, or keys= (the request's page keys), or "
-                                    "both (keys extended to the tokens' pages)")
-            if type(keys) is not list or not all(type(k) is bytes for k in keys):
-                raise ContractError("keys must be a list of bytes (page keys, or an engine's "
-                                    f"block hashes), got {type(keys).__name__}")
-            return keys
-        return page_keys(token_ids, self.page_size, keys, salt=salt, extra_keys=extra_keys,
-                         key_hash=self.key_hash)
+    # ---- the index's counters -------------------------------------------------------------
+    @property
+    def n_unlocked(self) -> int:
+        """Entries reclaiming may drop. O(1)."""
+        return self.index.n_unlocked
 
-    # ---- lookup --------------------------------------------------------------------------
-    def match(self, token_ids=None, *, keys: list | None = None, salt=None,
-              extra_keys=None) -> CacheMatch:
-        """The longest cached prefix of ``token_ids`` (whole pages), see :class:`CacheMatch`.
+    hits = _IndexCounter("hits")
+    misses = _IndexCounter("misses")
+    hit_tokens = _IndexCounter("hit_tokens")
+    dropped_pages = _IndexCounter("dropped_pages")
+    tombstoned_pages = _IndexCounter("tombstoned_pages")
+    version = _IndexCounter("version")
 
-        ``salt`` / ``extra_keys``: the request's namespace (a tenant, a LoRA adapter,
-        multimodal hashes; :func:`page_keys`): a prefix cached under another salt never
-        matches. ``keys``: the request's page keys computed before (kept by the caller, or
-        an engine's block hashes): extended in place to ``token_ids``' whole pages (only new
-        pages hashed; the salt is already in them), or used as they are without
-        ``token_ids``. The match covers the first ``len(token_ids) // page_size`` keys (all
-        of ``keys`` without ``token_ids``); ``CacheMatch.keys`` is the list. Touches the
-        entries it uses (LRU). Host only."""
-        ps, led = self.page_size, self.alloc.ledger
-        keys = self.keys_of(token_ids, keys=keys, salt=salt, extra_keys=extra_keys)
-        all_keys = keys
-        if token_ids is not None and len(keys) > len(token_ids) // ps:
-            keys = keys[:len(token_ids) // ps]
-        holders_of = self._holders.get
-        n = 0  # pages matched: one dict lookup each
-        for key in keys:
-            if not holders_of(key):
-                break
-            n += 1
-        if not n:
-            self.misses += 1
-            return CacheMatch(keys=all_keys)
-        m_full = n * ps
-        full_entry = next(iter(self._holders[keys[n - 1]].values()))
-        best, cached = self._usable(keys, n, led.h_swa_start)
-        self._touch(full_entry)
-        if best is not None:
-            self._touch(best)
-        start = int(led.h_swa_start[full_entry.handle])
-        ws = max(0, m_full - self.window) // ps * ps
-        self.hits += 1
-        self.hit_tokens += cached
-        return CacheMatch(cached, best.handle if best is not None else -1, m_full,
-                          full_entry.handle, max(0, min(start, m_full) - ws),
-                          m_full - cached if self.states else 0, all_keys)
+    @property
+    def evicted_pages(self) -> int:
+        """Deprecated name of :attr:`dropped_pages` (warns)."""
+        warn_renamed("PrefixCache.evicted_pages is deprecated: read dropped_pages (graphalloc's "
+                     "'evict' is the window's; a cache entry is dropped or tombstoned)")
+        return self.index.dropped_pages
 
-    def _usable(self, keys: list, n: int, swa_start) -> tuple:
-        """The longest usable match within the first ``n`` matched pages, ``(entry,
-        tokens)``: from the longest down, the first page some holder of which keeps the
-        window before it (with state slots: an entry ending there does). Usually the first
-        page tried; O(pages walked back x their holders)."""
-        ps, window = self.page_size, self.window
-        for j in range(n - 1, -1, -1):
-            m = (j + 1) * ps
-            ws = max(0, m - window) // ps * ps
-            if self.states:
-                end = self._ends.get(keys[j])
-                if (end is not None and swa_start[end.handle] <= ws
-                        and self._windows_held(end.handle, m)):
-                    return end, m
-                continue
-            for entry in self._holders[keys[j]].values():
-                if swa_start[entry.handle] <= ws and self._windows_held(entry.handle, m):
-                    return entry, m  # the window before m is held (in every window pool)
-        return None, 0
-
-    def _windows_held(self, handle: int, m: int) -> bool:
-        """Whether ``handle`` holds, in each further window pool of the model, the window a
-        request admitted on its first ``m`` tokens needs. O(further pools)."""
-        ps = self.page_size
-        return all(pool.present(int(window.h_start[handle]), m, ps)
-                   for pool, window in self._extras)
-
-    # ---- locks ---------------------------------------------------------------------------
-    def lock(self, handle) -> None:
-        """Keep the entry on ``handle`` from being dropped or tombstoned until :meth:`unlock`
-        (locks count). O(1). ``UnknownHandleError`` if it is not a cache entry's handle."""
-        entry = self._entry(handle, "lock")
-        self._unlist(entry)
-        entry.lock_ref += 1
-        self.version += 1
-
-    def unlock(self, handle) -> None:
-        """Undo one :meth:`lock`. O(1)."""
-        entry = self._entry(handle, "unlock")
-        if entry.lock_ref == 0:
-            raise ContractError(f"unlock: the cache entry on handle {entry.handle} is not "
-                                "locked")
-        entry.lock_ref -= 1
-        self._list(entry)
-        self.version += 1
-
-    def _unlist(self, entry: _Entry) -> None:
-        self._leaves.pop(entry.handle, None)
-        self._inner.pop(entry.handle, None)
-
-    def _list(self, entry: _Entry) -> None:
-        """Put an unlocked entry at the recent end of its reclaim list."""
-        if entry.lock_ref:
-            return
-        self._unlist(entry)
-        (self._inner if entry.children else self._leaves)[entry.handle] = entry
-
-    def is_locked(self, handle) -> bool:
-        return self._entry(handle, "is_locked").lock_ref > 0
-
-    def _entry(self, handle, what: str) -> _Entry:
-        entry = None
-        if not isinstance(handle, (bool, np.bool_)) and isinstance(handle, (int, np.integer)):
-            entry = self._entries.get(int(handle))
-        if entry is None:
-            raise UnknownHandleError(f"{what}: {handle!r} is not the handle of a prefix-cache "
-                                     "entry (never cached, or dropped)")
-        return entry
-
-    # ---- insertion -----------------------------------------------------------------------
+    # ---- Steps: taking and dropping handles ------------------------------------------------
     def insert(self, row, token_ids=None, *, keys: list | None = None, salt=None,
                extra_keys=None) -> int:
         """Cache the whole pages of ``token_ids`` that live request ``row`` holds (its first
@@ -277,107 +151,33 @@ class PrefixCache:
         step) unless the prefix is cached already; when every handle is held, the LRU
         unlocked leaf is dropped first (one more step). Returns the tokens cached (0 when
         nothing could be). Cost: O(new pages) hashing + O(pages) + the step(s)."""
-        ps = self.page_size
-        keys = self.keys_of(token_ids, keys=keys, salt=salt, extra_keys=extra_keys)
+        index, alloc, ps = self.index, self._alloc(), self.page_size
+        keys = index.keys_of(token_ids, keys=keys, salt=salt, extra_keys=extra_keys)
         if token_ids is not None:
             keys = keys[:len(token_ids) // ps]
-        committed = self.alloc.committed_len(row)
+        committed = alloc.committed_len(row)
         n = min(len(keys), committed // ps) * ps
         if self.states and n != committed:  # a snapshot is the state at the committed length
             return 0
         if n == 0:
             return 0
         keys = keys[:n // ps]
-        if self.lookup(keys) >= 0:  # this prefix is cached already
+        if index.lookup(keys) >= 0:  # this prefix is cached already
             return n
-        if not (~self.alloc.ledger.h_live).any():
-            victim = next(iter(self._leaves.values()), None)
-            if victim is None:
+        if not (~alloc.ledger.h_live).any():
+            victim = index.lru_leaf()
+            if victim < 0:
                 return 0
-            self.alloc.drop_handle(victim.handle)
-            self._forget(victim, tombstone=False)
-        handle = self.alloc.take_handle(row, n)
-        self.add_entry(handle, keys)
+            alloc.drop_handle(victim)
+            index.forget(victim)
+        handle = alloc.take_handle(row, n)
+        index.add_entry(handle, keys)
         return n
-
-    def lookup(self, keys: list) -> int:
-        """The handle of the entry on exactly the prefix whose page keys are ``keys`` (it is
-        touched: LRU), or -1 when that prefix is not cached. O(1). An insert recorded into
-        a step asks this first (a cached prefix needs no take)."""
-        entry = self._ends.get(keys[-1]) if keys else None
-        if entry is None:
-            return -1
-        self._touch(entry)
-        return entry.handle
-
-    def add_entry(self, handle: int, keys: list) -> None:
-        """Register a handle just taken on the prefix of ``keys`` (its step submitted).
-        O(pages)."""
-        ps, n = self.page_size, len(keys) * self.page_size
-        parent = None
-        for j in range(len(keys) - 2, -1, -1):  # the longest cached strict prefix
-            cand = self._ends.get(keys[j])
-            if cand is not None:
-                parent = cand
-                break
-        entry = _Entry(handle, n, keys, parent)
-        if parent is not None:
-            parent.children[handle] = entry
-            self._list(parent)
-        holders = self._holders
-        get = holders.get
-        for key in keys:  # about 70 ns a page
-            held = get(key)
-            if held is None:
-                holders[key] = {handle: entry}
-            else:
-                held[handle] = entry
-        self._ends[keys[-1]] = entry
-        self._entries[handle] = entry
-        self._list(entry)
-        del ps
-        self.version += 1
-
-    # ---- what the cache could give back --------------------------------------------------
-    def reclaimable_handles(self) -> list[int]:
-        """Handles of the unlocked entries: the ones reclaiming may drop. O(entries)."""
-        return [h for h, e in self._entries.items() if not e.lock_ref]
 
     def reclaimable_pages(self) -> tuple[int, int]:
         """``(FULL, SWA)`` pages dropping every unlocked entry would free now (SGLang's
         ``evictable_size`` in pages): a dry run of those drops. Cost: one plan."""
-        return self.alloc.pages_released(handles=self.reclaimable_handles())
-
-    # ---- reclaiming ----------------------------------------------------------------------
-    def offer(self, limit: int) -> tuple[np.ndarray, np.ndarray]:
-        """Up to ``limit`` entries the planner may drop, in the order it should: ``(tombstone
-        order, drop order)`` -- unlocked entries, leaves first, least recently used first
-        (the planner skips tombstoned ones when tombstoning). O(limit)."""
-        order = list(itertools.islice(itertools.chain(self._leaves, self._inner), limit))
-        arr = np.array(order, dtype=np.int64)
-        return arr, arr
-
-    @property
-    def n_unlocked(self) -> int:
-        """Entries reclaiming may drop. O(1)."""
-        return len(self._leaves) + len(self._inner)
-
-    def on_reclaimed(self, reclaimed: list) -> None:
-        """A submitted step dropped these ``(handle, tombstone, FULL freed, SWA freed)``
-        entries: forget the dropped ones, count the pages. O(pages of the entries)."""
-        for handle, tombstone, n_full, n_swa in reclaimed:
-            self.dropped_pages += n_full
-            self.tombstoned_pages += n_swa
-            entry = self._entries.get(handle)
-            if entry is not None:
-                self._forget(entry, tombstone)
-
-    @property
-    def evicted_pages(self) -> int:
-        """Deprecated name of :attr:`dropped_pages` (warns)."""
-        warn_renamed("PrefixCache.evicted_pages is deprecated: read dropped_pages (graphalloc's "
-                     "'evict' is the window's; a cache entry is dropped or tombstoned)")
-        return self.dropped_pages
+        return self._alloc().pages_released(handles=self.index.reclaimable_handles())
 
     def evict(self, n_full: int = 0, n_swa: int = 0) -> None:
         """Deprecated name of :meth:`reclaim` (warns)."""
@@ -387,88 +187,35 @@ class PrefixCache:
 
     def reclaim(self, n_full: int = 0, n_swa: int = 0) -> None:
         """Free at least ``n_full`` FULL and ``n_swa`` SWA pages now if the cache can: one
-        step of drops in reclaim order (tombstones first). Cost: O(entries looked at) and
-        one step."""
-        led, ps = self.alloc.ledger, self.page_size
-        tomb, drop, need_swa, need_full = [], [], n_swa, n_full
-        for h, e in itertools.chain(list(self._leaves.items()), list(self._inner.items())):
-            if need_swa <= 0 and need_full <= 0:
-                break
-            if need_swa > 0 and led.h_swa_start[h] < led.h_len[h]:
-                tomb.append(h)
-                need_swa -= (led.h_len[h] - led.h_swa_start[h]) // ps
-            elif need_full > 0 and not e.children:
-                drop.append(h)
-                need_full -= led.h_len[h] // ps
-        tomb = [h for h in tomb if h not in drop]
+        step of drops in reclaim order (tombstones first;
+        :meth:`~graphalloc.sharing.cache_index.CacheIndex.plan_reclaim`). Cost: O(entries
+        looked at) and one step."""
+        index, alloc = self.index, self._alloc()
+        tomb, drop = index.plan_reclaim(n_full, n_swa)
         if tomb or drop:
+            led = alloc.ledger
             full0, swa0 = led.full.n_free, led.swa.n_free
-            with self.alloc.free_group():
+            with alloc.free_group():
                 for h in drop:
-                    self.alloc.drop_handle(h)
+                    alloc.drop_handle(h)
                 for h in tomb:
-                    self.alloc.drop_handle_swa(h)
-            self.dropped_pages += led.full.n_free - full0
-            self.tombstoned_pages += led.swa.n_free - swa0
+                    alloc.drop_handle_swa(h)
+            index.count_reclaimed(led.full.n_free - full0, led.swa.n_free - swa0)
             for h in drop:
-                self._forget(self._entries[h], tombstone=False)
+                index.forget(h)
 
     def drop_all(self) -> None:
         """Drop every entry, locked or not (one step; joins an open ``free_group()``)."""
-        entries = list(self._entries.values())
-        if not entries:
+        index, alloc = self.index, self._alloc()
+        handles = index.handles()
+        if not handles:
             return
-        if self.alloc.group is not None:
-            for entry in entries:
-                self.alloc.drop_handle(entry.handle)
+        if alloc.group is not None:
+            for h in handles:
+                alloc.drop_handle(h)
         else:
-            with self.alloc.free_group():
-                for entry in entries:
-                    self.alloc.drop_handle(entry.handle)
-        for entry in entries:
-            self._forget(entry, tombstone=False)
-
-    def _touch(self, entry: _Entry | None) -> None:
-        while entry is not None:
-            self._list(entry)
-            entry = entry.parent
-
-    def _forget(self, entry: _Entry, tombstone: bool) -> None:
-        """The step dropping ``entry`` (whole, or only its SWA part) was submitted: forget
-        a dropped entry (its children now extend its parent). O(its pages + children)."""
-        self.version += 1
-        if tombstone or self._entries.get(entry.handle) is not entry:
-            return
-        del self._entries[entry.handle]
-        self._unlist(entry)
-        if self._ends.get(entry.keys[-1]) is entry:
-            del self._ends[entry.keys[-1]]
-        for key in entry.keys:
-            holders = self._holders[key]
-            holders.pop(entry.handle, None)
-            if not holders:
-                del self._holders[key]
-        parent = entry.parent
-        for child in entry.children.values():
-            child.parent = parent
-            if parent is not None:
-                parent.children[child.handle] = child
-        if parent is not None:
-            parent.children.pop(entry.handle, None)
-            self._list(parent)
-
-    def digest_state(self) -> dict:
-        """What the replicas' digest covers (:func:`graphalloc.replicas.digest.cache_digest`):
-        the entries in handle order, the reclaim order, the counters. O(entries)."""
-        return {"entries": [self._entries[h] for h in sorted(self._entries)],
-                "order": list(self._leaves) + [-1] + list(self._inner),
-                "counters": [self.hits, self.misses, self.hit_tokens, self.dropped_pages,
-                             self.tombstoned_pages]}
-
-    def check(self) -> None:
-        """Every entry's handle is held with the entry's length (an integrity aid)."""
-        led = self.alloc.ledger
-        for h, entry in self._entries.items():
-            if not led.h_live[h] or led.h_len[h] != entry.n_tokens:
-                raise ContractError(f"prefix cache entry on handle {h}, which is not held "
-                                    f"with its {entry.n_tokens} tokens")
+            with alloc.free_group():
+                for h in handles:
+                    alloc.drop_handle(h)
+        for h in handles:
+            index.forget(h)

@@ -42,13 +42,13 @@ class GridExecutor(Executor):
         self.grids: list = []
 
     def execute(self, planned) -> None:
-        alloc, i = self.alloc, planned.buffer_index
-        grid = self.choose(alloc, planned)
+        parts, i = self.parts, planned.buffer_index
+        grid = self.choose(parts, planned)
         self.grids.append(grid)
         if grid is None or grid.n_programs:
-            alloc.kernels(alloc.ring.release_rows(i), alloc.ring.alloc_rows(i),
+            parts.kernels(parts.ring.release_rows(i), parts.ring.alloc_rows(i),
                           fusable=planned.fusable, grid=grid)
-        self.count(planned.fusable and alloc.kernels.fused)
+        self.count(planned.fusable and parts.kernels.fused)
 
 
 def full_grid(alloc, planned):

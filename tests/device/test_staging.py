@@ -42,20 +42,20 @@ class Bucketed(Executor):
         self.n_staged = 0
 
     def execute(self, planned) -> None:
-        alloc, i = self.alloc, planned.buffer_index
+        parts, i = self.parts, planned.buffer_index
         if self.policy is None:
-            self.policy = GridPolicy(alloc.config, growth=2, long_programs=5)
+            self.policy = GridPolicy(parts.config, growth=2, long_programs=5)
         grid = self.policy.bucket(planned.n_release_rows, planned.n_alloc_rows,
                                   planned.n_tokens)
         if grid.n_programs == 0:
             if planned.state_counts:
-                alloc.kernels.launch_states(alloc.ring.state_rows(i), planned.state_counts)
+                parts.kernels.launch_states(parts.ring.state_rows(i), planned.state_counts)
             return
-        alloc.kernels(alloc.ring.release_rows(i), alloc.ring.alloc_rows(i),
-                      fusable=planned.fusable, grid=grid, lane_rows=lanes_of(alloc, i),
-                      state_rows=states_of(alloc, i), staged=self.staged)
+        parts.kernels(parts.ring.release_rows(i), parts.ring.alloc_rows(i),
+                      fusable=planned.fusable, grid=grid, lane_rows=lanes_of(parts, i),
+                      state_rows=states_of(parts, i), staged=self.staged)
         self.n_staged += self.staged
-        self.count(planned.fusable and alloc.kernels.fused)
+        self.count(planned.fusable and parts.kernels.fused)
 
 
 def build(backend: str, staged: bool, device: str):

@@ -16,4 +16,4 @@ __all__ = ["keep_damage"]
 def keep_damage(alloc) -> None:
     """Zero the error word and the step count, accept steps again; the tables stay as they
     are."""
-    clear_faults(alloc)
+    clear_faults(alloc.parts, alloc.pipeline)

@@ -190,9 +190,10 @@ class Pair:
         Returns the refusal tuple or None."""
         results, befores = [], []
         for alloc in (self.ref, self.twin):
-            alloc.group = (None if excluded is None else
-                           types.SimpleNamespace(released=excluded[0], dropped=excluded[1]))
-            alloc.prefix_cache = None if offer is None else FakeCache(*offer)
+            pipe = alloc.pipeline  # the open free group's masks and the reclaim policy
+            pipe.masks = (None if excluded is None else
+                          types.SimpleNamespace(released=excluded[0], dropped=excluded[1]))
+            pipe.reclaim = None if offer is None else FakeCache(*offer)
             before = state(alloc)
             befores.append({k: v for k, v in before.items() if k.startswith("ledger.")})
             self.outcomes.pop(id(alloc), None)
@@ -239,11 +240,13 @@ class Pair:
                 self.ref.mark_submitted(p_ref)
                 self.twin.mark_submitted(p_twin)
                 if offer is not None:
-                    self.reclaimed += self.ref.prefix_cache.reclaimed
-                    assert (self.ref.prefix_cache.reclaimed
-                            == self.twin.prefix_cache.reclaimed)
+                    self.reclaimed += self.ref.pipeline.reclaim.reclaimed
+                    assert (self.ref.pipeline.reclaim.reclaimed
+                            == self.twin.pipeline.reclaim.reclaimed)
         for alloc in (self.ref, self.twin):
-            alloc.group = alloc.prefix_cache = None
+            cache = alloc.prefix_cache
+            alloc.pipeline.masks = None
+            alloc.pipeline.reclaim = None if cache is None else cache.index
         return None if e_ref is None else e_ref.refusal
 
     def compare(self) -> None:

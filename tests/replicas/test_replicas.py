@@ -369,7 +369,7 @@ def test_every_operation_is_its_fixed_number_of_steps(one_rank_group):
     header = rep.payload.header.cpu().numpy()
     assert planned_digests(header) == host_digests(alloc.ledger, alloc.prefix_cache)
     with pytest.raises(IntegrityError, match="lockstep"):
-        rep._op(1, lambda: (alloc.step(), alloc.step()))  # more steps than followers replay
+        rep.ops._op(1, lambda: (alloc.step(), alloc.step()))  # more steps than followers replay
     rep.check()
     alloc.check_integrity()
     rep.close()
@@ -414,7 +414,7 @@ def test_replicated_wrapper_stacks_on_the_allocators_executor(one_rank_group):
     cfg = selftest_config("cpu", "torch", ring=True)
     rep = ReplicatedAllocator(cfg, mode="replicated", check_every=6, digest_every=3)
     alloc = rep.alloc
-    assert alloc.executor is rep.executor and rep.executor.inner.alloc is alloc
+    assert alloc.executor is rep.executor and rep.executor.inner.parts is alloc.parts
     workload = RandomWorkload(cfg, 9)
     for _ in range(40):
         if workload.wants_admit():
