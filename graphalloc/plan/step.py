@@ -64,10 +64,14 @@ from ..deprecations import warn_renamed
 from ..errors import ContractError, PositionError, SpeculativeStateError, UnknownHandleError
 from ..inputs import as_counts, as_int64, as_positions, as_rows, compiled_half, is_empty
 
-__all__ = ["Step", "StepArrays", "normalize", "normalize_fast", "step_from", "EMPTY", "KINDS"]
+__all__ = ["Step", "StepArrays", "normalize", "normalize_fast", "step_from", "EMPTY", "KINDS",
+           "ACCEPT_AND_COMMIT"]
 
 EMPTY = np.zeros(0, dtype=np.int64)
 EMPTY.flags.writeable = False
+
+ACCEPT_AND_COMMIT = ("accept= and commit= both given: they are one kind (commit= is its "
+                     "deprecated form); pass accept=(rows, n_accepted)")
 
 KINDS = ("take", "release", "accept", "commit", "trim", "evict", "evict_all", "advance", "drop",
          "drop_swa", "admit", "admit_on", "decode", "lookahead", "extend", "load_back")
@@ -251,8 +255,7 @@ def normalize(step: Step, config) -> StepArrays:
     com_r = com_n = EMPTY  # commit_n: tokens kept (accept: 1 + the accepted drafts)
     if step.accept is not None:
         if step.commit is not None:
-            raise ContractError("accept= and commit= both given: they are one kind (commit= "
-                                "is its deprecated form); pass accept=(rows, n_accepted)")
+            raise ContractError(ACCEPT_AND_COMMIT)
         r, k = _pair(step.accept, "accept", "n_accepted")
         com_r = _rows(r, n, "accept")
         com_n = as_counts(k, len(com_r), "accepted draft counts") + 1
