@@ -569,7 +569,7 @@ class SGLangAllocator:
     @property
     def n_recorded_releases(self) -> int:
         """Releases recorded for the next step."""
-        return self.pending.release.n
+        return self.pending.n_releases
 
     # ---- internals ---------------------------------------------------------------------
     def _nonempty(self, n: int) -> None:

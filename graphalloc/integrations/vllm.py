@@ -268,7 +268,7 @@ class GraphallocKVCacheManager:
                 or target > self.max_model_len or n > self._max_row_tokens
                 or need > self._floor or self._floor_key != self._pipeline.steps_run
                 or n_tokens > self._max_tokens
-                or n_rows + self.pending.take_h.n > self._max_rows):
+                or n_rows + self.pending.n_takes > self._max_rows):
             return self._record(request_id, row, _RUNNING, computed, n_new, look, length,
                                 front, -1, 0)
         slot = self._n
@@ -361,7 +361,7 @@ class GraphallocKVCacheManager:
         n_rows = self._n_rows + (n > 0) - (old_n > 0) + (kind == _ADMIT_ON) - old_on
         n_tokens = self._n_tokens + n - old_n
         cfg = self.alloc.config
-        if n_rows + self.pending.take_h.n > cfg.max_alloc_rows or n_tokens > cfg.max_step_tokens:
+        if n_rows + self.pending.n_takes > cfg.max_alloc_rows or n_tokens > cfg.max_step_tokens:
             raise BatchTooLargeError(
                 f"this iteration's step would need {n_rows} allocation rows and {n_tokens} "
                 f"tokens, the frozen shape is {cfg.max_alloc_rows} and {cfg.max_step_tokens}: "
@@ -499,7 +499,7 @@ class GraphallocKVCacheManager:
     def _state_fits(self) -> bool:
         """A new request's slot fits: the free slots now, plus what the recorded releases
         and the cache's unlocked snapshots give back, cover the admits reserved. O(1)."""
-        back = self.pending.release.n + (0 if self.prefix_cache is None
+        back = self.pending.n_releases + (0 if self.prefix_cache is None
                                           else self.prefix_cache.n_unlocked)
         return len(self._reserved) + 1 <= self.alloc.n_free("state") + back
 

@@ -50,7 +50,15 @@ import numpy as np
 
 from ..errors import ContractError
 from ..state.free_ids import lowest_free
-from .step import ACCEPT_AND_COMMIT, EMPTY, Step, StepArrays, normalize, normalize_fast
+from .step import (
+    ACCEPT_AND_COMMIT,
+    EMPTY,
+    Step,
+    StepArrays,
+    filled,
+    normalize,
+    normalize_fast,
+)
 
 __all__ = ["StepAccumulator", "FIELD", "KIND_FIELDS"]
 
@@ -78,6 +86,7 @@ KIND_FIELDS: dict[str, tuple[int, ...]] = {
 
 _N_FIELDS = len(StepArrays._fields)
 _EMPTY_FIELDS = tuple(0 if i == EVICT_ALL else EMPTY for i in range(_N_FIELDS))
+_DECODE, _DECODE_N, _DECODE_SPEC = KIND_FIELDS["decode"]
 _COLUMNS = tuple(i for i in range(_N_FIELDS) if i != EVICT_ALL)
 _MIN_CAPACITY = 64
 
@@ -161,6 +170,15 @@ class StepAccumulator:
             buf = self._grow(i, n + 1)
         buf[n] = value
         self.fields[i] = buf[:n + 1]
+
+    def put_decode(self, rows: np.ndarray) -> None:
+        """Append checked plain decode rows (one token each, not speculative): the three
+        decode columns. O(rows) numpy."""
+        m = len(rows)
+        if m:
+            self.put(_DECODE, rows)
+            self.put(_DECODE_N, filled(1, m))
+            self.put(_DECODE_SPEC, filled(0, m))
 
     def _grow(self, i: int, need: int) -> np.ndarray:
         """Column ``i`` in an owned buffer of capacity >= ``need`` (doubling), its values
