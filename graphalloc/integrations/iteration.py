@@ -193,7 +193,8 @@ class IterationStep(StepAccumulator):
 
     def _put_call(self, call: dict) -> None:
         """Append a call's arrays (``Step`` keywords: an array, or a tuple of arrays, per
-        kind; ``None``: nothing). Vectorised: O(their rows) numpy."""
+        kind; ``None``: nothing), kept as they are where a column is empty (a call's arrays
+        are not written before its step ran). Vectorised: O(their rows) numpy."""
         put = self.put
         for kind, value in call.items():
             if value is None:
@@ -202,9 +203,9 @@ class IterationStep(StepAccumulator):
                 self.put_decode(value)
             elif isinstance(value, tuple):
                 for i, arr in zip(KIND_FIELDS[kind], value, strict=True):
-                    put(i, arr)
+                    put(i, arr, False)
             else:
-                put(KIND_FIELDS[kind][0], value)
+                put(KIND_FIELDS[kind][0], value, False)
 
     def _dry_freed(self, step: Step) -> tuple[int, int]:
         try:
@@ -270,20 +271,27 @@ class IterationStep(StepAccumulator):
         are short (nothing changed, records kept). Other refusals raise their typed error,
         nothing changed. Past the frozen release shape the frees run first (more steps)."""
         alloc = self.alloc
-        mark = self.mark()
+        mark = (tuple(self.fields), self._commit_form, self._spec)  # (self.mark(), inline)
         self._put_call(call)  # the call's arrays join the records: one step
         step = self.last_step = Step(**self.to_kinds())
-        self.rollback(mark)  # (refused: the records as they were)
         before = alloc.steps_run
         try:
             planned = alloc.plan(step)
         except (BatchTooLargeError, CapacityError) as exc:
+            self.rollback(mark)  # refused: the records as they were
             if _short_of_room(exc):
                 return None
             if refusal_code(exc) != _SHAPE or not self.has_frees():
                 raise
             return self._run_split(call, before)
-        result = alloc.run(planned)
+        except BaseException:
+            self.rollback(mark)
+            raise
+        try:
+            result = alloc.run(planned)
+        except BaseException:
+            self.rollback(mark)
+            raise
         self._done()
         return result, planned.pages_evicted, alloc.steps_run - before
 

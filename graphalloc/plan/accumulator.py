@@ -87,7 +87,7 @@ KIND_FIELDS: dict[str, tuple[int, ...]] = {
 _N_FIELDS = len(StepArrays._fields)
 _EMPTY_FIELDS = tuple(0 if i == EVICT_ALL else EMPTY for i in range(_N_FIELDS))
 _DECODE, _DECODE_N, _DECODE_SPEC = KIND_FIELDS["decode"]
-_COLUMNS = tuple(i for i in range(_N_FIELDS) if i != EVICT_ALL)
+_ONES, _ZEROS = filled(1, 1024), filled(0, 1024)  # (read-only, sliced for plain decodes)
 _MIN_CAPACITY = 64
 
 
@@ -99,8 +99,8 @@ class StepAccumulator:
     of rows released and handles dropped ahead of the step, or ``None`` (the owner sets
     them: a free group, an engine iteration)."""
 
-    __slots__ = ("config", "n_reqs", "fields", "_bufs", "_own", "_commit_form", "released",
-                 "dropped")
+    __slots__ = ("config", "n_reqs", "fields", "_bufs", "_own", "_commit_form", "_spec",
+                 "released", "dropped")
 
     def __init__(self, config):
         self.config, self.n_reqs = config, config.max_reqs
@@ -108,6 +108,7 @@ class StepAccumulator:
         self._bufs: list = [None] * _N_FIELDS  # owned buffers (capacity >= len(field))
         self._own = [False] * _N_FIELDS  # whether fields[i] is a prefix of _bufs[i]
         self._commit_form = False  # the speculative kind came as commit= (deprecated)
+        self._spec = False  # a decode was recorded with a lookahead
         self.released: np.ndarray | None = None
         self.dropped: np.ndarray | None = None
 
@@ -129,6 +130,8 @@ class StepAccumulator:
             if len(self.fields[FIELD["commit_row"]]) and self._commit_form != (kind == "commit"):
                 raise ContractError(ACCEPT_AND_COMMIT)
             self._commit_form = kind == "commit"
+        elif kind == "decode" and value[1] is not None:
+            self._spec = True
         fields = self.fields
         for i in KIND_FIELDS[kind]:  # (2-3 fields: the append inline, no frame per field)
             arr = arrays[i]
@@ -147,14 +150,18 @@ class StepAccumulator:
             fields[i] = buf[:n + m]
         return arrays
 
-    def put(self, i: int, values: np.ndarray) -> None:
+    def put(self, i: int, values: np.ndarray, copy: bool = True) -> None:
         """Append checked int64 ``values`` to column ``i`` (a :data:`FIELD` index).
-        O(values), amortised O(1) growth."""
+        O(values), amortised O(1) growth. ``copy=False``: the first array of a column is
+        kept as it is (the caller does not write it before the step ran)."""
         m = len(values)
         if not m:
             return
         cur = self.fields[i]
         n = len(cur)
+        if not n and not copy:
+            self.fields[i], self._own[i] = values, False
+            return
         buf = self._bufs[i]
         if not self._own[i] or buf is None or n + m > len(buf):
             buf = self._grow(i, n + m)
@@ -173,12 +180,19 @@ class StepAccumulator:
 
     def put_decode(self, rows: np.ndarray) -> None:
         """Append checked plain decode rows (one token each, not speculative): the three
-        decode columns. O(rows) numpy."""
+        decode columns. O(rows) numpy; the first rows of a step kept as given, O(1)."""
         m = len(rows)
-        if m:
-            self.put(_DECODE, rows)
-            self.put(_DECODE_N, filled(1, m))
-            self.put(_DECODE_SPEC, filled(0, m))
+        if not m:
+            return
+        f = self.fields
+        if not len(f[_DECODE]) and m <= len(_ONES):  # (the common case: no frame more)
+            f[_DECODE], f[_DECODE_N], f[_DECODE_SPEC] = rows, _ONES[:m], _ZEROS[:m]
+            own = self._own
+            own[_DECODE] = own[_DECODE_N] = own[_DECODE_SPEC] = False
+            return
+        self.put(_DECODE, rows)
+        self.put(_DECODE_N, filled(1, m))
+        self.put(_DECODE_SPEC, filled(0, m))
 
     def _grow(self, i: int, need: int) -> np.ndarray:
         """Column ``i`` in an owned buffer of capacity >= ``need`` (doubling), its values
@@ -210,7 +224,8 @@ class StepAccumulator:
     def __bool__(self) -> bool:
         """Whether anything is recorded. O(fields)."""
         f = self.fields
-        return bool(f[EVICT_ALL]) or any(len(f[i]) for i in _COLUMNS)
+        return bool(f[EVICT_ALL] or any(map(len, f[:EVICT_ALL]))
+                    or any(map(len, f[EVICT_ALL + 1:])))  # (C: no frame per column)
 
     def to_arrays(self) -> StepArrays:
         """The recorded step as :class:`StepArrays` (views of the columns). O(1): one tuple
@@ -230,15 +245,14 @@ class StepAccumulator:
                 continue  # (one column, recorded in one of the two forms)
             if kind == "decode":
                 out["decode"] = f[idx[0]]
-                spec = f[idx[2]]
-                if spec.any():
-                    out["lookahead"] = np.where(spec != 0, f[idx[1]] - 1, -1)
+                if self._spec:  # a lookahead was recorded: -1 marks the plain rows
+                    out["lookahead"] = np.where(f[idx[2]] != 0, f[idx[1]] - 1, -1)
             elif kind == "accept":
                 out["accept"] = (f[idx[0]], f[idx[1]] - 1)
             elif len(idx) == 1:
                 out[kind] = f[idx[0]]
             else:
-                out[kind] = tuple(f[i] for i in idx)
+                out[kind] = tuple(map(f.__getitem__, idx))  # (C: no frame)
         if f[EVICT_ALL] and (kinds is None or "evict_all" in kinds):
             out["evict_all"] = True
         return out
@@ -250,12 +264,12 @@ class StepAccumulator:
     # ---- transactions -------------------------------------------------------------------
     def mark(self) -> tuple:
         """The records now (restore with :meth:`rollback`). O(fields)."""
-        return tuple(self.fields), self._commit_form
+        return tuple(self.fields), self._commit_form, self._spec
 
     def rollback(self, mark: tuple) -> None:
         """Forget every append after :meth:`mark` (appends only grow the columns, so the
         marked views are still their prefixes). O(fields)."""
-        fields, self._commit_form = mark
+        fields, self._commit_form, self._spec = mark
         for i, f in enumerate(fields):
             if i != EVICT_ALL and self._own[i]:
                 f = self._bufs[i][:len(f)]  # (a marked view of a buffer since replaced)
@@ -265,7 +279,7 @@ class StepAccumulator:
         """Forget every record (the buffers are kept for the next step). O(fields)."""
         self.fields[:] = _EMPTY_FIELDS
         self._own = [False] * _N_FIELDS
-        self._commit_form = False
+        self._commit_form = self._spec = False
 
     # ---- the lowest free row or handle --------------------------------------------------
     def free_row(self, live: np.ndarray, *aside) -> int:
