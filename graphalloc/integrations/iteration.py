@@ -40,7 +40,7 @@ import numpy as np
 
 from ..allocator import HybridAllocator
 from ..errors import BatchTooLargeError, CapacityError, ConfigError, ContractError
-from ..plan.accumulator import FIELD, KIND_FIELDS, StepAccumulator
+from ..plan.accumulator import FIELD, StepAccumulator
 from ..plan.refusals import RefusalCode
 from ..plan.step import Step
 
@@ -184,28 +184,12 @@ class IterationStep(StepAccumulator):
             kw = self.to_kinds(_FREE_KINDS)
         else:
             mark = self.mark()
-            self._put_call(extra)
+            self.put_kinds(extra)
             kw = self.to_kinds(_FREE_KINDS)
             self.rollback(mark)  # (the views stay valid: nothing is appended before use)
         if drop is not None:
             kw["drop"] = drop
         return Step(**kw)
-
-    def _put_call(self, call: dict) -> None:
-        """Append a call's arrays (``Step`` keywords: an array, or a tuple of arrays, per
-        kind; ``None``: nothing), kept as they are where a column is empty (a call's arrays
-        are not written before its step ran). Vectorised: O(their rows) numpy."""
-        put = self.put
-        for kind, value in call.items():
-            if value is None:
-                continue
-            if kind == "decode":
-                self.put_decode(value)
-            elif isinstance(value, tuple):
-                for i, arr in zip(KIND_FIELDS[kind], value, strict=True):
-                    put(i, arr, False)
-            else:
-                put(KIND_FIELDS[kind][0], value, False)
 
     def _dry_freed(self, step: Step) -> tuple[int, int]:
         try:
@@ -260,7 +244,7 @@ class IterationStep(StepAccumulator):
         / ``extend`` as tuples of arrays, ``admit`` / ``decode`` arrays), as one Step; absent
         kinds left out. O(kinds), plus the call's rows when something is recorded."""
         mark = self.mark()
-        self._put_call(call)
+        self.put_kinds(call)
         step = Step(**self.to_kinds())
         self.rollback(mark)  # (the step's views stay valid until the next append)
         return step
@@ -272,7 +256,7 @@ class IterationStep(StepAccumulator):
         nothing changed. Past the frozen release shape the frees run first (more steps)."""
         alloc = self.alloc
         mark = (tuple(self.fields), self._commit_form, self._spec)  # (self.mark(), inline)
-        self._put_call(call)  # the call's arrays join the records: one step
+        self.put_kinds(call)  # the call's arrays join the records: one step
         step = self.last_step = Step(**self.to_kinds())
         before = alloc.steps_run
         try:

@@ -178,6 +178,33 @@ class StepAccumulator:
         buf[n] = value
         self.fields[i] = buf[:n + 1]
 
+    def put_kinds(self, kinds: dict) -> None:
+        """Append checked int64 arrays given as ``Step`` keywords (an array, or a tuple of
+        arrays, per kind; ``None`` skipped; ``decode``: plain rows) that the caller does not
+        write before the step ran: an empty column takes its array as it is (no copy, no
+        Python frame), a column with values gets it appended. O(kinds), plus O(rows) numpy
+        where a column already holds values."""
+        f, own = self.fields, self._own
+        for kind, value in kinds.items():
+            if value is None:
+                continue
+            if kind == "decode":
+                if len(f[_DECODE]) or len(value) > len(_ONES):
+                    self.put_decode(value)
+                elif len(value):
+                    m = len(value)
+                    f[_DECODE], f[_DECODE_N], f[_DECODE_SPEC] = value, _ONES[:m], _ZEROS[:m]
+                    own[_DECODE] = own[_DECODE_N] = own[_DECODE_SPEC] = False
+                continue
+            idx = KIND_FIELDS[kind]
+            for i, arr in zip(idx, value if type(value) is tuple else (value,), strict=True):
+                if not len(arr):
+                    continue
+                if len(f[i]):
+                    self.put(i, arr)
+                else:
+                    f[i], own[i] = arr, False
+
     def put_decode(self, rows: np.ndarray) -> None:
         """Append checked plain decode rows (one token each, not speculative): the three
         decode columns. O(rows) numpy; the first rows of a step kept as given, O(1)."""

@@ -326,3 +326,20 @@ def test_the_recorder_reserves_through_the_accumulator():
     assert a.is_live(r1) and a.is_live(r2) and set(a.live_handles()) == {0, 1}
     step = Step(admit=[1])  # (a Step is still the plain value)
     assert step.kinds() == ["admit"]
+
+
+def test_put_kinds_appends_a_calls_arrays_as_the_normaliser_reads_them():
+    """The seams' vectorised append: empty columns take the arrays as they are, columns
+    with values get them appended; plain decode rows are one token each, none speculative."""
+    acc = StepAccumulator(_alloc().config)
+    rows = np.array([0, 2], dtype=np.int64)
+    acc.put_kinds({"decode": rows, "advance": None, "extend": (np.array([3], np.int64),
+                                                                 np.array([4], np.int64))})
+    assert acc.column("decode") is rows
+    acc.put_kinds({"decode": np.array([5], np.int64),
+                   "extend": (np.array([6], np.int64), np.array([1], np.int64))})
+    got = acc.to_arrays()
+    want = normalize(Step(decode=[0, 2, 5], extend=([3, 6], [4, 1])), acc.config)
+    for name, x, y in zip(StepArrays._fields, got, want, strict=True):
+        assert np.array_equal(np.asarray(x), np.asarray(y)), name
+    assert rows.tolist() == [0, 2]  # the given array was not written
