@@ -6,12 +6,13 @@ and an explicit ``run_step()`` and stays for its tests and examples until it is 
 
 Contract. :class:`GraphallocKVCacheManager` answers vLLM's per-request calls and only
 RECORDS them: ``allocate_slots(request_id, n, num_lookahead_tokens)`` writes one slot of
-preallocated int64 arrays (row, tokens, window floor, trim target; a new request's row from
-``alloc.free_row(reserved)``, admitted plain or on its cache hit) and returns the new block
-positions, or ``None`` (back-pressure, nothing changed); ``free`` records a release (with
-caching and token ids, an insert as a ``take`` run before it in the same step).
-:meth:`~GraphallocKVCacheManager.run_step`, the line the engine adds after ``schedule()``'s
-loop, turns the slots into arrays with a few numpy masks and runs ONE Step (take, release,
+preallocated int64 arrays (row, tokens, window floor, trim target; a new request's row is
+the iteration's lowest free row, ``pending.free_row``, admitted plain or on its cache hit)
+and returns the new block positions, or ``None`` (back-pressure, nothing changed); ``free``
+records a release (with caching and token ids, an insert as a ``take`` run before it in
+the same step). :meth:`~GraphallocKVCacheManager.run_step`, the line the engine adds after
+``schedule()``'s loop, turns the slots into arrays with a few numpy masks, appended to the
+iteration's accumulator in one vectorised append per kind, and runs ONE Step (take, release,
 trim, advance, admit / admit_on, extend); the cache evicts inside it when pages are short.
 Rules (vLLM's): a request holds ``min(computed + n + lookahead, max_model_len)`` positions;
 its SWA blocks below ``computed - sliding_window`` are removed (null block 0) first; a
@@ -307,9 +308,8 @@ class GraphallocKVCacheManager:
         if row is None:
             if self._states and not self._state_fits():
                 return None  # the recurrent-state slots are short
-            try:
-                row = self.alloc.free_row(reserved=self._reserved)
-            except CapacityError:
+            row = self.pending.free_row(self.ledger.live, self._reserved)
+            if row < 0:
                 return None  # the request rows are short
             kind_new = True
         else:
