@@ -42,7 +42,7 @@ from ..allocator import HybridAllocator
 from ..errors import BatchTooLargeError, CapacityError, ConfigError, ContractError
 from ..plan.accumulator import FIELD, StepAccumulator
 from ..plan.refusals import RefusalCode
-from ..plan.step import Step
+from ..plan.step import Step, normalize_fast
 
 __all__ = ["IterationStep"]
 
@@ -96,19 +96,21 @@ class IterationStep(StepAccumulator):
         self.ps = cfg.page_size
         self.states = cfg.num_state_slots > 0  # inserts only at the committed length
         self.released = np.zeros(cfg.max_reqs, dtype=bool)  # rows whose release is recorded
+        self.n_takes = 0  # cache inserts (takes) recorded: allocation rows of the step
         self.inserts: list[tuple[int, list]] = []  # (handle, page keys): entries after the step
         self._ends: dict[bytes, int] = {}  # last page key of a recorded insert -> its handle
         self.frees_version = 0  # bumped by every recorded free (takes included)
         self.cache_steps = 0  # steps the cache ran outside the iteration's step
-        self.last_step: Step | None = None
+        self._last_kw: dict | None = None
         self._freed: dict = {}  # version key -> pages (a few versions live at once)
         self._reclaim: dict = {}
 
     # ---- state ------------------------------------------------------------------------
     @property
-    def n_takes(self) -> int:
-        """Cache inserts (takes) recorded for the next step."""
-        return len(self.fields[_TAKE_H])
+    def last_step(self) -> Step | None:
+        """The :class:`Step` the last :meth:`run` planned (its arrays are views of the
+        records: read it before the next call records). For inspection."""
+        return None if self._last_kw is None else Step(**self._last_kw)
 
     @property
     def n_releases(self) -> int:
@@ -171,6 +173,7 @@ class IterationStep(StepAccumulator):
         self.put_one(_TAKE_H, handle)
         self.put_one(_TAKE_ROW, row)
         self.put_one(_TAKE_N, n)
+        self.n_takes += 1
         self.inserts.append((handle, keys))
         self._ends[keys[-1]] = handle
         self.frees_version += 1
@@ -257,10 +260,14 @@ class IterationStep(StepAccumulator):
         alloc = self.alloc
         mark = (tuple(self.fields), self._commit_form, self._spec)  # (self.mark(), inline)
         self.put_kinds(call)  # the call's arrays join the records: one step
-        step = self.last_step = Step(**self.to_kinds())
+        kw = self._last_kw = self.to_kinds()
         before = alloc.steps_run
-        try:
-            planned = alloc.plan(step)
+        try:  # (alloc.plan(Step(**kw)): converted in C straight from the keywords when
+            # the allocator has no block open, as alloc.step does)
+            arrays = (normalize_fast(kw, self.n_reqs) if normalize_fast is not None
+                      and alloc.recorder is None and alloc.group is None else None)
+            planned = (alloc.plan(Step(**kw)) if arrays is None
+                       else alloc.pipeline.plan(arrays))
         except (BatchTooLargeError, CapacityError) as exc:
             self.rollback(mark)  # refused: the records as they were
             if _short_of_room(exc):
@@ -308,6 +315,7 @@ class IterationStep(StepAccumulator):
         if len(f[_RELEASE]):
             self.released[f[_RELEASE]] = False
         self.clear()  # (only frees were recorded: the call's arrays are not)
+        self.n_takes = 0
         self.frees_version += 1
         out = self.run(**call)
         if out is None:
@@ -323,12 +331,11 @@ class IterationStep(StepAccumulator):
 
     def _done(self) -> None:
         """The step was submitted: register its cache entries, clear the records."""
-        if not self:
-            return
         if self.inserts:
             self._register()
         released = self.fields[_RELEASE]
         if len(released):
             self.released[released] = False
         self.clear()
+        self.n_takes = 0
         self.frees_version += 1

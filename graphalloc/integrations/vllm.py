@@ -61,7 +61,6 @@ from ..errors import (
     PositionError,
     UnknownRequestError,
 )
-from ..plan.accumulator import FIELD
 from ..sharing.page_keys import RequestKeys
 from .iteration import IterationStep
 
@@ -73,7 +72,6 @@ SWA_GROUP = 1  # index of the sliding-window group
 NULL_BLOCK_ID = 0  # the null block: graphalloc's sink page 0, never allocated
 
 _RUNNING, _ADMIT, _ADMIT_ON, _DEAD = 0, 1, 2, -1  # slot kinds
-_TAKE_H = FIELD["take_handle"]  # the iteration's takes: each an allocation row
 
 
 def _count(value, name: str) -> int:
@@ -271,7 +269,7 @@ class GraphallocKVCacheManager:
                 or target > self.max_model_len or n > self._max_row_tokens
                 or need > self._floor or self._floor_key != self._pipeline.steps_run
                 or n_tokens > self._max_tokens
-                or n_rows + len(self.pending.fields[_TAKE_H]) > self._max_rows):
+                or n_rows + self.pending.n_takes > self._max_rows):
             return self._record(request_id, row, _RUNNING, computed, n_new, look, length,
                                 front, -1, 0)
         slot = self._n
@@ -363,7 +361,7 @@ class GraphallocKVCacheManager:
         n_rows = self._n_rows + (n > 0) - (old_n > 0) + (kind == _ADMIT_ON) - old_on
         n_tokens = self._n_tokens + n - old_n
         cfg = self.alloc.config
-        n_rows_all = n_rows + len(self.pending.fields[_TAKE_H])  # (takes: rows too)
+        n_rows_all = n_rows + self.pending.n_takes  # (takes: rows too)
         if n_rows_all > cfg.max_alloc_rows or n_tokens > cfg.max_step_tokens:
             raise BatchTooLargeError(
                 f"this iteration's step would need {n_rows} allocation rows and {n_tokens} "

@@ -84,9 +84,18 @@ KIND_FIELDS: dict[str, tuple[int, ...]] = {
         "load_back": ("load_row", "load_pos"),
     }.items()}
 
+_SPAN = {kind: (idx[0], idx[-1] + 1) for kind, idx in KIND_FIELDS.items()}
+assert all(idx == tuple(range(*_SPAN[k])) for k, idx in KIND_FIELDS.items())
 _N_FIELDS = len(StepArrays._fields)
+_NOT_OWN = [False] * _N_FIELDS
 _EMPTY_FIELDS = tuple(0 if i == EVICT_ALL else EMPTY for i in range(_N_FIELDS))
 _DECODE, _DECODE_N, _DECODE_SPEC = KIND_FIELDS["decode"]
+_ONE, _TUPLE, _DECODE_FORM, _ACCEPT_FORM, _COMMIT_FORM = range(5)  # how to_kinds reads a kind
+_BY_KIND = {kind: (kind, idx[0], idx,
+                   _DECODE_FORM if kind == "decode" else _ACCEPT_FORM if kind == "accept" else
+                   _COMMIT_FORM if kind == "commit" else _ONE if len(idx) == 1 else _TUPLE)
+            for kind, idx in KIND_FIELDS.items()}
+_TABLE = tuple(_BY_KIND.values())  # the step's order
 _ONES, _ZEROS = filled(1, 1024), filled(0, 1024)  # (read-only, sliced for plain decodes)
 _MIN_CAPACITY = 64
 
@@ -133,6 +142,11 @@ class StepAccumulator:
         elif kind == "decode" and value[1] is not None:
             self._spec = True
         fields = self.fields
+        lo, hi = _SPAN[kind]  # (a kind's fields are adjacent)
+        if not len(fields[lo]):  # the kind's first call: its arrays kept as they are
+            fields[lo:hi] = arrays[lo:hi]  # (never written; C slices, no loop)
+            self._own[lo:hi] = _NOT_OWN[lo:hi]
+            return arrays
         for i in KIND_FIELDS[kind]:  # (2-3 fields: the append inline, no frame per field)
             arr = arrays[i]
             m = len(arr)
@@ -263,23 +277,21 @@ class StepAccumulator:
         """The recorded kinds (``kinds``: only these) as ``Step`` keywords, absent kinds
         left out (``evict_all`` only when set). Arrays are the columns' views. O(kinds)."""
         f, out = self.fields, {}
-        for kind in (KIND_FIELDS if kinds is None else kinds):
-            idx = KIND_FIELDS[kind]
-            if not len(f[idx[0]]):
+        for kind, i0, idx, form in (_TABLE if kinds is None else map(_BY_KIND.__getitem__,
+                                                                     kinds)):
+            col = f[i0]
+            if not len(col):
                 continue
-            if kind == "accept" and self._commit_form or kind == "commit" and not (
-                    self._commit_form):
-                continue  # (one column, recorded in one of the two forms)
-            if kind == "decode":
-                out["decode"] = f[idx[0]]
+            if form == _ONE:
+                out[kind] = col
+            elif form == _TUPLE:
+                out[kind] = tuple(map(f.__getitem__, idx))  # (C: no frame)
+            elif form == _DECODE_FORM:
+                out["decode"] = col
                 if self._spec:  # a lookahead was recorded: -1 marks the plain rows
                     out["lookahead"] = np.where(f[idx[2]] != 0, f[idx[1]] - 1, -1)
-            elif kind == "accept":
-                out["accept"] = (f[idx[0]], f[idx[1]] - 1)
-            elif len(idx) == 1:
-                out[kind] = f[idx[0]]
-            else:
-                out[kind] = tuple(map(f.__getitem__, idx))  # (C: no frame)
+            elif (form == _COMMIT_FORM) == self._commit_form:  # (one column, two forms)
+                out[kind] = (col, f[idx[1]]) if self._commit_form else (col, f[idx[1]] - 1)
         if f[EVICT_ALL] and (kinds is None or "evict_all" in kinds):
             out["evict_all"] = True
         return out
