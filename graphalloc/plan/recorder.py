@@ -12,8 +12,8 @@
         e = it.extend([r], [chunk])
     kv_full, kv_swa = d.full_slots, d.swa_slots   # valid once the step ran
 
-Every call appends its rows to the block's Step (calls of one kind concatenate, in call
-order); at the block's end the Step runs as ONE ``alloc.step(...)`` -- in the step's own
+Every call appends its rows to the block's Step (calls of one kind follow each other, in
+call order); at the block's end the Step runs as ONE ``alloc.step(...)`` -- in the step's own
 order (:mod:`graphalloc.plan.step`), whatever order the calls came in -- refused whole with
 nothing changed if any part breaks a rule. Output lanes: the decode calls' rows in call
 order, then the extend calls', then the load-backs'. The results (:class:`StepSlots`)
@@ -32,11 +32,12 @@ StepAccumulator`, which this class is): each call's arguments are converted by t
 one conversion path at the call and appended to growable int64 columns. Bad input is the
 block's refusal, not the call's: its typed error (the normaliser's) is kept and raised at
 the block's end with nothing run (the first kind in the step's order, its first call), as
-a refused step would be; ``admit`` and ``take_handle``
-reserve the lowest free row / handle that the block has not reserved yet (the accumulator
-asks :func:`~graphalloc.state.free_ids.lowest_free`). The block's end plans the columns as
-they are (no second conversion). Rules between calls (a row admitted twice, released and
-decoded, ...) are the planners': the step is refused whole at the end.
+a refused step would be (``it.commit`` warns of its deprecation at the call). ``admit``
+and ``take_handle`` reserve the lowest free row / handle that the block has not reserved
+yet (the accumulator asks :func:`~graphalloc.state.free_ids.lowest_free`). The block's
+end plans the columns as they are (no second conversion). Rules between calls (a row
+admitted twice, released and decoded, ...) are the planners': the step is refused whole at
+the end.
 
 Cost: a call is O(rows of the call) (the conversion in C for the plain forms; appends
 amortised O(1) per value); the step at the end costs what ``alloc.step`` with the same
