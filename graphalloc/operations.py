@@ -254,7 +254,8 @@ def free_row(alloc, reserved=()) -> int:
         reserved = None
     else:
         reserved = as_rows(reserved, alloc.config.max_reqs, "free_row reserved rows")
-    row = lowest_free(alloc.ledger.live, None if group is None else group.released, reserved)
+    live = alloc.ledger.live
+    row = lowest_free(live, reserved) if group is None else group.free_row(live, reserved)
     if row < 0:
         raise to_error(Refusal(RefusalCode.NO_FREE_ROW, Kind.ADMIT, -1, 0,
                                alloc.config.max_reqs))
@@ -281,7 +282,7 @@ def take_handle(alloc, row, n_tokens) -> int:
         raise CapacityError("take_handle: the allocator has no handle slots; build it with "
                             "AllocatorConfig(max_handles=...)")
     group = alloc.group
-    h = lowest_free(led.h_live, None if group is None else group.dropped)
+    h = lowest_free(led.h_live) if group is None else group.free_handle(led.h_live)
     if h < 0:
         raise CapacityError(f"take_handle: all {led.n_handles} handles are held; drop one "
                             "first")

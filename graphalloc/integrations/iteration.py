@@ -1,9 +1,10 @@
-"""The seams' per-iteration accumulator: int64 arrays per Step kind, ONE Step per iteration.
+"""The seams' engine iteration: the records of one iteration, ONE Step per iteration.
 
 Contract. :class:`IterationStep` holds what an engine's calls recorded since the last step
 -- cache inserts (``take``), releases, trims, frontier moves, admits (plain or on a cached
-prefix), decode and extend rows -- as growable int64 arrays, one per field of
-:class:`~graphalloc.plan.step.Step`, and hands them to the allocator as ONE step
+prefix), decode and extend rows -- in the one Step accumulator (it is a
+:class:`~graphalloc.plan.accumulator.StepAccumulator`: growable int64 columns, the lowest
+free handle not reserved by a recorded take), and hands them to the allocator as ONE step
 (:meth:`IterationStep.run`: ``alloc.plan`` + ``alloc.run``) in the Step's own order: the
 takes first (a finished request is inserted and released in one step), then the frees, the
 admits, the allocations; the prefix cache's reclaiming happens inside that step when an
@@ -27,8 +28,10 @@ LRU unlocked leaf first, a step of its own (``cache_steps``). A batch over the a
 shape raises with nothing changed.
 
 Cost: recording is O(1) per scalar (a write into a preallocated array, doubled when
-full) or O(n) numpy per array; :meth:`run` is one ``alloc.plan`` + ``alloc.run`` plus
-O(kinds) array views; the page queries are one dry run per version, then O(1).
+full) or O(n) numpy per array; :meth:`run` appends the call's arrays (O(their rows) numpy,
+none when nothing is recorded: the first array of a column is used as it is), then one
+``alloc.plan`` + ``alloc.run`` plus O(kinds) views; the page queries are one dry run per
+version, then O(1).
 """
 
 from __future__ import annotations
@@ -37,11 +40,11 @@ import numpy as np
 
 from ..allocator import HybridAllocator
 from ..errors import BatchTooLargeError, CapacityError, ConfigError, ContractError
+from ..plan.accumulator import FIELD, StepAccumulator
 from ..plan.refusals import RefusalCode
-from ..plan.step import EMPTY, Step
-from ..state.free_ids import lowest_free
+from ..plan.step import Step, normalize_fast
 
-__all__ = ["IterationStep", "Ints"]
+__all__ = ["IterationStep"]
 
 _SHAPE = RefusalCode.STEP_OVER_SHAPE  # the frozen step shape
 
@@ -57,41 +60,6 @@ def _short_of_room(exc: ContractError) -> bool:
     return exc.refusal is not None and exc.refusal.code.room
 
 
-class Ints:
-    """A growable int64 array: :meth:`append` O(1) amortised, :meth:`view` without a copy."""
-
-    __slots__ = ("buf", "n")
-
-    def __init__(self, capacity: int = 64):
-        self.buf = np.empty(max(capacity, 1), dtype=np.int64)
-        self.n = 0
-
-    def _grow(self, need: int) -> None:
-        buf = np.empty(max(need, 2 * len(self.buf)), dtype=np.int64)
-        buf[:self.n] = self.buf[:self.n]
-        self.buf = buf
-
-    def append(self, value: int) -> None:
-        n = self.n
-        if n == len(self.buf):
-            self._grow(n + 1)
-        self.buf[n] = value
-        self.n = n + 1
-
-    def extend(self, values: np.ndarray) -> None:
-        n, m = self.n, len(values)
-        if n + m > len(self.buf):
-            self._grow(n + m)
-        self.buf[n:n + m] = values
-        self.n = n + m
-
-    def view(self) -> np.ndarray:
-        return self.buf[:self.n] if self.n else EMPTY
-
-    def clear(self) -> None:
-        self.n = 0
-
-
 def _remember(memo: dict, key, value) -> None:
     """Keep ``value`` for ``key``; a few keys at most (older versions are dead)."""
     if len(memo) >= 4:
@@ -99,30 +67,14 @@ def _remember(memo: dict, key, value) -> None:
     memo[key] = value
 
 
-def _merge(kw: dict, kind: str, value) -> None:
-    """Add ``value`` (an array, or a tuple of arrays) to ``kw[kind]``; empty: nothing."""
-    if value is None:
-        return
-    first = value[0] if isinstance(value, tuple) else value
-    if not len(first):
-        return
-    old = kw.get(kind)
-    if old is None:
-        kw[kind] = value
-    elif isinstance(value, tuple):
-        kw[kind] = tuple(np.concatenate([a, b]) for a, b in zip(old, value, strict=True))
-    else:
-        kw[kind] = np.concatenate([old, value])
+_TAKE_H, _TAKE_ROW, _TAKE_N = FIELD["take_handle"], FIELD["take_row"], FIELD["take_tokens"]
+_RELEASE, _TRIM_ROW, _TRIM_LEN = FIELD["release"], FIELD["trim_row"], FIELD["trim_len"]
+_ADV_ROW, _ADV_POS = FIELD["advance_row"], FIELD["advance_pos"]
+_FREE_KINDS = ("take", "release", "trim", "advance")  # what the page queries dry-run
+_CALL_KINDS = ("trim", "advance", "admit", "admit_on", "decode", "extend")
 
 
-def _cat(a: np.ndarray, b) -> np.ndarray:
-    """Recorded ``a`` followed by a call's ``b`` (either may be empty)."""
-    if b is None or not len(b):
-        return a
-    return b if not len(a) else np.concatenate([a, b])
-
-
-class IterationStep:
+class IterationStep(StepAccumulator):
     """The records of one iteration and the step that runs them (see the module docstring).
 
     ``alloc``: a pool-mode :class:`HybridAllocator`; ``owner`` names the seam in errors.
@@ -138,47 +90,52 @@ class IterationStep:
                 f"{owner} needs a pool-mode allocator (swa_ring_pages=0): in ring mode an "
                 "admit pops ring pages, so a request cannot be admitted on a cached prefix "
                 "and the seams' one-step iteration does not hold")
-        self.alloc, self.config, self.ledger = alloc, cfg, alloc.ledger
+        StepAccumulator.__init__(self, cfg)
+        self.alloc, self.ledger = alloc, alloc.ledger
         self.cache = alloc.prefix_cache
         self.ps = cfg.page_size
         self.states = cfg.num_state_slots > 0  # inserts only at the committed length
-        n = cfg.max_reqs
-        self.take_h, self.take_row, self.take_n = Ints(16), Ints(16), Ints(16)
-        self.release, self.trim_row, self.trim_len = Ints(n), Ints(16), Ints(16)
-        self.adv_row, self.adv_pos = Ints(n), Ints(n)
-        self.admit, self.on_row, self.on_h, self.on_n = Ints(16), Ints(16), Ints(16), Ints(16)
-        self.decode, self.ext_row, self.ext_n = Ints(n), Ints(n), Ints(n)
-        self.released = np.zeros(n, dtype=bool)  # rows whose release is recorded
+        self.released = np.zeros(cfg.max_reqs, dtype=bool)  # rows whose release is recorded
+        self.n_takes = 0  # cache inserts (takes) recorded: allocation rows of the step
         self.inserts: list[tuple[int, list]] = []  # (handle, page keys): entries after the step
         self._ends: dict[bytes, int] = {}  # last page key of a recorded insert -> its handle
         self.frees_version = 0  # bumped by every recorded free (takes included)
         self.cache_steps = 0  # steps the cache ran outside the iteration's step
-        self.last_step: Step | None = None
+        self._last_kw: dict | None = None
         self._freed: dict = {}  # version key -> pages (a few versions live at once)
         self._reclaim: dict = {}
 
     # ---- state ------------------------------------------------------------------------
-    def has_frees(self) -> bool:
-        return bool(self.take_h.n or self.release.n or self.trim_row.n or self.adv_row.n)
+    @property
+    def last_step(self) -> Step | None:
+        """The :class:`Step` the last :meth:`run` planned (its arrays are views of the
+        records: read it before the next call records). For inspection."""
+        return None if self._last_kw is None else Step(**self._last_kw)
 
-    def __bool__(self) -> bool:
-        return bool(self.has_frees() or self.admit.n or self.on_row.n or self.decode.n
-                    or self.ext_row.n)
+    @property
+    def n_releases(self) -> int:
+        """Releases recorded for the next step."""
+        return len(self.fields[_RELEASE])
+
+    def has_frees(self) -> bool:
+        f = self.fields
+        return bool(len(f[_TAKE_H]) or len(f[_RELEASE]) or len(f[_TRIM_ROW])
+                    or len(f[_ADV_ROW]))
 
     # ---- recording ----------------------------------------------------------------------
     def add_release(self, row: int) -> None:
-        self.release.append(row)
+        self.put_one(_RELEASE, row)
         self.released[row] = True
         self.frees_version += 1
 
     def add_trim(self, row: int, new_len: int) -> None:
-        self.trim_row.append(row)
-        self.trim_len.append(new_len)
+        self.put_one(_TRIM_ROW, row)
+        self.put_one(_TRIM_LEN, new_len)
         self.frees_version += 1
 
     def add_advance(self, row: int, pos: int) -> None:
-        self.adv_row.append(row)
-        self.adv_pos.append(pos)
+        self.put_one(_ADV_ROW, row)
+        self.put_one(_ADV_POS, pos)
         self.frees_version += 1
 
     def insert(self, row: int, token_ids=None, *, keys: list | None = None, salt=None,
@@ -204,47 +161,38 @@ class IterationStep:
         keys = keys[:n // ps]
         if keys[-1] in self._ends or cache.lookup(keys) >= 0:
             return n
-        handle = self._free_handle()
+        h_live = self.ledger.h_live
+        handle = self.free_handle(h_live)
         if handle < 0:
             before = self.alloc.steps_run
             cache.reclaim(n_full=1)  # the LRU unlocked leaf: its handle becomes free
             self.cache_steps += self.alloc.steps_run - before
-            handle = self._free_handle()
+            handle = self.free_handle(h_live)
             if handle < 0:
                 return 0
-        self.take_h.append(handle)
-        self.take_row.append(row)
-        self.take_n.append(n)
+        self.put_one(_TAKE_H, handle)
+        self.put_one(_TAKE_ROW, row)
+        self.put_one(_TAKE_N, n)
+        self.n_takes += 1
         self.inserts.append((handle, keys))
         self._ends[keys[-1]] = handle
         self.frees_version += 1
         return n
 
-    def _free_handle(self) -> int:
-        return lowest_free(self.ledger.h_live, self.take_h.view())
-
     # ---- what the recorded frees give back: the planner's dry runs ------------------------
     def frees_step(self, extra: dict | None = None, drop=None) -> Step:
         """The recorded takes and frees as a Step, plus ``extra`` frees (``{"advance": (rows,
         pos), "trim": (rows, lens)}``, a caller's not yet recorded) and ``drop`` handles."""
-        kw = self._frees()
-        for kind, value in (extra or {}).items():
-            _merge(kw, kind, value)
+        if not extra:
+            kw = self.to_kinds(_FREE_KINDS)
+        else:
+            mark = self.mark()
+            self.put_kinds(extra)
+            kw = self.to_kinds(_FREE_KINDS)
+            self.rollback(mark)  # (the views stay valid: nothing is appended before use)
         if drop is not None:
             kw["drop"] = drop
         return Step(**kw)
-
-    def _frees(self) -> dict:
-        kw = {}
-        if self.take_h.n:
-            kw["take"] = (self.take_h.view(), self.take_row.view(), self.take_n.view())
-        if self.release.n:
-            kw["release"] = self.release.view()
-        if self.trim_row.n:
-            kw["trim"] = (self.trim_row.view(), self.trim_len.view())
-        if self.adv_row.n:
-            kw["advance"] = (self.adv_row.view(), self.adv_pos.view())
-        return kw
 
     def _dry_freed(self, step: Step) -> tuple[int, int]:
         try:
@@ -294,28 +242,15 @@ class IterationStep:
         return self.alloc.n_free(pool) + self.pages_freed(extra, extra_key)[i] + more
 
     # ---- the step -------------------------------------------------------------------------
-    def to_step(self, advance=None, trim=None, admit=None, admit_on=None, decode=None,
-                extend=None) -> Step:
+    def to_step(self, **call) -> Step:
         """The records, followed by a call's arrays (``advance`` / ``trim`` / ``admit_on``
-        / ``extend`` as tuples of arrays), as one Step; absent kinds left out. O(kinds)."""
-        if not self:  # nothing recorded: the call's arrays as they are
-            kw = {}
-            for kind, value in (("trim", trim), ("advance", advance), ("admit", admit),
-                                ("admit_on", admit_on), ("decode", decode),
-                                ("extend", extend)):
-                if value is not None:
-                    kw[kind] = value
-            return Step(**kw)
-        kw = self._frees()
-        _merge(kw, "trim", trim)
-        _merge(kw, "advance", advance)
-        _merge(kw, "admit", _cat(self.admit.view(), admit))
-        _merge(kw, "admit_on", (self.on_row.view(), self.on_h.view(), self.on_n.view()))
-        _merge(kw, "admit_on", admit_on)
-        _merge(kw, "decode", _cat(self.decode.view(), decode))
-        _merge(kw, "extend", (self.ext_row.view(), self.ext_n.view()))
-        _merge(kw, "extend", extend)
-        return Step(**kw)
+        / ``extend`` as tuples of arrays, ``admit`` / ``decode`` arrays), as one Step; absent
+        kinds left out. O(kinds), plus the call's rows when something is recorded."""
+        mark = self.mark()
+        self.put_kinds(call)
+        step = Step(**self.to_kinds())
+        self.rollback(mark)  # (the step's views stay valid until the next append)
+        return step
 
     def run(self, **call):
         """Run the records plus ``call``'s arrays (:meth:`to_step`) as ONE step. Returns
@@ -323,17 +258,31 @@ class IterationStep:
         are short (nothing changed, records kept). Other refusals raise their typed error,
         nothing changed. Past the frozen release shape the frees run first (more steps)."""
         alloc = self.alloc
-        step = self.last_step = self.to_step(**call)
+        mark = (tuple(self.fields), self._commit_form, self._spec)  # (self.mark(), inline)
+        self.put_kinds(call)  # the call's arrays join the records: one step
+        kw = self._last_kw = self.to_kinds()
         before = alloc.steps_run
-        try:
-            planned = alloc.plan(step)
+        try:  # (alloc.plan(Step(**kw)): converted in C straight from the keywords when
+            # the allocator has no block open, as alloc.step does)
+            arrays = (normalize_fast(kw, self.n_reqs) if normalize_fast is not None
+                      and alloc.recorder is None and alloc.group is None else None)
+            planned = (alloc.plan(Step(**kw)) if arrays is None
+                       else alloc.pipeline.plan(arrays))
         except (BatchTooLargeError, CapacityError) as exc:
+            self.rollback(mark)  # refused: the records as they were
             if _short_of_room(exc):
                 return None
             if refusal_code(exc) != _SHAPE or not self.has_frees():
                 raise
             return self._run_split(call, before)
-        result = alloc.run(planned)
+        except BaseException:
+            self.rollback(mark)
+            raise
+        try:
+            result = alloc.run(planned)
+        except BaseException:
+            self.rollback(mark)
+            raise
         self._done()
         return result, planned.pages_evicted, alloc.steps_run - before
 
@@ -352,21 +301,21 @@ class IterationStep:
         except (BatchTooLargeError, CapacityError) as exc:
             if not _short_of_room(exc):  # short of pages the frees give back: fine
                 raise
-        if self.take_h.n:
-            alloc.step(take=(self.take_h.view(), self.take_row.view(), self.take_n.view()))
+        f = self.fields
+        if len(f[_TAKE_H]):
+            alloc.step(take=(f[_TAKE_H], f[_TAKE_ROW], f[_TAKE_N]))
             self._register()
-        if self.trim_row.n:
-            alloc.trim(self.trim_row.view(), self.trim_len.view())
+        if len(f[_TRIM_ROW]):
+            alloc.trim(f[_TRIM_ROW], f[_TRIM_LEN])
         with alloc.free_group():
-            if self.release.n:
-                alloc.release(self.release.view())
-            if self.adv_row.n:
-                alloc.advance_frontier(self.adv_row.view(), self.adv_pos.view())
-        if self.release.n:
-            self.released[self.release.view()] = False
-        for ints in (self.take_h, self.take_row, self.take_n, self.release, self.trim_row,
-                     self.trim_len, self.adv_row, self.adv_pos):
-            ints.n = 0
+            if len(f[_RELEASE]):
+                alloc.release(f[_RELEASE])
+            if len(f[_ADV_ROW]):
+                alloc.advance_frontier(f[_ADV_ROW], f[_ADV_POS])
+        if len(f[_RELEASE]):
+            self.released[f[_RELEASE]] = False
+        self.clear()  # (only frees were recorded: the call's arrays are not)
+        self.n_takes = 0
         self.frees_version += 1
         out = self.run(**call)
         if out is None:
@@ -382,14 +331,11 @@ class IterationStep:
 
     def _done(self) -> None:
         """The step was submitted: register its cache entries, clear the records."""
-        if not self:
-            return
         if self.inserts:
             self._register()
-        if self.release.n:
-            self.released[self.release.view()] = False
-        for ints in (self.take_h, self.take_row, self.take_n, self.release, self.trim_row,
-                     self.trim_len, self.adv_row, self.adv_pos, self.admit, self.on_row,
-                     self.on_h, self.on_n, self.decode, self.ext_row, self.ext_n):
-            ints.n = 0
+        released = self.fields[_RELEASE]
+        if len(released):
+            self.released[released] = False
+        self.clear()
+        self.n_takes = 0
         self.frees_version += 1

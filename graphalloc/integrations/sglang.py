@@ -53,7 +53,6 @@ import torch
 from ..allocator import AllocResult, HybridAllocator
 from ..errors import (
     AlignmentError,
-    CapacityError,
     ConfigError,
     ContractError,
     NestedGroupError,
@@ -306,9 +305,8 @@ class SGLangAllocator:
             for i in new:
                 p = int(prefix[i])
                 handle = self._matched_handle(reqs[i], p) if p else -1
-                try:
-                    row = self.alloc.free_row(reserved=plain + on_rows)
-                except CapacityError:
+                row = self.pending.free_row(self.ledger.live, plain + on_rows)
+                if row < 0:
                     return None  # the request rows are short: nothing changed
                 rows[i] = row
                 if p:
@@ -569,7 +567,7 @@ class SGLangAllocator:
     @property
     def n_recorded_releases(self) -> int:
         """Releases recorded for the next step."""
-        return self.pending.release.n
+        return self.pending.n_releases
 
     # ---- internals ---------------------------------------------------------------------
     def _nonempty(self, n: int) -> None:

@@ -6,12 +6,13 @@ and an explicit ``run_step()`` and stays for its tests and examples until it is 
 
 Contract. :class:`GraphallocKVCacheManager` answers vLLM's per-request calls and only
 RECORDS them: ``allocate_slots(request_id, n, num_lookahead_tokens)`` writes one slot of
-preallocated int64 arrays (row, tokens, window floor, trim target; a new request's row from
-``alloc.free_row(reserved)``, admitted plain or on its cache hit) and returns the new block
-positions, or ``None`` (back-pressure, nothing changed); ``free`` records a release (with
-caching and token ids, an insert as a ``take`` run before it in the same step).
-:meth:`~GraphallocKVCacheManager.run_step`, the line the engine adds after ``schedule()``'s
-loop, turns the slots into arrays with a few numpy masks and runs ONE Step (take, release,
+preallocated int64 arrays (row, tokens, window floor, trim target; a new request's row is
+the iteration's lowest free row, ``pending.free_row``, admitted plain or on its cache hit)
+and returns the new block positions, or ``None`` (back-pressure, nothing changed); ``free``
+records a release (with caching and token ids, an insert as a ``take`` run before it in
+the same step). :meth:`~GraphallocKVCacheManager.run_step`, the line the engine adds after
+``schedule()``'s loop, turns the slots into arrays with a few numpy masks, appended to the
+iteration's accumulator in one vectorised append per kind, and runs ONE Step (take, release,
 trim, advance, admit / admit_on, extend); the cache evicts inside it when pages are short.
 Rules (vLLM's): a request holds ``min(computed + n + lookahead, max_model_len)`` positions;
 its SWA blocks below ``computed - sliding_window`` are removed (null block 0) first; a
@@ -268,7 +269,7 @@ class GraphallocKVCacheManager:
                 or target > self.max_model_len or n > self._max_row_tokens
                 or need > self._floor or self._floor_key != self._pipeline.steps_run
                 or n_tokens > self._max_tokens
-                or n_rows + self.pending.take_h.n > self._max_rows):
+                or n_rows + self.pending.n_takes > self._max_rows):
             return self._record(request_id, row, _RUNNING, computed, n_new, look, length,
                                 front, -1, 0)
         slot = self._n
@@ -305,9 +306,8 @@ class GraphallocKVCacheManager:
         if row is None:
             if self._states and not self._state_fits():
                 return None  # the recurrent-state slots are short
-            try:
-                row = self.alloc.free_row(reserved=self._reserved)
-            except CapacityError:
+            row = self.pending.free_row(self.ledger.live, self._reserved)
+            if row < 0:
                 return None  # the request rows are short
             kind_new = True
         else:
@@ -361,7 +361,8 @@ class GraphallocKVCacheManager:
         n_rows = self._n_rows + (n > 0) - (old_n > 0) + (kind == _ADMIT_ON) - old_on
         n_tokens = self._n_tokens + n - old_n
         cfg = self.alloc.config
-        if n_rows + self.pending.take_h.n > cfg.max_alloc_rows or n_tokens > cfg.max_step_tokens:
+        n_rows_all = n_rows + self.pending.n_takes  # (takes: rows too)
+        if n_rows_all > cfg.max_alloc_rows or n_tokens > cfg.max_step_tokens:
             raise BatchTooLargeError(
                 f"this iteration's step would need {n_rows} allocation rows and {n_tokens} "
                 f"tokens, the frozen shape is {cfg.max_alloc_rows} and {cfg.max_step_tokens}: "
@@ -499,7 +500,7 @@ class GraphallocKVCacheManager:
     def _state_fits(self) -> bool:
         """A new request's slot fits: the free slots now, plus what the recorded releases
         and the cache's unlocked snapshots give back, cover the admits reserved. O(1)."""
-        back = self.pending.release.n + (0 if self.prefix_cache is None
+        back = self.pending.n_releases + (0 if self.prefix_cache is None
                                           else self.prefix_cache.n_unlocked)
         return len(self._reserved) + 1 <= self.alloc.n_free("state") + back
 

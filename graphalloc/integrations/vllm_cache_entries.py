@@ -21,7 +21,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..plan.accumulator import FIELD
+
 __all__ = ["CacheEntries"]
+
+_TAKE_H, _TAKE_ROW, _TAKE_N = FIELD["take_handle"], FIELD["take_row"], FIELD["take_tokens"]
+_DROP = FIELD["drop"]
 
 
 class CacheEntries:
@@ -64,15 +69,18 @@ class CacheEntries:
         self._register(inserts)
         return True
 
-    @staticmethod
-    def _take_kw(inserts) -> dict:
-        """The takes of ``inserts`` and the drops of the entries they supersede."""
-        kw = {"take": tuple(np.array(c, dtype=np.int64) for c in zip(
-            *[(h, r, n) for h, r, n, _, _ in inserts], strict=True))}
-        old = [o for *_, o in inserts if o >= 0]
-        if old:
-            kw["drop"] = np.array(old, dtype=np.int64)
-        return kw
+    def _take_kw(self, inserts) -> dict:
+        """The takes of ``inserts`` and the drops of the entries they supersede, as Step
+        keywords recorded in the takes' accumulator (views valid until its next use)."""
+        acc = self._take_acc
+        acc.clear()
+        for h, r, n, _, o in inserts:
+            acc.put_one(_TAKE_H, h)
+            acc.put_one(_TAKE_ROW, r)
+            acc.put_one(_TAKE_N, n)
+            if o >= 0:
+                acc.put_one(_DROP, o)
+        return acc.to_kinds(("take", "drop"))
 
     def _register(self, inserts) -> None:
         """The step ran: superseded entries forgotten, the new ones registered."""
@@ -97,7 +105,8 @@ class CacheEntries:
         if not due:
             return []
         led, cache, bs = self.alloc.ledger, self.cache, self.block_size
-        free_h = np.flatnonzero(~led.h_live)[::-1].tolist()
+        reserve = self._take_acc  # the lowest free handle, not reserved by an earlier take
+        reserve.clear()
         out = []
         for row in list(due):
             if row in self._new_rows:
@@ -114,11 +123,13 @@ class CacheEntries:
             if cache.lookup(keys) >= 0:
                 self._cached[row] = n_blocks
                 continue
-            if not free_h:
+            handle = reserve.free_handle(led.h_live)
+            if handle < 0:
                 due.add(row)
                 break
+            reserve.put_one(_TAKE_H, handle)
             old = self._entry_of[row]
             if old >= 0 and (cache.is_locked(old) if old in cache else True):
                 old = -1
-            out.append((free_h.pop(), row, n_blocks * bs, keys, old))
+            out.append((handle, row, n_blocks * bs, keys, old))
         return out

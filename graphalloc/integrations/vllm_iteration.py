@@ -9,9 +9,17 @@ frontiers), admits (plain or on a hit), extends -- into one ``Step`` and runs it
 refused for pages vLLM's count calls free is run again without a released row's takes, or
 as admits then allocations (:meth:`IterationPlan._run_short`).
 
+The step is assembled in the one Step accumulator (``_acc``, a
+:class:`~graphalloc.plan.accumulator.StepAccumulator`: one vectorised append per kind of the
+per-row records, which vLLM's calls replace and remove row by row); a new request's row is
+the accumulator's lowest free row (not live, not admitted by the recorded step), a cache
+entry's handle its lowest free handle (``_take_acc``: not held, not reserved by a take of
+the same step).
+
 Invariants: nothing recorded survives a flush; rows released by a flush return to the free
-rows only after it ran; the row holder counts follow every admitted, extended and released
-row. Cost: ``flush`` O(rows) numpy + one plan; an id read O(blocks) numpy.
+rows only after it ran (they are live until then); the row holder counts follow every
+admitted, extended and released row. Cost: ``flush`` O(rows) numpy + one plan; an id read
+O(blocks) numpy.
 """
 
 from __future__ import annotations
@@ -77,24 +85,24 @@ class IterationPlan:
         plan. Returns the step's ``AllocResult`` (``None``: nothing to run)."""
         from ..plan.step import Step
 
-        kw, inserts = {}, []
+        acc, inserts = self._acc, []
+        acc.clear()
         if self.enable_caching:
             inserts = self._takes()
             if inserts:
-                kw.update(self._take_kw(inserts))
-        if self._rel:
-            kw["release"] = np.array(self._rel, dtype=np.int64)
-        if self._adv:
-            kw["advance"] = (np.fromiter(self._adv.keys(), np.int64, len(self._adv)),
-                             np.fromiter(self._adv.values(), np.int64, len(self._adv)))
-        if self._admit:
-            kw["admit"] = np.array(self._admit, dtype=np.int64)
-        if self._on:
-            kw["admit_on"] = tuple(np.array(c, dtype=np.int64)
-                                   for c in zip(*self._on, strict=False))
-        if self._ext:
-            kw["extend"] = (np.fromiter(self._ext.keys(), np.int64, len(self._ext)),
-                            np.fromiter(self._ext.values(), np.int64, len(self._ext)))
+                acc.put_kinds(self._take_kw(inserts))
+        acc.put_kinds({  # (the per-row records as arrays: one vectorised append per kind)
+            "release": np.array(self._rel, dtype=np.int64) if self._rel else None,
+            "advance": (np.fromiter(self._adv.keys(), np.int64, len(self._adv)),
+                        np.fromiter(self._adv.values(), np.int64, len(self._adv)))
+            if self._adv else None,
+            "admit": np.array(self._admit, dtype=np.int64) if self._admit else None,
+            "admit_on": tuple(np.ascontiguousarray(np.array(self._on, dtype=np.int64).T))
+            if self._on else None,
+            "extend": (np.fromiter(self._ext.keys(), np.int64, len(self._ext)),
+                       np.fromiter(self._ext.values(), np.int64, len(self._ext)))
+            if self._ext else None})
+        kw = acc.to_kinds()
         if not kw:
             self._dirty = False
             return None
@@ -130,8 +138,7 @@ class IterationPlan:
             self._req[row] = None
             self._cached[row] = self._cache_to[row] = 0
             self._entry_of[row] = -1
-            self._due.discard(row)
-            self._free_rows.append(row)
+            self._due.discard(row)  # (its row is free once the step ran: not live)
         if self._rel and self._filling:  # blocks of released rows never taken: forgotten
             released = set(self._rel)
             self._filling = {k: r for k, r in self._filling.items() if r not in released}

@@ -44,6 +44,7 @@ import numpy as np
 from ..allocator import HybridAllocator
 from ..config import AllocatorConfig
 from ..errors import ConfigError, ContractError
+from ..plan.accumulator import StepAccumulator
 from .vllm_blocks import LazyBlocks
 from .vllm_cache_entries import CacheEntries
 from .vllm_iteration import IterationPlan
@@ -157,7 +158,8 @@ class GraphallocKVCacheManager(IterationPlan, CacheEntries):
         self.empty_kv_cache_blocks = LazyBlocks(self, None, 0, 0)
         self._no_blocks = self.empty_kv_cache_blocks  # a running request's "no new blocks"
         self._plain = self.num_kv_cache_groups == 1  # full attention only: the inline path
-        self._free_rows = list(range(rows - 1, -1, -1))  # a stack: row 0 first
+        self._acc = StepAccumulator(cfg)  # the step's records at flush; the free rows
+        self._take_acc = StepAccumulator(cfg)  # cache-entry takes: their handles reserved
         self._row: dict[str, int] = {}  # request id -> row (live or admitted by the step)
         self._req: list = [None] * rows  # row -> the vLLM Request (caching: its hashes)
         self._len = [0] * rows  # tokens allocated once the recorded step ran
@@ -353,9 +355,10 @@ class GraphallocKVCacheManager(IterationPlan, CacheEntries):
         need = self._need_new(target, n_hit, total, False) + evictable
         if need + wm > free - reserved_blocks:
             return None
-        if not self._free_rows:
+        row = self._acc.free_row(self.alloc.ledger.live,  # (not live, not admitted by the
+                                 np.fromiter(self._new_rows, np.int64, len(self._new_rows)))
+        if row < 0:  # recorded step: the lowest free row)
             return None
-        row = self._free_rows.pop()
         self._row[rid] = row
         self._req[row] = request
         self._new_rows.add(row)
@@ -431,7 +434,6 @@ class GraphallocKVCacheManager(IterationPlan, CacheEntries):
         self._due.discard(row)
         if self._filling:
             self._filling = {k: r for k, r in self._filling.items() if r != row}
-        self._free_rows.append(row)
 
     def remove_skipped_blocks(self, request_id, processed_computed_tokens: int,
                               num_prompt_tokens=None) -> None:

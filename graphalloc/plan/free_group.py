@@ -32,8 +32,15 @@ at once inside the block, as their own steps, and cannot use the deferred pages;
 exception escaping the block discards what it recorded (a block is a transaction, like
 ``scheduler_step()``).
 
-Cost per recorded call: one dry-run plan of that call (O(rows of the call)); the end: one
-plan of everything recorded, and one step per part.
+The block records into the one accumulator (:class:`~graphalloc.plan.accumulator.
+StepAccumulator`, which this class is): releases and drops in growable int64 columns, the
+rows whose frontier moves in call order of their first move (their targets in ``target``),
+and the masks ``released`` / ``dropped`` that the planner excludes and that the lowest free
+row / handle skips (``alloc.free_row``, ``alloc.take_handle`` ask the block).
+
+Cost per recorded call: one dry-run plan of that call (O(rows of the call)) and O(rows)
+numpy (no Python loop over rows); the end: one plan of everything recorded, and one step
+per part.
 """
 
 from __future__ import annotations
@@ -41,25 +48,34 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import FrontierError
-from .step import Step, normalize
+from .accumulator import FIELD, StepAccumulator
+from .step import EMPTY, Step, normalize
 
 __all__ = ["FreeGroup"]
 
+_RELEASE, _ADVANCE_ROW = FIELD["release"], FIELD["advance_row"]
+_DROP, _DROP_SWA = FIELD["drop"], FIELD["drop_swa"]
 
-class FreeGroup:
+
+def _first_of_each(values: np.ndarray) -> np.ndarray:
+    """``values`` without repeats, each at its first place. O(n log n) numpy."""
+    if len(values) < 2:
+        return values
+    _, first = np.unique(values, return_index=True)
+    return values[np.sort(first)]
+
+
+class FreeGroup(StepAccumulator):
     """The frees recorded by one open ``free_group()`` block (see the module docstring)."""
 
     def __init__(self, alloc):
-        self.alloc = alloc
         cfg = alloc.config
+        StepAccumulator.__init__(self, cfg)
+        self.alloc = alloc
         self.released = np.zeros(cfg.max_reqs, dtype=bool)  # excluded from at-once steps
         self.dropped = np.zeros(cfg.max_handles, dtype=bool)
         self.tombstoned = np.zeros(cfg.max_handles, dtype=bool)
         self.target = np.full(cfg.max_reqs, -1, dtype=np.int64)  # frontier target, -1 none
-        self._release: list[int] = []  # in call order
-        self._advance: list[int] = []
-        self._drop: list[int] = []
-        self._tomb: list[int] = []
 
     def touched(self, row: int) -> bool:
         return bool(self.released[row] or self.target[row] >= 0)
@@ -67,8 +83,19 @@ class FreeGroup:
     @property
     def recorded(self) -> bool:
         """Whether the block recorded anything to run."""
-        return bool(self._release or self._drop or self._tomb
-                    or (self.target[self._advance] >= 0).any())
+        f = self.fields
+        return bool(len(f[_RELEASE]) or len(f[_DROP]) or len(self._tombs())
+                    or (self.target[f[_ADVANCE_ROW]] >= 0).any())
+
+    def _tombs(self) -> np.ndarray:
+        """Handles tombstoned at the end, in call order (a later drop supersedes)."""
+        tomb = self.fields[_DROP_SWA]
+        return _first_of_each(tomb[self.tombstoned[tomb]]) if len(tomb) else EMPTY
+
+    def _moved(self) -> np.ndarray:
+        """Rows with a frontier target, in the order of their first move."""
+        rows = self.fields[_ADVANCE_ROW]
+        return rows[self.target[rows] >= 0] if len(rows) else EMPTY
 
     # ---- recording ----------------------------------------------------------------------
     def release(self, rows) -> None:
@@ -76,7 +103,7 @@ class FreeGroup:
         self.alloc.dry_run(Step(release=arr), oversize=True)
         self.released[arr] = True
         self.target[arr] = -1
-        self._release.extend(arr.tolist())
+        self.put(_RELEASE, arr)
 
     def advance(self, rows, new_frontier_pos) -> None:
         a = normalize(Step(advance=(rows, new_frontier_pos)), self.alloc.config)
@@ -101,34 +128,28 @@ class FreeGroup:
         self._target(arr, np.maximum(targets, self.target[arr]))
 
     def _target(self, rows: np.ndarray, pos: np.ndarray) -> None:
-        new = self.target[rows] < 0
-        self._advance.extend(rows[new].tolist())
+        self.put(_ADVANCE_ROW, _first_of_each(rows[self.target[rows] < 0]))
         self.target[rows] = pos
 
     def drop(self, handle, swa_only: bool) -> None:
         arr = normalize(Step(drop=handle), self.alloc.config).drop
         self.alloc.dry_run(Step(drop_swa=arr) if swa_only else Step(drop=arr), oversize=True)
-        for h in arr.tolist():
-            if swa_only:
-                if not self.tombstoned[h]:
-                    self.tombstoned[h] = True
-                    self._tomb.append(h)
-            else:
-                self.dropped[h] = True
-                self._drop.append(h)
-                if self.tombstoned[h]:
-                    self.tombstoned[h] = False
-                    self._tomb.remove(h)
+        if swa_only:
+            new = _first_of_each(arr[~self.tombstoned[arr]])
+            self.tombstoned[new] = True
+            self.put(_DROP_SWA, new)
+        else:
+            self.dropped[arr] = True
+            self.tombstoned[arr] = False  # a drop supersedes the tombstone
+            self.put(_DROP, arr)
 
     # ---- the end ------------------------------------------------------------------------
     def to_step(self) -> Step:
         """Everything recorded, as one Step (releases and drops in call order, frontier
         targets in the order their rows were first moved)."""
-        adv = [r for r in self._advance if self.target[r] >= 0]
-        return Step(release=np.array(self._release, dtype=np.int64),
-                    advance=(np.array(adv, dtype=np.int64), self.target[adv]),
-                    drop=np.array(self._drop, dtype=np.int64),
-                    drop_swa=np.array(self._tomb, dtype=np.int64))
+        adv = self._moved()
+        return Step(release=self.fields[_RELEASE], advance=(adv, self.target[adv]),
+                    drop=self.fields[_DROP], drop_swa=self._tombs())
 
     def merged_with(self, step: Step) -> Step:
         """The block's Step with ``step``'s frees added (a query counting what they add;
@@ -136,15 +157,15 @@ class FreeGroup:
         cfg = self.alloc.config
         q = normalize(step, cfg)
         target = self.target.copy()
-        order = [r for r in self._advance if target[r] >= 0]
-        for r, p in zip(q.advance_row.tolist(), q.advance_pos.tolist(), strict=True):
-            if target[r] < 0:
-                order.append(r)
-            target[r] = max(int(target[r]), p)
-        rel = np.concatenate([np.array(self._release, dtype=np.int64), q.release])
+        moved = self._moved()
+        rows, pos = q.advance_row, q.advance_pos
+        new = _first_of_each(rows[target[rows] < 0])
+        np.maximum.at(target, rows, pos)  # (-1 or the block's target, raised to pos)
+        rel = np.concatenate([self.fields[_RELEASE], q.release])
         target[rel] = -1
-        order = [r for r in order if target[r] >= 0]
-        return Step(release=rel, advance=(np.array(order, dtype=np.int64), target[order]),
-                    drop=np.concatenate([np.array(self._drop, dtype=np.int64), q.drop]),
-                    drop_swa=np.array([h for h in self._tomb if h not in set(q.drop.tolist())],
-                                      dtype=np.int64))
+        order = np.concatenate([moved, new])
+        order = order[target[order] >= 0]
+        tombs = self._tombs()
+        return Step(release=rel, advance=(order, target[order]),
+                    drop=np.concatenate([self.fields[_DROP], q.drop]),
+                    drop_swa=tombs[~np.isin(tombs, q.drop)])

@@ -12,8 +12,8 @@
         e = it.extend([r], [chunk])
     kv_full, kv_swa = d.full_slots, d.swa_slots   # valid once the step ran
 
-Every call appends its rows to the block's Step (calls of one kind concatenate, in call
-order); at the block's end the Step runs as ONE ``alloc.step(...)`` -- in the step's own
+Every call appends its rows to the block's Step (calls of one kind follow each other, in
+call order); at the block's end the Step runs as ONE ``alloc.step(...)`` -- in the step's own
 order (:mod:`graphalloc.plan.step`), whatever order the calls came in -- refused whole with
 nothing changed if any part breaks a rule. Output lanes: the decode calls' rows in call
 order, then the extend calls', then the load-backs'. The results (:class:`StepSlots`)
@@ -27,9 +27,21 @@ run as an extra step before the block's). ``None`` where a call names its rows o
 exception escaping the block runs nothing: the block is a transaction (``free_group()``
 follows the same rule).
 
-Cost: recording is O(rows of the call) (the arguments are kept as given); the step at the
-end costs what ``alloc.step`` with the same work costs, plus one concatenation per kind
-recorded more than once.
+The calls record into the one accumulator (:class:`~graphalloc.plan.accumulator.
+StepAccumulator`, which this class is): each call's arguments are converted by the step's
+one conversion path at the call and appended to growable int64 columns. Bad input is the
+block's refusal, not the call's: its typed error (the normaliser's) is kept and raised at
+the block's end with nothing run (the first kind in the step's order, its first call), as
+a refused step would be (``it.commit`` warns of its deprecation at the call). ``admit``
+and ``take_handle`` reserve the lowest free row / handle that the block has not reserved
+yet (the accumulator asks :func:`~graphalloc.state.free_ids.lowest_free`). The block's
+end plans the columns as they are (no second conversion). Rules between calls (a row
+admitted twice, released and decoded, ...) are the planners': the step is refused whole at
+the end.
+
+Cost: a call is O(rows of the call) (the conversion in C for the plain forms; appends
+amortised O(1) per value); the step at the end costs what ``alloc.step`` with the same
+work costs, without its conversion. A few Python calls per recorded call, none per row.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ import numpy as np
 
 from ..errors import (
     CapacityError,
+    ContractError,
     NestedGroupError,
     PendingStepError,
     PositionError,
@@ -45,9 +58,15 @@ from ..errors import (
     UnknownHandleError,
     UnknownRequestError,
 )
-from ..inputs import as_int64, one_handle
-from ..state.free_ids import lowest_free
-from .step import Step
+from ..inputs import one_handle
+from .accumulator import FIELD, StepAccumulator
+from .refusals import Kind, Refusal, RefusalCode, to_error
+from .step import KINDS, StepArrays
+
+_DECODE, _EXTEND, _LOAD = FIELD["decode"], FIELD["extend_row"], FIELD["load_row"]
+_EVICT_ALL = FIELD["evict_all"]
+_TAKE_HANDLE, _ADMIT = FIELD["take_handle"], FIELD["admit"]
+_ORDER = {kind: i for i, kind in enumerate(KINDS)}  # the step's order of the kinds
 
 __all__ = ["StepRecorder", "StepSlots"]
 
@@ -100,22 +119,19 @@ class StepSlots:
         return result.swa_slots[lo:hi]
 
 
-class StepRecorder:
-    """The calls of one ``alloc.scheduler_step()`` block (see the module docstring)."""
+class StepRecorder(StepAccumulator):
+    """The calls of one ``alloc.scheduler_step()`` block (see the module docstring): a
+    :class:`~graphalloc.plan.accumulator.StepAccumulator` with the block's rules."""
 
-    __slots__ = ("alloc", "open", "result", "offsets", "_parts", "_evict_all", "_n",
-                 "_admitted", "_taken")
+    __slots__ = ("alloc", "open", "result", "offsets", "_refused")
 
     def __init__(self, alloc):
+        StepAccumulator.__init__(self, alloc.config)
         self.alloc = alloc
         self.open = False  # calls are recorded between __enter__ and __exit__
         self.result = None
         self.offsets = (0, 0, 0)  # first result row of the decode / extend / load-back rows
-        self._parts: dict[str, list] = {}  # kind -> the calls' arguments, in call order
-        self._evict_all = False
-        self._n = [0, 0, 0]  # rows recorded by decode / extend / load-back calls
-        self._admitted: list[int] = []
-        self._taken: list[int] = []
+        self._refused = None  # (kind's order, typed error): bad input, raised at the end
 
     # ---- the block (``with alloc.scheduler_step() as it``) -------------------------------
     def __enter__(self) -> StepRecorder:
@@ -138,33 +154,36 @@ class StepRecorder:
         alloc = self.alloc
         alloc.recorder = None
         if exc_type is None:  # an exception escaping the block runs nothing
-            self.result = alloc.pipeline.step(None, self.to_kinds())  # (= alloc.step)
-            n_dec, n_ext = self._n[0], self._n[1]
-            self.offsets = (0, n_dec, n_dec + n_ext)
+            if self._refused is not None:
+                raise self._refused[1]
+            pipeline = alloc.pipeline  # (= alloc.step of the columns, converted already)
+            self.result = pipeline.execute(pipeline.plan(tuple.__new__(StepArrays, self.fields)))
+            fields = self.fields
+            n_dec = len(fields[_DECODE])
+            self.offsets = (0, n_dec, n_dec + len(fields[_EXTEND]))
         return False
 
-    def _add(self, kind: str, *values) -> None:
-        if not self.open:
-            raise RecorderError(f"scheduler_step(): {kind}() on a block that has closed; its "
-                                "step already ran (or was discarded). Record into a new block")
-        calls = self._parts.get(kind)
-        if calls is None:
-            self._parts[kind] = [values]
-        else:
-            calls.append(values)
+    def _closed(self, kind: str) -> RecorderError:
+        return RecorderError(f"scheduler_step(): {kind}() on a block that has closed; its "
+                             "step already ran (or was discarded). Record into a new block")
 
-    def _record(self, kind: str, values: tuple, error: type = UnknownRequestError) -> None:
-        """Record a call naming rows (or handles): its first value None is refused at the
-        call, a closed block too. The hot path: two tests and a dict write."""
-        if values[0] is None:
+    def _record(self, kind: str, value, rows, error: type = UnknownRequestError) -> None:
+        """Record a call naming ``rows`` (or handles): None is refused at the call, a
+        closed block too. The hot path: two tests and the accumulator's append."""
+        if rows is None:
             self._given(kind, None, error)
         if not self.open:
-            self._add(kind)  # raises
-        calls = self._parts.get(kind)
-        if calls is None:
-            self._parts[kind] = [values]
-        else:
-            calls.append(values)
+            raise self._closed(kind)
+        try:
+            self.record(kind, value)
+        except ContractError as exc:
+            self._refuse(kind, exc)
+
+    def _refuse(self, kind: str, exc: ContractError) -> None:
+        """Keep the block's refusal for its end: the first kind in the step's order."""
+        order = _ORDER[kind]
+        if self._refused is None or order < self._refused[0]:
+            self._refused = (order, exc)
 
     def _given(self, kind: str, value, error: type) -> None:
         """A recorded call names what it acts on: None is refused at the call."""
@@ -176,49 +195,54 @@ class StepRecorder:
 
     # ---- frees ---------------------------------------------------------------------------
     def release(self, rows) -> None:
-        self._record("release", (rows,))
+        self._record("release", rows, rows)
 
     def accept(self, rows, n_accepted) -> None:
         """Keep 1 + n_accepted tokens of each row's oldest speculative step (``accept=``)."""
-        self._record("accept", (rows, n_accepted))
+        self._record("accept", (rows, n_accepted), rows)
 
     def commit(self, rows, n_kept) -> None:
-        """Deprecated: :meth:`accept` with ``n_kept - 1`` (warns when the step is built)."""
-        self._record("commit", (rows, n_kept))
+        """Deprecated: :meth:`accept` with ``n_kept - 1`` (warns at the call)."""
+        self._record("commit", (rows, n_kept), rows)
 
     def trim(self, rows, new_len) -> None:
-        self._record("trim", (rows, new_len))
+        self._record("trim", (rows, new_len), rows)
 
     def evict(self, rows) -> None:
-        self._record("evict", (rows,))
+        self._record("evict", rows, rows)
 
     def evict_all(self) -> None:
         if not self.open:
-            self._add("evict_all")  # raises
-        self._evict_all = True
+            raise self._closed("evict_all")
+        self.fields[_EVICT_ALL] = 1
 
     def advance(self, rows, new_frontier_pos) -> None:
-        self._record("advance", (rows, new_frontier_pos))
+        self._record("advance", (rows, new_frontier_pos), rows)
 
     def drop_handle(self, handle) -> None:
         self._given("drop_handle", handle, UnknownHandleError)
         one_handle(handle, "scheduler_step(): drop_handle")
-        self._add("drop", handle)
+        self._record("drop", handle, handle)
 
     def drop_handle_swa(self, handle) -> None:
         self._given("drop_handle_swa", handle, UnknownHandleError)
         one_handle(handle, "scheduler_step(): drop_handle_swa")
-        self._add("drop_swa", handle)
+        self._record("drop_swa", handle, handle)
 
     def take_handle(self, row, n_tokens) -> int:
         """Reserve the lowest free handle; the step takes it (a cache insert). Returns it."""
+        if not self.open:
+            raise self._closed("take")
         live = self.alloc.ledger.h_live
-        h = lowest_free(live, self._taken)
+        h = self.free_handle(live)
         if h < 0:
             raise CapacityError(f"take_handle: all {len(live)} handles are held or reserved "
                                 "in this block; drop one first")
-        self._add("take", h, row, n_tokens)
-        self._taken.append(h)
+        try:
+            self.record("take", ([h], [row], [n_tokens]))
+        except ContractError as exc:
+            self._refuse("take", exc)
+            self.put_one(_TAKE_HANDLE, h)  # (reserved all the same: the block is refused)
         return h
 
     # ---- admits and allocations ----------------------------------------------------------
@@ -227,121 +251,48 @@ class StepRecorder:
         if handle is None and n_tokens is not None:
             raise PositionError("admit(n_tokens=...) shares that much of a handle: pass "
                                 "handle= too (a plain admit starts empty)")
-        row = self.alloc.free_row(reserved=self._admitted)
-        if handle is None:
-            self._add("admit", row)
-        else:
-            self._add("admit_on", row, handle, n_tokens)
-        self._admitted.append(row)
+        if not self.open:
+            raise self._closed("admit")
+        row = self.free_row(self.alloc.ledger.live)
+        if row < 0:
+            raise to_error(Refusal(RefusalCode.NO_FREE_ROW, Kind.ADMIT, -1, 0, self.n_reqs))
+        try:
+            if handle is None:
+                self.record("admit", [row])
+            else:
+                self.record("admit_on", ([row], [handle],
+                                         None if n_tokens is None else [n_tokens]))
+        except ContractError as exc:
+            self._refuse("admit", exc)
+            self.put_one(_ADMIT, row)  # (reserved all the same: the block is refused)
         return row
 
-    def _alloc_call(self, kind: str, which: int, values: tuple) -> StepSlots:
-        if values[0] is None or not self.open:  # (refused: _record raises)
-            self._record(kind, values)
-        calls = self._parts.get(kind)
-        if calls is None:
-            self._parts[kind] = [values]
-        else:
-            calls.append(values)
-        rows, n = values[0], self._n
-        start = n[which]
+    def _alloc_call(self, kind: str, column: int, value, rows) -> StepSlots:
+        if rows is None or not self.open:
+            self._record(kind, value, rows)  # raises
+        start = len(self.fields[column])
         try:
-            n[which] = stop = start + len(rows)
-        except TypeError:  # one row given as an int
-            n[which] = stop = start + 1
-        return StepSlots(self, (kind, start), stop)
+            self.record(kind, value)
+        except ContractError as exc:
+            self._refuse(kind, exc)
+        return StepSlots(self, (kind, start), len(self.fields[column]))
 
     def decode(self, rows, lookahead=None) -> StepSlots:
         """One token per row; ``lookahead=k``: ``1 + k`` speculative tokens per row."""
-        return self._alloc_call("decode", 0, (rows, lookahead))
+        if rows is None or not self.open:
+            self._record("decode", (rows, lookahead), rows)  # raises
+        start = len(self.fields[_DECODE])
+        try:
+            self.record("decode", (rows, lookahead))
+        except ContractError as exc:
+            self._refuse("decode", exc)
+        return StepSlots(self, ("decode", start), len(self.fields[_DECODE]))
 
     def extend(self, rows, n_tokens) -> StepSlots:
-        return self._alloc_call("extend", 1, (rows, n_tokens))
+        return self._alloc_call("extend", _EXTEND, (rows, n_tokens), rows)
 
     def load_back(self, row, new_frontier_pos) -> StepSlots:
-        return self._alloc_call("load_back", 2, ([row] if np.ndim(row) == 0 else row,
-                                                 new_frontier_pos))
+        row = [row] if np.ndim(row) == 0 else row
+        return self._alloc_call("load_back", _LOAD, (row, new_frontier_pos), row)
 
-    # ---- the step ------------------------------------------------------------------------
-    def to_step(self) -> Step:
-        """The block's calls as one :class:`Step` (O(rows recorded); a kind recorded once is
-        passed on as it was given). Only the kinds recorded are visited."""
-        return Step(**self.to_kinds())
-
-    def to_kinds(self) -> dict:
-        """:meth:`to_step`'s keywords (what the block's end hands to ``alloc.step``)."""
-        kw = {"evict_all": self._evict_all}
-        for kind, calls in self._parts.items():
-            _BUILD[kind](kw, kind, calls)
-        return kw
-
-
-# ---- to_step: one builder per recorded kind (the typed error each part raises) ----------
-def _rows_kind(kw, kind, calls):
-    kw[kind] = _cat([v[0] for v in calls], UnknownRequestError, kind)
-
-
-def _handles_kind(kw, kind, calls):
-    kw[kind] = _cat([v[0] for v in calls], UnknownHandleError, kind)
-
-
-def _pair_kind(kw, kind, calls):
-    if len(calls) == 1:  # as given: the normaliser broadcasts an int
-        kw[kind] = calls[0]
-        return
-    kw[kind] = (_cat([v[0] for v in calls], UnknownRequestError, kind),
-                _cat([_per(v[1], v[0]) for v in calls], PositionError, kind))
-
-
-def _take_kind(kw, kind, calls):
-    kw["take"] = (_cat([[v[0]] for v in calls], UnknownHandleError, "take_handle"),
-                  _cat([[v[1]] for v in calls], UnknownRequestError, "take_handle"),
-                  _cat([[v[2]] for v in calls], PositionError, "take_handle"))
-
-
-def _admit_on_kind(kw, kind, calls):
-    kw["admit_on"] = (_cat([[v[0]] for v in calls], UnknownRequestError, "admit"),
-                      _cat([[v[1]] for v in calls], UnknownHandleError, "admit(handle=)"),
-                      _cat([[-1 if v[2] is None else v[2]] for v in calls], PositionError,
-                           "admit n_tokens"))
-
-
-def _decode_kind(kw, kind, calls):
-    if len(calls) == 1:
-        kw["decode"], lookahead = calls[0]
-        if lookahead is not None:
-            kw["lookahead"] = lookahead
-        return
-    kw["decode"] = _cat([v[0] for v in calls], UnknownRequestError, "decode")
-    if any(v[1] is not None for v in calls):
-        kw["lookahead"] = _cat([_per(-1 if v[1] is None else v[1], v[0]) for v in calls],
-                               PositionError, "lookahead")
-
-
-_BUILD = {"release": _rows_kind, "evict": _rows_kind, "admit": _rows_kind,
-          "drop": _handles_kind, "drop_swa": _handles_kind, "accept": _pair_kind,
-          "commit": _pair_kind,
-          "trim": _pair_kind, "advance": _pair_kind, "extend": _pair_kind,
-          "load_back": _pair_kind, "take": _take_kind, "admit_on": _admit_on_kind,
-          "decode": _decode_kind}
-
-
-def _per(value, rows):
-    """One value per row of ``rows`` (an int broadcast); anything else as it is."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
-        return [value] * len(_listed(rows))
-    return value
-
-
-def _listed(rows):
-    if isinstance(rows, (int, np.integer)):
-        return [rows]
-    return rows if hasattr(rows, "__len__") else [rows]
-
-
-def _cat(parts: list, error: type, what: str):
-    """Concatenate recorded arguments: one call's as it is (the normaliser converts and
-    checks it), several through the one conversion path (the same typed errors)."""
-    if len(parts) == 1:
-        return parts[0]
-    return np.concatenate([as_int64(x, what, error) for x in parts])
+    # ---- the step: to_arrays / to_step / to_kinds (the accumulator's) -------------------

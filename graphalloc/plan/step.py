@@ -64,10 +64,14 @@ from ..deprecations import warn_renamed
 from ..errors import ContractError, PositionError, SpeculativeStateError, UnknownHandleError
 from ..inputs import as_counts, as_int64, as_positions, as_rows, compiled_half, is_empty
 
-__all__ = ["Step", "StepArrays", "normalize", "normalize_fast", "step_from", "EMPTY", "KINDS"]
+__all__ = ["Step", "StepArrays", "normalize", "normalize_fast", "step_from", "EMPTY", "KINDS",
+           "ACCEPT_AND_COMMIT", "filled"]
 
 EMPTY = np.zeros(0, dtype=np.int64)
 EMPTY.flags.writeable = False
+
+ACCEPT_AND_COMMIT = ("accept= and commit= both given: they are one kind (commit= is its "
+                     "deprecated form); pass accept=(rows, n_accepted)")
 
 KINDS = ("take", "release", "accept", "commit", "trim", "evict", "evict_all", "advance", "drop",
          "drop_swa", "admit", "admit_on", "decode", "lookahead", "extend", "load_back")
@@ -197,7 +201,7 @@ def _largest_unsigned(value: np.ndarray) -> int:
 _FILLED: dict[int, np.ndarray] = {}  # read-only int64 arrays of one value (np.full costs more)
 
 
-def _filled(value: int, n: int) -> np.ndarray:
+def filled(value: int, n: int) -> np.ndarray:
     """``n`` copies of ``value`` as a read-only int64 view (a few small values cached)."""
     base = _FILLED.get(value, EMPTY)
     if len(base) < n:
@@ -251,8 +255,7 @@ def normalize(step: Step, config) -> StepArrays:
     com_r = com_n = EMPTY  # commit_n: tokens kept (accept: 1 + the accepted drafts)
     if step.accept is not None:
         if step.commit is not None:
-            raise ContractError("accept= and commit= both given: they are one kind (commit= "
-                                "is its deprecated form); pass accept=(rows, n_accepted)")
+            raise ContractError(ACCEPT_AND_COMMIT)
         r, k = _pair(step.accept, "accept", "n_accepted")
         com_r = _rows(r, n, "accept")
         com_n = as_counts(k, len(com_r), "accepted draft counts") + 1
@@ -294,7 +297,7 @@ def normalize(step: Step, config) -> StepArrays:
     decode = _rows(step.decode, n, "decode")
     look_k = step.lookahead
     if type(look_k) is int and len(decode) and -1 <= look_k <= 64:  # one k for every row
-        spec, dec_n = _filled(int(look_k >= 0), len(decode)), _filled(1 + max(look_k, 0),
+        spec, dec_n = filled(int(look_k >= 0), len(decode)), filled(1 + max(look_k, 0),
                                                                        len(decode))
     elif step.lookahead is not None:
         if not len(decode):
@@ -306,7 +309,7 @@ def normalize(step: Step, config) -> StepArrays:
         spec = (look >= 0).astype(np.int64)
         dec_n = 1 + np.maximum(look, 0)
     elif len(decode):
-        dec_n, spec = _filled(1, len(decode)), _filled(0, len(decode))
+        dec_n, spec = filled(1, len(decode)), filled(0, len(decode))
     else:
         dec_n = spec = EMPTY
     ext_r = ext_n = EMPTY

@@ -3,9 +3,12 @@
 A row (handle) is taken when the ledger holds it live (``Ledger.live`` / ``h_live``) or a
 caller has set it aside: rows released in an open ``free_group()`` (their frees run when it
 closes), rows a ``scheduler_step()`` block or an engine iteration reserved for its admits,
-handles it reserved for its cache inserts. ``alloc.free_row``, ``alloc.take_handle``, the
-recorder's ``admit`` / ``take_handle`` and the engine iterations' cache inserts all ask
-:func:`lowest_free`, so every door gives the same id for the same state.
+handles it reserved for its cache inserts. Those sets are kept by the one Step accumulator
+(:class:`~graphalloc.plan.accumulator.StepAccumulator`: its admit and take columns, its
+``released`` / ``dropped`` masks), whose ``free_row`` / ``free_handle`` ask
+:func:`lowest_free`; ``alloc.free_row``, ``alloc.take_handle``, the recorder's ``admit`` /
+``take_handle`` and the engine iterations' cache inserts go through them, so every door
+gives the same id for the same state.
 
 Cost: O(rows) numpy (one copy of the mask, one scan), whatever is reserved.
 """

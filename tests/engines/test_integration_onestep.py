@@ -476,7 +476,7 @@ def test_vllm_facade_equals_direct_steps_with_the_prefix_cache(seed, k):
 
 # ---- contracts: typed errors, the unknown-id policy, nothing changed --------------------------
 def sglang_state(seam):
-    return (seam.available_size(), seam.n_recorded_releases, seam.pending.take_h.n,
+    return (seam.available_size(), seam.n_recorded_releases, seam.pending.n_takes,
             seam.pending.frees_version)
 
 

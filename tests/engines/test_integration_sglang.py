@@ -591,7 +591,7 @@ def test_an_equal_prefix_cached_twice_keeps_one_copy():
         r.sample()
     free0 = alloc.n_free("full")
     assert seam.release_finished([a, b]) == 2
-    assert seam.pending.take_h.n == 1 and seam.cache_steps == 0
+    assert seam.pending.n_takes == 1 and seam.cache_steps == 0
     assert seam.flush() == 1 and len(alloc.prefix_cache) == 1
     assert alloc.n_free("full") == free0 + 4  # b's 4 pages; a's are the entry's
     check_conserved(alloc)
