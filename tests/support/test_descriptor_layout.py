@@ -25,6 +25,7 @@ import pytest
 import graphalloc as ga
 from graphalloc.attention.spec import PageTableSpec
 from graphalloc.device.layout import DescriptorLayout, Section
+from graphalloc.plan import compiled
 from graphalloc.pools import ChunkedLocal, FullAttention, RecurrentState, SlidingWindow
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -226,3 +227,29 @@ def test_no_descriptor_offset_arithmetic_outside_the_layout():
     found = [hit for path in _sources() for hit in offset_arithmetic(path)]
     assert not found, ("descriptor offsets computed outside graphalloc/device/layout.py (ask "
                        "the layout for the section by name):\n" + "\n".join(found))
+
+
+# ---- the compiled twin takes its sections from the layout ------------------------------------
+class _Shifted(DescriptorLayout):
+    """A layout whose sections the twin is told start elsewhere (``first``: name -> row)."""
+
+    __slots__ = ("first",)
+
+    def first_row(self, name: str) -> int:
+        return self.first.get(name, super().first_row(name))
+
+
+@pytest.mark.skipif(not compiled.AVAILABLE, reason=compiled.UNAVAILABLE_REASON)
+@pytest.mark.parametrize("first, message", [({"lanes": -1}, "missing"),
+                                            ({"states": 3}, "overlap"),
+                                            ({"allocation": 1}, "overlap")])
+def test_the_compiled_twin_refuses_sections_missing_or_overlapping(first, message):
+    alloc, _ = _build("states-ps4-k3")  # page tables and state slots
+    layout = alloc.ring.layout
+    shifted = _Shifted([(s.name, s.n_rows) for s in layout.sections])
+    shifted.first = first
+    alloc.ring.layout = shifted
+    with pytest.raises(ValueError, match=message):
+        compiled.CompiledPlanner(alloc.parts)
+    alloc.ring.layout = layout
+    compiled.CompiledPlanner(alloc.parts)  # (the real layout binds)
