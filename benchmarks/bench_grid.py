@@ -537,13 +537,14 @@ def run_parts(ctx) -> dict:
     from graphalloc import AllocatorConfig
     from graphalloc.device.buckets import GridPolicy
     from graphalloc.device.descriptor import DescriptorRing
+    from graphalloc.device.layout import DescriptorLayout
 
     p = ctx.params
     n, n_cold = p["parts_samples"], p["cold_samples"]
     cfg = AllocatorConfig(page_size=16, num_full_pages=64, num_swa_pages=64, max_reqs=256,
                           max_context_len=1024, model_window=64, device=ctx.device)
     policy = GridPolicy(cfg)
-    ring = DescriptorRing(cfg.max_release_rows, cfg.max_alloc_rows, cfg.device, n_bufs=2)
+    ring = DescriptorRing(DescriptorLayout.of(cfg), cfg.device, n_bufs=2)
     parts = {"grid_choice (GridPolicy.bucket)": lambda: policy.bucket(256, 256, 256),
              "ring.submitted (event record)": lambda: ring.submitted(0)}
     if ctx.is_cuda:

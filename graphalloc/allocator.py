@@ -54,6 +54,7 @@ from .config import AllocatorConfig
 from .device.backend import StepKernels
 from .device.descriptor import DescriptorRing
 from .device.executor import make_executor
+from .device.layout import DescriptorLayout
 from .device.tables import DeviceState
 from .diagnostics import recovery
 from .errors import UnknownRequestError
@@ -108,19 +109,15 @@ class HybridAllocator:
         ops.check_arguments(config, n_descriptor_bufs, fused_step, prefix_cache, page_tables)
         state_tensors = check_state_tensors(state_tensors, config.num_state_slots, config.device,
                                             config.backend)
-        footprint.check_fits(config, n_descriptor_bufs, page_tables.max_batch if page_tables else 0)
+        layout = DescriptorLayout.of(config, page_tables.max_batch if page_tables else 0)
+        footprint.check_fits(config, n_descriptor_bufs, layout)
         self.config = config
         with footprint.building(config):
             self.ledger = Ledger(config)
             self.state = DeviceState(config)
         self.tables = (None if page_tables is None else
                        AttentionTables(page_tables, config, self.state, n_descriptor_bufs))
-        self.ring = DescriptorRing(config.max_release_rows, config.max_alloc_rows, config.device,
-                                   n_bufs=n_descriptor_bufs,
-                                   n_lane_rows=0 if self.tables is None else
-                                   self.tables.spec.max_batch,
-                                   n_state_rows=config.max_state_rows + 1 if config.max_state_rows
-                                   else 0, n_window_sections=len(config.pools.extras))
+        self.ring = DescriptorRing(layout, config.device, n_bufs=n_descriptor_bufs)
         self.kernels = StepKernels(config, self.state, fused=fused_step, tables=self.tables,
                                    ring=self.ring, state_tensors=state_tensors)
         self.queries = HostQueries(config, self.ledger)

@@ -20,24 +20,29 @@ import os
 
 import torch
 
+from .device.layout import DescriptorLayout
 from .errors import ConfigError
+from .kernels.abi import ROW_WIDTH
 
 __all__ = ["table_bytes", "check_fits", "building"]
 
 _GIB = float(1 << 30)
 
 
-def table_bytes(config, n_descriptor_bufs: int = 2, n_lane_rows: int = 0) -> dict:
+def table_bytes(config, n_descriptor_bufs: int = 2, layout=None) -> dict:
     """``{"host": {name: bytes}, "device": {name: bytes}}`` of the large tables (an
-    estimate: the small per-step buffers are left out)."""
+    estimate: the small per-step buffers are left out). ``layout``: the descriptor's
+    (:class:`~graphalloc.device.layout.DescriptorLayout`; None: the config's, without page
+    tables)."""
     cfg = config
+    if layout is None:
+        layout = DescriptorLayout.of(cfg)
     idx = torch.empty(0, dtype=cfg.index_dtype).element_size()
     n_rows = cfg.max_reqs + cfg.max_handles
     n_state = cfg.max_reqs + cfg.max_handles + cfg.max_reqs * cfg.max_spec_tokens
     host = {
         "ledger rows": n_rows * 8 * 8 + cfg.max_reqs * 8 * 2 * cfg.max_spec_tokens,
-        "descriptor ring": n_descriptor_bufs * 64 * (cfg.max_release_rows + cfg.max_alloc_rows
-                                                     + n_lane_rows + cfg.max_state_rows + 1),
+        "descriptor ring": n_descriptor_bufs * 8 * ROW_WIDTH * layout.n_rows,
         "state ring": 8 * cfg.num_state_slots,
     }
     if not cfg.ring_mode:
@@ -76,10 +81,11 @@ def _describe(parts: dict) -> str:
     return ", ".join(f"{name} {size / _GIB:.3g} GiB" for name, size in big)
 
 
-def check_fits(config, n_descriptor_bufs: int = 2, n_lane_rows: int = 0) -> None:
+def check_fits(config, n_descriptor_bufs: int = 2, layout=None) -> None:
     """Refuse (``ConfigError``) a config whose tables exceed the memory there is; nothing is
-    allocated before. Device tables on a CPU device count as host memory."""
-    sizes = table_bytes(config, n_descriptor_bufs, n_lane_rows)
+    allocated before. Device tables on a CPU device count as host memory. ``layout``: as
+    :func:`table_bytes`."""
+    sizes = table_bytes(config, n_descriptor_bufs, layout)
     host, device = dict(sizes["host"]), sizes["device"]
     dev = torch.device(config.device)
     on_device = _device_memory(dev)

@@ -53,9 +53,11 @@ class LedgerPart(Protocol):
 @runtime_checkable
 class RingPart(Protocol):
     """The descriptor ring (:class:`graphalloc.device.descriptor.DescriptorRing`): pinned
-    buffers the host writes and the kernels read, each fenced by an event."""
+    buffers the host writes and the kernels read, each fenced by an event, in the sections
+    of its ``layout`` (:class:`graphalloc.device.layout.DescriptorLayout`)."""
 
     np_bufs: list
+    layout: Any
 
     def __len__(self) -> int: ...
 

@@ -49,6 +49,7 @@ import torch
 
 from ..config import AllocatorConfig
 from .buckets import GridPolicy, StepGrid
+from .layout import ALLOCATION, LANES, RELEASE, STATES, Section
 from .tables import DeviceState
 from .window_sections import WindowSections
 
@@ -116,6 +117,10 @@ class StepKernels:
         self._stage = stage_rows
         # a model's further window pools: their sections run around the main kernels
         self.windows = WindowSections(config, state, ring, self._release, self._allocate)
+        # the sections a staged launch copies: (first row, rows) of each, from the layout
+        self._stage_sections = None if ring is None else tuple(
+            ring.layout[name] if name in ring.layout else Section(name, 0, 0)
+            for name in (RELEASE, ALLOCATION, LANES, STATES))
 
     def __call__(self, release_rows: torch.Tensor, alloc_rows: torch.Tensor, *,
                  fusable: bool = False, grid: StepGrid | None = None,
@@ -181,10 +186,11 @@ class StepKernels:
         over: ``(release, alloc, lanes or None, states or None, stamp or None)``."""
         ring = self.ring
         dev, dev_stamp, (d_rel, d_al, d_lanes, d_states) = ring.mirror(index)
-        r, a = ring.n_release_rows, ring.n_alloc_rows
-        sections = ((0, r if n_rel is None else n_rel), (r, a if n_al is None else n_al),
-                    (r + a, ring.n_lane_rows if lanes else 0),
-                    (r + a + ring.n_lane_rows, ring.n_state_rows if states else 0))
+        rel, al, lane, state = self._stage_sections
+        sections = ((rel.first_row, rel.n_rows if n_rel is None else n_rel),
+                    (al.first_row, al.n_rows if n_al is None else n_al),
+                    (lane.first_row, lane.n_rows if lanes else 0),
+                    (state.first_row, state.n_rows if states else 0))
         self._stage(ring.bufs[index], dev, sections, stamp,
                     None if stamp is None else dev_stamp)
         return (d_rel, d_al, d_lanes if lanes else None, d_states if states else None,

@@ -1,8 +1,9 @@
 """The ring of pinned step-descriptor buffers.
 
-A step's descriptor (two tables of int64 rows: release rows, then allocation rows)
-has the layout of the device ABI, :mod:`graphalloc.kernels.abi`; the planner writes
-it and the kernels read it. This module owns where descriptors live between the two:
+A step's descriptor (int64 rows of the device ABI, :mod:`graphalloc.kernels.abi`, in the
+sections of its :class:`~graphalloc.device.layout.DescriptorLayout`: release rows, then
+allocation rows, then the sections the model's pools and page tables add) is written by the
+planner and read by the kernels. This module owns where descriptors live between the two:
 a ring of pinned host buffers, each guarded by an event, so the host never rewrites
 a buffer the GPU has not consumed. Beside each buffer sits its step's stamp (one pinned
 int64, :mod:`graphalloc.kernels.stamp`), guarded by the same event.
@@ -11,7 +12,8 @@ Each buffer also has a device mirror of the same layout (``mirror(i)``; made at 
 on a CUDA device, on first use elsewhere): a staged launch (:mod:`graphalloc.kernels.stage`)
 first copies the rows the step reads, and the stamp, from the pinned buffer into its mirror,
 and the step's kernels read the mirror. The mirror is written only by the staging kernel of
-a step reading that buffer, in stream order, so the ring's events guard it too.
+a step reading that buffer, in stream order, so the ring's events guard it too. Every offset
+here comes from the layout (its sections, looked up once at construction).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from ..kernels.abi import ROW_WIDTH
+from .layout import ALLOCATION, LANES, RELEASE, STATES, DescriptorLayout
 
 __all__ = ["DescriptorRing"]
 
@@ -27,14 +30,14 @@ __all__ = ["DescriptorRing"]
 class DescriptorRing:
     """A ring of ``n_bufs`` step descriptors, pinned when the device is CUDA.
 
-    Each buffer is one int64 tensor ``[max_release_rows + max_alloc_rows + n_lane_rows +
-    n_state_rows + n_window_sections x (max_release_rows + max_alloc_rows), 8]`` (release
-    rows, allocation rows, the attention lanes' rows when the allocator has page tables, the
-    recurrent-state rows, then a release and an allocation section per further window pool
-    of the model); ``release_rows(i)``, ``alloc_rows(i)``, ``lane_rows(i)``,
-    ``state_rows(i)`` and ``window_rows(i, p)`` are views of it
-    that never change address, so a captured graph can read them on every replay. The GPU reads a
-    buffer *when the step runs*, so a buffer is rewritten only after the event
+    Each buffer is one int64 tensor ``[layout.n_rows, 8]`` in the sections of ``layout``
+    (:class:`~graphalloc.device.layout.DescriptorLayout`: release rows, allocation rows, the
+    attention lanes' rows when the allocator has page tables, the recurrent-state rows, then
+    a release and an allocation section per further window pool of the model);
+    ``release_rows(i)``, ``alloc_rows(i)``, ``lane_rows(i)``, ``state_rows(i)`` and
+    ``window_rows(i, p)`` are views of its sections (empty for a section the layout does not
+    have) that never change address, so a captured graph can read them on every replay. The
+    GPU reads a buffer *when the step runs*, so a buffer is rewritten only after the event
     recorded behind its last step has completed. With two or more buffers the
     host plans step k+1 while the GPU runs step k and, in steady state, never
     waits; ``stalls`` counts the times it had to.
@@ -44,37 +47,29 @@ class DescriptorRing:
     time and program 0 of each step kernel reads it (``kernels.stamp``).
     """
 
-    def __init__(self, n_release_rows: int, n_alloc_rows: int, device: torch.device,
-                 n_bufs: int = 2, n_lane_rows: int = 0, n_state_rows: int = 0,
-                 n_window_sections: int = 0):
+    def __init__(self, layout: DescriptorLayout, device: torch.device, n_bufs: int = 2):
         if n_bufs < 1:
             raise ValueError(f"n_bufs must be >= 1, got {n_bufs}")
-        self.n_release_rows = n_release_rows
-        self.n_alloc_rows = n_alloc_rows
+        self.layout = layout
         self.is_cuda = device.type == "cuda"
-        self.n_lane_rows, self.n_state_rows = n_lane_rows, n_state_rows
-        section = n_release_rows + n_alloc_rows  # a further window pool's two sections
-        self.n_window_sections = n_window_sections
-        shape = (n_release_rows + n_alloc_rows + n_lane_rows + n_state_rows
-                 + n_window_sections * section, ROW_WIDTH)
-        self.bufs = [torch.zeros(shape, dtype=torch.int64, pin_memory=self.is_cuda)
-                     for _ in range(n_bufs)]
+        self.bufs = [torch.zeros((layout.n_rows, ROW_WIDTH), dtype=torch.int64,
+                                 pin_memory=self.is_cuda) for _ in range(n_bufs)]
         # numpy views share memory with the (pinned) tensors: the planner writes here.
         self.np_bufs = [b.numpy() for b in self.bufs]
         # Fixed views the kernels read (made once: slicing a tensor costs microseconds).
-        self._release_views = [b[:n_release_rows] for b in self.bufs]
-        self._alloc_views = [b[n_release_rows:n_release_rows + n_alloc_rows] for b in self.bufs]
-        lanes = n_release_rows + n_alloc_rows
-        self._lane_views = [b[lanes:lanes + n_lane_rows] for b in self.bufs]
-        self._state_base = lanes + n_lane_rows
-        window_base = self._state_base + n_state_rows
-        self._state_views = [b[self._state_base:window_base] for b in self.bufs]
-        # per buffer, per further window pool p >= 1: (release rows, allocation rows) views
-        self._window_bases = [window_base + q * section for q in range(n_window_sections)]
-        self._window_views = [
-            [(b[base:base + n_release_rows], b[base + n_release_rows:base + section])
-             for base in self._window_bases] for b in self.bufs]
-        self.window_used = [[(0, 0)] * n_window_sections for _ in range(n_bufs)]
+        self._release_views = [b[layout.rows(RELEASE)] for b in self.bufs]
+        self._alloc_views = [b[layout.rows(ALLOCATION)] for b in self.bufs]
+        self._lane_views = [b[layout.rows(LANES)] for b in self.bufs]
+        self._state_views = [b[layout.rows(STATES)] for b in self.bufs]
+        # (the sections the writers fill, looked up once)
+        self._alloc_first, self._lanes, self._states = (layout[ALLOCATION].first_row,
+                                                        layout.rows(LANES), layout.rows(STATES))
+        # per further window pool p >= 1: its (release, allocation) sections, and their views
+        # per buffer
+        self._window_sections = layout.window_sections()
+        self._window_views = [[(b[rel.rows()], b[al.rows()])
+                               for rel, al in self._window_sections] for b in self.bufs]
+        self.window_used = [[(0, 0)] * len(self._window_sections) for _ in range(n_bufs)]
         self.state_used = [0] * n_bufs  # state rows written last time, per buffer
         self.stamp_buf = torch.zeros(n_bufs, dtype=torch.int64, pin_memory=self.is_cuda)
         self.stamp_np = self.stamp_buf.numpy()
@@ -118,12 +113,12 @@ class DescriptorRing:
         return None
 
     def _make_mirrors(self) -> None:
-        lanes = self.n_release_rows + self.n_alloc_rows
+        layout = self.layout
         mirrors = []
         for b in self.bufs:
             dev = torch.zeros(b.shape, dtype=torch.int64, device=self._device)
-            views = (dev[:self.n_release_rows], dev[self.n_release_rows:lanes],
-                     dev[lanes:lanes + self.n_lane_rows], dev[self._state_base:])
+            views = tuple(dev[layout.rows(name)] for name in (RELEASE, ALLOCATION, LANES,
+                                                               STATES))
             mirrors.append((dev, torch.zeros(1, dtype=torch.int64, device=self._device), views))
         self._mirrors = mirrors
 
@@ -152,15 +147,14 @@ class DescriptorRing:
                 event.synchronize()  # sync ok: check() is a sanctioned sync point
 
     def lane_rows(self, index: int) -> torch.Tensor:
-        """The attention lanes' rows of buffer ``index`` (``[n_lane_rows, 8]``; empty when
+        """The attention lanes' rows of buffer ``index`` (``[max_batch, 8]``; empty when
         the allocator has no page tables)."""
         return self._lane_views[index]
 
     def write_lanes(self, index: int, rows: np.ndarray) -> None:
-        """Copy a step's lane rows in (all ``n_lane_rows`` of them: padding lanes carry the
+        """Copy a step's lane rows in (all ``max_batch`` of them: padding lanes carry the
         running offsets). O(B)."""
-        base = self.n_release_rows + self.n_alloc_rows
-        self.np_bufs[index][base:base + self.n_lane_rows] = rows
+        self.np_bufs[index][self._lanes] = rows
 
     def state_rows(self, index: int) -> torch.Tensor:
         """Buffer ``index``'s recurrent-state rows (``[n_state_rows, 8]``; empty without
@@ -169,7 +163,7 @@ class DescriptorRing:
 
     def write_states(self, index: int, rows: np.ndarray) -> None:
         """Copy a step's state rows in; rows past them become padding. O(rows)."""
-        buf, base, n = self.np_bufs[index], self._state_base, len(rows)
+        buf, base, n = self.np_bufs[index], self._states.start, len(rows)
         buf[base:base + n] = rows
         old = self.state_used[index]
         if old > n:
@@ -178,20 +172,21 @@ class DescriptorRing:
 
     def window_rows(self, index: int, pool: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Buffer ``index``'s sections of further window pool ``pool`` (>= 1): ``(release
-        rows [n_release_rows, 8], allocation rows [n_alloc_rows, 8])``, fixed views."""
+        rows [max_release_rows, 8], allocation rows [max_alloc_rows, 8])``, fixed views."""
         return self._window_views[index][pool - 1]
 
     def write_windows(self, index: int, sections) -> None:
         """Copy each further window pool's ``(release, allocation)`` rows in (``sections``
         in pool order, one pair per pool); rows past them become padding. O(rows)."""
-        buf, used, n_rel = self.np_bufs[index], self.window_used[index], self.n_release_rows
-        for q, (base, (release, alloc)) in enumerate(zip(self._window_bases, sections,
-                                                         strict=True)):
+        buf, used = self.np_bufs[index], self.window_used[index]
+        for q, ((rel_section, al_section), (release, alloc)) in enumerate(
+                zip(self._window_sections, sections, strict=True)):
             old_rel, old_al = used[q]
+            base = rel_section.first_row
             buf[base:base + len(release)] = release
             if old_rel > len(release):
                 buf[base + len(release):base + old_rel] = 0
-            al_base = base + n_rel
+            al_base = al_section.first_row
             buf[al_base:al_base + len(alloc)] = alloc
             if old_al > len(alloc):
                 buf[al_base + len(alloc):al_base + old_al] = 0
@@ -214,10 +209,10 @@ class DescriptorRing:
         buf = self.np_bufs[index]
         n_rel, n_al = len(release), len(allocation)
         old_rel, old_al = self.used[index]
-        buf[:n_rel] = release
+        buf[:n_rel] = release  # (the release section opens the layout: row 0)
         if old_rel > n_rel:  # only rows this buffer used before need zeroing
             buf[n_rel:old_rel] = 0
-        base = self.n_release_rows
+        base = self._alloc_first
         buf[base:base + n_al] = allocation
         if old_al > n_al:
             buf[base + n_al:base + old_al] = 0

@@ -71,6 +71,7 @@ from ..kernels.abi import (
     SEEN_MAX,
 )
 from ..parts import DeviceParts
+from .layout import ALLOCATION, RELEASE
 
 __all__ = ["undo_launch", "project_all", "uncount_stamps", "save_held_destinations"]
 
@@ -271,13 +272,13 @@ def undo_launch(parts: DeviceParts, buffers: list[int], first_stamp: int, releas
     :func:`save_held_destinations` saved, written back."""
     cfg, ring = parts.config, parts.ring
     with sync_allowed():  # the failure path may copy from pageable host memory
-        last = buffers[-1]
+        last, layout = buffers[-1], ring.layout
         n_rel, n_al = ring.used[last]
-        al_rows = ring.np_bufs[last][cfg.max_release_rows:cfg.max_release_rows + n_al]
+        al_rows = ring.np_bufs[last][layout.rows(ALLOCATION, n_al)]
         grows = al_rows[(al_rows[:, AL_N_TOKENS] > 0) | (al_rows[:, AL_N_PAGES] > 0), AL_REQ]
         if cfg.ring_mode:
             if released and len(grows):
-                _restore_from_pushes(parts, ring.np_bufs[last][:n_rel].copy())
+                _restore_from_pushes(parts, ring.np_bufs[last][layout.rows(RELEASE, n_rel)].copy())
         else:
             project_token_rows(parts, grows)
         project_mapping(parts)

@@ -145,8 +145,8 @@ static PyObject *Planner_bind_buffer(Planner *P, PyObject *args) {
     if (i < 0 || i >= P->n_bufs) return PyErr_Format(PyExc_IndexError, "buffer %d", i);
     Buf *b = &P->bufs[i];
     if (b->desc) return PyErr_Format(PyExc_RuntimeError, "buffer %d bound twice", i);
-    Py_ssize_t rows = P->st_base + (P->has_states ? P->n_st_rows : 0);
-    if (!(b->desc = bind(P, desc, 8, "lq", rows * ROW_WIDTH, "descriptor"))) return NULL;
+    if (!(b->desc = bind(P, desc, 8, "lq", (Py_ssize_t)P->desc_rows * ROW_WIDTH, "descriptor")))
+        return NULL;
     PyObject *r = PyObject_CallMethod((PyObject *)P, "bind_results", "iOOO", i, res[0], res[1],
                                       res[2]);
     if (!r) { b->desc = NULL; return NULL; }
@@ -390,7 +390,7 @@ static PyObject *Planner_plan(Planner *P, PyObject *const *args, Py_ssize_t narg
     if (index >= P->n_bufs || !P->bufs[index].desc)
         return PyErr_Format(PyExc_IndexError, "compiled planner: buffer %ld not bound", index);
     S.buf = &P->bufs[index];
-    S.rel = S.buf->desc; S.al = S.buf->desc + P->max_rel * ROW_WIDTH;
+    S.rel = S.buf->desc + P->rel_row * ROW_WIDTH; S.al = S.buf->desc + P->al_row * ROW_WIDTH;
     if (S.old_rel > P->max_rel) S.old_rel = P->max_rel;
     if (S.old_al > P->max_al) S.old_al = P->max_al;
     Py_buffer views[N_FIELDS + 4];
@@ -488,7 +488,9 @@ static void *zalloc(size_t n, size_t item, int *failed) {
 }
 
 /* Planner(ps, max_reqs, n_handles, max_ctx, max_tok_row, row_cap, max_rel, max_step_pages,
- * max_al, max_step_tokens, nf, ns, ppr, n_bufs, empty, window, tables, states) with window
+ * max_al, max_step_tokens, nf, ns, ppr, n_bufs, empty, window, tables, states, sections) with
+ * sections the first rows of the descriptor's sections named by SECTIONS (-1: the layout
+ * has none; lanes and states must be there when tables and states are given), window
  * None (no window layers) or (rule, tokens, ring_pages) (pools/window.py: the rule's c_kind,
  * w or the chunk, 0 for the pooled policy), tables None or (B, model_window,
  * max_full_indices, max_swa_indices, csr_full, csr_swa) and states None or
@@ -496,12 +498,12 @@ static void *zalloc(size_t n, size_t item, int *failed) {
  * n_bufs counts the ring's buffers (one scratch buffer is added). */
 static int Planner_init(Planner *P, PyObject *args, PyObject *kwds) {
     (void)kwds;
-    long long v[13];
+    long long v[13], sec[4];
     int n_bufs;
     PyObject *empty, *window, *tables, *states;
-    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLiOOOO", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
-                          &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &n_bufs, &empty,
-                          &window, &tables, &states))
+    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLiOOOO(LLLL)", &v[0], &v[1], &v[2], &v[3], &v[4],
+                          &v[5], &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &n_bufs,
+                          &empty, &window, &tables, &states, &sec[0], &sec[1], &sec[2], &sec[3]))
         return -1;
     if (P->bufs) { PyErr_SetString(PyExc_RuntimeError, "Planner initialised twice"); return -1; }
     P->ps = v[0]; P->max_reqs = v[1]; P->n_handles = v[2]; P->max_ctx = v[3];
@@ -530,7 +532,6 @@ static int Planner_init(Planner *P, PyObject *args, PyObject *kwds) {
         P->has_tables = 1; P->B = t[0]; P->model_window = t[1];
         P->max_full_idx = t[2]; P->max_swa_idx = t[3]; P->csr_full = cf; P->csr_swa = cs;
     }
-    P->st_base = P->max_rel + P->max_al + (P->has_tables ? P->B : 0);
     if (states != Py_None) {
         long long t[3];
         if (!PyArg_ParseTuple(states, "LLL", &t[0], &t[1], &t[2])) return -1;
@@ -539,6 +540,26 @@ static int Planner_init(Planner *P, PyObject *args, PyObject *kwds) {
             return -1;
         }
         P->has_states = 1; P->n_slots = t[0]; P->K = t[1]; P->n_st_rows = t[2];
+    }
+    /* the sections it writes, each inside [0, desc_rows), none overlapping another */
+    P->rel_row = sec[0]; P->al_row = sec[1]; P->lane_row = sec[2]; P->st_base = sec[3];
+    int64_t first[4] = {sec[0], sec[1], sec[2], sec[3]};
+    int64_t size[4] = {P->max_rel, P->max_al, P->has_tables ? P->B : 0,
+                       P->has_states ? P->n_st_rows : 0};
+    P->desc_rows = 0;
+    for (int i = 0; i < 4; i++) {
+        if (size[i] && first[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "compiled planner: a section it writes is missing");
+            return -1;
+        }
+        for (int j = 0; j < i; j++) {
+            if (size[i] && size[j] && first[i] < first[j] + size[j]
+                    && first[j] < first[i] + size[i]) {
+                PyErr_SetString(PyExc_ValueError, "compiled planner: descriptor sections overlap");
+                return -1;
+            }
+        }
+        if (size[i] && first[i] + size[i] > P->desc_rows) P->desc_rows = first[i] + size[i];
     }
     Py_INCREF(empty);
     P->empty = empty;
@@ -697,6 +718,11 @@ PyMODINIT_FUNC PyInit__cplan(void) {
     PyObject *refusals = refusal_dict();
     if (!refusals || PyModule_AddObject(m, "REFUSALS", refusals) < 0) {
         Py_XDECREF(refusals); Py_DECREF(m); return NULL;
+    }
+    /* the descriptor sections (device/layout.py) whose first rows Planner() takes, in order */
+    PyObject *sections = Py_BuildValue("(ssss)", "release", "allocation", "lanes", "states");
+    if (!sections || PyModule_AddObject(m, "SECTIONS", sections) < 0) {
+        Py_XDECREF(sections); Py_DECREF(m); return NULL;
     }
     PyObject *fields = Py_BuildValue("(sssssssssssssssssssssssss)", "take_handle", "take_row",
         "take_tokens", "release", "commit_row", "commit_n", "trim_row", "trim_len", "evict",

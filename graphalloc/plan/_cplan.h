@@ -85,7 +85,7 @@ typedef struct { uint32_t *mark; uint32_t gen; Py_ssize_t n; } Stamp;
 
 /* One descriptor buffer of the ring (or the scratch one) and what is written beside it. */
 typedef struct {
-    int64_t *desc;             /* [max_rel + max_al + B, 8] */
+    int64_t *desc;             /* [desc_rows, 8]: the sections of the layout given */
     int64_t *res[3];           /* result rows, first lanes, tokens: [max_reqs] */
     void *host[N_HOST];        /* the pinned host copies of the tables, or NULL */
     int host_size;             /* 4 or 8 */
@@ -127,8 +127,11 @@ typedef struct {
     int64_t *state_slot, *spec_state, *state_ring;
     int32_t *page_of, *swa_of, *full_ring, *swa_ring, *full_ref, *swa_ref;
     Py_buffer *views; int n_views, cap_views;
-    /* descriptor buffers: n_bufs of the ring, then the scratch one */
+    /* descriptor buffers: n_bufs of the ring, then the scratch one; the first rows of the
+     * sections this twin writes (device/layout.py, given at construction in SECTIONS order:
+     * release, allocation, lanes, states; st_base above), and the rows a buffer needs */
     Buf *bufs; int n_bufs;
+    int64_t rel_row, al_row, lane_row, desc_rows;
     /* per-step scratch */
     uint8_t *rflags, *hflags;
     Stamp seen_row, seen_h, seen_page;

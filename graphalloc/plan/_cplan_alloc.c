@@ -359,7 +359,7 @@ int check_lanes(Planner *P, Plan *S, int64_t *totals) {
 void write_lanes(Planner *P, Plan *S, const int64_t *totals) {
     Py_ssize_t nd = S->n[A_DEC], n = (Py_ssize_t)totals[2], B = (Py_ssize_t)P->B;
     int64_t full = 0, swa = 0;
-    int64_t *out = S->buf->desc + (P->max_rel + P->max_al) * ROW_WIDTH;
+    int64_t *out = S->buf->desc + P->lane_row * ROW_WIDTH;
     void **host = S->buf->host;
     int hs = S->buf->host_size;
     for (Py_ssize_t i = 0; i < B; i++, out += ROW_WIDTH) {

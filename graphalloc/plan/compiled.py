@@ -52,6 +52,7 @@ import warnings
 
 import numpy as np
 
+from ..device.layout import ALLOCATION, LANES, RELEASE, STATES
 from ..errors import ConfigError
 from ..kernels import abi
 from ..parts import DeviceParts
@@ -66,6 +67,8 @@ __all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "CompiledPlanner", "CompiledLanes"
 
 PLANNERS = ("auto", "compiled", "numpy")
 
+# the descriptor sections the C writes (device/layout.py), whose first rows Planner() takes
+_SECTIONS = (RELEASE, ALLOCATION, LANES, STATES)
 _HOST = ("full_kv_indptr", "full_kv_last_page_len", "swa_kv_indptr", "swa_kv_last_page_len",
          "seq_lens")  # the C's host-copy order
 
@@ -107,6 +110,8 @@ def _load():
         return None, "built for other StepArrays fields: rebuild with pip install -e ."
     if dict(getattr(_cplan, "REFUSALS", {})) != _refusal_names():
         return None, "refusal codes or kinds changed: rebuild with pip install -e ."
+    if tuple(getattr(_cplan, "SECTIONS", ())) != _SECTIONS:
+        return None, "built for other descriptor sections: rebuild with pip install -e ."
     return _cplan, ""
 
 
@@ -191,10 +196,10 @@ class CompiledPlanner:
         shape = None if spec is None else (
             spec.max_batch, spec.model_window, spec.max_full_indices, spec.max_swa_indices,
             spec.has("csr", "full"), spec.has("csr", "swa"))
-        pools = cfg.pools
+        pools, layout = cfg.pools, ring.layout
         state = pools.state
         states = None if not state.has_states else (state.num_slots, state.max_spec_tokens,
-                                                     ring.n_state_rows)
+                                                     layout.n_rows_of(STATES))
         window = pools.window
         window = None if not window.has_window else (window.rule.c_kind, window.rule.tokens,
                                                      window.ring_pages)
@@ -202,7 +207,8 @@ class CompiledPlanner:
             cfg.page_size, cfg.max_reqs, cfg.max_handles, cfg.max_context_len,
             cfg.max_tokens_per_alloc_row, cfg.max_pages_per_row, cfg.max_release_rows,
             cfg.max_step_pages, cfg.max_alloc_rows, cfg.max_step_tokens, cfg.num_full_pages,
-            cfg.num_swa_pages, cfg.pages_per_request, len(ring), EMPTY, window, shape, states)
+            cfg.num_swa_pages, cfg.pages_per_request, len(ring), EMPTY, window, shape, states,
+            tuple(layout.first_row(name) for name in _SECTIONS))
         self._c.bind_ledger(led.live, led.admitted_once, led.seq_len, led.frontier,
                             led.committed, led.spec_steps, led.h_live, led.h_len,
                             led.h_swa_start, led.rings)
@@ -217,9 +223,11 @@ class CompiledPlanner:
         self._scratch = np.zeros_like(ring.np_bufs[0])
         self._scratch_used = (0, 0, 0)  # release, allocation, state rows
         self._descs = list(ring.np_bufs) + [self._scratch]
-        self._alloc_base = cfg.max_release_rows
-        self._lane_base = cfg.max_release_rows + cfg.max_alloc_rows
-        self._state_base = self._lane_base + ring.n_lane_rows
+        # the outcome's views: the allocation section's first row, the lane section, the
+        # state section's first row (from the layout; the twin wrote them there)
+        self._alloc_first = layout[ALLOCATION].first_row
+        self._lanes = layout.rows(LANES)
+        self._states_first = layout.rows(STATES).start
         self._tables = spec is not None
         self._results: list[_Results] = []
         for i, desc in enumerate(self._descs):
@@ -286,14 +294,13 @@ class CompiledPlanner:
             ring.fusable[index] = fusable
             ring.state_used[index] = n_state
         desc = self._descs[i]
-        base = self._alloc_base
+        base = self._alloc_first
         lanes = None
         if self._tables:
-            lanes = CompiledLanes(desc[self._lane_base:self._state_base], n_lanes, n_full, n_swa,
-                                  index is not None)
+            lanes = CompiledLanes(desc[self._lanes], n_lanes, n_full, n_swa, index is not None)
         b = res.bases
         self.n_planned += 1
-        states = desc[self._state_base:self._state_base + n_state] if n_state else None
+        states = desc[self._states_first:self._states_first + n_state] if n_state else None
         return PlanOutcome(desc[:n_rel], desc[base:base + n_al], n_tok, (freed_full, freed_swa),
                            (alloc_full, alloc_swa), evicted, fusable, b[0][:n_res],
                            b[1][:n_res], b[2][:n_res],

@@ -96,9 +96,6 @@ class StepPipeline:
         self.submissions = SubmissionLedger(self.ring)
         self._stamp = 0  # the pending step's stamp
         self._state_ring = (0, 0)  # the state free ring's (head, n_free) before the plan
-        cfg = self.config
-        self._scratch = np.zeros((cfg.max_release_rows + cfg.max_alloc_rows, ROW_WIDTH),
-                                 dtype=np.int64)
 
     # ---- planning -----------------------------------------------------------------------
     def refuse_planning(self) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..device.layout import window_allocation, window_release
 from ..kernels.abi import (
     AL_FLAGS,
     AL_N_PAGES,
@@ -81,6 +82,12 @@ class ExtraWindowPool:
 
     def __init__(self, rule, num_pages: int, index: int):
         self.rule, self.num_pages, self.index = rule, int(num_pages), int(index)
+
+    def descriptor_sections(self, config) -> tuple:
+        """Its two descriptor sections (:mod:`graphalloc.device.layout`), of the main
+        sections' shapes: ``window{p}_release``, then ``window{p}_allocation``."""
+        return ((window_release(self.index), config.max_release_rows),
+                (window_allocation(self.index), config.max_alloc_rows))
 
     def min_pages(self, page_size: int, request_pages: int) -> int:
         """Pages one request can hold at its window: ``ceil(reach / ps) + 1``, capped by the

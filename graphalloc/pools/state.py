@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..device.layout import STATES
 from ..kernels.abi import (
     ROW_WIDTH,
     ST_A,
@@ -312,6 +313,12 @@ class StatePool:
     def __init__(self, num_slots: int, max_spec_tokens: int):
         self.num_slots, self.max_spec_tokens = int(num_slots), int(max_spec_tokens)
 
+    @staticmethod
+    def descriptor_sections(config) -> tuple:
+        """Its descriptor section (:mod:`graphalloc.device.layout`): the header row, then
+        ``config.max_state_rows`` rows (:func:`finish`)."""
+        return ((STATES, config.max_state_rows + 1),)
+
     take = staticmethod(take)
     release = staticmethod(release)
     commit = staticmethod(commit)
@@ -335,6 +342,10 @@ class NoStates:
 
     has_states = False
     num_slots = 0
+
+    @staticmethod
+    def descriptor_sections(config) -> tuple:
+        return ()
 
     def take(self, ctx, handles, rows, n) -> None:
         return None

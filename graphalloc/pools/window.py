@@ -99,6 +99,12 @@ class WindowPool:
         self.shares = self.policy == POOLED  # prefix sharing, handles, load-back
 
     # ---- sizing ---------------------------------------------------------------------------
+    @staticmethod
+    def descriptor_sections(config) -> tuple:
+        """None of its own: the first window pool is planned in the step's main rows
+        (:meth:`~graphalloc.pools.full.FullPool.descriptor_sections`)."""
+        return ()
+
     def min_pages(self, page_size: int, request_pages: int) -> int:
         """Pages one request can hold at its window (pooled: ``ceil(reach / ps) + 1``, capped
         by the pages one request can own; ring: its ring)."""
@@ -248,6 +254,10 @@ class NoWindow:
     num_pages = 0
     rule = None
     index = -1
+
+    @staticmethod
+    def descriptor_sections(config) -> tuple:
+        return ()
 
     def min_pages(self, page_size: int, request_pages: int) -> int:
         return 0

@@ -416,7 +416,7 @@ class ReplicatedAllocator:
         alloc, check_every, digest_every = self.alloc, self.check_every, self.digest_every
         self.payload = None
         if self.mode == "broadcast":
-            self.payload = Payload(alloc.config, alloc.ledger, self.device,
+            self.payload = Payload(alloc.ring.layout, alloc.ledger, self.device,
                                    len(alloc.ring) if self.is_planner else 0)
         n_hist = (check_every // digest_every if check_every else 0) + 1
         self.history = DigestHistory(alloc.state.tables(), self.device, n_hist,

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..config import AllocatorConfig
+from ..device.layout import ALLOCATION, RELEASE, DescriptorLayout
 from ..errors import IntegrityError
 from ..kernels.abi import ROW_WIDTH
 from ..state.ledger import Ledger
@@ -172,12 +173,13 @@ class Payload:
         staging   int64 [n_header_rows, 8] x n_bufs  pinned  the planner's header for each
                   descriptor buffer (``staging_np``: numpy views)
 
-    ``n_desc = max_release_rows + max_alloc_rows``; ``n_bufs``: the planner's descriptor
-    buffers (0 on a follower)."""
+    ``n_desc``: the rows of the descriptor ``layout``'s release and allocation sections (the
+    buffer's first rows, :class:`~graphalloc.device.layout.DescriptorLayout`); ``n_bufs``: the
+    planner's descriptor buffers (0 on a follower)."""
 
-    def __init__(self, config: AllocatorConfig, ledger: Ledger, device: torch.device,
+    def __init__(self, layout: DescriptorLayout, ledger: Ledger, device: torch.device,
                  n_bufs: int):
-        n_rel, n_desc = config.max_release_rows, config.max_release_rows + config.max_alloc_rows
+        n_rel, n_desc = layout[RELEASE].end_row, layout[ALLOCATION].end_row
         n_rows = n_desc + n_header_rows(ledger)
         self.buf = torch.zeros(n_rows, ROW_WIDTH, dtype=torch.int64, device=device)
         self.desc, self.release, self.alloc = self.buf[:n_desc], self.buf[:n_rel], \
