@@ -22,10 +22,12 @@ from ..errors import ContractError
 __all__ = ["FullPoolView", "SwaPoolView"]
 
 
-class FullPoolView:
-    """SGLang's ``full_attn_allocator`` of the pair: the FULL pool alone."""
+class _PoolView:
+    """One pool of graphalloc's SGLang pair, as SGLang's single-pool allocator: its size and
+    free count (the pool's ``size_<pool>`` and ``<pool>_available_size()`` on the owner)."""
 
     debug_mode = False
+    pool = ""
 
     def __init__(self, owner):
         self._owner = owner
@@ -34,10 +36,16 @@ class FullPoolView:
 
     @property
     def size(self) -> int:
-        return self._owner.size_full
+        return getattr(self._owner, f"size_{self.pool}")
 
     def available_size(self) -> int:
-        return self._owner.full_available_size()
+        return getattr(self._owner, f"{self.pool}_available_size")()
+
+
+class FullPoolView(_PoolView):
+    """SGLang's ``full_attn_allocator`` of the pair: the FULL pool alone."""
+
+    pool = "full"
 
     def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
         """The full pages of a row segment or a tree value (no SWA side)."""
@@ -50,22 +58,10 @@ class FullPoolView:
         self._owner.free_full_page_ids(page_ids)
 
 
-class SwaPoolView:
+class SwaPoolView(_PoolView):
     """SGLang's ``swa_attn_allocator`` of the pair: the SWA pool's queries."""
 
-    debug_mode = False
-
-    def __init__(self, owner):
-        self._owner = owner
-        self.page_size = owner.page_size
-        self.device = owner.device
-
-    @property
-    def size(self) -> int:
-        return self._owner.size_swa
-
-    def available_size(self) -> int:
-        return self._owner.swa_available_size()
+    pool = "swa"
 
     def _refuse(self, what: str):
         raise ContractError(f"swa_attn_allocator.{what}: SWA slots are paired with full "
