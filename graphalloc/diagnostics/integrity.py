@@ -27,6 +27,7 @@ from ..errors import IntegrityError
 from ..kernels.abi import ERR_CODES, ERR_PAGE, ERR_REQ
 from ..parts import DeviceParts
 from .findings import Finding
+from .ring_audit import audit_free_ring
 from .sync_points import sync_allowed
 from .window_audit import audit_windows
 
@@ -159,33 +160,7 @@ def audit_references(config, ledger, snap: dict) -> list[Finding]:
             ("FULL", "full_free", ledger.full, refs.full_ring, refs.full_ref,
              config.num_full_pages),
             ("SWA", "swa_free", ledger.swa, refs.swa_ring, refs.swa_ref, config.num_swa_pages)):
-        pos = (ring.head + np.arange(ring.n_free)) % max(n, 1)
-        device, host = snap[key][pos], mirror[pos]
-        if not np.array_equal(device, host):
-            i = int(np.flatnonzero(device != host)[0])
-            out.append(Finding("free_ring", name, int(device[i]), -1,
-                               f"{name} free ring position {pos[i]} holds {device[i]} on the "
-                               f"device, {host[i]} in the host mirror"))
-        bad = device[(device < 1) | (device > n)]
-        for page in bad[:8]:
-            out.append(Finding("bad_free_entry", name, int(page), -1,
-                               f"{name} free list holds page {page}, outside [1, {n}]"))
-        good = device[(device >= 1) & (device <= n)]
-        counts = np.bincount(good, minlength=n + 1)
-        for page in np.flatnonzero(counts > 1)[:8]:
-            out.append(Finding("double_free", name, int(page), -1,
-                               f"{name} page {page} is in the free ring {counts[page]} times"))
-        for page in np.flatnonzero((counts > 0) & (have > 0))[:8]:
-            out.append(Finding("double_owner", name, int(page), -1,
-                               f"{name} page {page} is free and referenced ({have[page]})"))
-        n_ref = int(np.count_nonzero(have[1:]))
-        if ring.n_free + n_ref != n:
-            out.append(Finding("conservation", name, -1, -1,
-                               f"{name} pool: free {ring.n_free} + referenced {n_ref} != {n}"))
-        leaked = np.flatnonzero((counts[1:] == 0) & (have[1:] == 0)) + 1
-        for page in leaked[:8]:
-            out.append(Finding("leak", name, int(page), -1,
-                               f"{name} page {page} is neither free nor referenced (leaked)"))
+        out += audit_free_ring(name, snap[key], mirror, ring.head, ring.n_free, have, n)
     # the mapping: device == mirror, page-dense; an SWA page is the peer of one FULL page
     table = f2s.reshape(config.num_full_pages + 1, ps)
     expect = np.where(refs.swa_of[:, None] > 0,

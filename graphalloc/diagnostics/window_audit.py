@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from .findings import Finding
+from .ring_audit import audit_free_ring
 
 __all__ = ["audit_windows"]
 
@@ -56,31 +57,8 @@ def _audit_pool(config, ledger, window, n: int, snap: dict) -> list[Finding]:
                            f"{want[page]} holders reference it"))
     if have[0] or want[0]:
         out.append(Finding("sink_referenced", name, 0, -1, f"{name} page 0 is referenced"))
-    head, n_free = int(window.ring[0]), int(window.ring[1])
-    pos = (head + np.arange(n_free)) % max(n, 1)
-    device, host = snap[f"{name}_swa_free"][pos], window.swa_ring[pos]
-    if not np.array_equal(device, host):
-        i = int(np.flatnonzero(device != host)[0])
-        out.append(Finding("free_ring", name, int(device[i]), -1,
-                           f"{name} free ring position {pos[i]} holds {device[i]} on the "
-                           f"device, {host[i]} in the host mirror"))
-    for page in device[(device < 1) | (device > n)][:8]:
-        out.append(Finding("bad_free_entry", name, int(page), -1,
-                           f"{name} free list holds page {page}, outside [1, {n}]"))
-    counts = np.bincount(device[(device >= 1) & (device <= n)], minlength=n + 1)
-    for page in np.flatnonzero(counts > 1)[:8]:
-        out.append(Finding("double_free", name, int(page), -1,
-                           f"{name} page {page} is in the free ring {counts[page]} times"))
-    for page in np.flatnonzero((counts > 0) & (have > 0))[:8]:
-        out.append(Finding("double_owner", name, int(page), -1,
-                           f"{name} page {page} is free and referenced ({have[page]})"))
-    n_ref = int(np.count_nonzero(have[1:]))
-    if n_free + n_ref != n:
-        out.append(Finding("conservation", name, -1, -1,
-                           f"{name} pool: free {n_free} + referenced {n_ref} != {n}"))
-    for page in (np.flatnonzero((counts[1:] == 0) & (have[1:] == 0)) + 1)[:8]:
-        out.append(Finding("leak", name, int(page), -1,
-                           f"{name} page {page} is neither free nor referenced (leaked)"))
+    out += audit_free_ring(name, snap[f"{name}_swa_free"], window.swa_ring,
+                           int(window.ring[0]), int(window.ring[1]), have, n)
     table = snap[f"{name}_full_to_swa"].reshape(config.num_full_pages + 1, ps)
     expect = np.where(window.swa_of[:, None] > 0,
                       window.swa_of[:, None].astype(np.int64) * ps + np.arange(ps), 0)
