@@ -96,11 +96,11 @@ class PageRing:
 
     def audit(self) -> list[str]:
         """Reads the device: the free ids must be distinct pages in ``1..n_pages``."""
-        ids = self.free_ids().cpu()
+        ids = self.free_ids().cpu()  # off the fast path: an audit reads the device
         problems = []
         if len(ids) and (int(ids.min()) < 1 or int(ids.max()) > self.n_pages):
             problems.append(f"a free id outside 1..{self.n_pages}")
-        if len(torch.unique(ids)) != len(ids):
+        if len(torch.unique(ids)) != len(ids):  # off the fast path (host tensor)
             problems.append("a page is free twice")
         return problems
 

@@ -21,7 +21,7 @@ keeps what it can know without reading the device: the free rings' head and fill
 (:class:`~.page_ring.PageRing`), how many pages each recorded free gives back, how many
 each allocation takes. A free only RECORDS: one device copy of the segment's page
 representatives into a staging buffer (SGLang's views may be rewritten later), no
-``torch.unique``, no host read. The next allocation is the iteration's ONE step, two
+deduplication of pages, no host read. The next allocation is the iteration's ONE step, two
 launches (:mod:`graphalloc.kernels.page_ring`, Triton on a GPU, the Torch twins
 elsewhere): ``ring_frees`` looks the recorded SWA peers up, clears their mappings and
 pushes every recorded page; ``ring_alloc`` writes each new token's slot (the rest of the
@@ -35,8 +35,9 @@ SGLang); a segment free needs mapped SWA peers where it frees SWA (SGLang's cont
 violation is counted on the device and raised by :meth:`check`, never silently pushed).
 Cost: a free call O(1) host work + one device copy; an allocation O(tokens) vectorised
 numpy (a few calls for a decode), one descriptor copy and the two launches; set-shaped
-frees read their pages back (one host read, as SGLang's ``torch.unique`` does),
-counted in ``n_host_reads``.
+frees read their pages back (one host read, as SGLang's own set free does),
+counted in ``n_host_reads``: off the fast path (SGLang's allocation path frees row
+segments only; the conformance runs count 0 such reads).
 """
 
 from __future__ import annotations
@@ -316,7 +317,7 @@ class GraphallocTokenToKVPoolAllocator:
 
     def free(self, free_index: torch.Tensor) -> None:
         """Free an arbitrary slot set (each touched page once): one host read of its pages
-        and SWA peers, as SGLang's ``torch.unique``; then recorded like a segment."""
+        and SWA peers, as SGLang's own set free; then recorded like a segment."""
         self._free_set(free_index, swa=self.swa_ring is not None, full=True)
 
     def free_swa(self, free_index: torch.Tensor) -> None:
@@ -330,7 +331,8 @@ class GraphallocTokenToKVPoolAllocator:
         if free_index.numel() == 0:
             return
         ps = self.page_size
-        reps = torch.unique(free_index.to(torch.int64) // ps) * ps
+        # a set-shaped free reads its pages back (a host read), as SGLang's does
+        reps = torch.unique(free_index.to(torch.int64) // ps) * ps  # off the fast path
         self.n_host_reads += 1
         if swa:  # only pages with a live peer give one back (SGLang drops the rest)
             mapped = reps[self.full_to_swa_index_mapping[reps] > 0]
