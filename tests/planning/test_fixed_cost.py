@@ -12,6 +12,7 @@ input conversion (skipped without them: the numpy planner's cost is per row by d
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,9 @@ import graphalloc as ga
 from graphalloc.device.executor import Executor
 from graphalloc.plan import compiled
 from graphalloc.plan import step as step_module
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from bench_host_step import count_calls as frames  # noqa: E402  (the benchmark's counter)
 
 pytestmark = pytest.mark.skipif(
     not compiled.AVAILABLE or step_module.normalize_fast is None,
@@ -36,22 +40,6 @@ class Null(Executor):
 
     def execute(self, planned) -> None:
         return None
-
-
-def frames(fn) -> int:
-    """Python frames entered while ``fn()`` runs, ``fn``'s own excluded."""
-    n = [0]
-
-    def prof(frame, event, arg):
-        if event == "call":
-            n[0] += 1
-
-    sys.setprofile(prof)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return n[0] - 1
 
 
 def running(batch: int, executor=None) -> tuple[ga.HybridAllocator, list[int]]:
