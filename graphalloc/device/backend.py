@@ -144,15 +144,15 @@ class StepKernels:
         else:
             n_rel, rel_chunks, n_al, al_chunks = grid
         ring = self.ring
-        stamp = None if ring is None else ring.stamp_of(release_rows)
+        # the buffer of the ring these rows are (None: another table, a replica's payload)
+        index = None if ring is None else ring.index_of(release_rows)
+        stamp = None if index is None else ring.stamp(index)
         seen = None if stamp is None else st.seen_buf
-        windows = ring.index_of(release_rows) if self.windows and ring is not None else None
-        if (lane_rows is not None if staged is None else staged) and ring is not None and (
-                ring.is_cuda or self.stage_anywhere):
-            index = ring.index_of(release_rows)
-            if index is not None:
-                release_rows, alloc_rows, lane_rows, state_rows, stamp = self._staged(
-                    index, n_rel, n_al, lane_rows is not None, state_rows is not None, stamp)
+        windows = index if self.windows else None
+        if (index is not None and (lane_rows is not None if staged is None else staged)
+                and (ring.is_cuda or self.stage_anywhere)):
+            release_rows, alloc_rows, lane_rows, state_rows, stamp = self._staged(
+                index, n_rel, n_al, lane_rows is not None, state_rows is not None, stamp)
         if windows is not None:  # (a model's further window pools: their release sections)
             self.windows.release(windows, stamp, seen, self._warps())
         if fusable and self.fused:

@@ -130,15 +130,6 @@ class DescriptorRing:
             self._make_mirrors()
         return self._mirrors[index]
 
-    def stamp_of(self, release_rows: torch.Tensor) -> torch.Tensor | None:
-        """The stamp word of the buffer whose release-row view this is (the very object
-        :meth:`release_rows` returns), else None: a launch of tables that are not this
-        ring's (a replica's payload) carries no stamp. O(n_bufs)."""
-        for view, stamp in zip(self._release_views, self._stamp_views, strict=True):
-            if view is release_rows:
-                return stamp
-        return None
-
     def wait_submitted(self) -> None:
         """Wait until every submitted step has run (each buffer's last event). A sync point:
         only ``check()`` calls it."""
