@@ -121,9 +121,7 @@ def project_mapping(parts: DeviceParts) -> None:
     cfg, led, ps = parts.config, parts.ledger, parts.config.page_size
     table = parts.state.full_to_swa_buf
     if not cfg.ring_mode:
-        swa = led.refs.swa_of.astype(np.int64)[:, None]
-        values = np.where(swa > 0, swa * ps + np.arange(ps), 0).reshape(-1)
-        table.copy_(_dev(parts, values).to(table.dtype))
+        _project_page_mirror(parts, table, led.refs.swa_of)
         return
     rows = np.flatnonzero(led.live)
     lo, hi = led.frontier[rows] // ps, -(-led.seq_len[rows] // ps)
@@ -142,17 +140,22 @@ def project_mapping(parts: DeviceParts) -> None:
     table[(full[:, None] * ps + off).reshape(-1)] = (swa[:, None] * ps + off).reshape(-1)
 
 
+def _project_page_mirror(parts: DeviceParts, table: torch.Tensor, swa_of: np.ndarray) -> None:
+    """A page-dense ``full_to_swa`` table written whole from its page mirror (``swa_of``:
+    the window page paired with each FULL page, 0 for none)."""
+    ps = parts.config.page_size
+    swa = swa_of.astype(np.int64)[:, None]
+    values = np.where(swa > 0, swa * ps + np.arange(ps), 0).reshape(-1)
+    table.copy_(_dev(parts, values).to(table.dtype))
+
+
 def project_windows(parts: DeviceParts, rings: bool) -> None:
     """A model's further window pools (pool mode only): each pool's ``full_to_swa`` from its
     page mirror (``WindowLedger.swa_of``), its epoch table zeroed and, with ``rings``, its
     free ring from the ring mirror (a failed step never writes a free window, so an undo
     needs no rings)."""
-    ps = parts.config.page_size
     for window, tables in zip(parts.ledger.windows, parts.state.windows, strict=True):
-        swa = window.swa_of.astype(np.int64)[:, None]
-        values = np.where(swa > 0, swa * ps + np.arange(ps), 0).reshape(-1)
-        table = tables.full_to_swa_buf
-        table.copy_(_dev(parts, values).to(table.dtype))
+        _project_page_mirror(parts, tables.full_to_swa_buf, window.swa_of)
         tables.swa_epoch_buf.zero_()
         if rings:
             buf = tables.swa_free_buf
